@@ -1,0 +1,54 @@
+"""The ``visionserve`` command. One subcommand per module; each module exposes
+``add_arguments(parser)`` and ``run(args) -> int`` and imports nothing heavy at module level, so
+that ``serve`` can pin the GPU (environment variables) before torch or onnxruntime load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+
+from . import __version__
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("visionserve.server", "start the HTTP (and gRPC) server on a model repository"),
+    "bench": ("visionserve.bench", "measure served latency/throughput against the bare model"),
+    "env": ("visionserve.ops.envrecord", "print the environment record (packages, CUDA, GPUs)"),
+    "doctor": ("visionserve.ops.doctor", "diagnose GPU/driver/environment faults, with a fix each"),
+    "stress": ("visionserve.ops.stress", "GPU health check: matmul throughput, memory pattern test"),
+    "guard": ("visionserve.guard.cli", "training-queue guard: run, submit, list, show, cancel, logs"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="visionserve",
+        description="Low-latency batched inference server for industrial vision.",
+    )
+    parser.add_argument("--version", action="version", version=f"visionserve {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        if importlib.util.find_spec(module_name) is None:
+            continue
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_module", None):
+        parser.print_help()
+        return 2
+    return int(args._module.run(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

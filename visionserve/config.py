@@ -1,0 +1,221 @@
+"""Server settings (``VISIONSERVE_*`` environment variables) and the ``model.toml`` schema.
+
+Every field of ``model.toml`` is documented here, in ``Field(description=...)``; ``docs/model-toml.md``
+is the same reference for readers. Unknown fields and bad values are refused with the file and
+the field named (see :func:`load_model_config`).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from .errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+REPO_MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
+          "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
+
+
+def parse_bytes(value: str | int | float) -> int:
+    """``"4GiB"`` -> 4294967296, ``"512MB"`` -> 512000000, ``1024`` -> 1024.
+
+    Raises ``ValueError`` naming the bad value.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"not a size: {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"size must not be negative: {value!r}")
+        return int(value)
+    m = _SIZE_RE.match(str(value))
+    if not m:
+        raise ValueError(f"not a size: {value!r} (use e.g. 4GiB, 512MiB, 800MB or a byte count)")
+    unit = (m.group(2) or "").upper().rstrip("B") if (m.group(2) or "").upper() != "B" else "B"
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InputSpec(_Strict):
+    name: str = Field("image", description="OIP input tensor name clients use.")
+    width: int = Field(..., ge=8, le=8192, description="Model input width in pixels.")
+    height: int = Field(..., ge=8, le=8192, description="Model input height in pixels.")
+    channels: Literal[1, 3] = Field(3, description="1 (grey) or 3 (colour) channels the model takes.")
+    color_order: Literal["RGB", "BGR", "GRAY"] = Field(
+        "RGB", description="Channel order the model was trained on. Decoding yields BGR; converted as needed.")
+    resize: Literal["stretch", "letterbox", "center_crop"] = Field(
+        "stretch", description="stretch: resize to WxH ignoring aspect; letterbox: keep aspect, pad with "
+        "`pad_value`; center_crop: resize the short side, crop the centre.")
+    interpolation: Literal["area", "linear", "nearest", "cubic"] = Field(
+        "area", description="Interpolation for downscaling (area is the anti-aliased choice).")
+    pad_value: int = Field(114, ge=0, le=255, description="Grey level for letterbox padding.")
+    layout: Literal["NCHW", "NHWC"] = Field("NCHW", description="Tensor layout the model takes.")
+    dtype: Literal["float32", "float16", "uint8"] = Field("float32", description="Input tensor dtype.")
+    scale: float = Field(1.0 / 255.0, gt=0, description="Pixels are multiplied by this first (uint8 -> [0,1]).")
+    mean: tuple[float, ...] = Field((0.0, 0.0, 0.0), description="Per-channel mean subtracted after scaling.")
+    std: tuple[float, ...] = Field((1.0, 1.0, 1.0), description="Per-channel std divided after the mean.")
+    tensor_name: str | None = Field(None, description="Model graph input name; default: the first input.")
+
+    @model_validator(mode="after")
+    def _check_channels(self) -> InputSpec:
+        if len(self.mean) != self.channels or len(self.std) != self.channels:
+            raise ValueError(f"mean and std need {self.channels} values (one per channel)")
+        if any(s <= 0 for s in self.std):
+            raise ValueError("std values must be > 0")
+        if (self.channels == 1) != (self.color_order == "GRAY"):
+            raise ValueError("color_order GRAY goes with channels = 1, RGB/BGR with channels = 3")
+        return self
+
+
+class OutputSpec(_Strict):
+    labels: tuple[str, ...] = Field(..., min_length=1, description="Class labels in model output order.")
+    tensor_name: str | None = Field(None, description="Model graph output name; default: the first output.")
+    activation: Literal["softmax", "sigmoid", "none"] = Field(
+        "softmax", description="Applied to the model's output to get scores: softmax for logits, none if "
+        "the model already outputs probabilities.")
+
+    @field_validator("labels")
+    @classmethod
+    def _unique(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(v)) != len(v):
+            raise ValueError("labels must be unique")
+        return v
+
+
+class VerdictSpec(_Strict):
+    ok_labels: tuple[str, ...] = Field(("ok",), min_length=1, description="Labels that mean a good part.")
+    ok_threshold: float = Field(
+        0.5, ge=0.0, le=1.0,
+        description="Verdict is OK only if the top label is in ok_labels with score >= this; else NG.")
+
+
+class BatchingSpec(_Strict):
+    max_batch_size: int = Field(32, ge=1, le=4096, description="Largest micro-batch.")
+    preferred_batch_sizes: tuple[int, ...] = Field(
+        (1, 2, 4, 8, 16, 32), description="Shapes warmed up before ready; a batch is padded up to the next one.")
+    max_queue_delay_ms: float = Field(
+        2.0, ge=0, le=10_000, description="Longest a request waits for others to join its batch, from the "
+        "first queued request.")
+    max_queue_size: int = Field(256, ge=1, description="Queued frames beyond this are refused with 503.")
+    takt_ms: float = Field(
+        200.0, gt=0, le=3_600_000,
+        description="The line's takt budget: default deadline (ms from arrival) when the client sends none.")
+    priority_levels: int = Field(3, ge=1, le=100, description="Priorities 0..levels-1; higher runs first.")
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> BatchingSpec:
+        ps = self.preferred_batch_sizes
+        if ps and (list(ps) != sorted(set(ps)) or ps[0] < 1):
+            raise ValueError("preferred_batch_sizes must be increasing positive integers")
+        if ps and ps[-1] > self.max_batch_size:
+            raise ValueError(
+                f"preferred_batch_sizes {list(ps)} exceed max_batch_size {self.max_batch_size}")
+        return self
+
+
+class RuntimeSpec(_Strict):
+    backend: Literal["onnxruntime", "torch"] = Field("onnxruntime", description="Which model file serves.")
+    precision: Literal["fp32", "fp16", "bf16"] = Field("fp32", description="Compute precision on the GPU.")
+    instances: int = Field(1, ge=1, le=16, description="Runner threads (model instances) per device.")
+    intra_op_threads: int = Field(0, ge=0, le=256, description="CPU threads per inference; 0 = library default.")
+    gpu_memory_budget: str | None = Field(
+        None, description="GPU memory this model may reserve (e.g. 2GiB); the server setting caps the total.")
+
+    @field_validator("gpu_memory_budget")
+    @classmethod
+    def _size(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_bytes(v)
+        return v
+
+
+class ModelConfig(_Strict):
+    """Schema of ``models/<name>/model.toml``."""
+
+    name: str | None = Field(None, description="Model name; defaults to the folder name (must match if set).")
+    description: str = Field("", description="Free text for humans.")
+    task: Literal["classification"] = Field("classification", description="What the outputs mean.")
+    default_version: int | None = Field(None, ge=1, description="Version served when none is asked; default: highest.")
+    input: InputSpec
+    output: OutputSpec
+    verdict: VerdictSpec = VerdictSpec()
+    batching: BatchingSpec = BatchingSpec()
+    runtime: RuntimeSpec = RuntimeSpec()
+
+    @model_validator(mode="after")
+    def _check_verdict(self) -> ModelConfig:
+        missing = [x for x in self.verdict.ok_labels if x not in self.output.labels]
+        if missing:
+            raise ValueError(f"verdict.ok_labels {missing} are not in output.labels")
+        return self
+
+
+def load_model_config(path: Path) -> ModelConfig:
+    """Parse and validate one ``model.toml``; ConfigError names the file and field on failure."""
+    try:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    try:
+        return ModelConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: {_describe(exc)}") from None
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field"
+        parts.append(f"field '{field}': {msg} (got {err.get('input')!r})" if err["type"] != "missing"
+                     else f"field '{field}': required")
+    return "; ".join(parts)
+
+
+class ServerSettings(BaseSettings):
+    """Every ``visionserve serve`` option; each is also ``VISIONSERVE_<NAME>`` in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="VISIONSERVE_", extra="ignore", frozen=True)
+
+    host: str = Field("0.0.0.0", description="Address to bind (0.0.0.0: all interfaces, for line PCs on the network).")
+    http_port: int = Field(8000, ge=0, le=65535, description="HTTP port (OIP v2, inspect API, /metrics).")
+    grpc_port: int = Field(8001, ge=-1, le=65535, description="gRPC port; -1 disables gRPC.")
+    models: Path = Field(REPO_MODELS_DIR, description="Model repository folder.")
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N | GPU-<uuid> | PCI bus id.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+    log_json: bool = Field(False, description="Structured JSON log lines.")
+    max_body_bytes: int = Field(64 * 1024**2, ge=1024, description="Largest request body (bytes).")
+    max_image_pixels: int = Field(40_000_000, ge=64, description="Largest decoded image (width*height).")
+    max_batch_size: int | None = Field(None, ge=1, description="Override every model's batching.max_batch_size.")
+    max_queue_delay_ms: float | None = Field(None, ge=0, description="Override batching.max_queue_delay_ms.")
+    max_queue_size: int | None = Field(None, ge=1, description="Override batching.max_queue_size.")
+    takt_ms: float | None = Field(None, gt=0, description="Override batching.takt_ms (default deadline).")
+    drain_timeout_s: float = Field(20.0, ge=0, description="On SIGTERM: how long queued requests may finish.")
+    gpu_memory_budget: str | None = Field(None, description="GPU memory the server reserves, e.g. 4GiB.")
+    grpc_max_message_bytes: int = Field(64 * 1024**2, ge=1024, description="Largest gRPC message.")
+
+    @field_validator("gpu_memory_budget")
+    @classmethod
+    def _size(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_bytes(v)
+        return v

@@ -1,0 +1,94 @@
+"""One error hierarchy for the whole server, and the one table that maps it to the wire.
+
+Front ends catch :class:`VisionServeError` and translate it with :func:`http_status` /
+:func:`grpc_code`; anything else that escapes is a bug and is answered as a generic 500 without
+a traceback (the traceback goes to the log).
+"""
+
+from __future__ import annotations
+
+
+class VisionServeError(Exception):
+    """Base class. ``message`` is safe to show to a client."""
+
+    #: key into :data:`STATUS_TABLE`
+    kind = "internal"
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+class InvalidInput(VisionServeError):
+    """The request is malformed: bad image, wrong tensor name/shape/datatype, bad header."""
+
+    kind = "invalid_input"
+
+
+class PayloadTooLarge(VisionServeError):
+    """Body or declared image size over the configured limit."""
+
+    kind = "too_large"
+
+
+class UnsupportedMediaType(VisionServeError):
+    kind = "unsupported_media_type"
+
+
+class NotFound(VisionServeError):
+    """Unknown model or version."""
+
+    kind = "not_found"
+
+
+class Unavailable(VisionServeError):
+    """Not ready, shutting down, or the queue is full (then ``retry_after_s`` is set)."""
+
+    kind = "unavailable"
+
+
+class DeadlineExceeded(VisionServeError):
+    """The request's deadline passed before an answer could be computed (verdict ``LATE``)."""
+
+    kind = "deadline"
+
+
+class Unauthenticated(VisionServeError):
+    kind = "unauthenticated"
+
+
+class ConfigError(VisionServeError):
+    """A settings value or a ``model.toml`` field is wrong; the message names file and field."""
+
+    kind = "config"
+
+
+class InternalError(VisionServeError):
+    """A fault inside the server (backend failure, device fault). Never carries a traceback."""
+
+    kind = "internal"
+
+
+# kind -> (HTTP status, gRPC status code name). gRPC names are grpc.StatusCode member names, kept
+# as strings so this module imports nothing heavy.
+STATUS_TABLE: dict[str, tuple[int, str]] = {
+    "invalid_input": (400, "INVALID_ARGUMENT"),
+    "too_large": (413, "RESOURCE_EXHAUSTED"),
+    "unsupported_media_type": (415, "INVALID_ARGUMENT"),
+    "not_found": (404, "NOT_FOUND"),
+    "unavailable": (503, "UNAVAILABLE"),
+    "deadline": (504, "DEADLINE_EXCEEDED"),
+    "unauthenticated": (401, "UNAUTHENTICATED"),
+    "config": (500, "FAILED_PRECONDITION"),
+    "internal": (500, "INTERNAL"),
+}
+
+
+def http_status(exc: VisionServeError) -> int:
+    return STATUS_TABLE[exc.kind][0]
+
+
+def grpc_code(exc: VisionServeError) -> str:
+    """The ``grpc.StatusCode`` member name for ``exc`` (e.g. ``"INVALID_ARGUMENT"``)."""
+    return STATUS_TABLE[exc.kind][1]

@@ -1,0 +1,124 @@
+#
+# visionserve image for edge industrial PCs (docker compose) and Kubernetes (NVIDIA device plugin).
+#
+#   docker build -t visionserve:0.1.0 .                 # GPU image (default target "gpu")
+#   docker build -t visionserve:0.1.0-cpu --target cpu . # GPU-less IPCs: CPU-only torch, ~1/4 the size
+#
+# Builds need PyPI (and download.pytorch.org for the cpu target): they happen at the vendor, with
+# internet. The plant's IPC never builds; it gets the image by `docker save` / `docker load`
+# (deploy/README.md).
+#
+# Where CUDA comes from: NOT from an nvidia/cuda base image. torch's PyPI wheels for x86-64 Linux
+# depend on the nvidia-* / cuda-toolkit wheels (cudart, cuBLAS, cuDNN, cuFFT, nvJPEG comes inside
+# torchvision), and onnxruntime-gpu is built for the same CUDA major (13), so it loads those very
+# libraries (torch is imported first, or onnxruntime.preload_dlls()). A cuda-runtime/cudnn base
+# image would carry a second copy of the same ~3 GB. So: a slim Python base plus the wheels; the only
+# thing needed from the host is the NVIDIA driver (>= 580 for CUDA 13), mounted into the container
+# by the NVIDIA Container Toolkit (compose `driver: nvidia`, Kubernetes device plugin).
+
+ARG PYTHON_IMAGE=python:3.12.12-slim-trixie
+ARG TORCH_VERSION=2.14.1
+ARG TORCHVISION_VERSION=0.29.1
+
+# ---------------------------------------------------------------------------------------------
+# builder: a venv in /opt/venv with torch + the project; the final stage copies only the venv.
+FROM ${PYTHON_IMAGE} AS builder-base
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_INPUT=1
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+WORKDIR /src
+
+FROM builder-base AS builder-gpu
+ARG TORCH_VERSION
+ARG TORCHVISION_VERSION
+# torch first, in its own layer: ~4 GB of wheels that change far less often than our code.
+# PyPI's default torch wheel for x86-64 Linux is the CUDA (cu13x) build.
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip install "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}"
+
+FROM builder-base AS builder-cpu
+ARG TORCH_VERSION
+ARG TORCHVISION_VERSION
+# The CPU index has the same versions without the nvidia-* dependencies (and no triton).
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip install --index-url https://download.pytorch.org/whl/cpu \
+        "torch==${TORCH_VERSION}+cpu" "torchvision==${TORCHVISION_VERSION}+cpu"
+
+# The project on top; torch is already satisfied so pip keeps the variant installed above.
+# onnxruntime-gpu also carries the CPU execution provider, so the cpu image keeps it.
+FROM builder-gpu AS project-gpu
+COPY pyproject.toml README.md ./
+COPY visionserve ./visionserve
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip install . \
+    && python -c "import visionserve.cli"
+
+FROM builder-cpu AS project-cpu
+COPY pyproject.toml README.md ./
+COPY visionserve ./visionserve
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip install . \
+    && python -c "import visionserve.cli"
+
+# ---------------------------------------------------------------------------------------------
+# runtime: the same slim base, no compilers, no pip cache, no source tree.
+FROM ${PYTHON_IMAGE} AS runtime-base
+# tini as PID 1: python would get SIGTERM as PID 1 only once the server has installed its handler
+# (the kernel drops unhandled signals to PID 1), so a stop during the torch import / warm-up would
+# wait out the whole grace period; and the guard's training jobs spawn children (dataloader
+# workers) that become orphans of PID 1 and must be reaped. tini forwards SIGTERM to the server
+# and reaps; it returns the server's exit code.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends "tini=0.19.*" \
+    && rm -rf /var/lib/apt/lists/*
+# Fixed UID/GID 10001: the Kubernetes securityContext and host volume ownership name it.
+RUN groupadd --system --gid 10001 visionserve \
+    && useradd --system --uid 10001 --gid 10001 --home-dir /home/visionserve --create-home \
+        --shell /usr/sbin/nologin visionserve \
+    && mkdir -p /var/lib/visionserve/guard \
+    && chown -R 10001:10001 /var/lib/visionserve
+# CUDA_DEVICE_ORDER=PCI_BUS_ID: indices match nvidia-smi's, not "fastest first".
+# Caches go under /tmp so the root filesystem can be mounted read-only (Kubernetes).
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    CUDA_DEVICE_ORDER=PCI_BUS_ID \
+    CUDA_CACHE_PATH=/tmp/.nv/ComputeCache \
+    XDG_CACHE_HOME=/tmp/.cache \
+    VISIONSERVE_HOST=0.0.0.0 \
+    VISIONSERVE_HTTP_PORT=8000 \
+    VISIONSERVE_GRPC_PORT=8001 \
+    VISIONSERVE_MODELS=/opt/visionserve/models
+WORKDIR /opt/visionserve
+# The shipped models, owned by root and read-only to the server: it never writes to them.
+COPY models/ /opt/visionserve/models/
+EXPOSE 8000 8001
+# No curl in the image: python's urllib; a 503 (not ready) raises, so the check exits non-zero.
+HEALTHCHECK --interval=10s --timeout=3s --start-period=180s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/v2/health/ready' % os.environ.get('VISIONSERVE_HTTP_PORT', '8000'), timeout=2)"]
+USER 10001:10001
+# Settings come from VISIONSERVE_* (compose environment, Kubernetes ConfigMap); CMD stays short so
+# `docker run IMAGE guard run --db ... --device ...` reuses the same entrypoint.
+ENTRYPOINT ["tini", "--", "visionserve"]
+CMD ["serve"]
+
+FROM runtime-base AS cpu
+LABEL org.opencontainers.image.title="visionserve (CPU)" \
+      org.opencontainers.image.description="visionserve inference server, CPU-only torch" \
+      org.opencontainers.image.licenses="Apache-2.0"
+ENV VISIONSERVE_DEVICE=cpu
+COPY --from=project-cpu /opt/venv /opt/venv
+
+# Last stage = default target: `docker build .` gives the GPU image.
+FROM runtime-base AS gpu
+LABEL org.opencontainers.image.title="visionserve" \
+      org.opencontainers.image.description="visionserve inference server, CUDA 13 via torch's nvidia-* wheels" \
+      org.opencontainers.image.licenses="Apache-2.0"
+# auto: the one GPU the container runtime exposes; compose (device_ids) and k8s (device plugin) pin
+# it. No NVIDIA_VISIBLE_DEVICES=all here, unlike the nvidia/cuda images: where nvidia is the
+# default runtime that would hand every GPU to a container that asked for none.
+# utility = NVML (nvidia-ml-py telemetry, the guard's free-memory checks).
+ENV VISIONSERVE_DEVICE=auto \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility
+COPY --from=project-gpu /opt/venv /opt/venv

@@ -1,0 +1,331 @@
+"""What the model scripts share: the network, the preprocessing the server does, dataset loading.
+
+``preprocess`` follows ``model.toml`` exactly as the server does (decode to BGR uint8 -> colour
+order -> resize with the configured interpolation on the uint8 image -> float32 * scale, - mean,
+/ std -> layout), so that a model trained here sees at serving time the tensors it was trained on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # the scripts run from a checkout, not an installed package
+    sys.path.insert(0, str(REPO))
+
+from visionserve import synthetic  # noqa: E402
+from visionserve.config import InputSpec, ModelConfig  # noqa: E402
+
+LABELS = synthetic.LABELS
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp")
+HELDOUT_SEED = 2026          # held-out set: other seed AND other texture params than training
+VALIDATION_SEED = 1          # used during training (training params, other seed)
+DEFAULT_WIDTHS = (16, 32, 64, 128)
+
+# The input section every model trained here gets (written into model.toml for new models).
+DEFAULT_INPUT = InputSpec(
+    name="image", width=192, height=192, channels=3, color_order="RGB", resize="stretch",
+    interpolation="area", layout="NCHW", dtype="float32", scale=1.0 / 255.0,
+    mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), tensor_name="input",
+)
+ONNX_INPUT, ONNX_OUTPUT = "input", "logits"
+
+
+class ScriptError(Exception):
+    """Bad input to a script: the message is printed as ``error: ...`` and the exit code is 2."""
+
+
+def fail(exc: BaseException) -> int:
+    print(f"error: {exc}", file=sys.stderr)
+    return 2
+
+
+# --------------------------------------------------------------------------- preprocessing
+
+_INTERP = {"area": cv2.INTER_AREA, "linear": cv2.INTER_LINEAR, "nearest": cv2.INTER_NEAREST,
+           "cubic": cv2.INTER_CUBIC}
+
+
+def to_model_pixels(img_bgr: np.ndarray, spec: InputSpec) -> np.ndarray:
+    """BGR uint8 frame -> uint8 HxWxC at model resolution, colour order and geometry of ``spec``."""
+    if img_bgr.ndim == 2:
+        img_bgr = cv2.cvtColor(img_bgr, cv2.COLOR_GRAY2BGR)
+    if spec.color_order == "RGB":
+        img = cv2.cvtColor(img_bgr, cv2.COLOR_BGR2RGB)
+    elif spec.color_order == "GRAY":
+        img = cv2.cvtColor(img_bgr, cv2.COLOR_BGR2GRAY)
+    else:
+        img = img_bgr
+    interp = _INTERP[spec.interpolation]
+    w, h = spec.width, spec.height
+    ih, iw = img.shape[:2]
+    if spec.resize == "stretch":
+        out = cv2.resize(img, (w, h), interpolation=interp)
+    elif spec.resize == "letterbox":
+        r = min(w / iw, h / ih)
+        nw, nh = max(1, round(iw * r)), max(1, round(ih * r))
+        small = cv2.resize(img, (nw, nh), interpolation=interp)
+        out = np.full((h, w) + img.shape[2:], spec.pad_value, np.uint8)
+        y0, x0 = (h - nh) // 2, (w - nw) // 2
+        out[y0:y0 + nh, x0:x0 + nw] = small
+    else:  # center_crop: scale the short side to fit, crop the centre
+        r = max(w / iw, h / ih)
+        nw, nh = max(w, round(iw * r)), max(h, round(ih * r))
+        big = cv2.resize(img, (nw, nh), interpolation=interp)
+        y0, x0 = (nh - h) // 2, (nw - w) // 2
+        out = big[y0:y0 + h, x0:x0 + w]
+    if out.ndim == 2:
+        out = out[..., None]
+    return np.ascontiguousarray(out)
+
+
+def normalize(pixels: np.ndarray, spec: InputSpec) -> np.ndarray:
+    """NHWC (or HWC) uint8 model pixels -> float32 tensor in ``spec.layout``."""
+    x = pixels.astype(np.float32) * np.float32(spec.scale)
+    x -= np.asarray(spec.mean, np.float32)
+    x /= np.asarray(spec.std, np.float32)
+    if spec.layout == "NCHW":
+        x = np.moveaxis(x, -1, -3)
+    return np.ascontiguousarray(x)
+
+
+def preprocess(images_bgr: Sequence[np.ndarray], spec: InputSpec) -> np.ndarray:
+    """BGR uint8 frames -> the batch tensor the server would build from them."""
+    return normalize(np.stack([to_model_pixels(im, spec) for im in images_bgr]), spec)
+
+
+# --------------------------------------------------------------------------- network
+
+
+def build_model(num_classes: int, widths: Sequence[int] = DEFAULT_WIDTHS, in_channels: int = 3):
+    """Compact CNN: a stride-2 stem, then per stage a stride-2 conv and a stride-1 conv
+    (conv-BN-ReLU), global average pooling, dropout, linear. Thin defects (scratches a pixel wide
+    at model resolution) need the first stage at full stem resolution, hence stride 1 there."""
+    import torch.nn as nn
+
+    def cbr(cin: int, cout: int, stride: int) -> list:
+        return [nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout),
+                nn.ReLU(inplace=True)]
+
+    layers = cbr(in_channels, widths[0], 2)
+    prev = widths[0]
+    for i, c in enumerate(widths):
+        layers += cbr(prev, c, 1 if i == 0 else 2) + cbr(c, c, 1)
+        prev = c
+    return nn.Sequential(
+        nn.Sequential(*layers), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.1),
+        nn.Linear(prev, num_classes))
+
+
+def count_macs(widths: Sequence[int], width: int, height: int, in_channels: int = 3) -> int:
+    """Multiply-accumulates of one forward pass (convs + linear), for the model card."""
+    macs, h, w, prev = 0, -(-height // 2), -(-width // 2), widths[0]
+    macs += h * w * widths[0] * in_channels * 9
+    for i, c in enumerate(widths):
+        if i:
+            h, w = -(-h // 2), -(-w // 2)
+        macs += h * w * c * prev * 9 + h * w * c * c * 9
+        prev = c
+    return macs + prev * 8
+
+
+def set_determinism(seed: int, threads: int) -> None:
+    import torch
+
+    torch.manual_seed(seed)
+    torch.set_num_threads(threads)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+
+
+def load_checkpoint(path: Path):
+    """weights.pt -> (eval-mode torch model, meta dict)."""
+    import torch
+
+    if not Path(path).is_file():
+        raise ScriptError(f"no weights file at {path}")
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    meta = json.loads(ckpt["meta"])
+    model = build_model(len(meta["labels"]), meta["widths"], InputSpec(**meta["input"]).channels)
+    model.load_state_dict(ckpt["state_dict"])
+    return model.eval(), meta
+
+
+# --------------------------------------------------------------------------- data
+
+
+@dataclass
+class Dataset:
+    pixels: np.ndarray         # N x H x W x C uint8 at model resolution
+    targets: np.ndarray        # N int64
+    labels: tuple[str, ...]
+    names: list[str]           # file names (or synthetic ids) for error messages
+
+
+def read_image(path: Path) -> np.ndarray | None:
+    """BGR uint8 as the server decodes it (grey and alpha images become BGR), None if unreadable."""
+    try:
+        buf = np.fromfile(str(path), np.uint8)
+    except OSError:
+        return None
+    if buf.size == 0:
+        return None
+    img = cv2.imdecode(buf, cv2.IMREAD_COLOR)
+    return img
+
+
+def scan_folder(root: Path, labels: Sequence[str] | None = None) -> tuple[list[Path], list[int], tuple[str, ...]]:
+    """Folder-per-label layout -> (files, label indices, labels). ``labels`` pins the label set
+    and order (e.g. the shipped model's); otherwise the sorted folder names are the labels."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ScriptError(f"dataset folder {root} does not exist or is not a folder")
+    entries = [p for p in sorted(root.iterdir()) if not p.name.startswith(".")]
+    loose = [p.name for p in entries if p.is_file()]
+    folders = [p for p in entries if p.is_dir()]
+    if not entries:
+        raise ScriptError(f"dataset folder {root} is empty; expected one sub-folder per label "
+                          f"(e.g. {root}/ok/, {root}/scratch/) holding PNG/JPEG/BMP images")
+    if loose:
+        raise ScriptError(f"{root} has files outside label folders: {', '.join(loose[:10])}; "
+                          "expected one sub-folder per label holding the images")
+    names = [p.name for p in folders]
+    if labels is None:
+        labels = tuple(names)
+    else:
+        labels = tuple(labels)
+        unknown = [n for n in names if n not in labels]
+        if unknown:
+            raise ScriptError(f"{root}: label folder(s) {unknown} are not labels of this model "
+                              f"{list(labels)}")
+    if len(labels) < 2:
+        raise ScriptError(f"{root}: need at least two label folders, found {names}")
+    files: list[Path] = []
+    targets: list[int] = []
+    problems: list[str] = []
+    for folder in folders:
+        imgs = []
+        for p in sorted(folder.rglob("*")):
+            if p.is_dir() or any(part.startswith(".") for part in p.relative_to(folder).parts):
+                continue
+            if p.suffix.lower() not in IMAGE_SUFFIXES:
+                problems.append(f"{p.relative_to(root)} (not .png/.jpg/.jpeg/.bmp)")
+                continue
+            imgs.append(p)
+        if not imgs:
+            problems.append(f"{folder.name}/ (no images)")
+        files += imgs
+        targets += [labels.index(folder.name)] * len(imgs)
+    if problems:
+        raise ScriptError(f"{root}: {len(problems)} problem(s): " + "; ".join(problems[:20])
+                          + (" ..." if len(problems) > 20 else ""))
+    return files, targets, labels
+
+
+def load_folder(root: Path, spec: InputSpec, labels: Sequence[str] | None = None) -> Dataset:
+    files, targets, labels = scan_folder(root, labels)
+    pixels, bad = [], []
+    for p in files:
+        img = read_image(p)
+        if img is None:
+            bad.append(str(p.relative_to(root)))
+            continue
+        pixels.append(to_model_pixels(img, spec))
+    if bad:
+        raise ScriptError(f"{root}: {len(bad)} unreadable image file(s): {', '.join(bad[:20])}"
+                          + (" ..." if len(bad) > 20 else ""))
+    return Dataset(np.stack(pixels), np.asarray(targets, np.int64), labels,
+                   [str(p.relative_to(root)) for p in files])
+
+
+def _synthetic_chunk(args: tuple) -> tuple[list[np.ndarray], list[str]]:
+    """Items ``start..stop`` of ``generate_set``'s sequence (same seeds, sizes and order)."""
+    seed, sizes, params, spec, start, stop, keep_raw = args
+    out, labs = [], []
+    for k in range(start, stop):
+        i, label = divmod(k, len(LABELS))
+        img = synthetic.generate(LABELS[label], synthetic._item_seed(seed, i), sizes[i % len(sizes)],
+                                 params)
+        out.append(img if keep_raw else to_model_pixels(img, spec))
+        labs.append(LABELS[label])
+    return out, labs
+
+
+def synthetic_images(n_per_label: int, seed: int, sizes: Sequence[tuple[int, int]],
+                     params: synthetic.SurfaceParams, spec: InputSpec, workers: int = 1,
+                     keep_raw: bool = False) -> tuple[list[np.ndarray], list[str]]:
+    """``synthetic.generate_set`` (optionally in worker processes), each image resized as the
+    server would (or the camera-size frame with ``keep_raw``). Same result for any ``workers``."""
+    total = n_per_label * len(LABELS)
+    sizes = tuple(tuple(s) for s in sizes)
+    if workers <= 1:
+        return _synthetic_chunk((seed, sizes, params, spec, 0, total, keep_raw))
+    # Chunks follow generate_set's order; the per-image seeds make each chunk independent.
+    step = -(-total // (workers * 4))
+    jobs = [(seed, sizes, params, spec, a, min(a + step, total), keep_raw)
+            for a in range(0, total, step)]
+    imgs, labs = [], []
+    with ProcessPoolExecutor(workers) as pool:
+        for chunk_imgs, chunk_labs in pool.map(_synthetic_chunk, jobs):
+            imgs += chunk_imgs
+            labs += chunk_labs
+    return imgs, labs
+
+
+def synthetic_dataset(n_per_label: int, seed: int, sizes: Sequence[tuple[int, int]],
+                      params: synthetic.SurfaceParams, spec: InputSpec, workers: int = 1) -> Dataset:
+    imgs, labs = synthetic_images(n_per_label, seed, sizes, params, spec, workers)
+    return Dataset(np.stack(imgs), np.asarray([LABELS.index(x) for x in labs], np.int64), LABELS,
+                   [f"synthetic:{seed}:{i}:{x}" for i, x in enumerate(labs)])
+
+
+def parse_sizes(text: str) -> tuple[tuple[int, int], ...]:
+    """``"640x480,1280x1024"`` -> ((640, 480), (1280, 1024))."""
+    out = []
+    for part in text.split(","):
+        try:
+            w, h = (int(v) for v in part.lower().strip().split("x"))
+        except ValueError:
+            raise ScriptError(f"bad size {part!r}; use WIDTHxHEIGHT, e.g. 640x480") from None
+        if not (16 <= w <= 8192 and 16 <= h <= 8192):
+            raise ScriptError(f"size {part!r} out of range 16..8192")
+        out.append((w, h))
+    return tuple(out)
+
+
+def read_model_config(model_dir: Path) -> ModelConfig | None:
+    from visionserve.config import load_model_config
+
+    path = Path(model_dir) / "model.toml"
+    return load_model_config(path) if path.is_file() else None
+
+
+def version_dirs(model_dir: Path) -> list[int]:
+    if not Path(model_dir).is_dir():
+        return []
+    return sorted(int(p.name) for p in Path(model_dir).iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def per_class_accuracy(targets: np.ndarray, preds: np.ndarray, labels: Iterable[str]) -> dict:
+    labels = list(labels)
+    out = {"overall": float((targets == preds).mean()) if len(targets) else float("nan")}
+    for i, lab in enumerate(labels):
+        m = targets == i
+        out[lab] = float((preds[m] == i).mean()) if m.any() else float("nan")
+    return out
+
+
+def confusion(targets: np.ndarray, preds: np.ndarray, n: int) -> np.ndarray:
+    cm = np.zeros((n, n), np.int64)
+    np.add.at(cm, (targets, preds), 1)
+    return cm

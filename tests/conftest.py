@@ -1,0 +1,192 @@
+"""Shared fixtures: a tiny real ONNX model repository, and real servers on free loopback ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SHIPPED_MODELS = REPO / "models"
+
+TINY_TOML = """\
+description = "tiny test model: random weights, 32x32 input"
+[input]
+width = 32
+height = 32
+[output]
+labels = ["ok", "dent", "scratch"]
+[batching]
+max_batch_size = 8
+preferred_batch_sizes = [1, 2, 4, 8]
+max_queue_delay_ms = 2
+max_queue_size = 64
+takt_ms = 2000
+"""
+
+
+def make_tiny_model(folder: Path, toml: str = TINY_TOML) -> Path:
+    """Export a tiny random-weight CNN to ``folder/1/model.onnx`` (+ model.toml); returns folder."""
+    import torch
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 8, 3, stride=2, padding=1)
+            self.fc = torch.nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.fc(torch.relu(self.conv(x)).mean(dim=(2, 3)))
+
+    torch.manual_seed(0)
+    (folder / "1").mkdir(parents=True, exist_ok=True)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Tiny().eval(), (torch.zeros(2, 3, 32, 32),), str(folder / "1" / "model.onnx"),
+                          input_names=["input"], output_names=["logits"],
+                          dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
+                          opset_version=17, dynamo=False)
+    (folder / "model.toml").write_text(toml)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_repo(tmp_path_factory) -> Path:
+    """A model repository holding one tiny model named ``tiny``."""
+    root = tmp_path_factory.mktemp("tinyrepo")
+    make_tiny_model(root / "tiny")
+    return root
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    """A real ``visionserve serve`` process on loopback."""
+
+    proc: subprocess.Popen
+    http_port: int
+    grpc_port: int
+    log_path: Path
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/v2/health/ready", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"server not ready after {timeout} s:\n{self.log()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_server(models: Path, tmp_path: Path, *extra: str, grpc: bool = True,
+                 env: dict[str, str] | None = None, wait: bool = True) -> ServerProcess:
+    http_port = free_port()
+    grpc_port = free_port() if grpc else -1
+    log_path = tmp_path / f"server-{http_port}.log"
+    args = [sys.executable, "-m", "visionserve", "serve", "--models", str(models), "--host", "127.0.0.1",
+            "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--device", "cpu", *extra]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=str(REPO))
+    server = ServerProcess(proc, http_port, grpc_port, log_path, args)
+    if wait:
+        try:
+            server.wait_ready()
+        except BaseException:
+            server.stop(signal.SIGKILL)
+            raise
+    return server
+
+
+@pytest.fixture
+def server_factory(tmp_path) -> Iterator:
+    """Start servers with ``server_factory(models_dir, *extra_args)``; all are stopped afterwards."""
+    started: list[ServerProcess] = []
+
+    def factory(models: Path, *extra: str, **kw) -> ServerProcess:
+        s = start_server(models, tmp_path, *extra, **kw)
+        started.append(s)
+        return s
+
+    yield factory
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_repo, tmp_path_factory) -> Iterator[ServerProcess]:
+    """One server on the tiny model, shared by a test module."""
+    s = start_server(tiny_repo, tmp_path_factory.mktemp("srv"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def jpeg_bytes() -> bytes:
+    """A 640x480 JPEG (a generated surface when the generator is there, else a gradient)."""
+    import cv2
+    import numpy as np
+
+    y, x = np.mgrid[0:480, 0:640]
+    img = np.dstack([(x * 255 // 639), (y * 255 // 479), ((x + y) % 256)]).astype(np.uint8)
+    ok, buf = cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, 90])
+    assert ok
+    return buf.tobytes()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip ``gpu`` tests cleanly where CUDA is absent."""
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:  # pragma: no cover - torch missing or broken
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

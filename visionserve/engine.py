@@ -1,0 +1,306 @@
+"""The data plane: one object both front ends (HTTP, gRPC) call. No wire formats here.
+
+``Engine.start()`` scans the model repository, loads and warms up every model version on the
+device (in worker threads, so the loop stays responsive and ``/v2/health/live`` answers), then
+reports ready. ``infer()`` checks limits, queues each frame in the model's batcher and awaits the
+answers. ``drain()`` is the shutdown path: readiness goes false first, queued work finishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import imaging, metrics
+from .backends import base as backends
+from .batching import Batcher, CostModel
+from .config import BatchingSpec, ModelConfig, ServerSettings
+from .errors import InvalidInput, NotFound, Unavailable, VisionServeError
+from .imaging import Frame
+from .repository import ModelEntry, parse_version, scan
+from .runner import BatchRecord, FrameResult, Runner, padded_size
+
+log = logging.getLogger(__name__)
+
+MAX_DEADLINE_MS = 3_600_000.0
+
+
+@dataclass
+class Duration:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, seconds: float, count: int = 1) -> None:
+        self.count += count
+        self.ns += int(seconds * 1e9)
+
+
+@dataclass
+class ModelStats:
+    """Counters in the shape of the OIP / Triton statistics extension."""
+
+    inference_count: int = 0
+    execution_count: int = 0
+    last_inference_ms: int = 0
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+    queue: Duration = field(default_factory=Duration)
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+    batch: dict[int, tuple[Duration, Duration, Duration]] = field(default_factory=dict)
+
+
+@dataclass
+class Served:
+    """One loaded model version."""
+
+    entry: ModelEntry
+    version: int
+    config: ModelConfig
+    batcher: Batcher
+    runners: list[Runner]
+    stats: ModelStats = field(default_factory=ModelStats)
+    backend_info: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    @property
+    def ready(self) -> bool:
+        return all(r.healthy for r in self.runners)
+
+
+def effective_config(config: ModelConfig, settings: ServerSettings) -> ModelConfig:
+    """model.toml's batching, with the server's command-line overrides applied."""
+    b = config.batching
+    over = {k: v for k, v in {
+        "max_batch_size": settings.max_batch_size,
+        "max_queue_delay_ms": settings.max_queue_delay_ms,
+        "max_queue_size": settings.max_queue_size,
+        "takt_ms": settings.takt_ms,
+    }.items() if v is not None}
+    if not over:
+        return config
+    data = b.model_dump() | over
+    mbs = data["max_batch_size"]
+    data["preferred_batch_sizes"] = tuple(p for p in data["preferred_batch_sizes"] if p <= mbs) or (mbs,)
+    return config.model_copy(update={"batching": BatchingSpec.model_validate(data)})
+
+
+class Engine:
+    def __init__(self, settings: ServerSettings, device: str = "cpu") -> None:
+        self.settings = settings
+        self.device = device
+        self.entries: dict[str, ModelEntry] = {}
+        self.served: dict[tuple[str, int], Served] = {}
+        self.started_at = time.time()
+        self._ready = False
+        self._draining = False
+        self.startup_error: str | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def live(self) -> bool:
+        return True
+
+    @property
+    def ready(self) -> bool:
+        return self._ready and not self._draining and all(s.ready for s in self.served.values())
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def scan(self) -> None:
+        """Read the repository (fast, synchronous): bad model.toml files fail start-up here."""
+        self.entries = scan(Path(self.settings.models))
+
+    async def start(self) -> None:
+        if not self.entries:
+            self.scan()
+        imaging.configure_opencv(self.settings.max_image_pixels)
+        loop = asyncio.get_running_loop()
+        for entry in self.entries.values():
+            for version, path in sorted(entry.versions.items()):
+                served = await self._load(entry, version, path, loop)
+                self.served[(entry.name, version)] = served
+                metrics.READY.labels(entry.name, str(version)).set(1)
+        self._ready = True
+        log.info("ready: %s on %s", ", ".join(f"{n}:{v}" for n, v in self.served), self.device)
+
+    async def _load(self, entry: ModelEntry, version: int, path: Path,
+                    loop: asyncio.AbstractEventLoop) -> Served:
+        config = effective_config(entry.config, self.settings)
+        b = config.batching
+        preferred = b.preferred_batch_sizes or (b.max_batch_size,)
+        cost = CostModel(lambda n: padded_size(n, preferred))
+        runners = []
+        for i in range(config.runtime.instances):
+            backend = backends.create(config.runtime.backend)
+            t0 = time.monotonic()
+            await asyncio.to_thread(backend.load, path, config, self.device)
+            await asyncio.to_thread(self._warmup, backend, preferred, cost)
+            log.info("%s:%d instance %d loaded and warmed up in %.1f s (%s)", entry.name, version, i,
+                     time.monotonic() - t0, backend.describe())
+            runners.append(Runner(name=f"{entry.name}:{version}#{i}", backend=backend, config=config,
+                                  preferred=preferred, cost=cost, on_batch=lambda r: None))
+
+        async def execute(batch):
+            runner = min(runners, key=lambda r: r._inbox.qsize())
+            await runner.execute(batch)
+
+        batcher = Batcher(name=f"{entry.name}:{version}", execute=execute,
+                          max_batch_size=b.max_batch_size, max_queue_delay_s=b.max_queue_delay_ms / 1000,
+                          max_queue_size=b.max_queue_size, cost=cost, max_inflight=2 * len(runners))
+        served = Served(entry, version, config, batcher, runners, backend_info=runners[0].backend.describe())
+        for r in runners:
+            r.on_batch = lambda rec, s=served: self._record_batch(s, rec)
+            r.start(loop)
+        batcher.on_drop = lambda item, reason, s=served: self._record_drop(s, reason)
+        batcher.start()
+        return served
+
+    @staticmethod
+    def _warmup(backend: backends.Backend, preferred: tuple[int, ...], cost: CostModel) -> None:
+        backend.warmup(preferred)
+        # seed the cost model with backend-only times so early dispatch works from the first request
+        import numpy as np
+
+        cfg = getattr(backend, "_config", None)
+        if cfg is None:
+            return
+        for bs in preferred:
+            x = np.zeros(backends.input_shape(cfg, bs), dtype=backends.NP_DTYPES[cfg.input.dtype])
+            t0 = time.monotonic()
+            backend.run(x)
+            cost.observe(bs, time.monotonic() - t0)
+
+    async def drain(self, timeout_s: float | None = None) -> bool:
+        """Readiness false, refuse new work, let queued and running frames finish."""
+        timeout = self.settings.drain_timeout_s if timeout_s is None else timeout_s
+        self._draining = True
+        log.info("draining: readiness false, finishing queued frames (up to %.1f s)", timeout)
+        results = await asyncio.gather(*(s.batcher.drain(timeout) for s in self.served.values()))
+        return all(results)
+
+    async def close(self) -> None:
+        self._draining = True
+        for s in self.served.values():
+            await s.batcher.close()
+            for r in s.runners:
+                await asyncio.to_thread(r.stop)
+                r.backend.close()
+            metrics.READY.labels(s.name, str(s.version)).set(0)
+        self._ready = False
+
+    # --- queries -----------------------------------------------------------------------------
+
+    def entry(self, name: str) -> ModelEntry:
+        try:
+            return self.entries[name]
+        except KeyError:
+            raise NotFound(f"unknown model {name!r}; served: {sorted(self.entries)}") from None
+
+    def get(self, name: str, version: str | int | None = None) -> Served:
+        entry = self.entry(name)
+        v = parse_version(entry, version)
+        served = self.served.get((name, v))
+        if served is None:
+            raise Unavailable(f"model {name} version {v} is not loaded yet")
+        return served
+
+    def model_ready(self, name: str, version: str | int | None = None) -> bool:
+        try:
+            s = self.get(name, version)
+        except Unavailable:
+            return False
+        return self.ready and s.ready
+
+    # --- inference ---------------------------------------------------------------------------
+
+    async def infer(self, name: str, version: str | int | None, frames: list[Frame], *,
+                    deadline_ms: float | None = None, priority: int | None = None,
+                    arrival: float | None = None) -> tuple[Served, list[FrameResult]]:
+        """Answers for ``frames`` in order; raises a VisionServeError for the whole request."""
+        arrival = time.monotonic() if arrival is None else arrival
+        served = self.get(name, version)
+        try:
+            return served, await self._infer(served, frames, deadline_ms, priority, arrival)
+        except VisionServeError as exc:
+            metrics.REQUESTS.labels(name, exc.kind).inc()
+            raise
+
+    async def _infer(self, served: Served, frames: list[Frame], deadline_ms, priority,
+                     arrival: float) -> list[FrameResult]:
+        b = served.config.batching
+        if self._draining:
+            raise Unavailable("the server is shutting down; send to another instance", retry_after_s=1.0)
+        if not self._ready or not served.ready:
+            raise Unavailable(f"model {served.name} is not ready")
+        if not frames:
+            raise InvalidInput("the request holds no frame")
+        if len(frames) > b.max_queue_size:
+            raise InvalidInput(f"{len(frames)} frames in one request; at most {b.max_queue_size}")
+        if deadline_ms is None:
+            deadline_ms = b.takt_ms
+        if not (0 < deadline_ms <= MAX_DEADLINE_MS):
+            raise InvalidInput(f"deadline {deadline_ms!r} ms is out of range (0, {MAX_DEADLINE_MS:.0f}]")
+        if priority is None:
+            priority = b.priority_levels // 2
+        if not (0 <= priority < b.priority_levels):
+            raise InvalidInput(f"priority {priority!r} is out of range 0..{b.priority_levels - 1}")
+        batcher = served.batcher
+        batcher.check_capacity(len(frames))
+        deadline = arrival + deadline_ms / 1000.0
+        pending = []
+        try:
+            for f in frames:
+                pending.append(batcher.submit(f, deadline=deadline, priority=priority, arrival=arrival))
+            metrics.QUEUE_DEPTH.labels(served.name).set(batcher.queue_depth)
+            results = await asyncio.gather(*(p.future for p in pending))
+        except BaseException:
+            for p in pending:
+                p.future.cancel()
+            raise
+        now = time.monotonic()
+        served.stats.success.add(now - arrival, len(results))
+        served.stats.inference_count += len(results)
+        served.stats.last_inference_ms = int(time.time() * 1000)
+        metrics.REQUESTS.labels(served.name, "success").inc()
+        for r in results:
+            metrics.FRAMES.labels(served.name, r.verdict).inc()
+            metrics.REQUEST_SECONDS.labels(served.name).observe(r.total_ms / 1000)
+            if not r.deadline_met:
+                metrics.DEADLINE_MISSES.labels(served.name).inc()
+        return list(results)
+
+    # --- statistics (loop thread) ------------------------------------------------------------
+
+    def _record_batch(self, served: Served, rec: BatchRecord) -> None:
+        st = served.stats
+        st.execution_count += 1
+        for q in rec.queue_s:
+            st.queue.add(q)
+            metrics.QUEUE_SECONDS.labels(served.name).observe(q)
+        st.compute_input.add(rec.prep_s, rec.size)
+        st.compute_infer.add(rec.infer_s, rec.size)
+        st.compute_output.add(rec.post_s, rec.size)
+        bi, bf, bo = st.batch.setdefault(rec.size, (Duration(), Duration(), Duration()))
+        bi.add(rec.prep_s)
+        bf.add(rec.infer_s)
+        bo.add(rec.post_s)
+        metrics.BATCH_SIZE.labels(served.name).observe(rec.size)
+        metrics.COMPUTE_SECONDS.labels(served.name).observe(rec.prep_s + rec.infer_s + rec.post_s)
+        metrics.QUEUE_DEPTH.labels(served.name).set(served.batcher.queue_depth)
+
+    def _record_drop(self, served: Served, reason: str) -> None:
+        if reason == "late":
+            served.stats.fail.add(0.0)
+            metrics.FRAMES.labels(served.name, "late").inc()
+            metrics.DEADLINE_MISSES.labels(served.name).inc()

@@ -1,0 +1,165 @@
+"""The guard over HTTP: ``make_router(store)`` for the server app (``serve --guard``).
+
+  GET  /v1/guard/jobs                 list (optional ?state=queued&state=running)
+  POST /v1/guard/jobs                 submit (JSON body, see JobRequest)
+  GET  /v1/guard/jobs/{id}            one job
+  POST /v1/guard/jobs/{id}/cancel     cancel (queued: at once; running: the supervisor stops it)
+  GET  /v1/guard/jobs/{id}/logs       the log as text/plain (?tail_bytes=N for the end only)
+
+Errors are ``{"error": "..."}``: 404 unknown id, 409 cancel of a finished job, 422 a body that is
+not a valid job request, 400 a request the queue refuses (command not found, bad cwd ...).
+Pydantic wire models live here only; the store speaks dataclasses.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ..config import parse_bytes
+from ..errors import NotFound, VisionServeError, http_status
+from .store import STATES, JobSpec, JobStateError, JobStore
+
+
+class JobRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    command: list[str] = Field(..., min_length=1, description="argv of the job")
+    name: str | None = Field(None, max_length=200)
+    cwd: str | None = Field(None, description="working directory (default: the server's)")
+    env: dict[str, str] = Field(default_factory=dict)
+    gpu_mem: int | str = Field(0, description="bytes, or a size string such as 8GiB")
+    priority: int = Field(0, ge=-1000, le=1000, description="higher starts first")
+    policy: Literal["pause", "stop"] = "pause"
+
+    @field_validator("gpu_mem")
+    @classmethod
+    def _size(cls, v: int | str) -> int:
+        return parse_bytes(v)
+
+
+class JobResponse(BaseModel):
+    id: int
+    name: str
+    command: list[str]
+    cwd: str
+    env: dict[str, str]
+    gpu_mem: int
+    priority: int
+    policy: str
+    state: str
+    reason: str | None
+    submitted_at: float
+    started_at: float | None
+    ended_at: float | None
+    pid: int | None
+    exit_code: int | None
+    log_path: str | None
+    cancel_requested: bool
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def _validation_message(exc: ValidationError) -> str:
+    parts = []
+    for e in exc.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "body"
+        parts.append(f"{loc}: {e['msg']}")
+    return "invalid job request: " + "; ".join(parts)
+
+
+def _job(job) -> dict:
+    return JobResponse.model_validate(job.to_dict(), from_attributes=False).model_dump()
+
+
+def make_router(store: JobStore) -> APIRouter:
+    router = APIRouter(prefix="/v1/guard", tags=["guard"])
+
+    async def call(fn, *args):
+        # SQLite calls are short but blocking: keep them off the event loop
+        try:
+            return await run_in_threadpool(fn, *args)
+        except JobStateError as exc:
+            raise _Reply(_error(409, exc.message)) from None
+        except VisionServeError as exc:
+            raise _Reply(_error(http_status(exc), exc.message)) from None
+
+    @router.get("/jobs", response_model=list[JobResponse])
+    async def list_jobs(state: list[str] | None = Query(None)):
+        if state and any(s not in STATES for s in state):
+            return _error(400, f"unknown state in {state}; states are {', '.join(STATES)}")
+        try:
+            jobs = await call(store.list, tuple(state) if state else None)
+        except _Reply as r:
+            return r.response
+        return [_job(j) for j in jobs]
+
+    @router.post("/jobs", status_code=201, response_model=JobResponse, openapi_extra={
+        "requestBody": {"required": True, "content": {
+            "application/json": {"schema": JobRequest.model_json_schema()}}}})
+    async def submit(request: Request):
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "body is not valid JSON")
+        try:
+            req = JobRequest.model_validate(body)
+        except ValidationError as exc:
+            return _error(422, _validation_message(exc))
+        spec = JobSpec(command=req.command, name=req.name, cwd=req.cwd, env=req.env,
+                       gpu_mem=int(req.gpu_mem), priority=req.priority, policy=req.policy)
+        try:
+            job = await call(store.submit, spec)
+        except _Reply as r:
+            return r.response
+        return JSONResponse(_job(job), status_code=201)
+
+    @router.get("/jobs/{job_id}", response_model=JobResponse)
+    async def show(job_id: int):
+        try:
+            return _job(await call(store.get, job_id))
+        except _Reply as r:
+            return r.response
+
+    @router.post("/jobs/{job_id}/cancel", response_model=JobResponse)
+    async def cancel(job_id: int):
+        try:
+            return _job(await call(store.request_cancel, job_id))
+        except _Reply as r:
+            return r.response
+
+    @router.get("/jobs/{job_id}/logs", response_class=PlainTextResponse)
+    async def logs(job_id: int, tail_bytes: int | None = Query(None, ge=1)):
+        try:
+            job = await call(store.get, job_id)
+            text = await call(_read_log, job.log_path, tail_bytes, job_id)
+        except _Reply as r:
+            return r.response
+        return PlainTextResponse(text)
+
+    return router
+
+
+class _Reply(Exception):
+    def __init__(self, response: JSONResponse) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+def _read_log(path: str | None, tail_bytes: int | None, job_id: int) -> str:
+    if not path:
+        raise NotFound(f"job {job_id} has no log")
+    try:
+        with open(path, "rb") as f:
+            if tail_bytes:
+                f.seek(max(0, os.path.getsize(path) - tail_bytes))
+            return f.read().decode("utf-8", "replace")
+    except FileNotFoundError:
+        return ""  # not started yet

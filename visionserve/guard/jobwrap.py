@@ -1,0 +1,63 @@
+"""The job's wrapper: the process group leader the guard starts, stdlib only, run as a script.
+
+    python -I jobwrap.py --status FILE --nice N -- CMD ARGS...
+
+It lowers its CPU priority (inherited by the job), makes itself the host OOM killer's preferred
+victim, starts the job, and waits for it while ignoring SIGTERM/SIGINT/SIGHUP (those reach the job
+directly: the guard signals the whole process group). When the job ends it writes its exit status
+to FILE. That file is what lets a *restarted* guard, which is not the job's parent and cannot
+``wait()`` for it, still record the real exit code of a job it re-adopted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+
+def _write_status(path: str, data: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str]) -> int:
+    if "--" not in argv:
+        sys.stderr.write("usage: jobwrap.py --status FILE --nice N -- CMD ARGS...\n")
+        return 2
+    sep = argv.index("--")
+    opts, cmd = argv[:sep], argv[sep + 1:]
+    status = opts[opts.index("--status") + 1]
+    nice = int(opts[opts.index("--nice") + 1]) if "--nice" in opts else 0
+    if nice:
+        os.nice(nice)
+    try:  # raising one's own oom_score_adj needs no privilege
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("500")
+    except OSError:
+        pass
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        # a Python handler (not SIG_IGN, which exec would pass on): the job gets default handling
+        signal.signal(sig, lambda *_: None)
+    try:
+        child = subprocess.Popen(cmd)
+    except OSError as exc:
+        sys.stderr.write(f"visionserve guard: cannot start {cmd[0] if cmd else '(nothing)'}: {exc}\n")
+        _write_status(status, {"returncode": 127, "error": str(exc)})
+        return 127
+    while True:
+        try:
+            rc = child.wait()
+            break
+        except InterruptedError:  # pragma: no cover - PEP 475 retries, kept for clarity
+            continue
+    _write_status(status, {"returncode": rc})
+    return rc if rc >= 0 else 128 - rc
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

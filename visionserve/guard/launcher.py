@@ -1,0 +1,188 @@
+"""Starting one job: its environment (device pinning, memory caps), its process group, its log.
+
+What the job sees is documented in ``docs/guard.md``; in short:
+
+- ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` and ``CUDA_VISIBLE_DEVICES=<the guarded GPU's UUID>`` (a job
+  that declared no GPU memory gets ``CUDA_VISIBLE_DEVICES=""``: no GPU at all);
+- ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless the job sets its own;
+- ``VISIONSERVE_GUARD_JOB_ID``, ``VISIONSERVE_GPU_MEM_LIMIT`` (declared need, bytes),
+  ``VISIONSERVE_GUARD_ALLOCATOR_CAP`` (bytes) and ``VISIONSERVE_GPU_MEM_FRACTION`` (cap / total);
+- a ``sitecustomize.py`` directory first on ``PYTHONPATH``: when the job imports torch it queues
+  ``torch.cuda.set_per_process_memory_fraction(fraction)`` to run at CUDA initialisation
+  (PyTorch has no environment variable for it). It chains to any other ``sitecustomize``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from . import proc
+from .store import Job
+
+log = logging.getLogger(__name__)
+
+JOBWRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobwrap.py")
+
+SITECUSTOMIZE = '''\
+# Written by `visionserve guard`: caps PyTorch's CUDA caching allocator for guard jobs.
+# PyTorch has no environment variable for set_per_process_memory_fraction, so this hook runs
+# it when torch is imported, queued to CUDA's lazy initialisation (no context is created here).
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+
+def _cap(torch):
+    frac = os.environ.get("VISIONSERVE_GPU_MEM_FRACTION")
+    if not frac:
+        return
+    try:
+        fraction = min(1.0, max(0.0, float(frac)))
+    except ValueError:
+        return
+
+    def apply():
+        torch.cuda.set_per_process_memory_fraction(fraction)
+
+    try:
+        lazy = getattr(torch.cuda, "_lazy_call", None)
+        if lazy is not None:
+            lazy(apply)
+        elif torch.cuda.is_initialized():
+            apply()
+    except Exception as exc:
+        sys.stderr.write("visionserve guard: could not cap the CUDA allocator: %s\\n" % exc)
+
+
+class _TorchHook(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)  # one shot
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find else None
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        original = loader.exec_module
+
+        def exec_module(module):
+            original(module)
+            _cap(module)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+if "torch" in sys.modules:
+    _cap(sys.modules["torch"])
+else:
+    sys.meta_path.insert(0, _TorchHook())
+
+
+def _chain():
+    here = os.path.dirname(os.path.abspath(__file__))
+    rest = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is not None and spec.loader is not None:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+
+
+try:
+    _chain()
+except Exception as exc:
+    sys.stderr.write("visionserve guard: the other sitecustomize failed: %s\\n" % exc)
+'''
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    #: GPU UUID for CUDA_VISIBLE_DEVICES; None: no GPU known (serial-queue mode), not set
+    gpu_uuid: str | None
+    #: total memory of the device, for the fraction; None without a GPU
+    gpu_total: int | None
+    #: CUDA context + library workspaces NVML counts but the allocator cap does not
+    context_reserve: int = 768 * 1024**2
+    nice: int = 10
+    site_dir: str = ""
+
+
+def write_site_dir(path: str) -> str:
+    os.makedirs(path, exist_ok=True)
+    target = os.path.join(path, "sitecustomize.py")
+    tmp = target + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(SITECUSTOMIZE)
+    os.replace(tmp, target)
+    return path
+
+
+def allocator_cap(need: int, reserve: int) -> int:
+    """Bytes the job's torch allocator may hold: the declared need minus what NVML will also count
+    for the CUDA context, so a well-behaved job gets a catchable OOM from its own allocator before
+    the watchdog sees it over its declaration. Never below half the need."""
+    return max(need - reserve, need // 2)
+
+
+def job_env(job: Job, s: LaunchSettings, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env.update(job.env)
+    env["VISIONSERVE_GUARD_JOB_ID"] = str(job.id)
+    env["VISIONSERVE_GUARD_POLICY"] = job.policy
+    env["VISIONSERVE_GPU_MEM_LIMIT"] = str(job.gpu_mem)
+    if s.gpu_uuid is not None:
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        # a job that declared no GPU memory gets no GPU: any CUDA use would be over its need
+        env["CUDA_VISIBLE_DEVICES"] = s.gpu_uuid if job.gpu_mem > 0 else ""
+        if job.gpu_mem > 0 and s.gpu_total:
+            cap = allocator_cap(job.gpu_mem, s.context_reserve)
+            env["VISIONSERVE_GUARD_ALLOCATOR_CAP"] = str(cap)
+            env["VISIONSERVE_GPU_MEM_FRACTION"] = f"{cap / s.gpu_total:.6f}"
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if s.site_dir:
+        old = env.get("PYTHONPATH")
+        env["PYTHONPATH"] = s.site_dir + (os.pathsep + old if old else "")
+    return env
+
+
+@dataclass
+class Launched:
+    popen: subprocess.Popen
+    pid: int
+    starttime: int | None
+
+
+def launch(job: Job, s: LaunchSettings) -> Launched:
+    """Start ``job`` in its own session (pgid = sid = pid of the wrapper), output to its log.
+    Raises OSError if it cannot be started (e.g. its working directory vanished)."""
+    assert job.log_path and job.status_path
+    os.makedirs(os.path.dirname(job.log_path), exist_ok=True)
+    try:
+        os.unlink(job.status_path)
+    except FileNotFoundError:
+        pass
+    env = job_env(job, s)
+    with open(job.log_path, "ab") as logf:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        logf.write(f"[visionserve guard] {stamp} job {job.id} ({job.name}) starting: "
+                   f"{' '.join(job.command)}\n".encode())
+        logf.flush()
+        popen = subprocess.Popen(
+            [sys.executable, "-I", JOBWRAP, "--status", job.status_path, "--nice", str(s.nice),
+             "--", *job.command],
+            cwd=job.cwd, env=env, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+            start_new_session=True, close_fds=True)
+    return Launched(popen, popen.pid, proc.starttime(popen.pid))

@@ -1,0 +1,100 @@
+"""The inspect API for line controllers: one frame in the body, one verdict a PLC can act on."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from .. import imaging
+from ..errors import DeadlineExceeded, InvalidInput, VisionServeError
+from .app import engine_of, error_response, read_body, settings_of, unless_disconnected
+from .schemas import ERRORS, InspectError, InspectResult
+
+router = APIRouter(tags=["Inspect"])
+
+_IMAGE = {"schema": {"type": "string", "format": "binary"}}
+_BODY = {
+    "requestBody": {
+        "required": True,
+        "description": "The frame as the camera software sent it. Raw pixels need X-Image-Shape.",
+        "content": {"image/jpeg": _IMAGE, "image/png": _IMAGE, "image/bmp": _IMAGE,
+                    "application/octet-stream": _IMAGE},
+    },
+    "parameters": [
+        {"name": "X-Part-Id", "in": "header", "required": False, "schema": {"type": "string"},
+         "description": "Echoed in the answer."},
+        {"name": "X-Camera-Id", "in": "header", "required": False, "schema": {"type": "string"}},
+        {"name": "X-Deadline-Ms", "in": "header", "required": False, "schema": {"type": "number"},
+         "description": "Budget from arrival in ms; default: the model's takt_ms."},
+        {"name": "X-Priority", "in": "header", "required": False, "schema": {"type": "integer"},
+         "description": "Higher runs first; 0..priority_levels-1."},
+        {"name": "X-Image-Shape", "in": "header", "required": False, "schema": {"type": "string"},
+         "description": "HxWxC for application/octet-stream raw uint8 pixels (RGB or grey)."},
+    ],
+}
+_RESPONSES = {**ERRORS, 415: {"model": InspectError, "description": "Unsupported media type"},
+              504: {"model": InspectError, "description": "Deadline missed: verdict LATE"}}
+
+
+def _header_number(request: Request, name: str, kind: type) -> float | int | None:
+    raw = request.headers.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = kind(raw.strip())
+    except ValueError:
+        raise InvalidInput(f"header {name}: {raw!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if kind is float and value != value:  # NaN
+        raise InvalidInput(f"header {name}: {raw!r} is not a number")
+    return value
+
+
+@router.post("/v1/models/{model_name}/inspect", response_model=InspectResult, responses=_RESPONSES,
+             openapi_extra=_BODY, summary="Inspect one frame")
+@router.post("/v1/models/{model_name}/versions/{model_version}/inspect", response_model=InspectResult,
+             responses=_RESPONSES, openapi_extra=_BODY, summary="Inspect one frame with a model version")
+async def inspect(request: Request, model_name: str, model_version: str = "") -> Response:
+    arrival = time.monotonic()
+    part_id = request.headers.get("x-part-id")
+    camera_id = request.headers.get("x-camera-id")
+    engine, settings = engine_of(request), settings_of(request)
+    try:
+        engine.get(model_name, model_version)
+        kind = imaging.media_kind(request.headers.get("content-type"))
+        deadline_ms = _header_number(request, "X-Deadline-Ms", float)
+        priority = _header_number(request, "X-Priority", int)
+        body = await read_body(request, settings.max_body_bytes)
+        if kind == "raw":
+            frame = imaging.raw_frame(body, imaging.parse_shape(request.headers.get("x-image-shape")),
+                                      max_pixels=settings.max_image_pixels)
+        else:
+            frame = imaging.encoded_frame(body, max_pixels=settings.max_image_pixels, expected=kind)
+        served, (r,) = await unless_disconnected(
+            request, engine.infer(model_name, model_version, [frame], deadline_ms=deadline_ms,
+                                  priority=priority, arrival=arrival))
+    except DeadlineExceeded as exc:
+        return error_response(exc, {"part_id": part_id, "model": model_name, "verdict": "LATE",
+                                    "deadline_met": False})
+    except VisionServeError as exc:
+        return error_response(exc, {"part_id": part_id, "model": model_name})
+    labels = served.config.output.labels
+    body = {
+        "part_id": part_id,
+        "camera_id": camera_id,
+        "model": served.name,
+        "version": str(served.version),
+        "verdict": r.verdict,
+        "label": r.label,
+        "score": round(r.score, 6),
+        "scores": {label: round(float(s), 6) for label, s in zip(labels, r.scores)},
+        "batch_size": r.batch_size,
+        "deadline_met": r.deadline_met,
+        "timing": {"queue_ms": round(r.queue_ms, 3), "compute_ms": round(r.compute_ms, 3),
+                   "total_ms": round((time.monotonic() - arrival) * 1000, 3)},
+    }
+    return Response(json.dumps(body, separators=(",", ":")).encode(), media_type="application/json")
+
+

@@ -1,0 +1,108 @@
+"""Wire models (pydantic), used at the edge only: response shapes and the OpenAPI document."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+
+class ErrorResponse(BaseModel):
+    error: str
+
+
+class ServerMetadata(BaseModel):
+    name: str
+    version: str
+    extensions: list[str]
+
+
+class TensorMetadata(BaseModel):
+    name: str
+    datatype: str
+    shape: list[int]
+
+
+class ModelMetadata(BaseModel):
+    name: str
+    versions: list[str] = []
+    platform: str
+    inputs: list[TensorMetadata]
+    outputs: list[TensorMetadata]
+
+
+class RequestInput(BaseModel):
+    name: str
+    shape: list[int]
+    datatype: str
+    parameters: dict[str, Any] | None = None
+    data: list[Any] | None = Field(
+        None, description="Row-major values. BYTES: base64 strings of image files. UINT8: integers. "
+        "Omitted when parameters.binary_data_size says the tensor follows the JSON header.")
+
+
+class RequestOutput(BaseModel):
+    name: str
+    parameters: dict[str, Any] | None = None
+
+
+class InferenceRequest(BaseModel):
+    id: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        None, description="timeout (microseconds: the request's deadline), priority (higher first), "
+        "binary_data_output (bool).")
+    inputs: list[RequestInput]
+    outputs: list[RequestOutput] | None = None
+
+
+class ResponseOutput(BaseModel):
+    name: str
+    shape: list[int]
+    datatype: str
+    parameters: dict[str, Any] | None = None
+    data: list[Any] | None = None
+
+
+class InferenceResponse(BaseModel):
+    model_name: str
+    model_version: str | None = None
+    id: str | None = None
+    parameters: dict[str, Any] | None = None
+    outputs: list[ResponseOutput]
+
+
+class Timing(BaseModel):
+    queue_ms: float
+    compute_ms: float
+    total_ms: float
+
+
+class InspectResult(BaseModel):
+    part_id: str | None
+    camera_id: str | None = None
+    model: str
+    version: str
+    verdict: str = Field(..., description="OK, NG, or LATE (deadline missed; then status 504)")
+    label: str
+    score: float
+    scores: dict[str, float]
+    batch_size: int
+    deadline_met: bool
+    timing: Timing
+
+
+class InspectError(BaseModel):
+    error: str
+    part_id: str | None = None
+    model: str | None = None
+    verdict: str | None = Field(None, description="LATE when the deadline passed (504)")
+    deadline_met: bool | None = None
+
+
+ERRORS = {
+    400: {"model": ErrorResponse, "description": "Bad input"},
+    404: {"model": ErrorResponse, "description": "Unknown model or version"},
+    413: {"model": ErrorResponse, "description": "Body or image too large"},
+    503: {"model": ErrorResponse, "description": "Not ready, shutting down, or overloaded (Retry-After)"},
+    504: {"model": ErrorResponse, "description": "Deadline exceeded"},
+}

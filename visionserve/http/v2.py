@@ -1,0 +1,207 @@
+"""Open Inference Protocol v2 over HTTP/REST, with the binary tensor data extension."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from .. import oip
+from ..errors import InvalidInput
+from .app import engine_of, read_body, settings_of, unless_disconnected
+from .schemas import ERRORS, InferenceRequest, InferenceResponse, ModelMetadata, ServerMetadata
+
+router = APIRouter(tags=["Open Inference Protocol v2"])
+
+_HEADER_LEN = "inference-header-content-length"
+
+_INFER_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/InferenceRequest"}},
+            "application/octet-stream": {
+                "schema": {"type": "string", "format": "binary"},
+                "description": "Binary tensor extension: a JSON InferenceRequest of "
+                               "Inference-Header-Content-Length bytes, then the tensors' bytes.",
+            },
+        },
+    },
+    "parameters": [{"name": "Inference-Header-Content-Length", "in": "header", "required": False,
+                    "schema": {"type": "integer", "minimum": 0},
+                    "description": "Length of the JSON header when binary tensor data follows it."}],
+}
+
+
+@router.get("/v2/health/live", summary="Server live", responses={200: {"description": "Live"}})
+async def live(request: Request) -> JSONResponse:
+    return JSONResponse({"live": True})
+
+
+@router.get("/v2/health/ready", summary="Server ready",
+            responses={200: {"description": "Ready"}, 503: {"description": "Not ready"}})
+async def ready(request: Request) -> JSONResponse:
+    ok = engine_of(request).ready
+    return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+
+@router.get("/v2", response_model=ServerMetadata, summary="Server metadata")
+async def server_metadata() -> dict[str, Any]:
+    return oip.server_metadata()
+
+
+@router.get("/v2/models/stats", summary="Statistics of every model", responses={200: {"description": "OK"}})
+async def all_stats(request: Request) -> dict[str, Any]:
+    engine = engine_of(request)
+    return {"model_stats": [oip.model_statistics(s) for s in engine.served.values()]}
+
+
+@router.get("/v2/models/{model_name}", response_model=ModelMetadata, responses=ERRORS, summary="Model metadata")
+@router.get("/v2/models/{model_name}/versions/{model_version}", response_model=ModelMetadata,
+            responses=ERRORS, summary="Model version metadata")
+async def model_metadata(request: Request, model_name: str, model_version: str = "") -> dict[str, Any]:
+    return oip.model_metadata(engine_of(request).get(model_name, model_version))
+
+
+@router.get("/v2/models/{model_name}/ready", responses=ERRORS, summary="Model ready")
+@router.get("/v2/models/{model_name}/versions/{model_version}/ready", responses=ERRORS,
+            summary="Model version ready")
+async def model_ready(request: Request, model_name: str, model_version: str = "") -> JSONResponse:
+    engine = engine_of(request)
+    engine.entry(model_name)
+    if model_version:
+        from ..repository import parse_version
+
+        parse_version(engine.entry(model_name), model_version)
+    ok = engine.model_ready(model_name, model_version)
+    return JSONResponse({"name": model_name, "ready": ok}, status_code=200 if ok else 503)
+
+
+@router.get("/v2/models/{model_name}/config", responses=ERRORS, summary="Model configuration (Triton shape)")
+@router.get("/v2/models/{model_name}/versions/{model_version}/config", responses=ERRORS,
+            summary="Model version configuration")
+async def model_config(request: Request, model_name: str, model_version: str = "") -> dict[str, Any]:
+    return oip.model_config(engine_of(request).get(model_name, model_version))
+
+
+@router.get("/v2/models/{model_name}/stats", responses=ERRORS, summary="Model statistics")
+@router.get("/v2/models/{model_name}/versions/{model_version}/stats", responses=ERRORS,
+            summary="Model version statistics")
+async def model_stats(request: Request, model_name: str, model_version: str = "") -> dict[str, Any]:
+    engine = engine_of(request)
+    entry = engine.entry(model_name)
+    if model_version:
+        served = [engine.get(model_name, model_version)]
+    else:
+        served = [s for (n, _), s in engine.served.items() if n == entry.name]
+    return {"model_stats": [oip.model_statistics(s) for s in served]}
+
+
+@router.post("/v2/models/{model_name}/infer", response_model=InferenceResponse, responses=ERRORS,
+             openapi_extra=_INFER_BODY, summary="Inference")
+@router.post("/v2/models/{model_name}/versions/{model_version}/infer", response_model=InferenceResponse,
+             responses=ERRORS, openapi_extra=_INFER_BODY, summary="Inference on a version")
+async def infer(request: Request, model_name: str, model_version: str = "") -> Response:
+    arrival = time.monotonic()
+    engine, settings = engine_of(request), settings_of(request)
+    served = engine.get(model_name, model_version)
+    body = await read_body(request, settings.max_body_bytes)
+    header, binary = _split(body, request.headers.get(_HEADER_LEN))
+    req = _parse_request(header)
+    if len(req.inputs) != 1:
+        raise InvalidInput(f"model {served.name} takes exactly one input ({served.config.input.name!r}), "
+                           f"got {len(req.inputs)}")
+    inp = req.inputs[0]
+    oip.check_input(served, inp.name, inp.datatype, inp.shape)
+    frames = _frames(inp, binary, settings.max_image_pixels)
+    names = oip.requested([o.name for o in req.outputs] if req.outputs else None)
+    deadline_ms, priority = oip.parameters(req.parameters)
+    served, results = await unless_disconnected(
+        request, engine.infer(model_name, model_version, frames, deadline_ms=deadline_ms,
+                              priority=priority, arrival=arrival))
+    return _response(req, served, results, names)
+
+
+def _split(body: bytes, header_len: str | None) -> tuple[bytes, memoryview]:
+    if header_len is None:
+        return body, memoryview(b"")
+    try:
+        n = int(header_len)
+    except ValueError:
+        raise InvalidInput(f"Inference-Header-Content-Length {header_len!r} is not an integer") from None
+    if n < 0 or n > len(body):
+        raise InvalidInput(f"Inference-Header-Content-Length {n} does not fit the body of {len(body)} bytes")
+    view = memoryview(body)
+    return bytes(view[:n]), view[n:]
+
+
+def _parse_request(header: bytes) -> InferenceRequest:
+    try:
+        data = json.loads(header)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"malformed JSON: {exc}") from None
+    try:
+        return InferenceRequest.model_validate(data)
+    except ValidationError as exc:
+        errs = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
+        raise InvalidInput(f"bad inference request: {errs}") from None
+
+
+def _frames(inp, binary: memoryview, max_pixels: int):
+    params = inp.parameters or {}
+    size = params.get("binary_data_size")
+    if size is not None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise InvalidInput(f"binary_data_size {size!r} must be a non-negative integer")
+        if size != len(binary):
+            raise InvalidInput(f"binary_data_size {size} does not match the {len(binary)} binary bytes sent")
+        if inp.datatype == "BYTES":
+            return oip.frames_from_bytes(oip.deserialize_bytes(binary), _n(inp.shape), max_pixels)
+        expected = oip.byte_size("UINT8", inp.shape)
+        if size != expected:
+            raise InvalidInput(f"UINT8 input of shape {inp.shape} needs {expected} bytes, got {size}")
+        return oip.frames_from_uint8(bytes(binary), inp.shape, max_pixels)
+    if len(binary):
+        raise InvalidInput("binary data follows the JSON header but no input declares binary_data_size")
+    if inp.data is None:
+        raise InvalidInput(f"input {inp.name!r} has neither 'data' nor parameters.binary_data_size")
+    if inp.datatype == "BYTES":
+        return oip.frames_from_bytes(oip.json_elements_to_bytes(inp.data), _n(inp.shape), max_pixels)
+    return oip.frames_from_uint8(oip.json_uint8(inp.data, inp.shape), inp.shape, max_pixels)
+
+
+def _n(shape: list[int]) -> list[int]:
+    return [shape[0]]
+
+
+def _response(req: InferenceRequest, served, results, names: list[str]) -> Response:
+    tensors = oip.outputs(served, results)
+    want_binary = bool((req.parameters or {}).get("binary_data_output", False))
+    out_params = {o.name: (o.parameters or {}) for o in (req.outputs or [])}
+    outputs, blobs = [], []
+    for name in names:
+        datatype, shape, arr = tensors[name]
+        binary = out_params.get(name, {}).get("binary_data", want_binary)
+        entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": shape}
+        if binary:
+            blob = oip.serialize_bytes(arr) if datatype == "BYTES" else np.ascontiguousarray(arr).tobytes()
+            entry["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            entry["data"] = [e.decode() for e in arr] if datatype == "BYTES" else arr.reshape(-1).tolist()
+        outputs.append(entry)
+    body: dict[str, Any] = {"model_name": served.name, "model_version": str(served.version), "outputs": outputs}
+    if req.id is not None:
+        body["id"] = req.id
+    head = json.dumps(body, separators=(",", ":")).encode()
+    if not blobs:
+        return Response(head, media_type="application/json")
+    return Response(head + b"".join(blobs), media_type="application/octet-stream",
+                    headers={"Inference-Header-Content-Length": str(len(head))})
+
+

@@ -1,0 +1,290 @@
+"""Frames: what a client sent, checked cheaply at the door, decoded and preprocessed in the runner.
+
+The front ends build :class:`Frame` objects with :func:`encoded_frame` / :func:`raw_frame`. Those
+only read headers (a few bytes), so a hostile file (a PNG declaring 40000x40000 pixels, a
+truncated JPEG, random bytes) is refused before it costs a decode, and the event loop never
+decodes. Decoding and resizing run in the runner thread (:func:`decode`, :func:`preprocess`);
+OpenCV releases the GIL there.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+
+from .errors import InvalidInput, PayloadTooLarge, UnsupportedMediaType
+
+if TYPE_CHECKING:
+    from .config import InputSpec
+
+Kind = Literal["jpeg", "png", "bmp", "raw"]
+
+MEDIA_TYPES: dict[str, Kind] = {
+    "image/jpeg": "jpeg",
+    "image/jpg": "jpeg",
+    "image/png": "png",
+    "image/bmp": "bmp",
+    "image/x-ms-bmp": "bmp",
+    "image/x-bmp": "bmp",
+    "application/octet-stream": "raw",
+}
+
+DEFAULT_MAX_PIXELS = 40_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One image as received: encoded bytes, or raw uint8 pixels ``HxWxC`` (RGB, or grey if C=1)."""
+
+    kind: Kind
+    data: bytes | np.ndarray
+    width: int
+    height: int
+    channels: int = 3
+
+
+def sniff(data: bytes) -> Kind | None:
+    if data[:3] == b"\xff\xd8\xff":
+        return "jpeg"
+    if data[:8] == b"\x89PNG\r\n\x1a\n":
+        return "png"
+    if data[:2] == b"BM":
+        return "bmp"
+    return None
+
+
+def media_kind(content_type: str | None) -> Kind:
+    """Map an HTTP Content-Type to a frame kind, or raise 415."""
+    base = (content_type or "").split(";")[0].strip().lower()
+    if base not in MEDIA_TYPES:
+        supported = "image/jpeg, image/png, image/bmp, application/octet-stream (+ X-Image-Shape)"
+        raise UnsupportedMediaType(
+            f"unsupported content type {content_type!r}; send one of: {supported}")
+    return MEDIA_TYPES[base]
+
+
+def encoded_frame(data: bytes, *, max_pixels: int = DEFAULT_MAX_PIXELS,
+                  expected: Kind | None = None) -> Frame:
+    """Check an encoded image's header and size without decoding it."""
+    if not data:
+        raise InvalidInput("empty image: the body holds no bytes")
+    kind = sniff(data)
+    if kind is None:
+        raise InvalidInput("not an image: unknown format (expected JPEG, PNG or BMP file bytes)")
+    if expected is not None and expected != "raw" and expected != kind:
+        raise InvalidInput(f"content type says {expected.upper()} but the bytes are a {kind.upper()} file")
+    width, height = _dimensions(kind, data)
+    if width <= 0 or height <= 0:
+        raise InvalidInput(f"{kind.upper()} declares an empty image ({width}x{height})")
+    if width * height > max_pixels:
+        raise PayloadTooLarge(
+            f"{kind.upper()} declares {width}x{height} = {width * height} pixels; "
+            f"the limit is {max_pixels} (setting max_image_pixels)")
+    if kind == "jpeg" and not data.rstrip(b"\x00").endswith(b"\xff\xd9"):
+        raise InvalidInput("truncated JPEG: the end-of-image marker is missing")
+    return Frame(kind, bytes(data), width, height, 3)
+
+
+def parse_shape(text: str | None) -> tuple[int, int, int]:
+    """Parse ``X-Image-Shape: HxWxC`` (also ``HxW`` for grey)."""
+    if not text:
+        raise InvalidInput("raw frames need the X-Image-Shape header, e.g. 'X-Image-Shape: 480x640x3'")
+    parts = text.lower().replace(",", "x").split("x")
+    try:
+        dims = [int(p.strip()) for p in parts]
+    except ValueError:
+        raise InvalidInput(f"X-Image-Shape {text!r} is not HxWxC (e.g. 480x640x3)") from None
+    if len(dims) == 2:
+        dims.append(1)
+    if len(dims) != 3:
+        raise InvalidInput(f"X-Image-Shape {text!r} is not HxWxC (e.g. 480x640x3)")
+    return dims[0], dims[1], dims[2]
+
+
+def raw_frame(pixels: bytes | np.ndarray, shape: tuple[int, int, int], *,
+              max_pixels: int = DEFAULT_MAX_PIXELS) -> Frame:
+    """Raw uint8 pixels, row-major ``HxWxC``, channels RGB (C=3), RGBA (C=4) or grey (C=1)."""
+    h, w, c = shape
+    if h <= 0 or w <= 0:
+        raise InvalidInput(f"raw frame shape {h}x{w}x{c} is empty")
+    if c not in (1, 3, 4):
+        raise InvalidInput(f"raw frame has {c} channels; 1 (grey), 3 (RGB) or 4 (RGBA) are accepted")
+    if h * w > max_pixels:
+        raise PayloadTooLarge(f"raw frame of {w}x{h} = {w * h} pixels is over the limit of {max_pixels}")
+    size = h * w * c
+    if isinstance(pixels, np.ndarray):
+        if pixels.dtype != np.uint8:
+            raise InvalidInput(f"raw frames are uint8, got {pixels.dtype}")
+        arr = np.ascontiguousarray(pixels).reshape(-1)
+    else:
+        arr = np.frombuffer(pixels, dtype=np.uint8)
+    if arr.size != size:
+        raise InvalidInput(
+            f"raw frame holds {arr.size} bytes but its shape {h}x{w}x{c} needs {size}")
+    return Frame("raw", arr.reshape(h, w, c), w, h, c)
+
+
+def _dimensions(kind: Kind, data: bytes) -> tuple[int, int]:
+    try:
+        if kind == "png":
+            if data[12:16] != b"IHDR":
+                raise InvalidInput("corrupt PNG: the IHDR header is missing")
+            w, h = struct.unpack(">II", data[16:24])
+            return w, h
+        if kind == "bmp":
+            w, h = struct.unpack("<ii", data[18:26])
+            return abs(w), abs(h)
+        return _jpeg_dimensions(data)
+    except struct.error:
+        raise InvalidInput(f"truncated {kind.upper()}: the header is incomplete") from None
+
+
+# JPEG start-of-frame markers carry the dimensions (C4, C8 and CC are not frames).
+_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+
+
+def _jpeg_dimensions(data: bytes) -> tuple[int, int]:
+    i, n = 2, len(data)
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            raise InvalidInput("corrupt JPEG: bad marker structure")
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:
+            i += 2
+            continue
+        (length,) = struct.unpack(">H", data[i + 2:i + 4])
+        if length < 2:
+            raise InvalidInput("corrupt JPEG: bad segment length")
+        if marker in _SOF:
+            h, w = struct.unpack(">HH", data[i + 5:i + 9])
+            return w, h
+        if marker == 0xDA:
+            break
+        i += 2 + length
+    raise InvalidInput("corrupt or truncated JPEG: no frame header found")
+
+
+# --- decode and preprocess (runner thread) ---------------------------------------------------
+
+
+def configure_opencv(max_pixels: int) -> None:
+    """OpenCV's own decode limit, a second wall behind the header check. Read when cv2 first
+    decodes, so this must run before the first decode (the server calls it at start-up)."""
+    os.environ["OPENCV_IO_MAX_IMAGE_PIXELS"] = str(int(max_pixels))
+
+
+def _cv2():
+    import cv2
+
+    return cv2
+
+
+def decode(frame: Frame, channels: int) -> np.ndarray:
+    """Decoded pixels: ``HxWx3`` BGR uint8 (channels=3) or ``HxW`` grey (channels=1)."""
+    cv2 = _cv2()
+    if frame.kind == "raw":
+        px = frame.data
+        assert isinstance(px, np.ndarray)
+        if channels == 1:
+            if px.shape[2] == 1:
+                return px[:, :, 0]
+            return cv2.cvtColor(px, cv2.COLOR_RGBA2GRAY if px.shape[2] == 4 else cv2.COLOR_RGB2GRAY)
+        code = {1: cv2.COLOR_GRAY2BGR, 3: cv2.COLOR_RGB2BGR, 4: cv2.COLOR_RGBA2BGR}[px.shape[2]]
+        return cv2.cvtColor(px, code)
+    flag = cv2.IMREAD_GRAYSCALE if channels == 1 else cv2.IMREAD_COLOR
+    try:
+        img = cv2.imdecode(np.frombuffer(frame.data, dtype=np.uint8), flag)
+    except cv2.error as exc:  # OpenCV's own size limit or a decoder fault
+        raise InvalidInput(f"cannot decode {frame.kind.upper()}: {str(exc).strip().splitlines()[-1]}") from None
+    if img is None:
+        raise InvalidInput(f"cannot decode {frame.kind.upper()}: the file is corrupt or truncated")
+    return img
+
+
+_INTERP = {"area": "INTER_AREA", "linear": "INTER_LINEAR", "nearest": "INTER_NEAREST", "cubic": "INTER_CUBIC"}
+
+
+def resize(img: np.ndarray, spec: InputSpec) -> np.ndarray:
+    """Geometry as ``model.toml`` says: stretch, letterbox (keep aspect, pad) or centre crop."""
+    cv2 = _cv2()
+    interp = getattr(cv2, _INTERP[spec.interpolation])
+    w, h = spec.width, spec.height
+    ih, iw = img.shape[:2]
+    if spec.resize == "stretch" or (iw, ih) == (w, h):
+        return cv2.resize(img, (w, h), interpolation=interp) if (iw, ih) != (w, h) else img
+    if spec.resize == "letterbox":
+        s = min(w / iw, h / ih)
+        nw, nh = max(1, round(iw * s)), max(1, round(ih * s))
+        small = cv2.resize(img, (nw, nh), interpolation=interp)
+        out = np.full((h, w) + img.shape[2:], spec.pad_value, dtype=np.uint8)
+        y0, x0 = (h - nh) // 2, (w - nw) // 2
+        out[y0:y0 + nh, x0:x0 + nw] = small
+        return out
+    s = max(w / iw, h / ih)  # center_crop
+    nw, nh = max(w, round(iw * s)), max(h, round(ih * s))
+    big = cv2.resize(img, (nw, nh), interpolation=interp)
+    y0, x0 = (nh - h) // 2, (nw - w) // 2
+    return big[y0:y0 + h, x0:x0 + w]
+
+
+def to_model_pixels(img: np.ndarray, spec: InputSpec) -> np.ndarray:
+    """Decoded BGR/grey image -> resized ``HxWxC`` uint8 in the model's colour order."""
+    cv2 = _cv2()
+    out = resize(img, spec)
+    if spec.color_order == "RGB":
+        out = cv2.cvtColor(out, cv2.COLOR_BGR2RGB)
+    elif spec.color_order == "GRAY" and out.ndim == 2:
+        out = out[:, :, None]
+    return out
+
+
+def normalize(pixels: np.ndarray, spec: InputSpec, out: np.ndarray | None = None) -> np.ndarray:
+    """uint8 ``NxHxWxC`` -> the model's tensor (dtype, scale, mean/std, layout)."""
+    if spec.dtype == "uint8":
+        arr = pixels
+    else:
+        scale = np.float32(spec.scale)
+        mean = np.asarray(spec.mean, dtype=np.float32)
+        std = np.asarray(spec.std, dtype=np.float32)
+        # (x*scale - mean)/std == x*(scale/std) - mean/std: one multiply-add per pixel
+        arr = pixels.astype(np.float32) * (scale / std) - (mean / std)
+        arr = arr.astype(np.float16 if spec.dtype == "float16" else np.float32, copy=False)
+    if spec.layout == "NCHW":
+        arr = arr.transpose(0, 3, 1, 2)
+    if out is not None:
+        out[...] = arr
+        return out
+    return np.ascontiguousarray(arr)
+
+
+def preprocess(frame: Frame, spec: InputSpec) -> np.ndarray:
+    """One frame -> ``HxWxC`` uint8 at model size (the CPU path)."""
+    return to_model_pixels(decode(frame, spec.channels), spec)
+
+
+def prepare_batch(frames: list[Frame], spec: InputSpec, padded: int
+                  ) -> tuple[np.ndarray, list[int], list[tuple[int, Exception]]]:
+    """Decode and preprocess ``frames`` into one model tensor of ``padded`` rows (CPU path).
+
+    Returns the tensor (good frames first, zero rows as padding), the indices of the good frames
+    in tensor order, and (index, error) for each frame that failed to decode: a bad frame fails
+    alone, never its batch.
+    """
+    pixels = np.zeros((padded, spec.height, spec.width, spec.channels), dtype=np.uint8)
+    good: list[int] = []
+    bad: list[tuple[int, Exception]] = []
+    for i, frame in enumerate(frames):
+        try:
+            pixels[len(good)] = preprocess(frame, spec).reshape(spec.height, spec.width, spec.channels)
+        except InvalidInput as exc:
+            bad.append((i, exc))
+            continue
+        good.append(i)
+    return normalize(pixels, spec), good, bad

@@ -1,0 +1,25 @@
+"""Prometheus metrics (``/metrics``). Names are the public contract: dashboards and the HPA use them."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
+                    0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+REQUESTS = Counter("visionserve_requests", "Inference requests by outcome", ["model", "outcome"])
+FRAMES = Counter("visionserve_frames", "Frames by verdict or outcome (OK, NG, late, invalid, rejected, error)",
+                 ["model", "outcome"])
+REQUEST_SECONDS = Histogram("visionserve_request_duration_seconds",
+                            "Arrival to answer, per frame", ["model"], buckets=_LATENCY_BUCKETS)
+QUEUE_SECONDS = Histogram("visionserve_queue_duration_seconds",
+                          "Arrival to dispatch, per frame", ["model"], buckets=_LATENCY_BUCKETS)
+COMPUTE_SECONDS = Histogram("visionserve_compute_duration_seconds",
+                            "Decode + model + postprocess, per batch", ["model"], buckets=_LATENCY_BUCKETS)
+BATCH_SIZE = Histogram("visionserve_batch_size", "Frames per executed batch", ["model"], buckets=_BATCH_BUCKETS)
+QUEUE_DEPTH = Gauge("visionserve_queue_depth", "Frames waiting in the batcher", ["model"])
+INFLIGHT = Gauge("visionserve_inflight_batches", "Batches being decoded or computed", ["model"])
+DEADLINE_MISSES = Counter("visionserve_deadline_misses",
+                          "Frames that missed their deadline (dropped late or answered after it)", ["model"])
+READY = Gauge("visionserve_model_ready", "1 when the model version is ready", ["model", "version"])

@@ -1,0 +1,260 @@
+"""Open Inference Protocol v2 semantics shared by the HTTP and gRPC front ends.
+
+Wire-format free: the front ends turn JSON / protobuf into the plain values taken here. Vision
+models expose one input and three outputs:
+
+* input ``image``: ``BYTES`` of shape ``[N]`` (or ``[N, 1]``), each element one encoded image
+  file (JPEG/PNG/BMP), or ``UINT8`` of shape ``[N, H, W, C]`` raw pixels (RGB, or grey if C=1);
+* outputs ``scores`` ``FP32 [N, num_labels]``, ``label`` ``BYTES [N]``, ``verdict`` ``BYTES [N]``.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import __version__, imaging
+from .errors import InvalidInput
+from .imaging import Frame
+
+if TYPE_CHECKING:
+    from .engine import Served
+    from .runner import FrameResult
+
+OUTPUTS = ("scores", "label", "verdict")
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "schedule_policy",
+              "health", "metadata"]
+
+DTYPE_SIZES = {"BOOL": 1, "UINT8": 1, "UINT16": 2, "UINT32": 4, "UINT64": 8, "INT8": 1, "INT16": 2,
+               "INT32": 4, "INT64": 8, "FP16": 2, "FP32": 4, "FP64": 8, "BF16": 2, "BYTES": -1}
+PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "torch": "pytorch_libtorch"}
+
+
+def server_metadata() -> dict[str, Any]:
+    return {"name": "visionserve", "version": __version__, "extensions": list(EXTENSIONS)}
+
+
+def model_metadata(served: Served) -> dict[str, Any]:
+    cfg = served.config
+    return {
+        "name": served.name,
+        "versions": [str(v) for v in sorted(served.entry.versions)],
+        "platform": PLATFORMS[cfg.runtime.backend],
+        "inputs": [{"name": cfg.input.name, "datatype": "BYTES", "shape": [-1]}],
+        "outputs": [
+            {"name": "scores", "datatype": "FP32", "shape": [-1, len(cfg.output.labels)]},
+            {"name": "label", "datatype": "BYTES", "shape": [-1]},
+            {"name": "verdict", "datatype": "BYTES", "shape": [-1]},
+        ],
+    }
+
+
+def model_config(served: Served) -> dict[str, Any]:
+    """Triton's model configuration shape (what perf_analyzer and Triton tools read)."""
+    cfg = served.config
+    b = cfg.batching
+    return {
+        "name": served.name,
+        "platform": PLATFORMS[cfg.runtime.backend],
+        "backend": cfg.runtime.backend,
+        "version_policy": {"specific": {"versions": [str(v) for v in sorted(served.entry.versions)]}},
+        "max_batch_size": b.max_batch_size,
+        "input": [{"name": cfg.input.name, "data_type": "TYPE_STRING", "format": "FORMAT_NONE",
+                   "dims": [1], "reshape": {"shape": []}}],
+        "output": [
+            {"name": "scores", "data_type": "TYPE_FP32", "dims": [len(cfg.output.labels)],
+             "label_filename": ""},
+            {"name": "label", "data_type": "TYPE_STRING", "dims": [1], "reshape": {"shape": []}},
+            {"name": "verdict", "data_type": "TYPE_STRING", "dims": [1], "reshape": {"shape": []}},
+        ],
+        "dynamic_batching": {
+            "preferred_batch_size": list(b.preferred_batch_sizes),
+            "max_queue_delay_microseconds": int(b.max_queue_delay_ms * 1000),
+            "preserve_ordering": True,
+            "priority_levels": b.priority_levels,
+            "default_priority_level": b.priority_levels // 2,
+            "default_queue_policy": {
+                "timeout_action": "REJECT",
+                "default_timeout_microseconds": int(b.takt_ms * 1000),
+                "allow_timeout_override": True,
+                "max_queue_size": b.max_queue_size,
+            },
+        },
+        "instance_group": [{"count": cfg.runtime.instances,
+                            "kind": "KIND_GPU" if served.backend_info.get("device", "cpu").startswith("cuda")
+                            else "KIND_CPU"}],
+        "parameters": {"labels": {"string_value": ",".join(cfg.output.labels)},
+                       "ok_labels": {"string_value": ",".join(cfg.verdict.ok_labels)},
+                       "ok_threshold": {"string_value": str(cfg.verdict.ok_threshold)},
+                       "takt_ms": {"string_value": str(b.takt_ms)}},
+    }
+
+
+def _duration(d) -> dict[str, int]:
+    return {"count": d.count, "ns": d.ns}
+
+
+def model_statistics(served: Served) -> dict[str, Any]:
+    st = served.stats
+    return {
+        "name": served.name,
+        "version": str(served.version),
+        "last_inference": st.last_inference_ms,
+        "inference_count": st.inference_count,
+        "execution_count": st.execution_count,
+        "inference_stats": {
+            "success": _duration(st.success), "fail": _duration(st.fail), "queue": _duration(st.queue),
+            "compute_input": _duration(st.compute_input), "compute_infer": _duration(st.compute_infer),
+            "compute_output": _duration(st.compute_output),
+            "cache_hit": {"count": 0, "ns": 0}, "cache_miss": {"count": 0, "ns": 0},
+        },
+        "batch_stats": [
+            {"batch_size": size, "compute_input": _duration(i), "compute_infer": _duration(f),
+             "compute_output": _duration(o)}
+            for size, (i, f, o) in sorted(st.batch.items())
+        ],
+    }
+
+
+def parameters(params: dict[str, Any] | None) -> tuple[float | None, int | None]:
+    """OIP request parameters -> (deadline in ms, priority). ``timeout`` is in microseconds."""
+    params = params or {}
+    deadline_ms = priority = None
+    if "timeout" in params and params["timeout"] not in (None, 0):
+        t = params["timeout"]
+        if isinstance(t, bool) or not isinstance(t, (int, float)):
+            raise InvalidInput(f"parameter 'timeout' must be a number of microseconds, got {t!r}")
+        deadline_ms = float(t) / 1000.0
+    if "priority" in params and params["priority"] not in (None, 0):
+        p = params["priority"]
+        if isinstance(p, bool) or not isinstance(p, int):
+            raise InvalidInput(f"parameter 'priority' must be an integer, got {p!r}")
+        priority = p
+    return deadline_ms, priority
+
+
+def check_input(served: Served, name: str, datatype: str, shape: list[int]) -> None:
+    want = served.config.input.name
+    if name != want:
+        raise InvalidInput(f"unknown input {name!r}; model {served.name} takes one input named {want!r}")
+    if datatype not in ("BYTES", "UINT8"):
+        raise InvalidInput(f"input {name!r} has datatype {datatype}; send BYTES (encoded images) "
+                           "or UINT8 [N,H,W,C] (raw pixels)")
+    if any((not isinstance(d, int)) or isinstance(d, bool) or d < 0 for d in shape):
+        raise InvalidInput(f"input {name!r} shape {shape} has a bad dimension")
+    if datatype == "BYTES" and not (len(shape) == 1 or (len(shape) == 2 and shape[1] == 1)):
+        raise InvalidInput(f"BYTES input {name!r} must have shape [N] (one encoded image per element), got {shape}")
+    if datatype == "UINT8" and len(shape) != 4:
+        raise InvalidInput(f"UINT8 input {name!r} must have shape [N,H,W,C], got {shape}")
+    if shape[0] < 1:
+        raise InvalidInput(f"input {name!r} holds no frame (shape {shape})")
+
+
+def byte_size(datatype: str, shape: list[int]) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * DTYPE_SIZES[datatype]
+
+
+def frames_from_bytes(elements: list[bytes], shape: list[int], max_pixels: int) -> list[Frame]:
+    if len(elements) != shape[0]:
+        raise InvalidInput(f"input shape {shape} declares {shape[0]} images but {len(elements)} were sent")
+    return [_encoded(e, i, max_pixels) for i, e in enumerate(elements)]
+
+
+def _encoded(data: bytes, index: int, max_pixels: int) -> Frame:
+    try:
+        return imaging.encoded_frame(data, max_pixels=max_pixels)
+    except InvalidInput as exc:
+        raise InvalidInput(f"image {index}: {exc.message}") from None
+
+
+def frames_from_uint8(pixels: bytes | np.ndarray, shape: list[int], max_pixels: int) -> list[Frame]:
+    n, h, w, c = shape
+    arr = np.frombuffer(pixels, dtype=np.uint8) if isinstance(pixels, (bytes, bytearray, memoryview)) \
+        else np.asarray(pixels)
+    if arr.size != n * h * w * c:
+        raise InvalidInput(f"UINT8 input holds {arr.size} values but shape {shape} needs {n * h * w * c}")
+    arr = arr.reshape(n, h, w, c)
+    return [imaging.raw_frame(arr[i], (h, w, c), max_pixels=max_pixels) for i in range(n)]
+
+
+def json_elements_to_bytes(data: list[Any]) -> list[bytes]:
+    """JSON BYTES elements: base64 strings of image files (JSON cannot carry raw binary)."""
+    import base64
+    import binascii
+
+    out = []
+    for i, item in enumerate(_flatten(data)):
+        if not isinstance(item, str):
+            raise InvalidInput(f"BYTES element {i} must be a base64 string of an image file")
+        try:
+            out.append(base64.b64decode(item, validate=True))
+        except (binascii.Error, ValueError):
+            raise InvalidInput(f"BYTES element {i} is not valid base64 (JSON requests carry images as "
+                               "base64; or use the binary tensor extension)") from None
+    return out
+
+
+def json_uint8(data: list[Any], shape: list[int]) -> np.ndarray:
+    flat = _flatten(data)
+    try:
+        arr = np.asarray(flat, dtype=np.int64)
+    except (TypeError, ValueError):
+        raise InvalidInput("UINT8 data must be integers 0..255") from None
+    if arr.size and (arr.min() < 0 or arr.max() > 255):
+        raise InvalidInput("UINT8 data must be integers 0..255")
+    return arr.astype(np.uint8)
+
+
+def _flatten(data: Any) -> list[Any]:
+    if not isinstance(data, list):
+        raise InvalidInput("tensor 'data' must be a JSON array")
+    out: list[Any] = []
+    stack = [data]
+    while stack:  # iterative, so a hostile deeply nested array cannot blow the stack
+        cur = stack.pop()
+        if isinstance(cur, list):
+            stack.extend(reversed(cur))
+        else:
+            out.append(cur)
+    return out
+
+
+def outputs(served: Served, results: list[FrameResult]) -> dict[str, tuple[str, list[int], np.ndarray]]:
+    """name -> (datatype, shape, array) for all three outputs."""
+    n = len(results)
+    scores = np.stack([r.scores for r in results]).astype(np.float32) if n else np.zeros((0, 0), np.float32)
+    return {
+        "scores": ("FP32", [n, scores.shape[1]], scores),
+        "label": ("BYTES", [n], np.array([r.label.encode() for r in results], dtype=object)),
+        "verdict": ("BYTES", [n], np.array([r.verdict.encode() for r in results], dtype=object)),
+    }
+
+
+def requested(names: list[str] | None) -> list[str]:
+    if not names:
+        return list(OUTPUTS)
+    for name in names:
+        if name not in OUTPUTS:
+            raise InvalidInput(f"unknown output {name!r}; outputs are {list(OUTPUTS)}")
+    return names
+
+
+def serialize_bytes(arr: np.ndarray) -> bytes:
+    """BYTES tensor -> the binary form: each element a 4-byte little-endian length + bytes."""
+    return b"".join(struct.pack("<I", len(e)) + e for e in arr.reshape(-1))
+
+
+def deserialize_bytes(buf: bytes | memoryview) -> list[bytes]:
+    out, i, n = [], 0, len(buf)
+    while i < n:
+        if i + 4 > n:
+            raise InvalidInput("binary BYTES tensor is truncated (incomplete length prefix)")
+        (size,) = struct.unpack_from("<I", buf, i)
+        i += 4
+        if i + size > n:
+            raise InvalidInput("binary BYTES tensor is truncated (element longer than the data)")
+        out.append(bytes(buf[i:i + size]))
+        i += size
+    return out

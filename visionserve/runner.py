@@ -1,0 +1,198 @@
+"""The per-instance worker: two threads, so batch k+1 is decoded while batch k computes.
+
+prep thread:    decode + resize + normalise (OpenCV releases the GIL) -> bounded hand-off queue
+compute thread: drop what expired meanwhile -> backend.run -> verdicts -> futures resolved
+
+Answers go back to the event loop with one ``call_soon_threadsafe`` per batch; every future is
+answered exactly once and only if nobody cancelled it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import imaging
+from .backends.base import Backend
+from .batching import CostModel, Pending, resolve
+from .config import ModelConfig
+from .errors import DeadlineExceeded, InternalError, VisionServeError
+from .postprocess import classify
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class FrameResult:
+    verdict: str
+    label: str
+    score: float
+    scores: np.ndarray
+    batch_size: int
+    queue_ms: float
+    compute_ms: float
+    total_ms: float
+    deadline_met: bool
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRecord:
+    """What one batch did, for statistics and metrics (sent to the loop thread)."""
+
+    size: int
+    padded: int
+    ok: int
+    failed: int
+    late: int
+    queue_s: tuple[float, ...]
+    prep_s: float
+    infer_s: float
+    post_s: float
+
+
+def padded_size(n: int, preferred: tuple[int, ...]) -> int:
+    for p in preferred:
+        if p >= n:
+            return p
+    return n
+
+
+_STOP = object()
+
+
+class Runner:
+    def __init__(self, *, name: str, backend: Backend, config: ModelConfig,
+                 preferred: tuple[int, ...], cost: CostModel,
+                 on_batch: Callable[[BatchRecord], None]) -> None:
+        self.name = name
+        self.backend = backend
+        self.config = config
+        self.preferred = preferred
+        self.cost = cost
+        self.on_batch = on_batch
+        self.healthy = True
+        self._inbox: queue.Queue = queue.Queue()
+        self._handoff: queue.Queue = queue.Queue(maxsize=1)
+        self._threads: list[threading.Thread] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        for target, role in ((self._prep_loop, "prep"), (self._compute_loop, "compute")):
+            t = threading.Thread(target=target, name=f"{self.name}:{role}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self) -> None:
+        self._inbox.put(_STOP)
+        for t in self._threads:
+            t.join(timeout=10)
+        self._threads.clear()
+
+    async def execute(self, batch: list[Pending]) -> None:
+        """Batcher entry point: returns when every item of ``batch`` has its answer."""
+        done = asyncio.get_running_loop().create_future()
+        self._inbox.put((batch, done))
+        await done
+
+    # --- threads -----------------------------------------------------------------------------
+
+    def _post(self, fn, *args) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # loop closed during shutdown
+            pass
+
+    def _prep_loop(self) -> None:
+        spec = self.config.input
+        while True:
+            job = self._inbox.get()
+            if job is _STOP:
+                self._handoff.put(_STOP)
+                return
+            batch, done = job
+            t0 = time.monotonic()
+            live = [p for p in batch if not p.future.done()]
+            try:
+                padded = padded_size(len(live), self.preferred)
+                tensor, good, bad = imaging.prepare_batch([p.payload for p in live], spec, padded)
+                errors = [(live[i], exc) for i, exc in bad]
+                items = [live[i] for i in good]
+            except Exception:
+                log.exception("preprocessing failed in %s", self.name)
+                tensor, items = None, []
+                errors = [(p, InternalError("preprocessing failed; see the server log")) for p in live]
+            if errors:
+                self._post(_fail_all, errors)
+            self._handoff.put((batch, done, items, tensor, t0, time.monotonic() - t0, len(errors)))
+
+    def _compute_loop(self) -> None:
+        while True:
+            job = self._handoff.get()
+            if job is _STOP:
+                return
+            batch, done, items, tensor, t0, prep_s, failed = job
+            try:
+                self._compute(items, tensor, t0, prep_s, failed)
+            except Exception:  # never let the thread die: the batch fails, the runner goes on
+                log.exception("compute failed in %s", self.name)
+                self._post(_fail_all, [(p, InternalError("the model failed on this batch; see the server log"))
+                                       for p in items])
+            finally:
+                self._post(resolve, done, None)
+
+    def _compute(self, items: list[Pending], tensor, t0: float, prep_s: float, failed: int) -> None:
+        now = time.monotonic()
+        keep = [i for i, p in enumerate(items) if not p.future.done() and p.deadline > now]
+        late = [p for p in items if not p.future.done() and p.deadline <= now]
+        if late:
+            self._post(_fail_all, [(p, DeadlineExceeded(
+                "deadline passed while the frame was being decoded; it was not run")) for p in late])
+        if not keep:
+            return
+        if len(keep) != len(items):
+            # drop rows of frames that expired or were cancelled during decode, re-pad
+            padded = padded_size(len(keep), self.preferred)
+            rows = keep + [keep[0]] * (padded - len(keep))
+            tensor = np.ascontiguousarray(tensor[rows])
+            items = [items[i] for i in keep]
+        t1 = time.monotonic()
+        try:
+            raw = self.backend.run(tensor)
+        except VisionServeError as exc:
+            self._post(_fail_all, [(p, exc) for p in items])
+            return
+        t2 = time.monotonic()
+        results = classify(np.asarray(raw[:len(items)]), self.config)
+        t3 = time.monotonic()
+        n = len(items)
+        answers = []
+        for p, c in zip(items, results):
+            answers.append((p, FrameResult(
+                verdict=c.verdict, label=c.label, score=c.score, scores=c.scores, batch_size=n,
+                queue_ms=(p.dispatched - p.arrival) * 1000, compute_ms=(t3 - p.dispatched) * 1000,
+                total_ms=(t3 - p.arrival) * 1000, deadline_met=t3 <= p.deadline)))
+        self._post(_answer_all, answers)
+        self.cost.observe(n, t3 - min(p.dispatched for p in items))
+        self._post(self.on_batch, BatchRecord(
+            size=n, padded=tensor.shape[0], ok=n, failed=failed, late=len(late),
+            queue_s=tuple(p.dispatched - p.arrival for p in items),
+            prep_s=prep_s, infer_s=t2 - t1, post_s=t3 - t2))
+
+
+def _answer_all(answers) -> None:
+    for p, value in answers:
+        resolve(p.future, value)
+
+
+def _fail_all(errors) -> None:
+    for p, exc in errors:
+        resolve(p.future, exc=exc)

@@ -1,0 +1,187 @@
+"""Start the HTTP (and gRPC) server on a model repository.
+
+Every option is also an environment variable VISIONSERVE_<OPTION> (e.g. VISIONSERVE_DEVICE=cuda:1);
+the command line wins. On SIGTERM/SIGINT readiness goes false, new requests get 503, queued ones
+finish within --drain-timeout-s, then the process exits 0.
+
+Exit codes: 0 clean shutdown, 2 bad settings or model repository, 3 a model failed to load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import typing
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from .config import ServerSettings
+from .errors import VisionServeError
+
+log = logging.getLogger("visionserve")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One option per ServerSettings field, so the CLI, env and docs never drift apart."""
+    for name, field in ServerSettings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        env = "VISIONSERVE_" + name.upper()
+        help_text = f"{field.description} [env {env}; default {field.default}]"
+        ann = field.annotation
+        args = typing.get_args(ann)
+        if ann is bool:
+            parser.add_argument(flag, dest=name, action="store_true", default=None, help=help_text)
+            continue
+        choices = None
+        if typing.get_origin(ann) is typing.Literal:
+            choices = list(args)
+        kind = _scalar(ann)
+        parser.add_argument(flag, dest=name, type=kind, choices=choices, default=None, help=help_text,
+                            metavar=name.upper() if choices is None else None)
+
+
+def _scalar(ann) -> type:
+    for t in (int, float, Path):
+        if ann is t or t in typing.get_args(ann):
+            return str if t is Path else t
+    return str
+
+
+def settings_from(args: argparse.Namespace) -> ServerSettings:
+    given = {k: getattr(args, k) for k in ServerSettings.model_fields if getattr(args, k, None) is not None}
+    return ServerSettings(**given)
+
+
+def configure_logging(level: str, as_json: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if as_json:
+        from .logs import JsonFormatter
+
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def pin_device(spec: str) -> str:
+    """Resolve the device and pin this process to it before any CUDA library loads.
+
+    Returns the device string the backends use: ``cpu`` or ``cuda:0`` (the one visible GPU).
+    """
+    from .gpu import device as gpu_device
+    from .gpu.nvml import real_nvml
+
+    nvml = real_nvml()
+    resolved = gpu_device.resolve(gpu_device.parse_device(spec), nvml)
+    gpu_device.pin_environment(resolved)
+    log.info("device: %s", gpu_device.describe(resolved))
+    return "cpu" if resolved.kind == "cpu" else "cuda:0"
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from(args)
+    except ValidationError as exc:
+        for err in exc.errors():
+            print(f"visionserve serve: --{'-'.join(str(p) for p in err['loc']).replace('_', '-')}: "
+                  f"{err['msg']} (got {err.get('input')!r})", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level, settings.log_json)
+    try:
+        device = pin_device(settings.device)
+        from .engine import Engine
+
+        engine = Engine(settings, device=device)
+        engine.scan()
+    except VisionServeError as exc:
+        print(f"visionserve serve: {exc.message}", file=sys.stderr)
+        return 2
+    return asyncio.run(serve(engine, settings))
+
+
+async def serve(engine, settings: ServerSettings) -> int:
+    """Run HTTP (+ gRPC) until a signal, then drain; returns the exit code."""
+    import uvicorn
+
+    from .http.app import create_app
+
+    app = create_app(engine, settings)
+    server = DrainingServer(uvicorn.Config(
+        app, host=settings.host, port=settings.http_port, log_level=settings.log_level,
+        access_log=settings.log_level == "debug", timeout_keep_alive=30,
+        timeout_graceful_shutdown=max(1.0, settings.drain_timeout_s),
+        log_config=None,
+    ), engine, settings.drain_timeout_s)
+    grpc_server = None
+    if settings.grpc_port >= 0:
+        from .grpc.server import create_server
+
+        grpc_server = create_server(engine, settings)
+        await grpc_server.start()
+        log.info("gRPC listening on %s:%d", settings.host, settings.grpc_port)
+    server.grpc_server = grpc_server
+    start = asyncio.create_task(_start_engine(engine, server))
+    try:
+        await server.serve()
+    finally:
+        if grpc_server is not None:
+            await grpc_server.stop(grace=1.0)
+        start.cancel()
+        await engine.close()
+    return server.exit_code
+
+
+async def _start_engine(engine, server: DrainingServer) -> None:
+    try:
+        await engine.start()
+    except VisionServeError as exc:
+        log.error("start-up failed: %s", exc.message)
+        server.exit_code = 3
+        server.should_exit = True
+    except Exception:
+        log.exception("start-up failed")
+        server.exit_code = 3
+        server.should_exit = True
+
+
+def _uvicorn_server_class():
+    import uvicorn
+
+    return uvicorn.Server
+
+
+class DrainingServer(_uvicorn_server_class()):  # type: ignore[misc]
+    """uvicorn server whose first SIGTERM/SIGINT drains the engine before the sockets close, so
+    readiness goes false and new requests get 503 while accepted ones still get answers."""
+
+    def __init__(self, config, engine, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.drain_timeout_s = drain_timeout_s
+        self.exit_code = 0
+        self.grpc_server = None
+        self._drain_task: asyncio.Task | None = None
+
+    def handle_exit(self, sig, frame) -> None:  # called from the signal handler
+        if self._drain_task is not None:  # second signal: leave now
+            self.force_exit = True
+            self.should_exit = True
+            return
+        loop = asyncio.get_event_loop()
+        loop.call_soon_threadsafe(self._begin_drain)
+
+    def _begin_drain(self) -> None:
+        if self._drain_task is None:
+            self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        log.info("shutdown requested: draining for up to %.1f s", self.drain_timeout_s)
+        ok = await self.engine.drain(self.drain_timeout_s)
+        if not ok:
+            log.warning("drain timeout: unfinished frames were answered 503")
+        self.should_exit = True

@@ -24,6 +24,11 @@ else:  # pragma: no cover
 
 REPO_MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 
+
+def default_models_dir() -> Path:
+    """The checkout's ``models/`` (editable installs, the Docker image), else ``./models``."""
+    return REPO_MODELS_DIR if REPO_MODELS_DIR.is_dir() else Path("models")
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
           "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
@@ -199,7 +204,8 @@ class ServerSettings(BaseSettings):
     host: str = Field("0.0.0.0", description="Address to bind (0.0.0.0: all interfaces, for line PCs on the network).")
     http_port: int = Field(8000, ge=0, le=65535, description="HTTP port (OIP v2, inspect API, /metrics).")
     grpc_port: int = Field(8001, ge=-1, le=65535, description="gRPC port; -1 disables gRPC.")
-    models: Path = Field(REPO_MODELS_DIR, description="Model repository folder.")
+    models: Path = Field(default_factory=default_models_dir,
+                         description="Model repository folder (default: the checkout's models/).")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N | GPU-<uuid> | PCI bus id.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     log_json: bool = Field(False, description="Structured JSON log lines.")

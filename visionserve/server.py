@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, field in ServerSettings.model_fields.items():
         flag = "--" + name.replace("_", "-")
         env = "VISIONSERVE_" + name.upper()
-        help_text = f"{field.description} [env {env}; default {field.default}]"
+        default = field.default_factory() if field.default_factory else field.default
+        help_text = f"{field.description} [env {env}; default {default}]"
         ann = field.annotation
         args = typing.get_args(ann)
         if ann is bool:

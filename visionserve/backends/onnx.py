@@ -35,8 +35,11 @@ class OnnxBackend(Backend):
         opts.log_severity_level = 3  # quiet: onnxruntime warns about missing CUDA on CPU boxes
         providers: list = ["CPUExecutionProvider"]
         if device.startswith("cuda"):
+            # CUDA/cuDNN come from the nvidia-* wheels torch installs: load them before the EP looks
+            if hasattr(ort, "preload_dlls"):
+                ort.preload_dlls()
             # The process is pinned (CUDA_VISIBLE_DEVICES holds one GPU), so it is device 0 here.
-            providers.insert(0, ("CUDAExecutionProvider", {"device_id": 0}))
+            providers.insert(0, ("CUDAExecutionProvider", self._cuda_options(config, device)))
         try:
             self._session = ort.InferenceSession(str(path), sess_options=opts, providers=providers)
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
@@ -62,7 +65,53 @@ class OnnxBackend(Backend):
 
     def run(self, batch: np.ndarray) -> np.ndarray:
         assert self._session is not None
+        if not isinstance(batch, np.ndarray):  # a torch tensor from the GPU preprocessing
+            return self._run_bound(batch)
         return self._session.run([self._out_name], {self._in_name: batch})[0]
+
+    # -- CUDA: budget, the runner's stream, IOBinding (device buffers, no host round trip) ------
+
+    stream = None  # the runner's high-priority CUDA stream, when torch is there to make one
+    input_dtype = None  # torch dtype of the input, for the GPU preprocessing
+
+    def _cuda_options(self, config: ModelConfig, device: str) -> dict:
+        opts: dict = {"device_id": 0, "cudnn_conv_algo_search": "HEURISTIC",
+                      "arena_extend_strategy": "kSameAsRequested"}
+        if config.runtime.gpu_memory_budget is not None:
+            # the engine put this instance's onnxruntime share here (gpu/memory.plan_budget)
+            from ..config import parse_bytes
+
+            opts["gpu_mem_limit"] = str(parse_bytes(config.runtime.gpu_memory_budget))
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                from ..gpu.memory import high_priority_stream
+
+                self.stream = high_priority_stream(device)
+                self.input_dtype = getattr(torch, config.input.dtype)
+                # onnxruntime's kernels go on the runner's stream, behind its preprocessing
+                opts["user_compute_stream"] = str(self.stream.cuda_stream)
+        except ImportError:
+            pass
+        return opts
+
+    def _run_bound(self, x) -> np.ndarray:
+        import torch
+
+        assert self._session is not None and self._config is not None
+        n = int(x.shape[0])
+        with torch.cuda.stream(self.stream):
+            out = torch.empty((n, len(self._config.output.labels)), dtype=torch.float32, device=x.device)
+            x = x.contiguous()
+            # the input was written on this stream: wait for it (the stream only, not the device)
+            self.stream.synchronize()
+            binding = self._session.io_binding()
+            binding.bind_input(self._in_name, "cuda", 0, NP_DTYPES[self._config.input.dtype],
+                               tuple(x.shape), x.data_ptr())
+            binding.bind_output(self._out_name, "cuda", 0, np.float32, tuple(out.shape), out.data_ptr())
+            self._session.run_with_iobinding(binding)
+            return out.cpu().numpy()
 
     def close(self) -> None:
         self._session = None

@@ -235,7 +235,8 @@ def check_driver_cuda(c: _Ctx) -> Check:
             oks.append(f"{who}: CUDA {_v(need)} <= driver's {_v(drv)}")
     newest = max(n for _, n in needs)
     branch = MIN_DRIVER_BRANCH.get(newest)
-    fix = (f"upgrade the NVIDIA driver to {branch + ' or newer' if branch else 'a release for CUDA ' + _v(newest)}"
+    target = f"{branch} or newer" if branch else f"a release for CUDA {_v(newest)}"
+    fix = (f"upgrade the NVIDIA driver to {target}"
            f" (driver {f.nvml.driver_version()} supports CUDA {_v(drv)}), or install builds for "
            f"CUDA <= {_v(drv)}, e.g. `pip install torch --index-url "
            f"https://download.pytorch.org/whl/cu{drv[0]}{drv[1]}` (pick an index that exists)")

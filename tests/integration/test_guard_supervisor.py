@@ -51,6 +51,11 @@ class Guard:
     def state(self, job_id: int) -> str:
         return self.store.get(job_id).state
 
+    def wait_running(self, job_id: int):
+        """Running with its process recorded (the pid is written just after the claim)."""
+        return wait_for(lambda: (j := self.store.get(job_id)).state == "running" and j.pid and j,
+                        10.0, f"job {job_id} to run")
+
     def wait_state(self, job_id: int, *states: str, timeout: float = 10.0):
         return wait_for(lambda: self.store.get(job_id).state in states and self.store.get(job_id),
                         timeout, f"job {job_id} to be {states} (is {self.state(job_id)})")
@@ -118,8 +123,8 @@ def test_higher_priority_starts_first(guard_factory, tmp_path):
 def test_low_headroom_pauses_the_job_and_resumes_it(guard_factory):
     g = guard_factory(inference_floor=4 * GIB, margin=0)
     job = g.submit(USES.format(use=GIB, sleep=30), gpu_mem=2 * GIB, policy="pause")
-    running = g.wait_state(job.id, "running")
-    wait_for(lambda: running.pid and proc.session_members(running.pid), what="job process")
+    running = g.wait_running(job.id)
+    wait_for(lambda: len(proc.session_members(running.pid)) >= 2, what="job process")
     write_simulation(g.gpu, base_used=12 * GIB)  # free 16-12-1 = 3 GiB < floor 4 GiB
     paused = g.wait_state(job.id, "paused")
     assert "inference floor" in paused.reason
@@ -151,7 +156,7 @@ def test_stop_policy_sigterm_then_sigkill_for_a_job_over_its_need(guard_factory,
 def test_cancel_a_running_job(guard_factory):
     g = guard_factory()
     job = g.submit("import time; time.sleep(60)")
-    running = g.wait_state(job.id, "running")
+    running = g.wait_running(job.id)
     g.store.request_cancel(job.id)
     done = g.wait_state(job.id, "cancelled")
     assert done.reason == "cancelled by user" and done.exit_code == -15

@@ -46,4 +46,5 @@ def decide(*, need: int, total: int, free: int, floor: int, promised: int = 0) -
                         f" - promised {fmt_bytes(promised)} >= need {fmt_bytes(need)}")
     return Decision(False, False,
                     f"waiting for GPU memory: free {fmt_bytes(free)} - floor {fmt_bytes(floor)}"
-                    f" - promised {fmt_bytes(promised)} = {fmt_bytes(room)} < need {fmt_bytes(need)}")
+                    f" - promised {fmt_bytes(promised)} = {fmt_bytes(room)}"
+                    f" < need {fmt_bytes(need)}")

@@ -77,7 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="safety margin added to the floor (default 1GiB)")
     p.add_argument("--hysteresis", default="1GiB", metavar="SIZE",
                    help="a paused job resumes once free memory is this much above the floor")
-    p.add_argument("--poll-hz", type=float, default=10.0, help="watchdog samples per second (>= 10)")
+    p.add_argument("--poll-hz", type=float, default=10.0,
+                   help="watchdog samples per second (>= 10)")
     p.add_argument("--grace", type=float, default=10.0, help="seconds from SIGTERM to SIGKILL")
     p.add_argument("--context-reserve", default="768MiB", metavar="SIZE",
                    help="CUDA context allowance: the torch allocator cap is need minus this")

@@ -46,7 +46,8 @@ def main(argv: list[str]) -> int:
     try:
         child = subprocess.Popen(cmd)
     except OSError as exc:
-        sys.stderr.write(f"visionserve guard: cannot start {cmd[0] if cmd else '(nothing)'}: {exc}\n")
+        prog = cmd[0] if cmd else "(nothing)"
+        sys.stderr.write(f"visionserve guard: cannot start {prog}: {exc}\n")
         _write_status(status, {"returncode": 127, "error": str(exc)})
         return 127
     while True:

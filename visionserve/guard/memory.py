@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..errors import ConfigError
-from ..gpu.nvml import GpuInfo, Nvml, SimulatedNvml, simulated_gpu
+from ..gpu.nvml import GpuInfo, GpuProcess, Nvml, SimulatedNvml, simulated_gpu
 from . import proc
 
 log = logging.getLogger(__name__)
@@ -202,9 +202,9 @@ class SimulatedMemorySource:
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot read simulated GPU memory file {self.path}: {exc}") from None
         total = int(d.get("total", 80 * 1024**3))
-        procs = {int(p): int(b) for p, b in d.get("pids", {}).items() if proc.is_alive(int(p), None)}
+        procs = {int(p): int(b) for p, b in d.get("pids", {}).items()
+                 if proc.is_alive(int(p), None)}
         used = min(total, int(d.get("base_used", 0)) + sum(procs.values()))
-        from ..gpu.nvml import GpuProcess
         return simulated_gpu(0, memory_total=total, memory_used=used,
                              processes=tuple(GpuProcess(p, b) for p, b in procs.items()))
 

@@ -18,7 +18,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidInput, NotFound, VisionServeError

@@ -1,0 +1,154 @@
+"""The guard on a real GPU (NVML + torch): the core of the acceptance run.
+
+A hostile training job (it lifts its own allocator cap and allocates in a loop) is stopped or
+paused by the watchdog with the reason recorded, while the card's free memory never stays under
+the inference floor for long. Skips cleanly where CUDA is absent.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+GIB = 1024**3
+
+HOSTILE = """
+import time, torch
+torch.cuda.set_per_process_memory_fraction(1.0)  # hostile: lift the guard's allocator cap
+hold = []
+while True:
+    hold.append(torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda"))
+    torch.cuda.synchronize()
+    time.sleep(0.02)
+"""
+
+POLITE = """
+import torch
+torch.ones(1, device="cuda")
+try:
+    torch.empty(int({want}), dtype=torch.uint8, device="cuda")
+    print("NOT CAPPED")
+except torch.cuda.OutOfMemoryError:
+    print("CAPPED", torch.cuda.get_per_process_memory_fraction()
+          if hasattr(torch.cuda, "get_per_process_memory_fraction") else "")
+"""
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA is not available")
+    from visionserve.guard.memory import open_nvml_source
+
+    src = open_nvml_source("0")
+    if src is None:
+        pytest.skip("NVML sees no GPU")
+    return src
+
+
+def _wait(pred, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class FreeWatcher(threading.Thread):
+    """Samples free memory at ~100 Hz; records the longest stretch under ``floor``."""
+
+    def __init__(self, src, floor):
+        super().__init__(daemon=True)
+        self.src, self.floor = src, floor
+        self.longest_under = 0.0
+        self.min_free = None
+        self.stop = threading.Event()
+
+    def run(self):
+        under_since = None
+        while not self.stop.is_set():
+            _, free = self.src.device_memory()
+            now = time.monotonic()
+            self.min_free = free if self.min_free is None else min(self.min_free, free)
+            if free < self.floor:
+                under_since = under_since or now
+                self.longest_under = max(self.longest_under, now - under_since)
+            else:
+                under_since = None
+            time.sleep(0.01)
+
+
+def _guard(tmp_path, src, **cfg):
+    from visionserve.guard.store import JobStore
+    from visionserve.guard.supervisor import Supervisor, SupervisorConfig
+
+    store = JobStore(tmp_path / "g.sqlite")
+    sup = Supervisor(store, src, SupervisorConfig(poll_hz=20, **cfg))
+    t = threading.Thread(target=sup.run_forever, daemon=True)
+    t.start()
+    return store, sup, t
+
+
+def _submit(store, code, **kw):
+    from visionserve.guard.store import JobSpec
+
+    return store.submit(JobSpec(command=[sys.executable, "-c", code], **kw))
+
+
+def _finish(sup, t):
+    from visionserve.guard import proc
+
+    for a in list(sup.active.values()):
+        proc.signal_group(a.pgid, 9)
+    sup.request_stop()
+    t.join(30)
+
+
+def test_allocator_cap_reaches_a_torch_job(tmp_path, gpu):
+    store, sup, t = _guard(tmp_path, gpu, inference_floor=0, margin=0, context_reserve=GIB)
+    try:
+        job = _submit(store, POLITE.format(want=3 * GIB), gpu_mem=3 * GIB)  # cap = 2 GiB
+        done = _wait(lambda: (j := store.get(job.id)).state in ("succeeded", "failed") and j,
+                     120, "job end")
+        log = open(done.log_path).read()
+        assert done.state == "succeeded", log
+        assert "CAPPED" in log, log
+    finally:
+        _finish(sup, t)
+
+
+@pytest.mark.parametrize("policy", ["stop", "pause"])
+def test_hostile_job_is_stopped_or_paused_and_the_floor_holds(tmp_path, gpu, policy):
+    from visionserve.guard import proc
+
+    total, free = gpu.device_memory()
+    need = 4 * GIB
+    floor = free - need - 4 * GIB  # the job may take need + 4 GiB before the floor is touched
+    assert floor > 0
+    watcher = FreeWatcher(gpu, floor)
+    watcher.start()
+    store, sup, t = _guard(tmp_path, gpu, inference_floor=floor, margin=0, grace_s=2.0)
+    try:
+        job = _submit(store, HOSTILE, gpu_mem=need, policy=policy)
+        want = "killed" if policy == "stop" else "paused"
+        done = _wait(lambda: (j := store.get(job.id)).state in (want, "failed", "succeeded")
+                     and j, 120, f"job {want}")
+        assert done.state == want, open(done.log_path).read()
+        assert "over its declared" in done.reason or "inference floor" in done.reason
+        if policy == "pause":
+            assert all(m.state == "T" for m in proc.session_members(done.pid))
+            time.sleep(0.5)  # paused: it cannot allocate more
+            assert store.get(job.id).state == "paused"
+    finally:
+        _finish(sup, t)
+        watcher.stop.set()
+        watcher.join(5)
+    assert watcher.longest_under < 1.0, (watcher.longest_under, watcher.min_free, floor)

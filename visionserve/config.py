@@ -228,6 +228,17 @@ class ServerSettings(BaseSettings):
     auth_health_open: bool = Field(True, description="Health endpoints stay open when auth is on.")
     tls_cert: Path | None = Field(None, description="PEM certificate: serve HTTPS and gRPC over TLS.")
     tls_key: Path | None = Field(None, description="PEM private key for --tls-cert.")
+    guard: bool = Field(False, description="Also host the training-queue guard (and /v1/guard/jobs).")
+    guard_db: Path | None = Field(
+        None, description="The guard's SQLite database (default: VISIONSERVE_GUARD_DB or "
+        "./visionserve-guard.sqlite).")
+    guard_margin: str = Field("1GiB", description="Safety margin the guard keeps above the server's budget.")
+
+    @field_validator("guard_margin")
+    @classmethod
+    def _margin(cls, v: str) -> str:
+        parse_bytes(v)
+        return v
 
     @model_validator(mode="after")
     def _tls_pair(self) -> ServerSettings:

@@ -14,11 +14,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from . import imaging, metrics
 from .backends import base as backends
 from .batching import Batcher, CostModel
 from .config import BatchingSpec, ModelConfig, ServerSettings
-from .errors import InvalidInput, NotFound, Unavailable, VisionServeError
+from .errors import ConfigError, InvalidInput, NotFound, Unavailable, VisionServeError
 from .imaging import Frame
 from .repository import ModelEntry, parse_version, scan
 from .runner import BatchRecord, FrameResult, Runner, padded_size
@@ -89,7 +91,14 @@ def effective_config(config: ModelConfig, settings: ServerSettings) -> ModelConf
     data = b.model_dump() | over
     mbs = data["max_batch_size"]
     data["preferred_batch_sizes"] = tuple(p for p in data["preferred_batch_sizes"] if p <= mbs) or (mbs,)
-    return config.model_copy(update={"batching": BatchingSpec.model_validate(data)})
+    try:
+        batching = BatchingSpec.model_validate(data)
+    except ValidationError as exc:
+        # the server setting's own range is wider than model.toml's: name the option, not pydantic
+        errs = "; ".join(f"--{'.'.join(str(p) for p in e['loc']).replace('_', '-')}: {e['msg']} "
+                         f"(got {e.get('input')!r})" for e in exc.errors())
+        raise ConfigError(f"server override does not fit model {config.name or 'config'}: {errs}") from None
+    return config.model_copy(update={"batching": batching})
 
 
 class Engine:
@@ -102,6 +111,7 @@ class Engine:
         self._ready = False
         self._draining = False
         self.startup_error: str | None = None
+        self.gpu = None  # gpu.memory.GpuReservation when the device is a GPU
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -120,17 +130,28 @@ class Engine:
     def scan(self) -> None:
         """Read the repository (fast, synchronous): bad model.toml files fail start-up here."""
         self.entries = scan(Path(self.settings.models))
+        for entry in self.entries.values():  # bad command-line overrides fail here too, not at load
+            effective_config(entry.config.model_copy(update={"name": entry.name}), self.settings)
 
     async def start(self) -> None:
         if not self.entries:
             self.scan()
         imaging.configure_opencv(self.settings.max_image_pixels)
         loop = asyncio.get_running_loop()
+        if self.device.startswith("cuda"):
+            # budget: planned, checked free (else not ready, with the reason logged), allocators capped
+            from .gpu.memory import GpuReservation
+
+            self.gpu = GpuReservation(self.settings.gpu_memory_budget, self.device)
+            await self.gpu.reserve([(e.name, effective_config(e.config, self.settings))
+                                    for e in self.entries.values()])
         for entry in self.entries.values():
             for version, path in sorted(entry.versions.items()):
                 served = await self._load(entry, version, path, loop)
                 self.served[(entry.name, version)] = served
                 metrics.READY.labels(entry.name, str(version)).set(1)
+        if self.gpu is not None:
+            self.gpu.ready()  # allocator state marked: serving should add no device memory
         self._ready = True
         log.info("ready: %s on %s", ", ".join(f"{n}:{v}" for n, v in self.served), self.device)
 
@@ -144,12 +165,16 @@ class Engine:
         for i in range(config.runtime.instances):
             backend = backends.create(config.runtime.backend)
             t0 = time.monotonic()
-            await asyncio.to_thread(backend.load, path, config, self.device)
+            load_config = self.gpu.instance_config(entry.name, config) if self.gpu else config
+            await asyncio.to_thread(backend.load, path, load_config, self.device)
             await asyncio.to_thread(self._warmup, backend, preferred, cost)
+            prep = await asyncio.to_thread(self.gpu.preprocessor, backend, config, preferred) \
+                if self.gpu else None
             log.info("%s:%d instance %d loaded and warmed up in %.1f s (%s)", entry.name, version, i,
                      time.monotonic() - t0, backend.describe())
             runners.append(Runner(name=f"{entry.name}:{version}#{i}", backend=backend, config=config,
-                                  preferred=preferred, cost=cost, on_batch=lambda r: None))
+                                  preferred=preferred, cost=cost, on_batch=lambda r: None,
+                                  prepare=prep.prepare if prep is not None else None))
 
         async def execute(batch):
             runner = min(runners, key=lambda r: r._inbox.qsize())
@@ -197,6 +222,8 @@ class Engine:
                 await asyncio.to_thread(r.stop)
                 r.backend.close()
             metrics.READY.labels(s.name, str(s.version)).set(0)
+        if self.gpu is not None:
+            await self.gpu.close()
         self._ready = False
 
     # --- queries -----------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from . import imaging
 from .backends.base import Backend
 from .batching import CostModel, Pending, resolve
 from .config import ModelConfig
-from .errors import DeadlineExceeded, InternalError, VisionServeError
+from .errors import DeadlineExceeded, InternalError, Unavailable, VisionServeError
 from .postprocess import classify
 
 log = logging.getLogger(__name__)
@@ -70,8 +70,12 @@ _STOP = object()
 class Runner:
     def __init__(self, *, name: str, backend: Backend, config: ModelConfig,
                  preferred: tuple[int, ...], cost: CostModel,
-                 on_batch: Callable[[BatchRecord], None]) -> None:
+                 on_batch: Callable[[BatchRecord], None],
+                 prepare: Callable | None = None) -> None:
         self.name = name
+        # prepare(frames, padded) -> (tensor, good, bad): None = imaging.prepare_batch (CPU); the
+        # GPU preprocessor (gpu/preprocess.py) when the runner's device is a GPU
+        self.prepare = prepare
         self.backend = backend
         self.config = config
         self.preferred = preferred
@@ -122,11 +126,22 @@ class Runner:
             t0 = time.monotonic()
             live = [p for p in batch if not p.future.done()]
             try:
+                if not self.healthy:
+                    raise _Unhealthy
                 padded = padded_size(len(live), self.preferred)
-                tensor, good, bad = imaging.prepare_batch([p.payload for p in live], spec, padded)
+                if self.prepare is None:
+                    tensor, good, bad = imaging.prepare_batch([p.payload for p in live], spec, padded)
+                else:
+                    tensor, good, bad = self.prepare([p.payload for p in live], padded)
                 errors = [(live[i], exc) for i, exc in bad]
                 items = [live[i] for i in good]
-            except Exception:
+            except _Unhealthy:
+                tensor, items = None, []
+                errors = [(p, Unavailable(f"model instance {self.name} is unhealthy after a device "
+                                          "fault; see the server log")) for p in live]
+            except Exception as exc:
+                if device_fault(exc):
+                    self._mark_unhealthy(exc)
                 log.exception("preprocessing failed in %s", self.name)
                 tensor, items = None, []
                 errors = [(p, InternalError("preprocessing failed; see the server log")) for p in live]
@@ -142,12 +157,20 @@ class Runner:
             batch, done, items, tensor, t0, prep_s, failed = job
             try:
                 self._compute(items, tensor, t0, prep_s, failed)
-            except Exception:  # never let the thread die: the batch fails, the runner goes on
+            except Exception as exc:  # never let the thread die: the batch fails, the runner goes on
+                if device_fault(exc):
+                    self._mark_unhealthy(exc)
                 log.exception("compute failed in %s", self.name)
                 self._post(_fail_all, [(p, InternalError("the model failed on this batch; see the server log"))
                                        for p in items])
             finally:
                 self._post(resolve, done, None)
+
+    def _mark_unhealthy(self, exc: BaseException) -> None:
+        if self.healthy:
+            self.healthy = False
+            log.error("device fault in %s: %s; this model instance is out of service (not ready) "
+                      "until the server restarts", self.name, str(exc).strip().splitlines()[0][:300])
 
     def _compute(self, items: list[Pending], tensor, t0: float, prep_s: float, failed: int) -> None:
         now = time.monotonic()
@@ -162,13 +185,22 @@ class Runner:
             # drop rows of frames that expired or were cancelled during decode, re-pad
             padded = padded_size(len(keep), self.preferred)
             rows = keep + [keep[0]] * (padded - len(keep))
-            tensor = np.ascontiguousarray(tensor[rows])
+            tensor = tensor[rows]  # numpy or torch (GPU path): both copy on advanced indexing
+            tensor = np.ascontiguousarray(tensor) if isinstance(tensor, np.ndarray) else tensor.contiguous()
             items = [items[i] for i in keep]
         t1 = time.monotonic()
         try:
             raw = self.backend.run(tensor)
         except VisionServeError as exc:
             self._post(_fail_all, [(p, exc) for p in items])
+            return
+        except Exception as exc:
+            if not device_fault(exc):
+                raise
+            self._mark_unhealthy(exc)
+            self._post(_fail_all, [(p, Unavailable(
+                f"the GPU failed while running model instance {self.name}; it is out of service"))
+                for p in items])
             return
         t2 = time.monotonic()
         results = classify(np.asarray(raw[:len(items)]), self.config)
@@ -180,12 +212,35 @@ class Runner:
                 verdict=c.verdict, label=c.label, score=c.score, scores=c.scores, batch_size=n,
                 queue_ms=(p.dispatched - p.arrival) * 1000, compute_ms=(t3 - p.dispatched) * 1000,
                 total_ms=(t3 - p.arrival) * 1000, deadline_met=t3 <= p.deadline)))
-        self._post(_answer_all, answers)
         self.cost.observe(n, t3 - min(p.dispatched for p in items))
+        # the batch is recorded before its answers are released (the loop runs posts in order): a
+        # client holding its answer must find it counted in /stats, even if this thread is slow
+        # to get the GIL back after posting
         self._post(self.on_batch, BatchRecord(
             size=n, padded=tensor.shape[0], ok=n, failed=failed, late=len(late),
             queue_s=tuple(p.dispatched - p.arrival for p in items),
             prep_s=prep_s, infer_s=t2 - t1, post_s=t3 - t2))
+        self._post(_answer_all, answers)
+
+
+class _Unhealthy(Exception):
+    pass
+
+
+# Messages of errors raised by torch / onnxruntime when the device itself failed (a sticky CUDA
+# error: the context is unusable, further results would be garbage). Out-of-memory is not one.
+_DEVICE_FAULTS = ("CUDA error", "CUDA driver error", "CUDA failure", "cuDNN error", "CUDNN failure",
+                  "CUBLAS_STATUS_EXECUTION_FAILED", "CUBLAS failure", "illegal memory access",
+                  "device-side assert", "unspecified launch failure", "uncorrectable ECC error",
+                  "GPU has fallen off the bus")
+
+
+def device_fault(exc: BaseException) -> bool:
+    """True when ``exc`` means the device is broken (as opposed to a bad input or OOM)."""
+    if type(exc).__name__ == "AcceleratorError":  # torch >= 2.8 raises this for CUDA errors
+        return True
+    text = str(exc)
+    return "out of memory" not in text and any(k in text for k in _DEVICE_FAULTS)
 
 
 def _answer_all(answers) -> None:

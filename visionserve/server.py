@@ -74,10 +74,11 @@ def configure_logging(level: str, as_json: bool) -> None:
     root.setLevel(level.upper())
 
 
-def pin_device(spec: str) -> str:
+def pin_device(spec: str):
     """Resolve the device and pin this process to it before any CUDA library loads.
 
-    Returns the device string the backends use: ``cpu`` or ``cuda:0`` (the one visible GPU).
+    Returns the ResolvedDevice; its ``torch_device`` (``cpu`` or ``cuda:0``, the one visible GPU)
+    is what the backends use.
     """
     from .gpu import device as gpu_device
     from .gpu.nvml import real_nvml
@@ -86,7 +87,7 @@ def pin_device(spec: str) -> str:
     resolved = gpu_device.resolve(gpu_device.parse_device(spec), nvml)
     gpu_device.pin_environment(resolved)
     log.info("device: %s", gpu_device.describe(resolved))
-    return "cpu" if resolved.kind == "cpu" else "cuda:0"
+    return resolved
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,18 +103,52 @@ def run(args: argparse.Namespace) -> int:
         from .security import load_token
 
         load_token(settings.auth_token, settings.auth_token_file)
-        device = pin_device(settings.device)
+        resolved = pin_device(settings.device)
         from .engine import Engine
 
-        engine = Engine(settings, device=device)
+        engine = Engine(settings, device=resolved.torch_device)
         engine.scan()
+        guard = HostedGuard(settings, resolved) if settings.guard else None
     except VisionServeError as exc:
         print(f"visionserve serve: {exc.message}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(engine, settings))
+    return asyncio.run(serve(engine, settings, guard))
 
 
-async def serve(engine, settings: ServerSettings) -> int:
+class HostedGuard:
+    """The training-queue guard's supervisor in a thread of the server, its API under /v1/guard."""
+
+    def __init__(self, settings: ServerSettings, resolved) -> None:
+        from .config import parse_bytes
+        from .guard.memory import open_nvml_source
+        from .guard.store import JobStore, default_db_path
+        from .guard.supervisor import Supervisor, SupervisorConfig
+
+        self.store = JobStore(str(settings.guard_db or default_db_path()))
+        source = None if resolved.gpu is None else open_nvml_source(resolved.gpu.uuid)
+        budget = parse_bytes(settings.gpu_memory_budget) if settings.gpu_memory_budget else 0
+        self.supervisor = Supervisor(self.store, source, SupervisorConfig(
+            inference_floor=budget, margin=parse_bytes(settings.guard_margin)))
+        self._thread = None
+
+    def router(self):
+        from .guard.http import make_router
+
+        return make_router(self.store)
+
+    def start(self) -> None:
+        import threading
+
+        self._thread = threading.Thread(target=self.supervisor.run_forever, name="guard", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.supervisor.request_stop()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+
+async def serve(engine, settings: ServerSettings, guard: HostedGuard | None = None) -> int:
     """Run HTTP (+ gRPC) until a signal, then drain; returns the exit code."""
     import uvicorn
 
@@ -121,7 +156,8 @@ async def serve(engine, settings: ServerSettings) -> int:
     from .security import HttpSecurity, load_token
 
     token = load_token(settings.auth_token, settings.auth_token_file)
-    app = HttpSecurity(create_app(engine, settings), token, settings.auth_health_open)
+    routers = (guard.router(),) if guard is not None else ()
+    app = HttpSecurity(create_app(engine, settings, routers), token, settings.auth_health_open)
     tls = {"ssl_certfile": str(settings.tls_cert), "ssl_keyfile": str(settings.tls_key)} \
         if settings.tls_cert else {}
     server = DrainingServer(uvicorn.Config(
@@ -139,9 +175,13 @@ async def serve(engine, settings: ServerSettings) -> int:
         log.info("gRPC listening on %s:%d", settings.host, settings.grpc_port)
     server.grpc_server = grpc_server
     start = asyncio.create_task(_start_engine(engine, server))
+    if guard is not None:
+        guard.start()
     try:
         await server.serve()
     finally:
+        if guard is not None:
+            await asyncio.to_thread(guard.stop)
         if grpc_server is not None:
             await grpc_server.stop(grace=1.0)
         start.cancel()

@@ -12,7 +12,7 @@ from visionserve.errors import ConfigError
 from visionserve.gpu.nvml import SimulatedNvml, simulated_gpu
 from visionserve.guard import admission, proc, watchdog
 from visionserve.guard.launcher import LaunchSettings, allocator_cap, job_env
-from visionserve.guard.memory import (SimulatedMemorySource, open_nvml_source, resolve_device,
+from visionserve.guard.memory import (SimulatedMemorySource, open_nvml_source,
                                       simulate_usage, write_simulation)
 from visionserve.guard.store import Job
 
@@ -66,15 +66,17 @@ def test_watchdog_leaves_healthy_jobs_alone():
     assert watchdog.decide([_view()], free=50 * GIB, floor=2 * GIB, hysteresis=GIB) == []
 
 
-def test_resolve_device_by_index_uuid_and_bus():
-    devs = SimulatedNvml([simulated_gpu(0), simulated_gpu(1)]).devices()
-    assert resolve_device(devs, "auto").index == 0
-    assert resolve_device(devs, "cuda:1").index == 1
-    assert resolve_device(devs, devs[1].uuid).index == 1
-    assert resolve_device(devs, devs[1].pci_bus_id.lower()[4:]).index == 1
-    for bad in ("7", "GPU-ffff", "zz:00.0x", "nonsense"):
+def test_source_device_by_index_uuid_and_bus(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    nvml = SimulatedNvml([simulated_gpu(0), simulated_gpu(1)])
+    devs = nvml.devices()
+    assert open_nvml_source("auto", nvml).uuid == devs[0].uuid
+    assert open_nvml_source("cuda:1", nvml).uuid == devs[1].uuid
+    assert open_nvml_source(devs[1].uuid, nvml).uuid == devs[1].uuid
+    assert open_nvml_source(devs[1].pci_bus_id.lower()[4:], nvml).uuid == devs[1].uuid
+    for bad in ("cuda:7", "GPU-ffff", "zz:00.0x", "nonsense"):
         with pytest.raises(ConfigError):
-            resolve_device(devs, bad)
+            open_nvml_source(bad, nvml)
 
 
 def test_open_nvml_source_without_gpu_is_serial_mode_unless_a_device_was_named():

@@ -16,7 +16,6 @@ import fcntl
 import json
 import logging
 import os
-import re
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -74,44 +73,6 @@ class NvmlMemorySource:
         return MemorySample(total=total, free=free, used_by_pid=self.pid_usage())
 
 
-_BUS_RE = re.compile(r"^(?:([0-9a-f]{4,8}):)?([0-9a-f]{2}):([0-9a-f]{2})\.([0-9a-f])$", re.I)
-
-
-def _norm_bus(bus: str) -> str | None:
-    m = _BUS_RE.match(bus.strip())
-    if not m:
-        return None
-    return f"{int(m.group(1) or '0', 16):08x}:{m.group(2)}:{m.group(3)}.{m.group(4)}".lower()
-
-
-def resolve_device(devices: list[GpuInfo], spec: str) -> GpuInfo:
-    """``auto`` (the first GPU), ``N``/``cuda:N`` (NVML = PCI bus order), ``GPU-<uuid>`` (or a
-    unique prefix of it) or a PCI bus id (``0000:17:00.0`` / ``17:00.0``)."""
-    spec = spec.strip()
-    if not devices:
-        raise ConfigError("no GPU is visible to NVML")
-    if spec in ("auto", "cuda", ""):
-        return devices[0]
-    m = re.fullmatch(r"(?:cuda:)?(\d+)", spec)
-    if m:
-        idx = int(m.group(1))
-        for d in devices:
-            if d.index == idx:
-                return d
-        raise ConfigError(f"--device {spec}: no GPU with index {idx} ({len(devices)} GPUs)")
-    if spec.upper().startswith("GPU-") or spec.upper().startswith("MIG-"):
-        hits = [d for d in devices if d.uuid.lower().startswith(spec.lower())]
-        if len(hits) == 1:
-            return hits[0]
-        raise ConfigError(f"--device {spec}: " + ("ambiguous UUID prefix" if hits else
-                                                  "no GPU with that UUID"))
-    bus = _norm_bus(spec)
-    if bus:
-        for d in devices:
-            if _norm_bus(d.pci_bus_id) == bus:
-                return d
-        raise ConfigError(f"--device {spec}: no GPU at that PCI bus id")
-    raise ConfigError(f"--device {spec!r}: use auto, an index, cuda:N, GPU-<uuid> or a PCI bus id")
 
 
 def open_nvml_source(spec: str, nvml: Nvml | None = None) -> NvmlMemorySource | None:
@@ -127,7 +88,10 @@ def open_nvml_source(spec: str, nvml: Nvml | None = None) -> NvmlMemorySource | 
             raise ConfigError(f"--device {spec}: no GPU available "
                               f"({getattr(nvml, 'reason', None) or 'NVML not available'})")
         return None
-    return NvmlMemorySource(nvml, resolve_device(nvml.devices(), spec))
+    from ..gpu.device import resolve
+
+    resolved = resolve(spec, nvml)  # the server's own rules: cuda:N, GPU-<uuid>, PCI bus id
+    return None if resolved.gpu is None else NvmlMemorySource(nvml, resolved.gpu)
 
 
 # -- simulation ----------------------------------------------------------------------------------

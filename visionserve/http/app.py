@@ -55,6 +55,14 @@ async def read_body(request: Request, limit: int, timeout_s: float | None = None
     return b"".join(chunks)
 
 
+class ClientGone(Exception):
+    """The client disconnected before its answer: nothing can be sent back.
+
+    Raised instead of ``CancelledError``, which escaped the app and made uvicorn log "Exception in
+    ASGI application" with a traceback for every line controller that timed out.
+    """
+
+
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Await ``work``; if the client goes away first, cancel it so its frames never run."""
     task = asyncio.ensure_future(work)
@@ -77,10 +85,10 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
         return task.result()
     task.cancel()
     log.info("client disconnected before its answer; request dropped")
-    raise asyncio.CancelledError("client disconnected")
+    raise ClientGone()
 
 
-def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
+def create_app(engine: Engine, settings: ServerSettings, routers: tuple = ()) -> FastAPI:
     app = FastAPI(
         title="visionserve",
         version=__version__,
@@ -93,6 +101,11 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     @app.exception_handler(VisionServeError)
     async def _vs_error(request: Request, exc: VisionServeError) -> JSONResponse:
         return error_response(exc)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, exc: ClientGone) -> Response:
+        # never reaches the client (uvicorn drops sends after a disconnect); 499 as nginx logs it
+        return Response(status_code=499)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -113,6 +126,8 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
     app.include_router(v2.router)
     app.include_router(inspect.router)
+    for extra in routers:
+        app.include_router(extra)
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:

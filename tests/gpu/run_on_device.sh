@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU data path on a CUDA machine, in one call: the gpu tests (and the CPU tests of the same
+# code), then the GPU benchmark. Results land in $OUT (at most 8 files):
+#   env.txt       nvidia-smi, versions, onnxruntime providers
+#   pytest.txt    test output;  junit.xml  the same, machine-readable
+#   bench.json    benchmark results;  bench.txt  its progress log
+#   server.log    the benchmark servers' logs
+# Run from the repository root:  bash tests/gpu/run_on_device.sh   (under 9 minutes: tests <= 210 s, benchmark <= 330 s)
+# Wheels for packages the machine lacks may be carried in .whl/ (installed to /tmp/site);
+# onnxruntime-gpu installed at /tmp/ort (shared/device/ort-gpu-chunks.sh) is used if present.
+set -u
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >"$OUT/env.txt" 2>&1 || echo "wheel install failed" >>"$OUT/env.txt"
+  export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
+[ -d /tmp/ort ] && export PYTHONPATH=/tmp/ort:$PYTHONPATH
+export PYTHONUNBUFFERED=1
+{
+  nvidia-smi
+  python3 -c 'import sys, torch, torchvision; print(sys.version); print("torch", torch.__version__, "torchvision", torchvision.__version__, "cuda", torch.cuda.is_available())'
+  python3 -c 'import onnxruntime as o; print("onnxruntime", o.__version__, o.__file__, o.get_available_providers())' 2>&1
+  python3 -c 'import fastapi, uvicorn, pydantic, pynvml; print("server deps ok")' 2>&1
+} >>"$OUT/env.txt" 2>&1
+
+timeout 210 python3 -m pytest -p no:cacheprovider -q -rs -o addopts="" \
+  tests/gpu/test_gpu_path.py tests/unit/test_gpu_memory.py tests/unit/test_torch_backend.py \
+  --junitxml="$OUT/junit.xml" >"$OUT/pytest.txt" 2>&1
+echo "pytest exit $?" >>"$OUT/pytest.txt"
+tail -n 25 "$OUT/pytest.txt"
+
+timeout 330 python3 -m visionserve.benchgpu --out "$OUT/bench.json" --log-dir "$OUT" \
+  ${BENCH_ARGS:-} >"$OUT/bench.txt" 2>&1
+echo "benchgpu exit $?" >>"$OUT/bench.txt"
+tail -n 60 "$OUT/bench.txt"

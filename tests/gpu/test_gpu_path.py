@@ -1,0 +1,366 @@
+"""The GPU data path on a real CUDA device: CUDA graphs, nvJPEG + device preprocessing against the
+CPU path, the memory budget (no new allocations after warm-up; not ready when it is not free),
+onnxruntime IOBinding, and a real device fault. Skipped where CUDA is absent."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+REPO = Path(__file__).resolve().parents[2]
+LABELS = ["ok", "scratch", "spot", "crack", "contamination"]
+
+TOML = """\
+[input]
+width = 96
+height = 96
+tensor_name = "input"
+mean = [0.485, 0.456, 0.406]
+std = [0.229, 0.224, 0.225]
+[output]
+labels = ["ok", "scratch", "spot", "crack", "contamination"]
+tensor_name = "logits"
+[batching]
+max_batch_size = 16
+preferred_batch_sizes = [1, 2, 4, 8, 16]
+max_queue_delay_ms = 1
+takt_ms = 10000
+[runtime]
+backend = "{backend}"
+precision = "{precision}"
+"""
+
+
+def _net():
+    import torch
+
+    class Net(torch.nn.Module):
+        """Small, but with what matters: convs, batch norm, pooling, a linear head."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            c = [3, 16, 32, 64]
+            layers = []
+            for a, b in zip(c, c[1:]):
+                layers += [torch.nn.Conv2d(a, b, 3, stride=2, padding=1), torch.nn.BatchNorm2d(b),
+                           torch.nn.ReLU()]
+            self.body = torch.nn.Sequential(*layers)
+            self.fc = torch.nn.Linear(64, len(LABELS))
+
+        def forward(self, x):
+            return self.fc(self.body(x).mean(dim=(2, 3)))
+
+    torch.manual_seed(0)
+    net = Net().eval()
+    with torch.no_grad():  # colour- and texture-sensitive, so preprocessing errors would show
+        for m in net.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.2, 0.2)
+                m.running_var.uniform_(0.5, 1.5)
+    return net
+
+
+def _export(folder: Path, backend: str = "torch", precision: str = "fp16") -> Path:
+    import torch
+
+    net = _net()
+    v = folder / "1"
+    v.mkdir(parents=True, exist_ok=True)
+    x = torch.randn(2, 3, 96, 96)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ep = torch.export.export(net, (x,), dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=256)},))
+        torch.export.save(ep, str(v / "model.pt2"))
+        torch.onnx.export(net, (x,), str(v / "model.onnx"), input_names=["input"], output_names=["logits"],
+                          dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, opset_version=17,
+                          dynamo=False)
+    (folder / "model.toml").write_text(TOML.format(backend=backend, precision=precision))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("gpurepo")
+    _export(root / "net")
+    return root
+
+
+@pytest.fixture(scope="module")
+def config(repo):
+    from visionserve.config import load_model_config
+
+    return load_model_config(repo / "net" / "model.toml")
+
+
+def _scenes(n: int, h: int = 480, w: int = 640) -> list[np.ndarray]:
+    """Smooth industrial-looking surfaces with a defect-like blob and mild sensor noise (BGR)."""
+    rng = np.random.default_rng(42)
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    out = []
+    for i in range(n):
+        base = 90 + 60 * np.sin(x / (20 + 7 * i)) * np.cos(y / (31 + 3 * i))
+        img = np.dstack([base + 20 * i % 60, base * 0.8 + 30, 255 - base])
+        cy, cx = rng.integers(60, h - 60), rng.integers(60, w - 60)
+        img[(y - cy) ** 2 + (x - cx) ** 2 < (10 + 4 * i) ** 2] = (20 + 10 * i, 200, 40)
+        img += rng.normal(0, 4, img.shape)
+        out.append(np.clip(img, 0, 255).astype(np.uint8))
+    return out
+
+
+def _frames(kinds=("jpeg",), n: int = 8):
+    import cv2
+
+    from visionserve import imaging
+
+    frames = []
+    for i, bgr in enumerate(_scenes(n)):
+        kind = kinds[i % len(kinds)]
+        if kind == "raw":
+            rgb = cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+            frames.append(imaging.raw_frame(rgb, rgb.shape))
+        else:
+            ok, buf = cv2.imencode("." + {"jpeg": "jpg"}.get(kind, kind), bgr,
+                                   [cv2.IMWRITE_JPEG_QUALITY, 92] if kind == "jpeg" else [])
+            frames.append(imaging.encoded_frame(buf.tobytes()))
+    return frames
+
+
+def _backends(repo, config):
+    from visionserve.backends.torch import TorchBackend
+
+    gpu, cpu = TorchBackend(), TorchBackend()
+    gpu.load(repo / "net" / "1" / "model.pt2", config, "cuda:0")
+    gpu.warmup(config.batching.preferred_batch_sizes)
+    cpu.load(repo / "net" / "1" / "model.pt2", config, "cpu")
+    return gpu, cpu
+
+
+def test_cuda_graphs_on_a_high_priority_stream(repo, config):
+    import torch
+
+    gpu, cpu = _backends(repo, config)
+    assert sorted(gpu._graphs) == [1, 2, 4, 8, 16]
+    assert gpu.stream.priority == min(torch.cuda.Stream.priority_range())
+    assert gpu.describe()["precision"] == "fp16" and gpu.describe()["memory_format"] == "channels_last"
+    x = np.random.default_rng(0).normal(size=(16, 3, 96, 96)).astype(np.float32)
+    for n in (1, 4, 16):
+        np.testing.assert_allclose(gpu.run(x[:n]), cpu.run(x[:n]), atol=0.05, rtol=0.02)  # fp16
+    runs = gpu.graph_runs
+    gpu.run(x[:16])
+    assert gpu.graph_runs == runs + 1
+    eager = gpu.eager_runs
+    big = np.concatenate([x, x[:4]])  # 20 rows: no graph for that size -> eager fallback
+    np.testing.assert_allclose(gpu.run(big)[16:], cpu.run(x[:4]), atol=0.05, rtol=0.02)
+    assert gpu.eager_runs == eager + 1
+
+
+@pytest.mark.parametrize("kinds", [("jpeg",), ("png", "raw", "jpeg", "bmp")])
+def test_gpu_and_cpu_paths_give_the_same_verdicts(repo, config, kinds):
+    """Same frames through nvJPEG + device preprocessing + fp16 CUDA graph, and through OpenCV +
+    fp32 on the CPU. Pixels: decoders differ by a level or two (IDCT, chroma upsampling), area
+    resizing 640x480 -> 96x96 averages that down, so the mean difference stays under a level.
+    Scores: fp16 compute (~1e-3 relative) plus those pixel differences -> within 0.03; labels
+    equal wherever the CPU's top two scores are not a near tie (margin > 0.06)."""
+    import torch
+
+    from visionserve import imaging
+    from visionserve.gpu.preprocess import TorchPreprocessor
+    from visionserve.postprocess import classify
+
+    gpu, cpu = _backends(repo, config)
+    prep = TorchPreprocessor.for_config(config, device="cuda:0", dtype=gpu.input_dtype, stream=gpu.stream,
+                                        channels_last=True)
+    frames = _frames(kinds, 16)
+    t_gpu, good, bad = prep.prepare(frames, 16)
+    assert t_gpu.is_cuda and t_gpu.dtype == torch.float16 and good == list(range(16)) and not bad
+    assert t_gpu.is_contiguous(memory_format=torch.channels_last)
+    t_cpu, good_c, _ = imaging.prepare_batch(frames, config.input, 16)
+    assert good_c == good
+    levels = np.abs(t_gpu.float().cpu().numpy() - t_cpu) * np.asarray(config.input.std).reshape(1, 3, 1, 1) * 255
+    assert levels.mean() < 1.0 and np.percentile(levels, 99.9) < 8
+    if "jpeg" in kinds:
+        assert prep.counts["nvjpeg"] >= 1
+    s_gpu = classify(gpu.run(t_gpu), config)
+    s_cpu = classify(cpu.run(t_cpu), config)
+    for a, b in zip(s_gpu, s_cpu):
+        assert np.abs(a.scores - b.scores).max() < 0.03
+        top2 = np.sort(b.scores)[-2:]
+        if top2[1] - top2[0] > 0.06:
+            assert (a.label, a.verdict) == (b.label, b.verdict)
+
+
+def _corrupt_jpeg() -> bytes:
+    import cv2
+
+    ok, buf = cv2.imencode(".jpg", _scenes(1, 64, 64)[0])
+    b = bytearray(buf.tobytes())
+    i = 2
+    while b[i + 1] != 0xC0:
+        i += 2 + int.from_bytes(b[i + 2:i + 4], "big")
+    b[i + 11] = 0  # zero sampling factor: libjpeg and nvJPEG both refuse it
+    return bytes(b)
+
+
+def test_corrupt_jpeg_fails_alone_on_the_gpu(repo, config):
+    """nvJPEG rejects the batch; per-image decoding finds the bad frame, OpenCV confirms it is
+    bad, and only that frame gets InvalidInput (400), like on the CPU path."""
+    from visionserve import imaging
+    from visionserve.errors import InvalidInput
+    from visionserve.gpu.preprocess import TorchPreprocessor
+
+    gpu, _ = _backends(repo, config)
+    prep = TorchPreprocessor.for_config(config, device="cuda:0", dtype=gpu.input_dtype, stream=gpu.stream)
+    frames = _frames(("jpeg",), 4)
+    frames.insert(2, imaging.encoded_frame(_corrupt_jpeg()))
+    t, good, bad = prep.prepare(frames, 8)
+    assert good == [0, 1, 3, 4] and [i for i, _ in bad] == [2]
+    assert isinstance(bad[0][1], InvalidInput)
+    _, good_c, bad_c = imaging.prepare_batch(frames, config.input, 8)
+    assert good_c == good and [i for i, _ in bad_c] == [2]
+    assert np.isfinite(gpu.run(t)).all()
+
+
+def _engine(repo: Path, budget: str | None):
+    from visionserve.config import ServerSettings
+    from visionserve.engine import Engine
+
+    settings = ServerSettings(models=repo, device="cuda", gpu_memory_budget=budget)
+    return Engine(settings, device="cuda:0")
+
+
+def test_serving_adds_no_device_memory_after_warm_up(repo):
+    """Budget reserved, every preferred size warmed (model + preprocessing): then a load of
+    mixed sizes and kinds (1080p and VGA JPEG, raw, PNG, 1..16 frames) makes no cudaMalloc."""
+    import cv2
+
+    from visionserve import imaging
+
+    big = cv2.resize(_scenes(1)[0], (1920, 1080))
+    ok, big_jpeg = cv2.imencode(".jpg", big)
+    mixed = _frames(("jpeg", "raw", "png"), 16) + [imaging.encoded_frame(big_jpeg.tobytes())] * 4
+
+    async def scenario():
+        engine = _engine(repo, "4GiB")
+        await engine.start()
+        try:
+            assert engine.ready and engine.gpu is not None
+            before = engine.gpu.watch.new_since_mark()
+            for n in (1, 3, 16, 7, 2, 16, 5):
+                for k in range(0, len(mixed), n):
+                    _, results = await engine.infer("net", None, mixed[k:k + n])
+                    assert len(results) == len(mixed[k:k + n])
+            await asyncio.gather(*(engine.infer("net", None, mixed[i:i + 2]) for i in range(0, 18, 2)))
+            after = engine.gpu.watch.new_since_mark()
+            return before, after
+        finally:
+            await engine.close()
+
+    before, after = asyncio.run(scenario())
+    assert before["new_segments"] == 0
+    assert after == {"new_segments": 0, "reserved_growth_bytes": 0, "alloc_retries": 0, "ooms": 0}, after
+
+
+def test_budget_not_free_keeps_the_server_not_ready(repo, caplog):
+    from visionserve.gpu.memory import GpuReservation
+
+    async def scenario():
+        engine = _engine(repo, "100TiB")
+        task = asyncio.create_task(engine.start())
+        await asyncio.sleep(3)
+        ready = engine.ready
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        return ready, task
+
+    with caplog.at_level(logging.ERROR):
+        ready, _ = asyncio.run(scenario())
+    assert not ready
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "is not available" in text and "GiB is free" in text
+    assert GpuReservation.RETRY_S > 0
+
+
+def test_onnxruntime_iobinding_on_device_tensors(repo, config):
+    ort = pytest.importorskip("onnxruntime")
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip(f"onnxruntime without CUDA: {ort.get_available_providers()}")
+    import torch
+
+    from visionserve.backends.onnx import OnnxBackend
+
+    cfg = config.model_copy(update={"runtime": config.runtime.model_copy(
+        update={"backend": "onnxruntime", "precision": "fp32", "gpu_memory_budget": "1GiB"})})
+    b = OnnxBackend()
+    b.load(repo / "net" / "1" / "model.onnx", cfg, "cuda:0")
+    assert b.providers[0] == "CUDAExecutionProvider" and b.stream is not None
+    x = np.random.default_rng(0).normal(size=(8, 3, 96, 96)).astype(np.float32)
+    host = b.run(x)
+    with torch.cuda.stream(b.stream):
+        dev = torch.from_numpy(x).to("cuda:0")
+    np.testing.assert_allclose(b.run(dev), host, rtol=1e-4, atol=1e-4)
+
+
+FAULT_SCRIPT = textwrap.dedent("""
+    import asyncio, logging, sys, time
+    import numpy as np, torch
+    from visionserve.backends.torch import TorchBackend
+    from visionserve.batching import CostModel, Pending
+    from visionserve.config import load_model_config
+    from visionserve.runner import Runner, padded_size
+    from visionserve import imaging
+    logging.basicConfig(level=logging.ERROR, stream=sys.stdout)
+    repo = sys.argv[1]
+    cfg = load_model_config(f"{repo}/net/model.toml")
+
+    class Broken(TorchBackend):
+        fail = False
+        def run(self, batch):
+            if self.fail:  # out-of-bounds gather: a device-side assert, a sticky CUDA error
+                idx = torch.tensor([10**6], device="cuda")
+                torch.zeros(4, device="cuda")[idx].sum().item()
+            return super().run(batch)
+
+    b = Broken(); b.load(f"{repo}/net/1/model.pt2", cfg, "cuda:0"); b.warmup((1, 2))
+    async def main():
+        loop = asyncio.get_running_loop()
+        r = Runner(name="net:1#0", backend=b, config=cfg, preferred=(1, 2),
+                   cost=CostModel(lambda n: padded_size(n, (1, 2))), on_batch=lambda x: None)
+        r.start(loop)
+        frame = imaging.raw_frame(np.zeros((96, 96, 3), np.uint8), (96, 96, 3))
+        async def one():
+            now = time.monotonic()
+            p = Pending(payload=frame, future=loop.create_future(), arrival=now, deadline=now + 30, dispatched=now)
+            await r.execute([p])
+            return p.future.exception() or p.future.result()
+        ok = await one()
+        b.fail = True
+        bad = await one()
+        print("RESULT", type(ok).__name__, type(bad).__name__, r.healthy)
+    asyncio.run(main())
+""")
+
+
+def test_device_fault_marks_the_model_unhealthy(repo):
+    """A real sticky CUDA error (device-side assert) in a separate process: the runner goes
+    unhealthy with one log line, the frame gets 503, nothing garbage is answered."""
+    env = {"PYTHONPATH": ":".join([str(REPO)] + sys.path), "CUDA_LAUNCH_BLOCKING": "0"}
+    import os
+
+    p = subprocess.run([sys.executable, "-c", FAULT_SCRIPT, str(repo)], capture_output=True, text=True,
+                       timeout=240, env={**os.environ, **env})
+    out = p.stdout + p.stderr
+    assert "RESULT FrameResult Unavailable False" in out, out[-3000:]
+    assert out.count("device fault in net:1#0") == 1, out[-3000:]

@@ -1,0 +1,293 @@
+"""GPU memory planning, the staging pool, telemetry and the torch preprocessing (on the CPU)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import numpy as np
+import pytest
+
+from visionserve.config import ModelConfig
+from visionserve.errors import ConfigError, InvalidInput
+from visionserve.gpu import memory, telemetry
+from visionserve.gpu.memory import (GpuReservation, PinnedPool, check_free, pinned_gpu, plan_budget,
+                                    prep_allowance)
+from visionserve.gpu.nvml import SimulatedNvml, simulated_gpu
+
+GIB = 1024**3
+
+
+def cfg(backend: str = "onnxruntime", budget: str | None = None, instances: int = 1,
+        mbs: int = 8) -> ModelConfig:
+    return ModelConfig.model_validate({
+        "input": {"width": 64, "height": 64},
+        "output": {"labels": ["ok", "ng"]},
+        "batching": {"max_batch_size": mbs, "preferred_batch_sizes": [1, mbs]},
+        "runtime": {"backend": backend, "gpu_memory_budget": budget, "instances": instances},
+    })
+
+
+# --- plan_budget -----------------------------------------------------------------------------
+
+def test_no_budget_caps_nothing():
+    assert plan_budget(None, [("a", cfg())]).total is None
+
+
+def test_model_budgets_sum_when_server_has_none():
+    plan = plan_budget(None, [("a", cfg(budget="2GiB")), ("b", cfg("torch", budget="1GiB"))])
+    assert plan.total == 3 * GIB
+    a = plan.share_of("a")
+    assert a.ort_limit_per_instance == 2 * GIB - prep_allowance(cfg())
+    # torch allocator: everything onnxruntime does not hold (torch model + all preprocessing)
+    assert plan.torch_cap == 3 * GIB - a.ort_limit_per_instance
+
+
+def test_server_budget_shared_by_models_without_their_own():
+    plan = plan_budget("8GiB", [("a", cfg(budget="2GiB")), ("b", cfg()), ("c", cfg(instances=2))])
+    assert plan.share_of("b").share == 3 * GIB
+    c = plan.share_of("c")
+    assert c.share == 3 * GIB and c.instances == 2
+    assert c.ort_limit_per_instance == (3 * GIB - 2 * prep_allowance(cfg())) // 2
+    ort_total = sum(s.ort_limit_per_instance * s.instances for s in plan.sessions)
+    assert plan.torch_cap + ort_total == 8 * GIB
+
+
+def test_model_budgets_over_the_server_budget_are_refused():
+    with pytest.raises(ConfigError, match="smaller than the models' own"):
+        plan_budget("1GiB", [("a", cfg(budget="2GiB"))])
+
+
+def test_budget_too_small_for_preprocessing_names_the_model():
+    with pytest.raises(ConfigError, match="model a .*preprocessing"):
+        plan_budget("64MiB", [("a", cfg(mbs=32))])
+    with pytest.raises(ConfigError, match="model t"):
+        plan_budget("64MiB", [("t", cfg("torch", mbs=32))])
+
+
+# --- NVML: free memory and who holds it ------------------------------------------------------
+
+def test_check_free_reports_free_memory_and_holders():
+    nv = SimulatedNvml([simulated_gpu(0, memory_total=80 * GIB, memory_used=0)])
+    nv.add_process(0, 4242, 70 * GIB)
+    gpu = pinned_gpu(nv, {})
+    check = check_free(nv, gpu, 16 * GIB)
+    assert not check.ok and check.free == 10 * GIB
+    msg = check.message("GPU x")
+    assert "16.00 GiB is not available" in msg and "10.00 GiB" in msg
+    assert "pid 4242 uses 70.00 GiB" in msg
+    nv.remove_process(0, 4242)
+    assert check_free(nv, gpu, 16 * GIB).ok
+
+
+def test_pinned_gpu_follows_cuda_visible_devices():
+    nv = SimulatedNvml([simulated_gpu(0), simulated_gpu(1)])
+    g1 = nv.devices()[1]
+    assert pinned_gpu(nv, {"CUDA_VISIBLE_DEVICES": g1.uuid}).index == 1
+    assert pinned_gpu(nv, {}).index == 0
+    assert pinned_gpu(SimulatedNvml([]), {}) is None
+
+
+def test_reservation_waits_not_ready_until_the_budget_is_free(caplog):
+    nv = SimulatedNvml([simulated_gpu(0, memory_total=80 * GIB, memory_used=0)])
+    nv.add_process(0, 777, 75 * GIB)
+    res = GpuReservation("8GiB", "cuda:0", nvml=nv)
+    res.RETRY_S = 0.02
+
+    async def scenario():
+        task = asyncio.create_task(res.reserve([("a", cfg())]))
+        await asyncio.sleep(0.2)
+        assert not task.done()  # still waiting: the engine stays not ready
+        nv.remove_process(0, 777)
+        await asyncio.wait_for(task, 5)
+
+    with caplog.at_level(logging.INFO, logger="visionserve.gpu.memory"):
+        asyncio.run(scenario())
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1  # logged once, not every retry
+    assert "5.00 GiB of 80.00 GiB is free" in errors[0] and "pid 777" in errors[0]
+    assert res.plan.total == 8 * GIB
+    # an onnxruntime instance loads with its share as gpu_mem_limit
+    loaded = res.instance_config("a", cfg())
+    assert memory.parse_bytes(loaded.runtime.gpu_memory_budget) == res.plan.share_of("a").ort_limit_per_instance
+
+
+# --- pinned staging pool ---------------------------------------------------------------------
+
+def test_pool_upload_round_trips_and_streams_large_arrays():
+    pool = PinnedPool(2, 1000)  # no CUDA here: ordinary memory, same code path
+    rng = np.random.default_rng(1)
+    arrays = [rng.integers(0, 255, s, dtype=np.uint8) for s in [(10, 10, 3), (50, 40, 3), (7,), (1, 1, 1)]]
+    out = pool.upload(arrays, "cpu")
+    assert [tuple(t.shape) for t in out] == [a.shape for a in arrays]
+    for a, t in zip(arrays, out):
+        np.testing.assert_array_equal(t.numpy(), a)
+    assert pool.nbytes == 2000
+
+
+def test_pool_refuses_empty_sizes():
+    with pytest.raises(ValueError):
+        PinnedPool(0, 10)
+
+
+# --- telemetry -------------------------------------------------------------------------------
+
+def test_telemetry_publishes_budget_memory_and_nvml_readings():
+    from prometheus_client import REGISTRY, generate_latest
+
+    nv = SimulatedNvml([simulated_gpu(0, memory_total=80 * GIB, memory_used=GIB, temperature_c=77,
+                                      power_w=321.5, throttle_reasons=("sw_thermal_slowdown",))])
+    nv.add_process(0, 99, 3 * GIB)
+    base = memory.AllocatorStats(10, 10, 2 * GIB, GIB, 0, 0)
+    now = memory.AllocatorStats(12, 12, 2 * GIB, GIB, 0, 0)
+    t = telemetry.GpuTelemetry(nv, 0, 6 * GIB, allocator=lambda: now, baseline=lambda: base, pid=99)
+    s = t.update()
+    assert s.process_used == 3 * GIB and s.new_segments == 2
+    text = generate_latest().decode()  # what /metrics serves
+    assert "visionserve_gpu_memory_budget_bytes" in text
+
+    def val(name, **labels):
+        return REGISTRY.get_sample_value(name, labels)
+
+    assert val("visionserve_gpu_memory_budget_bytes") == 6 * GIB
+    assert val("visionserve_gpu_memory_reserved_bytes") == 2 * GIB
+    assert val("visionserve_gpu_memory_used_bytes") == 3 * GIB
+    assert val("visionserve_gpu_temperature_celsius") == 77
+    assert val("visionserve_gpu_power_watts") == 321.5
+    assert val("visionserve_gpu_throttle_active", reason="sw_thermal_slowdown") == 1
+    assert val("visionserve_gpu_throttle_active", reason="hw_slowdown") == 0
+    assert val("visionserve_gpu_allocator_new_segments") == 2
+
+
+# --- the torch preprocessing, run on the CPU -------------------------------------------------
+
+def _scene(h: int, w: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w]
+    base = np.dstack([x * 255 // (w - 1), y * 255 // (h - 1), (x + y) % 256]).astype(np.float32)
+    return np.clip(base + rng.normal(0, 20, (h, w, 3)), 0, 255).astype(np.uint8)
+
+
+def _frames():
+    import cv2
+
+    from visionserve import imaging
+
+    frames = []
+    for i, (h, w) in enumerate([(480, 640), (300, 500), (100, 150), (64, 64), (57, 301)]):
+        bgr = _scene(h, w, i)
+        ok, png = cv2.imencode(".png", bgr)
+        frames.append(imaging.encoded_frame(png.tobytes()))
+        frames.append(imaging.raw_frame(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB), (h, w, 3)))
+    ok, bmp = cv2.imencode(".bmp", _scene(90, 120, 9))
+    frames.append(imaging.encoded_frame(bmp.tobytes()))
+    grey = _scene(60, 80, 7)[:, :, 0]
+    frames.append(imaging.raw_frame(grey[:, :, None], (60, 80, 1)))
+    rgba = np.dstack([_scene(60, 80, 8), np.full((60, 80), 200, np.uint8)])
+    frames.append(imaging.raw_frame(rgba, (60, 80, 4)))
+    return frames
+
+
+@pytest.mark.parametrize("resize", ["stretch", "letterbox", "center_crop"])
+@pytest.mark.parametrize("interp", ["area", "linear", "nearest", "cubic"])
+@pytest.mark.parametrize("colour", ["RGB", "BGR", "GRAY"])
+def test_torch_preprocessing_matches_opencv(resize, interp, colour):
+    """Same pixels as the OpenCV path within 1 level (2 for grey: OpenCV converts before it
+    resizes, rounding twice): the resize weights are OpenCV's, only its fixed-point rounding
+    differs. JPEG-free, so no decoder difference enters."""
+    import torch
+
+    from visionserve import imaging
+    from visionserve.config import InputSpec
+    from visionserve.gpu.preprocess import TorchPreprocessor
+
+    extra = dict(channels=1, mean=(0.5,), std=(0.25,)) if colour == "GRAY" else \
+        dict(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+    spec = InputSpec(width=96, height=80, resize=resize, interpolation=interp, color_order=colour, **extra)
+    frames = _frames()
+    ref, good, bad = imaging.prepare_batch(frames, spec, 16)
+    t, good2, bad2 = TorchPreprocessor(spec, device="cpu", dtype=torch.float32, max_batch=16).prepare(frames, 16)
+    assert good2 == good and bad2 == bad == []
+    assert t.shape == ref.shape and t.dtype == torch.float32
+    levels = np.abs(t.numpy() - ref) * np.asarray(spec.std).reshape(1, -1, 1, 1) / spec.scale
+    assert levels.max() <= (2.01 if colour == "GRAY" else 1.01)
+    assert (levels > 0.5).mean() < 0.12  # most pixels identical
+    np.testing.assert_allclose(t.numpy()[len(good):], ref[len(good):])  # padding rows equal too
+
+
+def test_nhwc_uint8_layout():
+    import torch
+
+    from visionserve import imaging
+    from visionserve.config import InputSpec
+    from visionserve.gpu.preprocess import TorchPreprocessor
+
+    spec = InputSpec(width=32, height=24, layout="NHWC", dtype="uint8")
+    frames = _frames()[:4]
+    ref, _, _ = imaging.prepare_batch(frames, spec, 4)
+    t, _, _ = TorchPreprocessor(spec, device="cpu", dtype=torch.uint8, max_batch=4).prepare(frames, 4)
+    assert t.dtype == torch.uint8 and tuple(t.shape) == ref.shape
+    assert np.abs(t.numpy().astype(int) - ref.astype(int)).max() <= 1
+
+
+def _corrupt_jpeg() -> bytes:
+    """Passes the header check, but its frame header has a zero sampling factor: every decoder
+    (libjpeg, nvJPEG) refuses it."""
+    import cv2
+
+    ok, buf = cv2.imencode(".jpg", _scene(64, 64, 3))
+    b = bytearray(buf.tobytes())
+    i = 2
+    while b[i + 1] != 0xC0:
+        i += 2 + int.from_bytes(b[i + 2:i + 4], "big")
+    b[i + 11] = 0
+    return bytes(b)
+
+
+def test_corrupt_jpeg_fails_only_its_frame(jpeg_bytes):
+    import torch
+
+    from visionserve import imaging
+    from visionserve.config import InputSpec
+    from visionserve.gpu.preprocess import TorchPreprocessor
+
+    spec = InputSpec(width=64, height=64)
+    good_f = imaging.encoded_frame(jpeg_bytes)
+    bad_f = imaging.encoded_frame(_corrupt_jpeg())
+    prep = TorchPreprocessor(spec, device="cpu", dtype=torch.float32, max_batch=4)
+    t, good, bad = prep.prepare([good_f, bad_f, good_f], 4)
+    assert good == [0, 2] and [i for i, _ in bad] == [1]
+    assert isinstance(bad[0][1], InvalidInput) and "cannot decode JPEG" in bad[0][1].message
+    ref, rgood, rbad = imaging.prepare_batch([good_f, bad_f, good_f], spec, 4)
+    assert rgood == good and [i for i, _ in rbad] == [1]  # the CPU path gives the same verdicts
+    assert prep.counts["fallback"] == 1
+    levels = np.abs(t.numpy()[:2] - ref[:2]) / spec.scale
+    assert levels.mean() < 1.0  # two JPEG decoders (libjpeg builds), area resize: near-identical
+
+
+def test_exif_rotation_detected():
+    from visionserve.gpu.preprocess import exif_rotated
+
+    def jpeg_with_orientation(o: int, endian: str = "<") -> bytes:
+        import struct
+
+        mark = b"II" if endian == "<" else b"MM"
+        tiff = mark + struct.pack(endian + "HI", 42, 8) + struct.pack(endian + "H", 1) + \
+            struct.pack(endian + "HHIHH", 0x0112, 3, 1, o, 0) + b"\0\0\0\0"
+        app1 = b"Exif\0\0" + tiff
+        return b"\xff\xd8" + b"\xff\xe1" + struct.pack(">H", len(app1) + 2) + app1 + b"\xff\xda\x00\x02"
+
+    assert exif_rotated(jpeg_with_orientation(6))
+    assert exif_rotated(jpeg_with_orientation(3, ">"))
+    assert not exif_rotated(jpeg_with_orientation(1))
+    assert not exif_rotated(b"\xff\xd8\xff\xe0\x00\x04ab\xff\xda\x00\x02")
+
+
+def test_axis_weights_are_normalised_and_exact_for_integer_area():
+    from visionserve.gpu.preprocess import axis_weights
+
+    w = axis_weights(640, 160, "area")
+    assert np.allclose(w.sum(axis=1), 1)
+    assert np.allclose(w[0, :4], 0.25) and w[0, 4:].sum() == 0
+    for mode in ("area", "linear", "nearest", "cubic"):
+        assert np.allclose(axis_weights(50, 50, mode), np.eye(50))

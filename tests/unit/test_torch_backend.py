@@ -1,0 +1,211 @@
+"""The torch backend on the CPU, against onnxruntime on the same model; device faults in the runner."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from visionserve.backends.base import Backend
+from visionserve.backends.onnx import OnnxBackend
+from visionserve.backends.torch import TorchBackend
+from visionserve.batching import CostModel, Pending
+from visionserve.config import ModelConfig, load_model_config
+from visionserve.errors import ConfigError, Unavailable
+from visionserve.runner import Runner, device_fault, padded_size
+
+TOML = """\
+[input]
+width = 32
+height = 32
+tensor_name = "input"
+mean = [0.485, 0.456, 0.406]
+std = [0.229, 0.224, 0.225]
+[output]
+labels = ["ok", "dent", "scratch"]
+tensor_name = "logits"
+[batching]
+max_batch_size = 8
+preferred_batch_sizes = [1, 2, 4, 8]
+takt_ms = 5000
+[runtime]
+backend = "torch"
+precision = "fp16"
+"""
+
+
+def export_both(folder: Path) -> Path:
+    """One nn.Module exported to version 1's model.onnx and model.pt2 (+ model.toml)."""
+    import warnings
+
+    import torch
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 8, 3, stride=2, padding=1)
+            self.bn = torch.nn.BatchNorm2d(8)
+            self.fc = torch.nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.fc(torch.relu(self.bn(self.conv(x))).mean(dim=(2, 3)))
+
+    torch.manual_seed(0)
+    net = Net().eval()
+    with torch.no_grad():
+        net.bn.running_mean.uniform_(-0.5, 0.5)
+        net.bn.running_var.uniform_(0.5, 2.0)
+    v = folder / "1"
+    v.mkdir(parents=True, exist_ok=True)
+    x = torch.randn(2, 3, 32, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(net, (x,), str(v / "model.onnx"), input_names=["input"], output_names=["logits"],
+                          dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, opset_version=17,
+                          dynamo=False)
+        ep = torch.export.export(net, (x,), dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=64)},))
+    torch.export.save(ep, str(v / "model.pt2"))
+    (folder / "model.toml").write_text(TOML)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return export_both(tmp_path_factory.mktemp("torchrepo") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def config(model_dir) -> ModelConfig:
+    return load_model_config(model_dir / "model.toml")
+
+
+def test_torch_matches_onnxruntime_on_cpu(model_dir, config):
+    tb, ob = TorchBackend(), OnnxBackend()
+    tb.load(model_dir / "1" / "model.pt2", config, "cpu")
+    ob.load(model_dir / "1" / "model.onnx", config, "cpu")
+    tb.warmup((1, 2, 4, 8))
+    x = np.random.default_rng(0).normal(size=(8, 3, 32, 32)).astype(np.float32)
+    for n in (1, 3, 8):
+        a, b = tb.run(x[:n]), ob.run(x[:n])
+        assert a.shape == (n, 3) and a.dtype == np.float32
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    d = tb.describe()
+    # on the CPU: eager fp32 whatever model.toml says (fp16 is for the GPU), no graphs
+    assert d["backend"] == "torch" and d["precision"] == "fp32" and "cuda_graphs" not in d
+    assert tb.stream is None and tb.eager_runs >= 3
+
+
+def test_torch_takes_torch_tensors(model_dir, config):
+    import torch
+
+    tb = TorchBackend()
+    tb.load(model_dir / "1" / "model.pt2", config, "cpu")
+    x = np.random.default_rng(1).normal(size=(4, 3, 32, 32)).astype(np.float32)
+    np.testing.assert_allclose(tb.run(torch.from_numpy(x)), tb.run(x), rtol=1e-6)
+
+
+def test_bad_model_files_are_config_errors(tmp_path, config):
+    (tmp_path / "model.pt2").write_bytes(b"not a zip")
+    with pytest.raises(ConfigError, match="torch cannot load"):
+        TorchBackend().load(tmp_path / "model.pt2", config, "cpu")
+
+
+def test_cuda_without_cuda_is_a_config_error(model_dir, config):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        TorchBackend().load(model_dir / "1" / "model.pt2", config, "cuda:0")
+
+
+# --- device faults ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,fault", [
+    ("CUDA error: an illegal memory access was encountered", True),
+    ("CUDA error: device-side assert triggered", True),
+    ("[ONNXRuntimeError] : 1 : FAIL : CUDA failure 700: an illegal memory access", True),
+    ("CUDA out of memory. Tried to allocate 2.00 GiB", False),
+    ("shape mismatch: expected 3 channels", False),
+])
+def test_device_fault_classification(text, fault):
+    assert device_fault(RuntimeError(text)) is fault
+
+
+class FaultyBackend(Backend):
+    """Answers until told to fail, then raises what torch raises after a sticky CUDA error."""
+
+    def __init__(self) -> None:
+        self.fail = False
+        self.calls = 0
+
+    def load(self, path, config, device) -> None: ...
+
+    def warmup(self, batch_sizes) -> None: ...
+
+    def run(self, batch):
+        self.calls += 1
+        if self.fail:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel "
+                               "errors might be asynchronously reported")
+        return np.zeros((batch.shape[0], 3), dtype=np.float32)
+
+
+def test_device_fault_marks_the_runner_unhealthy(config, jpeg_bytes, caplog):
+    from visionserve import imaging
+
+    backend = FaultyBackend()
+    preferred = (1, 2, 4, 8)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        runner = Runner(name="tiny:1#0", backend=backend, config=config, preferred=preferred,
+                        cost=CostModel(lambda n: padded_size(n, preferred)), on_batch=lambda r: None)
+        runner.start(loop)
+        frame = imaging.encoded_frame(jpeg_bytes)
+
+        async def batch(n):
+            now = time_now()
+            items = [Pending(payload=frame, future=loop.create_future(), arrival=now, deadline=now + 30,
+                             dispatched=now) for _ in range(n)]
+            await runner.execute(items)
+            return [p.future.exception() or p.future.result() for p in items]
+
+        first = await batch(2)
+        backend.fail = True
+        second = await batch(3)
+        third = await batch(1)
+        await asyncio.to_thread(runner.stop)
+        return runner, first, second, third
+
+    with caplog.at_level(logging.ERROR, logger="visionserve.runner"):
+        runner, first, second, third = asyncio.run(scenario())
+    assert all(r.verdict in ("OK", "NG") for r in first)
+    assert all(isinstance(e, Unavailable) for e in second + third)
+    assert not runner.healthy
+    assert backend.calls == 2  # after the fault nothing more runs on the broken device
+    lines = [r.getMessage() for r in caplog.records if "device fault" in r.getMessage()]
+    assert len(lines) == 1 and "illegal memory access" in lines[0] and "\n" not in lines[0]
+
+
+def time_now() -> float:
+    import time
+
+    return time.monotonic()
+
+
+# --- a real server with the torch backend ----------------------------------------------------
+
+def test_server_serves_the_torch_backend(model_dir, server_factory, jpeg_bytes):
+    srv = server_factory(model_dir.parent, grpc=False)
+    r = httpx.post(f"{srv.url}/v1/models/tiny/inspect", content=jpeg_bytes,
+                   headers={"Content-Type": "image/jpeg", "X-Part-Id": "p-1"}, timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["label"] in ("ok", "dent", "scratch") and body["verdict"] in ("OK", "NG")
+    meta = httpx.get(f"{srv.url}/v2/models/tiny", timeout=10).json()
+    assert meta["platform"].startswith("pytorch") or "torch" in str(meta)

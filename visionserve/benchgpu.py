@@ -1,0 +1,463 @@
+"""GPU benchmark in one run: bare model vs served, on a ResNet-50-class classifier.
+
+    python -m visionserve.benchgpu --out results.json [--log-dir DIR] [--quick]
+
+1. Exports torchvision ``resnet50(weights=None, num_classes=5)`` (random weights) to ``.pt2`` and
+   ``.onnx`` in a temporary model repository (224x224, fp16 for torch).
+2. Bare: CUDA-graph replay time at bs 1/8/32 (CUDA events, like DESIGN §6), the backend's whole
+   ``run`` (copy in, replay, copy out), eager bs 1; preprocessing of 32 640x480 JPEGs on the GPU
+   (nvJPEG + device resize) vs OpenCV on the CPU; onnxruntime CUDA EP with IOBinding if present.
+3. Served (``visionserve serve --device cuda``, inspect API, 640x480 JPEGs): one client's
+   p50/p99; saturation with several client processes; the same with ``--max-batch-size 1``;
+   onnxruntime if it has CUDA; allocator segments before/after the load (``/metrics``); where the
+   time goes (the server's statistics: queue, preprocessing, model, postprocessing).
+
+Results go to ``--out`` as JSON; server logs to ``--log-dir``. Needs only the server's own
+dependencies (stdlib HTTP clients, no extra packages).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+LABELS = ["ok", "scratch", "spot", "crack", "contamination"]
+
+TOML = """\
+description = "benchmark: ResNet-50, random weights"
+[input]
+width = 224
+height = 224
+tensor_name = "input"
+mean = [0.485, 0.456, 0.406]
+std = [0.229, 0.224, 0.225]
+[output]
+labels = {labels}
+tensor_name = "logits"
+[batching]
+max_batch_size = 32
+preferred_batch_sizes = [1, 2, 4, 8, 16, 32]
+max_queue_delay_ms = 2.0
+max_queue_size = 1024
+takt_ms = 5000
+[runtime]
+backend = "{backend}"
+precision = "{precision}"
+"""
+
+
+def log(msg: str) -> None:  # CLI progress output
+    print(f"[benchgpu {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --- model -----------------------------------------------------------------------------------
+
+def export_models(root: Path) -> dict[str, Path]:
+    import warnings
+
+    import torch
+    import torchvision
+
+    torch.manual_seed(0)
+    net = torchvision.models.resnet50(weights=None, num_classes=len(LABELS)).eval()
+    x = torch.randn(2, 3, 224, 224)
+    repos = {}
+    for name, backend, precision in (("rn50", "torch", "fp16"), ("rn50-ort", "onnxruntime", "fp32")):
+        folder = root / name / name
+        (folder / "1").mkdir(parents=True)
+        (folder / "model.toml").write_text(TOML.format(labels=json.dumps(LABELS), backend=backend,
+                                                        precision=precision))
+        repos[name] = root / name
+    t0 = time.time()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ep = torch.export.export(net, (x,), dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=1024)},))
+        torch.export.save(ep, str(root / "rn50" / "rn50" / "1" / "model.pt2"))
+        torch.onnx.export(net, (x,), str(root / "rn50-ort" / "rn50-ort" / "1" / "model.onnx"),
+                          input_names=["input"], output_names=["logits"],
+                          dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
+                          opset_version=17, dynamo=False)
+    log(f"exported ResNet-50 to .pt2 and .onnx in {time.time() - t0:.1f} s")
+    return repos
+
+
+def make_jpegs(n: int = 16, h: int = 480, w: int = 640) -> list[bytes]:
+    import cv2
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    out = []
+    for i in range(n):
+        base = 100 + 60 * np.sin(x / (25 + i)) * np.cos(y / (33 + 2 * i))
+        img = np.clip(np.dstack([base, base * 0.9 + 20, 230 - base]) + rng.normal(0, 3, (h, w, 3)), 0, 255)
+        ok, buf = cv2.imencode(".jpg", img.astype(np.uint8), [cv2.IMWRITE_JPEG_QUALITY, 90])
+        out.append(buf.tobytes())
+    return out
+
+
+# --- bare ------------------------------------------------------------------------------------
+
+def cuda_time_ms(fn, iters: int, stream) -> float:
+    import torch
+
+    with torch.cuda.stream(stream):
+        for _ in range(5):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        for _ in range(iters):
+            fn()
+        end.record(stream)
+        end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def wall_ms(fn, iters: int) -> dict:
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1000)
+    times.sort()
+    return {"p50_ms": round(times[len(times) // 2], 3), "mean_ms": round(statistics.fmean(times), 3)}
+
+
+def bare(repos: dict[str, Path], jpegs: list[bytes], quick: bool) -> dict:
+    import numpy as np
+    import torch
+
+    from visionserve import imaging
+    from visionserve.backends.torch import TorchBackend
+    from visionserve.config import load_model_config
+    from visionserve.gpu.preprocess import TorchPreprocessor
+
+    res: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    cfg = load_model_config(repos["rn50"] / "rn50" / "model.toml")
+    b = TorchBackend()
+    b.load(repos["rn50"] / "rn50" / "1" / "model.pt2", cfg, "cuda:0")
+    t0 = time.time()
+    b.warmup(cfg.batching.preferred_batch_sizes)
+    res["capture_s"] = round(time.time() - t0, 2)
+    iters = 50 if quick else 200
+    graph = {}
+    for bs in (1, 8, 32):
+        g = b._graphs[bs][0]
+        ms = cuda_time_ms(g.replay, iters, b.stream)
+        x = np.zeros((bs, 3, 224, 224), np.float32)
+        with torch.cuda.stream(b.stream):
+            xd = torch.zeros((bs, 3, 224, 224), dtype=torch.float16, device="cuda")
+        graph[bs] = {"graph_replay_ms": round(ms, 3), "img_per_s": round(bs / ms * 1000),
+                     "run_device_input": wall_ms(lambda: b.run(xd), iters // 2),
+                     "run_host_fp32_input": wall_ms(lambda: b.run(x), iters // 4)}
+    res["torch_fp16_cuda_graph"] = graph
+    with torch.cuda.stream(b.stream), torch.inference_mode():
+        x1 = torch.zeros((1, 3, 224, 224), dtype=torch.float16, device="cuda"
+                         ).contiguous(memory_format=torch.channels_last)
+        res["torch_fp16_eager_bs1_ms"] = round(cuda_time_ms(lambda: b._module(x1), iters // 2, b.stream), 3)
+    # preprocessing: 32 JPEG 640x480 -> 224x224 fp16 tensor
+    frames = [imaging.encoded_frame(j) for j in (jpegs * 4)[:32]]
+    prep = TorchPreprocessor.for_config(cfg, device="cuda:0", dtype=b.input_dtype, stream=b.stream,
+                                        channels_last=True)
+    prep.warmup((1, 8, 32))
+
+    def gpu_prep():
+        prep.prepare(frames, 32)
+        b.stream.synchronize()
+
+    res["prep_32_jpeg_640x480"] = {"gpu_nvjpeg_ms": wall_ms(gpu_prep, 20),
+                                   "cpu_opencv_ms": wall_ms(lambda: imaging.prepare_batch(frames, cfg.input, 32), 3)}
+    res["prep_1_jpeg_640x480"] = {"gpu_nvjpeg_ms": wall_ms(lambda: (prep.prepare(frames[:1], 1),
+                                                                    b.stream.synchronize()), 50),
+                                  "cpu_opencv_ms": wall_ms(lambda: imaging.prepare_batch(frames[:1], cfg.input, 1), 20)}
+    b.close()
+    torch.cuda.empty_cache()  # the servers started next need the memory
+    try:
+        import onnxruntime as ort
+
+        if "CUDAExecutionProvider" in ort.get_available_providers():
+            from visionserve.backends.onnx import OnnxBackend
+
+            ocfg = load_model_config(repos["rn50-ort"] / "rn50-ort" / "model.toml")
+            o = OnnxBackend()
+            o.load(repos["rn50-ort"] / "rn50-ort" / "1" / "model.onnx", ocfg, "cuda:0")
+            o.warmup((1, 32))
+            out = {}
+            for bs in (1, 8, 32):
+                with torch.cuda.stream(o.stream):
+                    xd = torch.zeros((bs, 3, 224, 224), dtype=torch.float32, device="cuda")
+                w = wall_ms(lambda: o.run(xd), iters // 2)
+                out[bs] = {**w, "img_per_s": round(bs / w["p50_ms"] * 1000)}
+            res["onnxruntime_fp32_iobinding"] = out
+            o.close()
+            torch.cuda.empty_cache()
+        else:
+            res["onnxruntime_fp32_iobinding"] = f"skipped: providers {ort.get_available_providers()}"
+    except ImportError as exc:
+        res["onnxruntime_fp32_iobinding"] = f"skipped: {exc}"
+    return res
+
+
+# --- served ----------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except OSError:
+        return 0, b""
+
+
+class Server:
+    def __init__(self, models: Path, log_path: Path, *extra: str, device: str = "cuda") -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        args = [sys.executable, "-m", "visionserve", "serve", "--models", str(models), "--device", device,
+                "--host", "127.0.0.1", "--http-port", str(self.port), "--grpc-port", "-1",
+                "--log-level", "warning", *extra]
+        self._log = open(log_path, "ab")
+        self._log.write(f"\n=== {' '.join(args)}\n".encode())
+        self._log.flush()
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        t0 = time.time()
+        while time.time() - t0 < 240:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}; see {log_path}")
+            if get(self.url + "/v2/health/ready", 1)[0] == 200:
+                self.start_s = round(time.time() - t0, 1)
+                return
+            time.sleep(0.25)
+        raise RuntimeError(f"server not ready after 240 s; see {log_path}")
+
+    def metrics(self) -> dict[str, float]:
+        _, body = get(self.url + "/metrics")
+        out = {}
+        for line in body.decode().splitlines():
+            if line.startswith("visionserve_gpu_") or line.startswith("visionserve_batch_size_"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def stats(self, model: str) -> dict:
+        return json.loads(get(f"{self.url}/v2/models/{model}/stats")[1] or b"{}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._log.close()
+
+
+def _client(args) -> dict:
+    """One client process: ``threads`` closed-loop senders for ``duration`` seconds."""
+    import threading
+
+    port, model, jpegs, duration, threads = args
+    lat: list[float] = []
+    errors = [0]
+    batch_sizes: list[int] = []
+    lock = threading.Lock()
+    end = time.perf_counter() + duration
+
+    def worker(k: int) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        i = k
+        mine, sizes, errs = [], [], 0
+        while time.perf_counter() < end:
+            body = jpegs[i % len(jpegs)]
+            i += 1
+            t0 = time.perf_counter()
+            try:
+                conn.request("POST", f"/v1/models/{model}/inspect", body=body,
+                             headers={"Content-Type": "image/jpeg"})
+                r = conn.getresponse()
+                data = r.read()
+            except (OSError, http.client.HTTPException):
+                errs += 1
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+                continue
+            if r.status != 200:
+                errs += 1
+                continue
+            mine.append((time.perf_counter() - t0) * 1000)
+            sizes.append(json.loads(data)["batch_size"])
+        with lock:
+            lat.extend(mine)
+            batch_sizes.extend(sizes)
+            errors[0] += errs
+
+    ts = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return {"lat": lat, "errors": errors[0], "batch_sizes": batch_sizes}
+
+
+def load(server: Server, model: str, jpegs: list[bytes], processes: int, threads: int,
+         duration: float) -> dict:
+    ctx = mp.get_context("spawn")
+    t0 = time.perf_counter()
+    with ctx.Pool(processes) as pool:
+        parts = pool.map(_client, [(server.port, model, jpegs, duration, threads)] * processes)
+    wall = time.perf_counter() - t0
+    lat = sorted(x for p in parts for x in p["lat"])
+    sizes = [x for p in parts for x in p["batch_sizes"]]
+    if not lat:
+        return {"errors": sum(p["errors"] for p in parts), "answers": 0}
+    q = lambda f: round(lat[min(len(lat) - 1, int(f * len(lat)))], 3)  # noqa: E731
+    return {"clients": processes * threads, "answers": len(lat), "errors": sum(p["errors"] for p in parts),
+            "throughput_per_s": round(len(lat) / duration, 1), "wall_s": round(wall, 1),
+            "p50_ms": q(0.5), "p90_ms": q(0.9), "p99_ms": q(0.99), "max_ms": round(lat[-1], 3),
+            "mean_batch_size": round(statistics.fmean(sizes), 2)}
+
+
+def breakdown(before: dict, after: dict) -> dict:
+    """Per-frame mean times from the OIP statistics deltas (queue, preprocessing, model, post)."""
+    def part(name: str) -> float | None:
+        try:
+            a = after["model_stats"][0]["inference_stats"][name]
+            b = before["model_stats"][0]["inference_stats"][name]
+            n = a["count"] - b["count"]
+            return round((a["ns"] - b["ns"]) / n / 1e6, 3) if n else None
+        except (KeyError, IndexError, TypeError):
+            return None
+    return {"per_frame_mean_ms": {k: part(k) for k in ("queue", "compute_input", "compute_infer",
+                                                       "compute_output", "success")},
+            "note": "compute_* are per batch / frames in it: preprocessing (decode+resize+H2D), "
+                    "model, postprocessing"}
+
+
+def served(repos: dict[str, Path], jpegs: list[bytes], log_dir: Path, quick: bool, bare_res: dict,
+           res: dict, save=lambda: None) -> dict:
+    """Fills ``res`` phase by phase, calling ``save`` after each (a time limit loses little)."""
+    dur = 5.0 if quick else 10.0
+    procs = min(8, max(2, (os.cpu_count() or 8) // 2))
+    threads = 8
+
+    def single(server: Server, model: str) -> dict:
+        r = load(server, model, jpegs, 1, 1, 3.0 if quick else 6.0)
+        return r
+
+    # torch, batching on
+    s = Server(repos["rn50"], log_dir / "server.log", "--gpu-memory-budget", "8GiB")
+    try:
+        res["torch_start_s"] = s.start_s
+        m0 = s.metrics()
+        res["torch_single_client"] = single(s, "rn50")
+        st0 = s.stats("rn50")
+        res["torch_saturation"] = load(s, "rn50", jpegs, procs, threads, dur)
+        save()
+        st1 = s.stats("rn50")
+        m1 = s.metrics()
+        res["torch_breakdown_at_saturation"] = breakdown(st0, st1)
+        res["allocator"] = {
+            "new_segments_after_ready_before_load": m0.get("visionserve_gpu_allocator_new_segments"),
+            "new_segments_after_load": m1.get("visionserve_gpu_allocator_new_segments"),
+            "reserved_bytes_before": m0.get("visionserve_gpu_memory_reserved_bytes"),
+            "reserved_bytes_after": m1.get("visionserve_gpu_memory_reserved_bytes"),
+            "process_used_bytes_after": m1.get("visionserve_gpu_memory_used_bytes"),
+            "budget_bytes": m1.get("visionserve_gpu_memory_budget_bytes"),
+        }
+        res["gpu_after_load"] = {k: v for k, v in m1.items() if "temperature" in k or "power" in k
+                                 or ("throttle" in k and v)}
+    finally:
+        s.stop()
+    # torch, batching off
+    s = Server(repos["rn50"], log_dir / "server.log", "--max-batch-size", "1")
+    try:
+        res["torch_single_client_bs1"] = single(s, "rn50")
+        res["torch_saturation_bs1"] = load(s, "rn50", jpegs, procs, threads, dur)
+        save()
+    finally:
+        s.stop()
+    # onnxruntime
+    if isinstance(bare_res.get("onnxruntime_fp32_iobinding"), dict):
+        s = Server(repos["rn50-ort"], log_dir / "server.log", "--gpu-memory-budget", "8GiB")
+        try:
+            res["ort_single_client"] = single(s, "rn50-ort")
+            res["ort_saturation"] = load(s, "rn50-ort", jpegs, procs, threads, dur)
+            save()
+        finally:
+            s.stop()
+    # ratios to the bare model (same run)
+    g = bare_res.get("torch_fp16_cuda_graph", {})
+    try:
+        res["ratios"] = {
+            "saturation_vs_bare_bs32_graph": round(res["torch_saturation"]["throughput_per_s"]
+                                                   / g[32]["img_per_s"], 3),
+            "single_p50_vs_bare_bs1_run_ms": round(res["torch_single_client"]["p50_ms"]
+                                                   / g[1]["run_device_input"]["p50_ms"], 2),
+            "batching_gain": round(res["torch_saturation"]["throughput_per_s"]
+                                   / max(1e-9, res["torch_saturation_bs1"]["throughput_per_s"]), 2),
+        }
+    except (KeyError, TypeError):
+        pass
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("benchgpu.json"))
+    ap.add_argument("--log-dir", type=Path, default=None)
+    ap.add_argument("--quick", action="store_true", help="shorter phases")
+    ap.add_argument("--skip-served", action="store_true")
+    args = ap.parse_args(argv)
+    log_dir = args.log_dir or args.out.parent
+    log_dir.mkdir(parents=True, exist_ok=True)
+    results: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+    def save() -> None:
+        args.out.write_text(json.dumps(results, indent=2, default=str) + "\n")
+
+    with tempfile.TemporaryDirectory(prefix="benchgpu-") as tmp:
+        repos = export_models(Path(tmp))
+        jpegs = make_jpegs()
+        results["jpeg_bytes_mean"] = int(statistics.fmean(len(j) for j in jpegs))
+        try:
+            results["bare"] = bare(repos, jpegs, args.quick)
+        except Exception as exc:  # keep going: the served figures are still worth having
+            results["bare"] = {"error": repr(exc)}
+        save()
+        log(f"bare: {json.dumps(results['bare'])[:600]}")
+        if not args.skip_served:
+            try:
+                results["served"] = {}
+                served(repos, jpegs, log_dir, args.quick, results["bare"], results["served"], save)
+            except Exception as exc:
+                results["served_error"] = repr(exc)
+            save()
+    results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    save()
+    print(json.dumps(results, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

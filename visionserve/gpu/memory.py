@@ -1,0 +1,438 @@
+"""GPU memory: the reserved budget, the pinned host staging pool, allocator statistics, and the
+runner's high-priority CUDA stream.
+
+The server is given a budget (``--gpu-memory-budget``, or ``runtime.gpu_memory_budget`` per model)
+and reserves it at start-up: the torch allocator is capped to its share
+(``set_per_process_memory_fraction``), each onnxruntime CUDA session gets ``gpu_mem_limit`` with
+an arena that grows only by what is asked, and every preferred batch size is warmed up before
+ready. After that, serving should need no new ``cudaMalloc``: :class:`AllocationWatch` counts the
+allocator's segments so that a test (and ``/metrics``) can show it.
+
+Pure planning (:func:`plan_budget`, :func:`check_free`) imports nothing heavy and is unit-tested
+with a simulated NVML; the torch parts import torch inside functions.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..config import ModelConfig, parse_bytes
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from .nvml import GpuInfo, GpuProcess, Nvml
+
+log = logging.getLogger(__name__)
+
+MIB = 1024**2
+
+#: Raw frames up to this many bytes each are staged through the pinned pool without being split;
+#: larger ones are streamed through it in slot-sized pieces (a 1080p RGB frame is 6.2 MB).
+DEFAULT_STAGE_FRAME_BYTES = 1920 * 1080 * 3
+#: Upper bound of one pinned slot, so a large max_batch_size cannot pin gigabytes of host memory.
+MAX_SLOT_BYTES = 256 * MIB
+#: Device memory the GPU preprocessing of one batch may use, per frame, beyond the model input:
+#: the decoded uint8 frame plus one fp16 working copy of it (chunked, see gpu/preprocess.py).
+PREP_BYTES_PER_FRAME = DEFAULT_STAGE_FRAME_BYTES * 3
+
+
+# --- the budget (pure) -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SessionShare:
+    """What one model version's instances may reserve."""
+
+    model: str
+    backend: str
+    instances: int
+    share: int  # bytes for all instances of this model, backend + preprocessing
+    prep_allowance: int  # of which the GPU preprocessing (torch allocator) may use
+    #: onnxruntime gpu_mem_limit per instance (0 for torch models: they use the torch allocator)
+    ort_limit_per_instance: int = 0
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    total: int | None  # None: no budget given, nothing is capped
+    sessions: tuple[SessionShare, ...] = ()
+    #: cap of the torch caching allocator (torch models, GPU preprocessing), bytes
+    torch_cap: int | None = None
+
+    def share_of(self, model: str) -> SessionShare | None:
+        return next((s for s in self.sessions if s.model == model), None)
+
+
+def prep_allowance(config: ModelConfig) -> int:
+    """Device bytes the GPU preprocessing of one batch of this model needs, generously."""
+    s = config.input
+    bs = config.batching.max_batch_size
+    model_in = s.width * s.height * s.channels * 4
+    return bs * (PREP_BYTES_PER_FRAME + 2 * model_in)
+
+
+def plan_budget(server_budget: str | int | None,
+                models: Sequence[tuple[str, ModelConfig]]) -> BudgetPlan:
+    """Split the server's budget among the models; :class:`ConfigError` when it cannot be done.
+
+    A model's ``runtime.gpu_memory_budget`` is its share (all instances together); models
+    without one share what is left equally. The server setting caps the total; without it the
+    total is the sum of the models' budgets, or no cap at all if any model has none.
+    onnxruntime sessions get their share minus the preprocessing allowance as ``gpu_mem_limit``;
+    the torch allocator (torch models and every model's GPU preprocessing) gets the rest.
+    """
+    total = parse_bytes(server_budget) if server_budget is not None else None
+    explicit = {name: parse_bytes(cfg.runtime.gpu_memory_budget)
+                for name, cfg in models if cfg.runtime.gpu_memory_budget is not None}
+    rest = [name for name, _ in models if name not in explicit]
+    if total is None:
+        if rest or not models:
+            return BudgetPlan(total=None)
+        total = sum(explicit.values())
+    claimed = sum(explicit.values())
+    if claimed > total:
+        listed = ", ".join(f"{n}={v / MIB:.0f} MiB" for n, v in explicit.items())
+        raise ConfigError(f"gpu memory budget {total / MIB:.0f} MiB is smaller than the models' own "
+                          f"runtime.gpu_memory_budget values together ({listed})")
+    each = (total - claimed) // len(rest) if rest else 0
+    sessions = []
+    for name, cfg in models:
+        share = explicit.get(name, each)
+        prep = prep_allowance(cfg)
+        inst = cfg.runtime.instances
+        ort = 0
+        if cfg.runtime.backend == "onnxruntime":
+            ort = (share - prep * inst) // inst
+            if ort <= 0:
+                raise ConfigError(
+                    f"gpu memory budget share of model {name} ({share / MIB:.0f} MiB) leaves nothing "
+                    f"for onnxruntime: GPU preprocessing of {cfg.batching.max_batch_size} frames needs "
+                    f"{prep / MIB:.0f} MiB per instance; raise the budget or lower max_batch_size")
+        elif share < prep * inst:
+            raise ConfigError(f"gpu memory budget share of model {name} ({share / MIB:.0f} MiB) is "
+                              f"below what preprocessing alone needs ({prep * inst / MIB:.0f} MiB)")
+        sessions.append(SessionShare(model=name, backend=cfg.runtime.backend, instances=inst,
+                                     share=share, prep_allowance=prep * inst,
+                                     ort_limit_per_instance=ort))
+    torch_cap = total - sum(s.ort_limit_per_instance * s.instances for s in sessions)
+    return BudgetPlan(total=total, sessions=tuple(sessions), torch_cap=torch_cap)
+
+
+# --- is the budget free? (pure, NVML) --------------------------------------------------------
+
+def pinned_gpu(nvml: Nvml, environ: Mapping[str, str] | None = None) -> GpuInfo | None:
+    """The physical GPU this (pinned) process uses as ``cuda:0``, seen through NVML."""
+    from .device import visible_devices
+
+    if not nvml.available():
+        return None
+    env = os.environ if environ is None else environ
+    vis = visible_devices(nvml.devices(), env.get("CUDA_VISIBLE_DEVICES"))
+    return vis.devices[0] if vis.devices else None
+
+
+@dataclass(frozen=True)
+class FreeCheck:
+    ok: bool
+    free: int
+    total: int
+    budget: int
+    holders: tuple[GpuProcess, ...] = field(default=())
+
+    def message(self, gpu: str = "the GPU") -> str:
+        gib = 1024**3
+        if self.ok:
+            return (f"gpu memory budget {self.budget / gib:.2f} GiB available on {gpu} "
+                    f"({self.free / gib:.2f} GiB free of {self.total / gib:.2f} GiB)")
+        who = ", ".join(f"pid {p.pid} uses " + (f"{p.used_bytes / gib:.2f} GiB" if p.used_bytes
+                                                  is not None else "an unknown amount")
+                        for p in self.holders) or "no process NVML can see (another container?)"
+        return (f"gpu memory budget {self.budget / gib:.2f} GiB is not available on {gpu}: only "
+                f"{self.free / gib:.2f} GiB of {self.total / gib:.2f} GiB is free; held by: {who}. "
+                "Not ready until it is free (or lower --gpu-memory-budget).")
+
+
+def check_free(nvml: Nvml, gpu: GpuInfo, budget: int) -> FreeCheck:
+    total, _used, free = nvml.memory(gpu.index)
+    procs = sorted(nvml.processes(gpu.index), key=lambda p: -(p.used_bytes or 0))
+    return FreeCheck(ok=free >= budget, free=free, total=total, budget=budget,
+                     holders=tuple(p for p in procs if p.pid != os.getpid()))
+
+
+# --- torch allocator -------------------------------------------------------------------------
+
+def cap_torch_allocator(cap: int, device: str = "cuda:0") -> float:
+    """Cap torch's caching allocator at ``cap`` bytes of the device; returns the fraction set."""
+    import torch
+
+    if not torch.cuda.is_available():
+        log.warning("no CUDA device: the torch allocator cap of %.0f MiB is not applied", cap / MIB)
+        return 0.0
+    dev = torch.device(device)
+    total = torch.cuda.get_device_properties(dev).total_memory
+    fraction = max(0.0, min(1.0, cap / total))
+    torch.cuda.set_per_process_memory_fraction(fraction, dev)
+    log.info("torch allocator capped at %.0f MiB (%.4f of %.0f MiB)", cap / MIB, fraction, total / MIB)
+    return fraction
+
+
+@dataclass(frozen=True)
+class AllocatorStats:
+    """The torch caching allocator's counters that show new device allocations."""
+
+    segments_allocated: int  # cudaMalloc calls so far
+    segments_current: int
+    reserved_bytes: int
+    allocated_bytes: int
+    alloc_retries: int  # a cudaMalloc failed, the cache was flushed and the call retried
+    ooms: int
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+def allocator_stats(device: str = "cuda:0") -> AllocatorStats:
+    import torch
+
+    s = torch.cuda.memory_stats(torch.device(device))
+    return AllocatorStats(
+        segments_allocated=int(s.get("segment.all.allocated", 0)),
+        segments_current=int(s.get("segment.all.current", 0)),
+        reserved_bytes=int(s.get("reserved_bytes.all.current", 0)),
+        allocated_bytes=int(s.get("allocated_bytes.all.current", 0)),
+        alloc_retries=int(s.get("num_alloc_retries", 0)),
+        ooms=int(s.get("num_ooms", 0)),
+    )
+
+
+class AllocationWatch:
+    """Marks the allocator's state when the server turns ready; :meth:`new_since_mark` then says
+    whether serving has needed new device memory (it should not, with a warmed-up budget)."""
+
+    def __init__(self, device: str = "cuda:0") -> None:
+        self.device = device
+        self.baseline: AllocatorStats | None = None
+
+    def mark(self) -> AllocatorStats:
+        self.baseline = allocator_stats(self.device)
+        return self.baseline
+
+    def new_since_mark(self) -> dict[str, int]:
+        now = allocator_stats(self.device)
+        base = self.baseline or now
+        return {
+            "new_segments": now.segments_allocated - base.segments_allocated,
+            "reserved_growth_bytes": now.reserved_bytes - base.reserved_bytes,
+            "alloc_retries": now.alloc_retries - base.alloc_retries,
+            "ooms": now.ooms - base.ooms,
+        }
+
+
+# --- the runner's stream ---------------------------------------------------------------------
+
+def high_priority_stream(device: str = "cuda:0") -> Any:
+    """A CUDA stream at the device's highest priority, so inference kernels are scheduled ahead
+    of a co-located training job's (which run on default-priority streams)."""
+    import torch
+
+    dev = torch.device(device)
+    # priority_range() is (least, greatest) = (0, -N) on current GPUs: lower is more urgent
+    least, greatest = torch.cuda.Stream.priority_range()
+    return torch.cuda.Stream(device=dev, priority=min(least, greatest))
+
+
+# --- pinned host staging ---------------------------------------------------------------------
+
+class PinnedPool:
+    """A few page-locked uint8 buffers, reused round-robin for host->device copies.
+
+    Pinning is slow (it maps pages with the driver), so it happens once, here, never per
+    request. A slot is handed out only when the copy that last read it has finished, which the
+    event recorded by :meth:`release` tells without synchronising the device.
+
+    On a machine without CUDA (tests, the CPU path) the buffers are ordinary memory.
+    """
+
+    def __init__(self, slots: int, slot_bytes: int, *, pin: bool = True) -> None:
+        import torch
+
+        if slots < 1 or slot_bytes < 1:
+            raise ValueError(f"pinned pool needs >= 1 slot of >= 1 byte, got {slots} x {slot_bytes}")
+        self.pinned = bool(pin and torch.cuda.is_available())
+        self.slot_bytes = int(slot_bytes)
+        self._buffers = [torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+                         for _ in range(slots)]
+        self._events: list[Any] = [None] * slots
+        self._next = 0
+        self._lock = threading.Lock()
+        log.debug("pinned pool: %d x %.1f MiB (%s)", slots, slot_bytes / MIB,
+                  "page-locked" if self.pinned else "pageable")
+
+    @property
+    def slots(self) -> int:
+        return len(self._buffers)
+
+    @property
+    def nbytes(self) -> int:
+        return self.slots * self.slot_bytes
+
+    def acquire(self) -> tuple[int, Any]:
+        """(slot index, uint8 host tensor); waits only for that slot's last copy."""
+        with self._lock:
+            i = self._next
+            self._next = (i + 1) % len(self._buffers)
+            ev = self._events[i]
+            self._events[i] = None
+        if ev is not None:
+            ev.synchronize()
+        return i, self._buffers[i]
+
+    def release(self, slot: int, stream: Any = None) -> None:
+        """Record that the copies queued on ``stream`` read slot ``slot``."""
+        if stream is None or not self.pinned:
+            return
+        import torch
+
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        with self._lock:
+            self._events[slot] = ev
+
+    def upload(self, arrays: Sequence[Any], device: Any, stream: Any = None) -> list[Any]:
+        """Copy host uint8 arrays (numpy) to ``device`` through the pool; one device tensor per
+        array, same shape. Arrays larger than a slot are streamed through it in pieces."""
+        import numpy as np
+        import torch
+
+        sizes = [int(a.nbytes) for a in arrays]
+        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        srcs = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays]
+        slot, buf, used = None, None, 0
+        dst_off = 0
+        pending_start = 0  # where the slot's unflushed bytes go in ``flat``
+
+        def flush() -> None:
+            nonlocal slot, used
+            if slot is None or used == 0:
+                return
+            flat[pending_start:pending_start + used].copy_(buf[:used], non_blocking=self.pinned)
+            self.release(slot, stream)
+            slot, used = None, 0
+
+        for src in srcs:
+            pos = 0
+            while pos < src.size:
+                if slot is None:
+                    slot, buf = self.acquire()
+                    used, pending_start = 0, dst_off
+                k = min(src.size - pos, self.slot_bytes - used)
+                buf[used:used + k].numpy()[:] = src[pos:pos + k]
+                used += k
+                pos += k
+                dst_off += k
+                if used == self.slot_bytes:
+                    flush()
+        flush()
+        out, off = [], 0
+        for a, n in zip(arrays, sizes):
+            out.append(flat[off:off + n].view(*a.shape))
+            off += n
+        return out
+
+
+def stage_slot_bytes(config: ModelConfig, frame_bytes: int = DEFAULT_STAGE_FRAME_BYTES) -> int:
+    """Slot size: the largest batch at the model's input size, and raw frames up to
+    ``frame_bytes`` each, capped at :data:`MAX_SLOT_BYTES` (larger batches are streamed)."""
+    s = config.input
+    bs = config.batching.max_batch_size
+    return int(min(MAX_SLOT_BYTES, bs * max(s.width * s.height * s.channels, frame_bytes)))
+
+
+# --- the engine's view: reserve, then serve --------------------------------------------------
+
+class GpuReservation:
+    """What the engine does on a GPU: plan and check the budget before loading, cap the
+    allocators, give each instance its share and a GPU preprocessor, mark the allocator when
+    ready, publish telemetry. One object, so ``engine.py`` needs only a few calls."""
+
+    RETRY_S = 5.0  # how often an unavailable budget is checked again
+    LOG_EVERY_S = 60.0
+
+    def __init__(self, server_budget: str | None, device: str, nvml: Nvml | None = None) -> None:
+        self.server_budget = server_budget
+        self.device = device
+        self._nvml = nvml
+        self.plan = BudgetPlan(total=None)
+        self.watch = AllocationWatch(device)
+        self.gpu: GpuInfo | None = None
+        self.telemetry: Any = None
+
+    @property
+    def nvml(self) -> Nvml:
+        if self._nvml is None:
+            from .nvml import real_nvml
+
+            self._nvml = real_nvml()
+        return self._nvml
+
+    async def reserve(self, models: Sequence[tuple[str, ModelConfig]]) -> None:
+        """Plan the budget; wait (not ready, saying why) until NVML shows it free; cap torch."""
+        import asyncio
+        import time
+
+        self.plan = plan_budget(self.server_budget, models)
+        self.gpu = pinned_gpu(self.nvml)
+        if self.plan.total is not None and self.gpu is not None:
+            last_log = -1e9
+            while True:
+                check = await asyncio.to_thread(check_free, self.nvml, self.gpu, self.plan.total)
+                if check.ok:
+                    log.info("%s", check.message(f"GPU {self.gpu.uuid}"))
+                    break
+                if time.monotonic() - last_log >= self.LOG_EVERY_S:
+                    log.error("%s", check.message(f"GPU {self.gpu.uuid}"))
+                    last_log = time.monotonic()
+                await asyncio.sleep(self.RETRY_S)
+        if self.plan.torch_cap is not None:
+            await asyncio.to_thread(cap_torch_allocator, self.plan.torch_cap, self.device)
+
+    def instance_config(self, name: str, config: ModelConfig) -> ModelConfig:
+        """The config one instance loads with: runtime.gpu_memory_budget = its onnxruntime share."""
+        share = self.plan.share_of(name)
+        if share is None or not share.ort_limit_per_instance:
+            return config
+        runtime = config.runtime.model_copy(update={"gpu_memory_budget": str(share.ort_limit_per_instance)})
+        return config.model_copy(update={"runtime": runtime})
+
+    def preprocessor(self, backend: Any, config: ModelConfig, preferred: tuple[int, ...]) -> Any:
+        """A warmed-up GPU preprocessor for ``backend``, or None where the backend cannot take
+        device tensors (no stream: e.g. onnxruntime without torch CUDA)."""
+        if getattr(backend, "stream", None) is None or getattr(backend, "input_dtype", None) is None:
+            return None
+        from .preprocess import TorchPreprocessor
+
+        prep = TorchPreprocessor.for_config(config, device=self.device, dtype=backend.input_dtype,
+                                            stream=backend.stream,
+                                            channels_last=getattr(backend, "channels_last", False))
+        prep.warmup(preferred)
+        return prep
+
+    def ready(self) -> None:
+        """Call when every model is warm: the allocator's state now is the one to keep."""
+        from .telemetry import GpuTelemetry
+
+        self.watch.mark()
+        self.telemetry = GpuTelemetry(self.nvml, self.gpu.index if self.gpu else None,
+                                      self.plan.total, allocator=lambda: allocator_stats(self.device),
+                                      baseline=lambda: self.watch.baseline)
+        self.telemetry.update()
+        self.telemetry.start()
+        log.info("GPU memory after warm-up: %s", self.watch.baseline.as_dict() if self.watch.baseline else {})
+
+    async def close(self) -> None:
+        if self.telemetry is not None:
+            await self.telemetry.stop()

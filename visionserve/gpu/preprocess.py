@@ -1,0 +1,382 @@
+"""Batch preprocessing with torch on the runner's device: the GPU path of ``imaging``.
+
+A batch's JPEGs are decoded in one nvJPEG call (``torchvision.io.decode_jpeg(list,
+device="cuda")``); PNG/BMP are decoded on the CPU with OpenCV exactly as the CPU path does, and
+they and raw frames reach the device through the pinned staging pool. Then resize, letterbox /
+centre crop, colour order, normalisation, dtype and layout all happen on the device, on the
+runner's stream, and the result is the model's input tensor.
+
+Same verdicts as the CPU path, by construction:
+
+* Resizing is two small matrix products per image size, ``Wy @ img @ Wx^T``, with the weights
+  OpenCV's ``resize`` uses (INTER_AREA: exact pixel-area overlap; INTER_LINEAR / NEAREST /
+  CUBIC: OpenCV's sample positions), then rounded to integers like OpenCV's uint8 output. The
+  remaining differences are OpenCV's 11-bit fixed-point coefficients (at most 1 level) and, on
+  CUDA, fp16 matmul rounding (at most ~0.2 level before rounding).
+* JPEG decoders differ: nvJPEG's IDCT and chroma upsampling are not libjpeg-turbo's, typically
+  by 1-2 levels, more on sharp colour edges. So the GPU and CPU paths agree on labels, and on
+  scores within a tolerance (tests/gpu/test_gpu_path.py), not bit for bit.
+* A JPEG nvJPEG rejects (or one carrying an EXIF rotation, which OpenCV applies and nvJPEG
+  does not) is decoded by OpenCV instead; only if that fails too does the frame fail, alone,
+  with 400.
+
+The class runs on the CPU as well (``device="cpu"``), which is how it is unit-tested here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import struct
+import warnings
+from typing import Any
+
+import numpy as np
+
+from .. import imaging
+from ..config import InputSpec, ModelConfig
+from ..errors import InvalidInput
+from ..imaging import Frame
+from .memory import DEFAULT_STAGE_FRAME_BYTES, PinnedPool, stage_slot_bytes
+
+log = logging.getLogger(__name__)
+
+#: images resized together in one matrix product (bounds the fp16 working copy)
+CHUNK = 8
+_GRAY = (4899, 9617, 1868)  # OpenCV's fixed-point RGB->grey weights (R, G, B), 14 bits
+
+
+# --- resize weights (OpenCV's) ---------------------------------------------------------------
+
+@functools.lru_cache(maxsize=256)
+def axis_weights(n_in: int, n_out: int, mode: str) -> np.ndarray:
+    """(n_out, n_in) float64 matrix: output pixel = weights @ input pixels along one axis.
+
+    ``mode``: "area" (downscale: exact overlap), "area_up" (OpenCV's INTER_AREA when enlarging),
+    "linear", "nearest", "cubic".
+    """
+    w = np.zeros((n_out, n_in), dtype=np.float64)
+    scale = n_in / n_out
+    last = n_in - 1
+    for dx in range(n_out):
+        if mode == "area":
+            f1, f2 = dx * scale, (dx + 1) * scale
+            s = int(np.floor(f1))
+            while s < n_in and s < f2:
+                w[dx, s] = min(f2, s + 1) - max(f1, s)
+                s += 1
+        elif mode == "nearest":
+            w[dx, min(int(np.floor(dx * scale)), last)] = 1.0
+        elif mode in ("linear", "area_up"):
+            if mode == "linear":
+                fx = (dx + 0.5) * scale - 0.5
+                sx = int(np.floor(fx))
+                fx -= sx
+            else:
+                sx = int(np.floor(dx * scale))
+                fx = (dx + 1) - (sx + 1) / scale
+                fx = 0.0 if fx <= 0 else fx - np.floor(fx)
+            if sx < 0:
+                sx, fx = 0, 0.0
+            if sx >= last:
+                sx, fx = last, 0.0
+            w[dx, sx] += 1.0 - fx
+            w[dx, min(sx + 1, last)] += fx
+        elif mode == "cubic":
+            fx = (dx + 0.5) * scale - 0.5
+            sx = int(np.floor(fx))
+            fx -= sx
+            a = -0.75
+            cs = [((a * (fx + 1) - 5 * a) * (fx + 1) + 8 * a) * (fx + 1) - 4 * a,
+                  ((a + 2) * fx - (a + 3)) * fx * fx + 1,
+                  ((a + 2) * (1 - fx) - (a + 3)) * (1 - fx) * (1 - fx) + 1]
+            cs.append(1.0 - sum(cs))
+            for k, c in enumerate(cs):
+                w[dx, min(max(sx - 1 + k, 0), last)] += c
+        else:
+            raise ValueError(f"unknown resize mode {mode!r}")
+    w /= w.sum(axis=1, keepdims=True)
+    return w
+
+
+def resize_modes(interp: str, in_hw: tuple[int, int], out_hw: tuple[int, int]) -> str:
+    """OpenCV uses true area averaging only when neither axis grows; else its linear variant."""
+    if interp != "area":
+        return interp
+    (ih, iw), (oh, ow) = in_hw, out_hw
+    return "area" if (ih >= oh and iw >= ow) else "area_up"
+
+
+def geometry(spec: InputSpec, ih: int, iw: int) -> tuple[int, int, int, int, int, int]:
+    """(nh, nw, y0, x0, crop_y, crop_x): resize to nh x nw; place at (y0, x0) on the canvas
+    (letterbox) or cut the window at (crop_y, crop_x) (centre crop). Mirrors imaging.resize."""
+    w, h = spec.width, spec.height
+    if spec.resize == "stretch" or (iw, ih) == (w, h):
+        return h, w, 0, 0, 0, 0
+    if spec.resize == "letterbox":
+        s = min(w / iw, h / ih)
+        nw, nh = max(1, round(iw * s)), max(1, round(ih * s))
+        return nh, nw, (h - nh) // 2, (w - nw) // 2, 0, 0
+    s = max(w / iw, h / ih)
+    nw, nh = max(w, round(iw * s)), max(h, round(ih * s))
+    return nh, nw, 0, 0, (nh - h) // 2, (nw - w) // 2
+
+
+# --- EXIF orientation (OpenCV applies it, nvJPEG does not) -----------------------------------
+
+def exif_rotated(data: bytes) -> bool:
+    """True if the JPEG's EXIF says the image must be rotated/flipped (orientation != 1)."""
+    i, n = 2, min(len(data), 1 << 16)
+    while i + 4 <= n and data[i] == 0xFF:
+        marker = data[i + 1]
+        if marker == 0xDA:  # start of scan: no more headers
+            return False
+        (length,) = struct.unpack(">H", data[i + 2:i + 4])
+        if marker == 0xE1 and data[i + 4:i + 10] == b"Exif\x00\x00":
+            return _tiff_orientation(data[i + 10:i + 2 + length]) not in (None, 1)
+        i += 2 + length
+    return False
+
+
+def _tiff_orientation(tiff: bytes) -> int | None:
+    try:
+        end = {b"II": "<", b"MM": ">"}.get(tiff[:2])
+        if end is None:
+            return None
+        (ifd,) = struct.unpack(end + "I", tiff[4:8])
+        (count,) = struct.unpack(end + "H", tiff[ifd:ifd + 2])
+        for k in range(count):
+            e = ifd + 2 + 12 * k
+            tag, _typ, _cnt = struct.unpack(end + "HHI", tiff[e:e + 8])
+            if tag == 0x0112:
+                return struct.unpack(end + "H", tiff[e + 8:e + 10])[0]
+    except struct.error:
+        return None
+    return None
+
+
+# --- the preprocessor ------------------------------------------------------------------------
+
+class TorchPreprocessor:
+    """``prepare(frames, padded)`` -> (model input tensor on ``device``, good, bad), the same
+    contract as :func:`visionserve.imaging.prepare_batch`.
+
+    ``dtype`` is the tensor dtype the backend wants (fp16 for a torch model in half precision,
+    the ONNX input dtype for onnxruntime); ``channels_last`` gives NCHW tensors in NHWC memory.
+    Called from the runner's prep thread only; everything queued on ``stream``.
+    """
+
+    def __init__(self, spec: InputSpec, *, device: str, dtype: Any, max_batch: int,
+                 stream: Any = None, pool: PinnedPool | None = None, channels_last: bool = False,
+                 stage_frame_bytes: int = DEFAULT_STAGE_FRAME_BYTES) -> None:
+        import torch
+
+        self.spec = spec
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.dtype = dtype
+        self.max_batch = max_batch
+        self.stream = stream
+        self.channels_last = channels_last
+        self.pool = pool
+        self.stage_frame_bytes = stage_frame_bytes
+        # fp16 products on the GPU (tensor cores); exact float32 on the CPU
+        self._mm_dtype = torch.float16 if self.cuda else torch.float32
+        c = spec.channels
+        std = torch.tensor(spec.std, dtype=torch.float32).view(1, c, 1, 1)
+        mean = torch.tensor(spec.mean, dtype=torch.float32).view(1, c, 1, 1)
+        self._mul = (spec.scale / std).to(self.device)
+        self._add = (-mean / std).to(self.device)
+        self._weights: dict[tuple[int, int, str, int, int], Any] = {}
+        self.counts = {"nvjpeg": 0, "cpu_decoded": 0, "raw": 0, "fallback": 0}
+
+    @classmethod
+    def for_config(cls, config: ModelConfig, *, device: str, dtype: Any, stream: Any = None,
+                   channels_last: bool = False, slots: int = 3) -> TorchPreprocessor:
+        pool = PinnedPool(slots, stage_slot_bytes(config)) if device.startswith("cuda") else None
+        return cls(config.input, device=device, dtype=dtype, max_batch=config.batching.max_batch_size,
+                   stream=stream, pool=pool, channels_last=channels_last)
+
+    # -- public -------------------------------------------------------------------------------
+
+    def prepare(self, frames: list[Frame], padded: int
+                ) -> tuple[Any, list[int], list[tuple[int, Exception]]]:
+        import torch
+
+        ctx = torch.cuda.stream(self.stream) if (self.cuda and self.stream is not None) \
+            else contextlib.nullcontext()
+        with ctx, torch.inference_mode():
+            images, bad = self._decode_all(frames)
+            good = sorted(images)
+            tensor = self._assemble([images[i] for i in good], padded)
+        return tensor, good, bad
+
+    def warmup(self, batch_sizes: tuple[int, ...], frame_hw: tuple[int, int] = (1080, 1920)) -> None:
+        """Run the largest batch of the largest expected frames (JPEG and raw) through, so the
+        allocator and nvJPEG have grown their buffers before the server reports ready."""
+        cv2 = imaging._cv2()
+        h, w = frame_hw
+        y, x = np.mgrid[0:h, 0:w]
+        img = np.dstack([x * 255 // max(1, w - 1), y * 255 // max(1, h - 1), (x + y) % 256]).astype(np.uint8)
+        ok, buf = cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, 95])
+        assert ok
+        jpeg = imaging.encoded_frame(buf.tobytes(), max_pixels=h * w)
+        raw = imaging.raw_frame(img, (h, w, 3), max_pixels=h * w)
+        top = max(batch_sizes)
+        for bs in sorted(set(batch_sizes)):
+            self.prepare([jpeg] * bs, bs)
+        self.prepare([raw] * top, top)
+        self.prepare([jpeg, raw] * (top // 2) + [jpeg] * (top % 2), top)
+        if self.cuda:
+            torch_sync(self.stream)
+
+    # -- decoding -----------------------------------------------------------------------------
+
+    def _decode_all(self, frames: list[Frame]) -> tuple[dict[int, Any], list[tuple[int, Exception]]]:
+        images: dict[int, Any] = {}
+        bad: list[tuple[int, Exception]] = []
+        host: list[tuple[int, np.ndarray, str]] = []  # (index, pixels, "bgr"|"rgb"|"gray"|"rgba")
+        jpegs = [i for i, f in enumerate(frames) if f.kind == "jpeg" and not exif_rotated(f.data)]
+        for i, img in self._nvjpeg(frames, jpegs).items():
+            if img is None:
+                self.counts["fallback"] += 1
+                self._host_decode(i, frames[i], host, bad)
+            else:
+                images[i] = img
+        jset = set(jpegs)
+        for i, f in enumerate(frames):
+            if i in jset:
+                continue
+            if f.kind == "raw":
+                px = f.data
+                assert isinstance(px, np.ndarray)
+                host.append((i, px, {1: "gray", 3: "rgb", 4: "rgba"}[px.shape[2]]))
+                self.counts["raw"] += 1
+            else:
+                self._host_decode(i, f, host, bad)
+        if host:
+            uploaded = self._upload([h[1] for h in host])
+            for (i, _px, order), t in zip(host, uploaded):
+                images[i] = self._canonical(t, order)
+        bad.sort(key=lambda b: b[0])
+        return images, bad
+
+    def _host_decode(self, i: int, frame: Frame, host: list, bad: list) -> None:
+        try:
+            px = imaging.decode(frame, self.spec.channels)
+        except InvalidInput as exc:
+            bad.append((i, exc))
+            return
+        self.counts["cpu_decoded"] += 1
+        host.append((i, px, "gray" if px.ndim == 2 else "bgr"))
+
+    def _nvjpeg(self, frames: list[Frame], idx: list[int]) -> dict[int, Any]:
+        """index -> (C,H,W) uint8 on the device (RGB or grey), or None where decoding failed."""
+        if not idx:
+            return {}
+        import torch
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        mode = ImageReadMode.GRAY if self.spec.channels == 1 else ImageReadMode.RGB
+        datas = [torch.frombuffer(bytearray(frames[i].data), dtype=torch.uint8) for i in idx]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torchvision >= 0.29 warns that decode_jpeg is deprecated
+            try:
+                out = decode_jpeg(datas, mode=mode, device=self.device)
+                self.counts["nvjpeg"] += len(idx)
+                return dict(zip(idx, out))
+            except RuntimeError as exc:
+                log.debug("batched JPEG decode failed (%s); decoding one by one", exc)
+            result: dict[int, Any] = {}
+            for i, d in zip(idx, datas):
+                try:
+                    result[i] = decode_jpeg([d], mode=mode, device=self.device)[0]
+                    self.counts["nvjpeg"] += 1
+                except RuntimeError:
+                    result[i] = None
+            return result
+
+    def _upload(self, arrays: list[np.ndarray]) -> list[Any]:
+        import torch
+
+        if self.pool is not None:
+            return self.pool.upload(arrays, self.device, self.stream)
+        return [torch.from_numpy(np.ascontiguousarray(a)).to(self.device) for a in arrays]
+
+    def _canonical(self, t: Any, order: str) -> Any:
+        """Host-layout uint8 HxW[xC] -> (C,H,W), C=3 in RGB order or C=1 grey, for the model."""
+        import torch
+
+        if t.dim() == 2:
+            t = t.unsqueeze(-1)
+        t = t.permute(2, 0, 1)
+        if self.spec.channels == 1:
+            if order == "gray":
+                return t
+            r, g, b = (t[2], t[1], t[0]) if order == "bgr" else (t[0], t[1], t[2])
+            y = (r.int() * _GRAY[0] + g.int() * _GRAY[1] + b.int() * _GRAY[2] + (1 << 13)) >> 14
+            return y.to(torch.uint8).unsqueeze(0)
+        if order == "gray":
+            return t.expand(3, -1, -1)
+        if order == "bgr":
+            return t.flip(0)
+        return t[:3]
+
+    # -- geometry, colour, normalisation ------------------------------------------------------
+
+    def _assemble(self, images: list[Any], padded: int) -> Any:
+        import torch
+
+        s = self.spec
+        c, h, w = s.channels, s.height, s.width
+        pix = torch.zeros((padded, c, h, w), dtype=torch.float32, device=self.device)
+        groups: dict[tuple[int, int], list[int]] = {}
+        for row, img in enumerate(images):
+            groups.setdefault((int(img.shape[1]), int(img.shape[2])), []).append(row)
+        for (ih, iw), rows in groups.items():
+            nh, nw, y0, x0, cy, cx = geometry(s, ih, iw)
+            mode = resize_modes(s.interpolation, (ih, iw), (nh, nw))
+            wy = self._w(ih, nh, mode, cy, min(nh, h) if s.resize == "center_crop" else nh)
+            wx = self._w(iw, nw, mode, cx, min(nw, w) if s.resize == "center_crop" else nw).T
+            oh, ow = wy.shape[0], wx.shape[1]
+            if s.resize == "letterbox" and (oh, ow) != (h, w):
+                pix[rows] = float(s.pad_value)
+            for k in range(0, len(rows), CHUNK):
+                part = rows[k:k + CHUNK]
+                x = torch.stack([images[r] for r in part]).to(self._mm_dtype)
+                if (ih, iw) != (oh, ow):  # same size: the weights are the identity
+                    x = torch.matmul(wy, torch.matmul(x, wx))
+                out = x.float().round_().clamp_(0, 255)
+                pix[part, :, y0:y0 + oh, x0:x0 + ow] = out
+        if s.color_order == "BGR":
+            pix = pix.flip(1)
+        if s.dtype == "uint8":
+            out_t = pix.to(torch.uint8)
+        else:
+            out_t = (pix * self._mul + self._add).to(self.dtype)
+        if s.layout == "NHWC":
+            return out_t.permute(0, 2, 3, 1).contiguous()
+        if self.channels_last:
+            return out_t.contiguous(memory_format=torch.channels_last)
+        return out_t
+
+    def _w(self, n_in: int, n_out: int, mode: str, start: int, count: int) -> Any:
+        """(count, n_in) weights on the device: rows ``start:start+count`` (the crop window) of
+        :func:`axis_weights`; cached. Columns use it transposed."""
+        key = (n_in, n_out, mode, start, count)
+        t = self._weights.get(key)
+        if t is None:
+            import torch
+
+            m = axis_weights(n_in, n_out, mode)[start:start + count]
+            t = torch.from_numpy(np.ascontiguousarray(m)).to(self.device, self._mm_dtype)
+            self._weights[key] = t
+        return t
+
+
+def torch_sync(stream: Any) -> None:
+    """Wait for ``stream`` (or the current stream): never the whole device."""
+    import torch
+
+    (stream or torch.cuda.current_stream()).synchronize()

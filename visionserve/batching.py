@@ -105,7 +105,7 @@ class Batcher:
         max_queue_size: int,
         cost: CostModel,
         max_inflight: int = 2,
-        safety_s: float = 0.001,
+        safety_s: float = 0.005,
     ) -> None:
         if max_batch_size < 1 or max_queue_size < 1 or max_inflight < 1 or max_queue_delay_s < 0:
             raise ValueError("batcher sizes must be >= 1 and the delay >= 0")
@@ -120,7 +120,7 @@ class Batcher:
         self._seq = itertools.count()
         self._slots = asyncio.Semaphore(max_inflight)
         self._wakeup = asyncio.Event()
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: dict[asyncio.Task, list[Pending]] = {}  # running batches
         self._loop_task: asyncio.Task | None = None
         self._accepting = True
         self.on_drop: Callable[[Pending, str], None] = lambda item, reason: None
@@ -175,7 +175,11 @@ class Batcher:
         return done
 
     async def close(self) -> None:
-        """Stop the loop; whatever is still queued is answered 503."""
+        """Stop the loop; whatever is still queued or running is answered 503.
+
+        Running frames too: after a drain timeout the process is about to exit, and a clean 503
+        beats a connection cut when uvicorn gives up on the request. A result the runner still
+        produces later is ignored (futures are answered once)."""
         self._accepting = False
         if self._loop_task is not None:
             self._loop_task.cancel()
@@ -187,12 +191,15 @@ class Batcher:
         while self._heap:
             item = heapq.heappop(self._heap)
             resolve(item.future, exc=Unavailable("the server shut down before this frame ran"))
+        for batch in list(self._tasks.values()):
+            for item in batch:
+                resolve(item.future, exc=Unavailable("the server shut down before this frame finished"))
 
     # --- batching loop -----------------------------------------------------------------------
 
     async def _run(self) -> None:
         while True:
-            await self._slots.acquire()
+            await self._acquire_slot()
             try:
                 batch = await self._next_batch()
             except BaseException:
@@ -202,12 +209,27 @@ class Batcher:
                 self._slots.release()
                 continue
             task = asyncio.get_running_loop().create_task(self._dispatch(batch))
-            self._tasks.add(task)
+            self._tasks[task] = batch
             task.add_done_callback(self._task_done)
 
+    async def _acquire_slot(self) -> None:
+        """Wait for a free executor slot. Meanwhile keep answering requests whose deadline passes:
+        a busy runner must not hold a late answer back until it is done."""
+        while self._slots.locked():
+            self._purge()
+            expiry = min((p.deadline for p in self._heap), default=None)
+            timeout = None if expiry is None else max(0.0, expiry - time.monotonic())
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), timeout=timeout)
+            except (asyncio.TimeoutError, TimeoutError):
+                pass
+        await self._slots.acquire()  # free: returns at once
+
     def _task_done(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
+        self._tasks.pop(task, None)
         self._slots.release()
+        self._wakeup.set()  # a slot is free: wake the loop if it waits in _acquire_slot
         if not task.cancelled() and task.exception() is not None:
             log.error("batch execution failed in %s", self.name, exc_info=task.exception())
 
@@ -238,7 +260,10 @@ class Batcher:
             first_arrival = min(p.arrival for p in self._heap)
             earliest_deadline = min(p.deadline for p in self._heap)
             due = first_arrival + self.max_queue_delay_s
-            # latest start that still answers the most urgent request in time
+            # latest start that still answers the most urgent request in time. The safety margin
+            # covers what the cost model cannot see: the loop waking up late on a busy CPU, and
+            # decoding (the model is seeded with backend-only times at warm-up). With 1 ms, a lone
+            # request on an idle but loaded box woke up past its deadline and was answered LATE.
             latest = earliest_deadline - self.cost.estimate(min(n + 1, self.max_batch_size)) - self._safety
             wait = min(due, latest) - now
             if wait <= 0:

@@ -24,15 +24,17 @@ export PYTHONUNBUFFERED=1
   python3 -c 'import sys, torch, torchvision; print(sys.version); print("torch", torch.__version__, "torchvision", torchvision.__version__, "cuda", torch.cuda.is_available())'
   python3 -c 'import onnxruntime as o; print("onnxruntime", o.__version__, o.__file__, o.get_available_providers())' 2>&1
   python3 -c 'import fastapi, uvicorn, pydantic, pynvml; print("server deps ok")' 2>&1
+  python3 -m visionserve env 2>&1
+  python3 -m visionserve doctor --device cuda:0 2>&1; echo "doctor exit $?"
 } >>"$OUT/env.txt" 2>&1
 
-timeout 210 python3 -m pytest -p no:cacheprovider -q -rs -o addopts="" \
-  tests/gpu/test_gpu_path.py tests/unit/test_gpu_memory.py tests/unit/test_torch_backend.py \
+timeout ${PYTEST_T:-150} python3 -m pytest -p no:cacheprovider -q -rs -o addopts="" \
+  tests/gpu tests/unit/test_gpu_memory.py tests/unit/test_torch_backend.py \
   --junitxml="$OUT/junit.xml" >"$OUT/pytest.txt" 2>&1
 echo "pytest exit $?" >>"$OUT/pytest.txt"
 tail -n 25 "$OUT/pytest.txt"
 
-timeout 330 python3 -m visionserve.benchgpu --out "$OUT/bench.json" --log-dir "$OUT" \
+timeout ${BENCH_T:-270} python3 -m visionserve.benchgpu --out "$OUT/bench.json" --log-dir "$OUT" \
   ${BENCH_ARGS:-} >"$OUT/bench.txt" 2>&1
 echo "benchgpu exit $?" >>"$OUT/bench.txt"
 tail -n 60 "$OUT/bench.txt"

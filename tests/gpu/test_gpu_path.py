@@ -110,7 +110,7 @@ def _scenes(n: int, h: int = 480, w: int = 640) -> list[np.ndarray]:
     for i in range(n):
         base = 90 + 60 * np.sin(x / (20 + 7 * i)) * np.cos(y / (31 + 3 * i))
         img = np.dstack([base + 20 * i % 60, base * 0.8 + 30, 255 - base])
-        cy, cx = rng.integers(60, h - 60), rng.integers(60, w - 60)
+        cy, cx = rng.integers(h // 8, h - h // 8), rng.integers(w // 8, w - w // 8)
         img[(y - cy) ** 2 + (x - cx) ** 2 < (10 + 4 * i) ** 2] = (20 + 10 * i, 200, 40)
         img += rng.normal(0, 4, img.shape)
         out.append(np.clip(img, 0, 255).astype(np.uint8))

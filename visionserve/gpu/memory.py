@@ -209,6 +209,18 @@ def allocator_stats(device: str = "cuda:0") -> AllocatorStats:
     )
 
 
+def reserve_small_pool(device: str, blocks: int = 96) -> None:
+    """Grow the caching allocator's small-block pool (allocations up to 1 MiB live in 2 MiB
+    segments) ahead of time. Warm-up runs one batch at a time; under load several batches'
+    small temporaries (decode metadata, resize weights, outputs) are alive at once and would
+    otherwise make the pool grow — new device allocations after ready. Freed blocks stay cached."""
+    import torch
+
+    held = [torch.empty(1024 * 1024 - 512, dtype=torch.uint8, device=device) for _ in range(blocks)]
+    torch.cuda.synchronize(device)
+    del held
+
+
 class AllocationWatch:
     """Marks the allocator's state when the server turns ready; :meth:`new_since_mark` then says
     whether serving has needed new device memory (it should not, with a warmed-up budget)."""
@@ -425,6 +437,7 @@ class GpuReservation:
         """Call when every model is warm: the allocator's state now is the one to keep."""
         from .telemetry import GpuTelemetry
 
+        reserve_small_pool(self.device)
         self.watch.mark()
         self.telemetry = GpuTelemetry(self.nvml, self.gpu.index if self.gpu else None,
                                       self.plan.total, allocator=lambda: allocator_stats(self.device),

@@ -1,0 +1,204 @@
+"""Shutdown and client disconnects on a real server process.
+
+SIGTERM under load needs work that is still queued when the signal arrives, so these tests use a
+deliberately slow model (a few 3x3 convolutions at 256x256 on one CPU thread: about 0.1 s a
+frame) next to the tiny one.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import start_server
+
+SLOW_TOML = """\
+description = "slow test model: random weights, 256x256, one CPU thread"
+[input]
+width = 256
+height = 256
+[output]
+labels = ["ok", "dent", "scratch"]
+[batching]
+max_batch_size = 4
+preferred_batch_sizes = [4]
+max_queue_delay_ms = 5
+max_queue_size = 64
+takt_ms = 120000
+[runtime]
+intra_op_threads = 1
+"""
+
+
+def make_slow_model(folder: Path) -> Path:
+    import warnings
+
+    import torch
+
+    class Slow(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.convs = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1),
+                                             *[torch.nn.Conv2d(16, 16, 3, padding=1) for _ in range(3)])
+            self.fc = torch.nn.Linear(16, 3)
+
+        def forward(self, x):
+            return self.fc(self.convs(x).mean(dim=(2, 3)))
+
+    torch.manual_seed(0)
+    (folder / "1").mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Slow().eval(), (torch.zeros(1, 3, 256, 256),), str(folder / "1" / "model.onnx"),
+                          input_names=["input"], output_names=["logits"],
+                          dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
+                          opset_version=17, dynamo=False)
+    (folder / "model.toml").write_text(SLOW_TOML)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def slow_repo(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("slowrepo")
+    make_slow_model(root / "slow")
+    return root
+
+
+def post_frame(url: str, jpeg: bytes, part: str, results: dict, client: httpx.Client) -> None:
+    try:
+        r = client.post(url, content=jpeg, headers={"Content-Type": "image/jpeg", "X-Part-Id": part})
+        results[part] = (r.status_code, r.json())
+    except httpx.HTTPError as exc:  # a cut connection: recorded, asserted on below
+        results[part] = (None, repr(exc))
+
+
+def test_sigterm_under_load_drains_and_exits_0(slow_repo, tmp_path, jpeg_bytes):
+    drain_timeout = 60.0
+    s = start_server(slow_repo, tmp_path, "--drain-timeout-s", str(drain_timeout), grpc=False)
+    try:
+        url = s.url + "/v1/models/slow/inspect"
+        n = 12  # three batches of 4 at ~0.1 s a frame: still queued when the signal comes
+        clients = [httpx.Client(timeout=120) for _ in range(n)]
+        for c in clients:  # connect first, so the burst is only the requests
+            assert c.get(s.url + "/v2/health/live").status_code == 200
+        results: dict[str, tuple] = {}
+        threads = [threading.Thread(target=post_frame, args=(url, jpeg_bytes, f"p{i}", results, c))
+                   for i, c in enumerate(clients)]
+        for t in threads:
+            t.start()
+        # the first answer means the first batch ran; by then every request has long been read
+        # (the event loop is idle while the model computes) and the rest are queued
+        end = time.monotonic() + 120
+        while not results and time.monotonic() < end:
+            time.sleep(0.01)
+        assert results, "no answer at all"
+        assert len(results) < n, "everything finished before SIGTERM; the model is too fast for this test"
+        signal_at = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+
+        # during the drain: not ready, new work refused with 503 and Retry-After
+        with httpx.Client(timeout=30) as late:
+            ready = late.get(s.url + "/v2/health/ready")
+            refused = late.post(url, content=jpeg_bytes, headers={"Content-Type": "image/jpeg",
+                                                                  "X-Part-Id": "after"})
+            model_ready = late.get(s.url + "/v2/models/slow/ready")
+        assert len(results) < n, "the drain was over before the probes; cannot check the 503s"
+        assert ready.status_code == 503 and ready.json() == {"ready": False}
+        assert model_ready.status_code == 503
+        assert refused.status_code == 503, refused.text
+        assert "shutting down" in refused.json()["error"]
+        assert refused.json()["part_id"] == "after"
+        assert int(refused.headers["Retry-After"]) >= 1
+
+        # every request accepted before the signal gets its answer
+        for t in threads:
+            t.join(timeout=drain_timeout + 30)
+        assert sorted(results) == sorted(f"p{i}" for i in range(n))
+        for part, (status, body) in results.items():
+            assert status == 200, (part, body)
+            assert body["part_id"] == part and body["verdict"] in ("OK", "NG")
+        code = s.proc.wait(timeout=drain_timeout + 30)
+        assert code == 0, s.log()
+        assert time.monotonic() - signal_at < drain_timeout
+        for c in clients:
+            c.close()
+        log = s.log()
+        assert "draining" in log
+        assert "Traceback" not in log
+    finally:
+        s.stop(signal.SIGKILL)
+
+
+def test_drain_timeout_answers_the_rest_503_and_exits_0(slow_repo, tmp_path, jpeg_bytes):
+    drain_timeout = 1.0
+    s = start_server(slow_repo, tmp_path, "--drain-timeout-s", str(drain_timeout), grpc=False)
+    try:
+        url = s.url + "/v1/models/slow/inspect"
+        n = 40  # ten batches: far more than one second of work
+        clients = [httpx.Client(timeout=120) for _ in range(n)]
+        for c in clients:
+            assert c.get(s.url + "/v2/health/live").status_code == 200
+        results: dict[str, tuple] = {}
+        threads = [threading.Thread(target=post_frame, args=(url, jpeg_bytes, f"p{i}", results, c))
+                   for i, c in enumerate(clients)]
+        for t in threads:
+            t.start()
+        end = time.monotonic() + 120
+        while not results and time.monotonic() < end:
+            time.sleep(0.01)
+        s.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(timeout=60)
+        code = s.proc.wait(timeout=60)
+        assert code == 0, s.log()
+        statuses = [results[f"p{i}"][0] for i in range(n)]
+        # nobody is left hanging or cut off: each got an answer or a clean 503
+        assert set(statuses) <= {200, 503}, results
+        assert statuses.count(200) >= 4 and statuses.count(503) >= 1, statuses
+        shut = [b for st, b in results.values() if st == 503]
+        assert all("shut down" in b["error"] or "shutting down" in b["error"] for b in shut), shut
+        assert "drain timeout" in s.log()
+        for c in clients:
+            c.close()
+    finally:
+        s.stop(signal.SIGKILL)
+
+
+def test_disconnected_client_is_dropped_before_compute(tiny_repo, tmp_path, jpeg_bytes):
+    s = start_server(tiny_repo, tmp_path, "--max-queue-delay-ms", "1500", grpc=False)
+    try:
+        url = s.url + "/v1/models/tiny/inspect"
+        with pytest.raises(httpx.TimeoutException):
+            # the frame waits 1.5 s for company; the client gives up after 0.3 s and hangs up
+            httpx.post(url, content=jpeg_bytes, headers={"Content-Type": "image/jpeg"}, timeout=0.3)
+        time.sleep(2.5)  # well past the queue delay: had it stayed queued, it would have run by now
+        stats = httpx.get(s.url + "/v2/models/tiny/stats", timeout=30).json()["model_stats"][0]
+        assert stats["execution_count"] == 0 and stats["inference_count"] == 0, stats
+        log = s.log()
+        assert "client disconnected before its answer; request dropped" in log
+        assert "Exception in ASGI application" not in log and "Traceback" not in log
+        # the server is fine and the next client gets its answer
+        r = httpx.post(url, content=jpeg_bytes, headers={"Content-Type": "image/jpeg"}, timeout=60)
+        assert r.status_code == 200, r.text
+        stats = httpx.get(s.url + "/v2/models/tiny/stats", timeout=30).json()["model_stats"][0]
+        assert stats["execution_count"] == 1 and stats["inference_count"] == 1
+        assert httpx.get(s.url + "/v2/health/ready", timeout=30).status_code == 200
+    finally:
+        assert s.stop() == 0
+
+
+def test_sigterm_when_idle_exits_0_promptly(tiny_repo, tmp_path):
+    s = start_server(tiny_repo, tmp_path, grpc=False)
+    t0 = time.monotonic()
+    s.proc.send_signal(signal.SIGTERM)
+    try:
+        assert s.proc.wait(timeout=30) == 0
+    except subprocess.TimeoutExpired:
+        s.stop(signal.SIGKILL)
+        raise
+    assert time.monotonic() - t0 < 20  # less than the default drain timeout: nothing to wait for

@@ -1,0 +1,164 @@
+"""The engine: command-line overrides of model.toml, and its checks on every request.
+
+The in-process tests run a real Engine (onnxruntime on the CPU) on the tiny model repository.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from visionserve import imaging
+from visionserve.config import ModelConfig, ServerSettings
+from visionserve.engine import Engine, effective_config
+from visionserve.errors import ConfigError, DeadlineExceeded, InvalidInput, NotFound, Unavailable
+
+BASE = ModelConfig.model_validate({
+    "input": {"width": 32, "height": 32},
+    "output": {"labels": ["ok", "ng"]},
+    "batching": {"max_batch_size": 16, "preferred_batch_sizes": [1, 2, 4, 8, 16],
+                 "max_queue_delay_ms": 5, "max_queue_size": 100, "takt_ms": 300},
+})
+
+
+def settings(**kw) -> ServerSettings:
+    return ServerSettings(**kw)
+
+
+def test_no_override_keeps_the_config():
+    assert effective_config(BASE, settings()) is BASE
+
+
+def test_max_batch_size_override_trims_preferred_sizes():
+    cfg = effective_config(BASE, settings(max_batch_size=4))
+    assert cfg.batching.max_batch_size == 4
+    assert cfg.batching.preferred_batch_sizes == (1, 2, 4)
+    assert effective_config(BASE, settings(max_batch_size=6)).batching.preferred_batch_sizes == (1, 2, 4)
+    # the rest of model.toml is untouched
+    assert cfg.batching.max_queue_delay_ms == 5 and cfg.input == BASE.input
+    assert BASE.batching.max_batch_size == 16  # the original is not modified
+
+
+def test_max_batch_size_below_every_preferred_size():
+    cfg = ModelConfig.model_validate({**BASE.model_dump(), "batching": {
+        "max_batch_size": 32, "preferred_batch_sizes": [8, 16, 32]}})
+    assert effective_config(cfg, settings(max_batch_size=4)).batching.preferred_batch_sizes == (4,)
+
+
+def test_max_batch_size_raised_keeps_preferred_sizes():
+    cfg = effective_config(BASE, settings(max_batch_size=64))
+    assert cfg.batching.max_batch_size == 64
+    assert cfg.batching.preferred_batch_sizes == (1, 2, 4, 8, 16)
+
+
+def test_queue_and_takt_overrides():
+    cfg = effective_config(BASE, settings(max_queue_delay_ms=1500, max_queue_size=7, takt_ms=42.5))
+    b = cfg.batching
+    assert (b.max_queue_delay_ms, b.max_queue_size, b.takt_ms) == (1500, 7, 42.5)
+    assert b.max_batch_size == 16 and b.preferred_batch_sizes == BASE.batching.preferred_batch_sizes
+    zero = effective_config(BASE, settings(max_queue_delay_ms=0))
+    assert zero.batching.max_queue_delay_ms == 0  # 0 is an override, not "unset"
+
+
+def test_override_out_of_the_model_range_is_refused():
+    # the server setting allows it, model.toml's schema does not: a ConfigError naming the option
+    with pytest.raises(ConfigError, match=r"--max-queue-delay-ms: .*10000.* \(got 20000"):
+        effective_config(BASE, settings(max_queue_delay_ms=20_000))
+
+
+def test_engine_scan_checks_the_overrides(tiny_repo):
+    eng = Engine(settings(models=tiny_repo, max_batch_size=5000), device="cpu")
+    with pytest.raises(ConfigError, match="model tiny: --max-batch-size"):
+        eng.scan()
+
+
+# --- a real engine on the tiny model -----------------------------------------------------------
+
+
+@pytest.fixture
+async def engine(tiny_repo):
+    eng = Engine(settings(models=tiny_repo, max_queue_delay_ms=1), device="cpu")
+    await eng.start()
+    yield eng
+    await eng.close()
+
+
+def raw(value: int = 128) -> imaging.Frame:
+    return imaging.raw_frame(np.full((32, 32, 3), value, np.uint8), (32, 32, 3))
+
+
+async def test_engine_answers_frames_in_order(engine):
+    assert engine.ready and engine.model_ready("tiny")
+    frames = [raw(v) for v in (0, 128, 255)]
+    served, results = await engine.infer("tiny", None, frames)
+    assert served.name == "tiny" and served.version == 1
+    assert len(results) == 3
+    for f, r in zip(frames, results):
+        _, (alone,) = await engine.infer("tiny", "1", [f])
+        assert alone.label == r.label
+        assert np.allclose(alone.scores, r.scores, atol=1e-5)
+    assert served.stats.inference_count == 6
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"deadline_ms": -1.0}, "deadline"), ({"deadline_ms": 0.0}, "deadline"),
+    ({"deadline_ms": float("inf")}, "deadline"), ({"deadline_ms": 1e12}, "deadline"),
+    ({"priority": -1}, "priority"), ({"priority": 3}, "priority"), ({"priority": 10**9}, "priority"),
+])
+async def test_engine_refuses_out_of_range_deadline_and_priority(engine, kw, match):
+    with pytest.raises(InvalidInput, match=match):
+        await engine.infer("tiny", None, [raw()], **kw)
+
+
+async def test_engine_unknown_model_and_version(engine):
+    with pytest.raises(NotFound, match="unknown model 'nope'"):
+        await engine.infer("nope", None, [raw()])
+    with pytest.raises(NotFound, match="no version 9"):
+        await engine.infer("tiny", "9", [raw()])
+
+
+async def test_engine_no_frames_and_too_many(engine):
+    with pytest.raises(InvalidInput, match="no frame"):
+        await engine.infer("tiny", None, [])
+    with pytest.raises(InvalidInput, match="at most 64"):
+        await engine.infer("tiny", None, [raw()] * 65)
+
+
+async def test_engine_tiny_deadline_is_late(engine):
+    with pytest.raises(DeadlineExceeded):
+        await engine.infer("tiny", None, [raw()], deadline_ms=0.001)
+    _, (r,) = await engine.infer("tiny", None, [raw()])  # and it keeps serving
+    assert r.deadline_met
+
+
+async def test_engine_drain_refuses_new_work(engine):
+    await engine.drain(timeout_s=5)
+    assert not engine.ready
+    with pytest.raises(Unavailable, match="shutting down"):
+        await engine.infer("tiny", None, [raw()])
+
+
+async def test_engine_bad_repository(tmp_path):
+    eng = Engine(settings(models=tmp_path), device="cpu")
+    with pytest.raises(ConfigError, match="holds no model"):
+        eng.scan()
+    assert not eng.ready
+
+
+async def test_engine_cancelled_request_never_runs(tiny_repo):
+    eng = Engine(settings(models=tiny_repo, max_queue_delay_ms=800), device="cpu")
+    await eng.start()
+    try:
+        task = asyncio.ensure_future(eng.infer("tiny", None, [raw()]))
+        await asyncio.sleep(0.1)
+        task.cancel()  # what the HTTP front end does when the client disconnects
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(1.2)  # past the queue delay
+        s = eng.get("tiny")
+        assert s.stats.execution_count == 0 and s.stats.inference_count == 0
+        assert s.batcher.queue_depth == 0
+    finally:
+        await eng.close()

@@ -1,0 +1,126 @@
+"""The model repository: layout, versions and the errors a plant engineer will meet."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from visionserve.errors import ConfigError, NotFound
+from visionserve.repository import load_entry, parse_version, scan
+
+TOML = """\
+{extra}
+[input]
+width = 32
+height = 32
+[output]
+labels = ["ok", "ng"]
+"""
+
+
+def add_model(root: Path, name: str, versions=(1,), extra: str = "", filename: str = "model.onnx") -> Path:
+    folder = root / name
+    folder.mkdir(parents=True)
+    (folder / "model.toml").write_text(TOML.format(extra=extra))
+    for v in versions:
+        (folder / str(v)).mkdir()
+        (folder / str(v) / filename).write_bytes(b"not read by scan")
+    return folder
+
+
+def test_scan_finds_models_and_versions(tmp_path):
+    add_model(tmp_path, "alpha", versions=(1, 3))
+    add_model(tmp_path, "beta.v2", versions=(2,))
+    (tmp_path / "notes").mkdir()  # a folder without model.toml is not a model
+    (tmp_path / "README.txt").write_text("hello")
+    entries = scan(tmp_path)
+    assert sorted(entries) == ["alpha", "beta.v2"]
+    a = entries["alpha"]
+    assert sorted(a.versions) == [1, 3] and a.default_version == 3
+    assert a.versions[1] == tmp_path / "alpha" / "1" / "model.onnx"
+
+
+def test_non_version_folders_are_ignored(tmp_path):
+    folder = add_model(tmp_path, "m", versions=(2,))
+    for odd in ("0", "latest", "-1"):
+        (folder / odd).mkdir()
+        (folder / odd / "model.onnx").write_bytes(b"x")
+    (folder / "5").mkdir()  # a version folder without the model file
+    assert sorted(load_entry(folder).versions) == [2]
+
+
+def test_default_version(tmp_path):
+    add_model(tmp_path, "m", versions=(1, 2, 3), extra="default_version = 2")
+    entry = scan(tmp_path)["m"]
+    assert entry.default_version == 2
+    assert parse_version(entry, None) == 2
+    assert parse_version(entry, "") == 2
+    assert parse_version(entry, "3") == 3
+    assert parse_version(entry, 1) == 1
+
+
+@pytest.mark.parametrize("version", ["4", "0", "abc", "1.5", -1])
+def test_unknown_version_is_not_found(tmp_path, version):
+    add_model(tmp_path, "m", versions=(1, 2))
+    entry = scan(tmp_path)["m"]
+    with pytest.raises(NotFound, match=r"model m has no version .*\(have \[1, 2\]\)"):
+        parse_version(entry, version)
+
+
+def test_no_versions(tmp_path):
+    add_model(tmp_path, "m", versions=())
+    with pytest.raises(ConfigError, match=r"no version folder holds model.onnx \(expected .*m/1/model.onnx\)"):
+        scan(tmp_path)
+
+
+def test_version_holds_the_other_backends_file(tmp_path):
+    add_model(tmp_path, "m", versions=(1,), filename="model.pt2")  # but runtime.backend is onnxruntime
+    with pytest.raises(ConfigError, match="model.onnx"):
+        scan(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["-dash", "has space", ".hidden", "x" * 200])
+def test_bad_folder_name(tmp_path, name):
+    add_model(tmp_path, name)
+    with pytest.raises(ConfigError, match="not a valid model name"):
+        scan(tmp_path)
+
+
+def test_default_version_missing(tmp_path):
+    add_model(tmp_path, "m", versions=(1, 2), extra="default_version = 7")
+    with pytest.raises(ConfigError, match=r"default_version': version 7 not found \(have \[1, 2\]\)"):
+        scan(tmp_path)
+
+
+def test_name_mismatch(tmp_path):
+    add_model(tmp_path, "folder-name", extra='name = "other"')
+    with pytest.raises(ConfigError, match="'other' differs from the folder name 'folder-name'"):
+        scan(tmp_path)
+
+
+def test_name_matching_the_folder_is_fine(tmp_path):
+    add_model(tmp_path, "same", extra='name = "same"')
+    assert list(scan(tmp_path)) == ["same"]
+
+
+def test_empty_repository(tmp_path):
+    with pytest.raises(ConfigError, match="holds no model"):
+        scan(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="holds no model"):
+        scan(tmp_path)
+
+
+def test_repository_not_a_folder(tmp_path):
+    with pytest.raises(ConfigError, match="is not a folder"):
+        scan(tmp_path / "missing")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="is not a folder"):
+        scan(tmp_path / "file")
+
+
+def test_bad_model_toml_names_the_file_and_field(tmp_path):
+    add_model(tmp_path, "m", extra="colour = 3")
+    with pytest.raises(ConfigError, match=r"m/model.toml: field 'colour': unknown field"):
+        scan(tmp_path)

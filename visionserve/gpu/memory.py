@@ -209,16 +209,28 @@ def allocator_stats(device: str = "cuda:0") -> AllocatorStats:
     )
 
 
-def reserve_small_pool(device: str, blocks: int = 96) -> None:
+def reserve_small_pool(device: str, streams: Sequence[Any] = (), blocks: int = 96) -> None:
     """Grow the caching allocator's small-block pool (allocations up to 1 MiB live in 2 MiB
-    segments) ahead of time. Warm-up runs one batch at a time; under load several batches'
-    small temporaries (decode metadata, resize weights, outputs) are alive at once and would
-    otherwise make the pool grow — new device allocations after ready. Freed blocks stay cached."""
+    segments) ahead of time, on every stream that serves. Warm-up runs one batch at a time; under
+    load several batches' small temporaries (decode metadata, resize weights, outputs) are alive
+    at once and would otherwise make the pool grow: new device allocations after ready. Cached
+    blocks are reused only on the stream they were allocated on, hence one reserve per stream."""
     import torch
 
-    held = [torch.empty(1024 * 1024 - 512, dtype=torch.uint8, device=device) for _ in range(blocks)]
-    torch.cuda.synchronize(device)
-    del held
+    for stream in list(streams) or [None]:
+        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+            held = [torch.empty(1024 * 1024 - 512, dtype=torch.uint8, device=device)
+                    for _ in range(blocks)]
+        torch.cuda.synchronize(device)
+        del held
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
 
 class AllocationWatch:
@@ -380,6 +392,7 @@ class GpuReservation:
         self._nvml = nvml
         self.plan = BudgetPlan(total=None)
         self.watch = AllocationWatch(device)
+        self.streams: list[Any] = []  # the runners' CUDA streams (each has its own block pool)
         self.gpu: GpuInfo | None = None
         self.telemetry: Any = None
 
@@ -431,13 +444,14 @@ class GpuReservation:
                                             stream=backend.stream,
                                             channels_last=getattr(backend, "channels_last", False))
         prep.warmup(preferred)
+        self.streams.append(backend.stream)
         return prep
 
     def ready(self) -> None:
         """Call when every model is warm: the allocator's state now is the one to keep."""
         from .telemetry import GpuTelemetry
 
-        reserve_small_pool(self.device)
+        reserve_small_pool(self.device, self.streams)
         self.watch.mark()
         self.telemetry = GpuTelemetry(self.nvml, self.gpu.index if self.gpu else None,
                                       self.plan.total, allocator=lambda: allocator_stats(self.device),

@@ -24,7 +24,7 @@ def activate(raw: np.ndarray, activation: str) -> np.ndarray:
         e = np.exp(x)
         return e / e.sum(axis=1, keepdims=True)
     if activation == "sigmoid":
-        return 1.0 / (1.0 + np.exp(-x))
+        return 1.0 / (1.0 + np.exp(-np.clip(x, -80.0, 80.0)))  # no float32 overflow
     return x
 
 

@@ -42,7 +42,9 @@ def model_metadata(served: Served) -> dict[str, Any]:
         "name": served.name,
         "versions": [str(v) for v in sorted(served.entry.versions)],
         "platform": PLATFORMS[cfg.runtime.backend],
-        "inputs": [{"name": cfg.input.name, "datatype": "BYTES", "shape": [-1]}],
+        # Triton convention for a batching model: [-1] + the config's dims ([1]); perf_analyzer
+        # drops the first dim as the batch and needs what remains to be non-empty.
+        "inputs": [{"name": cfg.input.name, "datatype": "BYTES", "shape": [-1, 1]}],
         "outputs": [
             {"name": "scores", "datatype": "FP32", "shape": [-1, len(cfg.output.labels)]},
             {"name": "label", "datatype": "BYTES", "shape": [-1]},

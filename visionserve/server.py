@@ -170,8 +170,12 @@ async def serve(engine, settings: ServerSettings, guard: HostedGuard | None = No
     if settings.grpc_port >= 0:
         from .grpc.server import create_server
 
-        grpc_server = create_server(engine, settings)
-        await grpc_server.start()
+        try:
+            grpc_server = create_server(engine, settings)
+            await grpc_server.start()
+        except VisionServeError as exc:
+            log.error("%s", exc.message)
+            return 2
         log.info("gRPC listening on %s:%d", settings.host, settings.grpc_port)
     server.grpc_server = grpc_server
     start = asyncio.create_task(_start_engine(engine, server))

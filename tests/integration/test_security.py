@@ -106,3 +106,39 @@ def test_tls_needs_both_files(tiny_repo, tmp_path):
                         "--tls-cert", str(tmp_path / "c.pem")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "tls_cert and tls_key go together" in r.stderr
+
+
+def test_grpc_auth(tiny_repo, server_factory):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    s = server_factory(tiny_repo, "--auth-token", TOKEN)
+    client = grpcclient.InferenceServerClient(s.grpc_url)
+    assert client.is_server_live()  # health stays open
+    with pytest.raises(InferenceServerException) as err:
+        client.get_model_metadata("tiny")
+    assert "UNAUTHENTICATED" in str(err.value.status()) or "bearer" in str(err.value).lower()
+    meta = client.get_model_metadata("tiny", headers={"authorization": f"Bearer {TOKEN}"})
+    assert meta.name == "tiny"
+
+
+def test_grpc_tls(tiny_repo, server_factory, tmp_path):
+    import tritonclient.grpc as grpcclient
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    s = server_factory(tiny_repo, "--tls-cert", str(cert), "--tls-key", str(key), wait=False)
+    import time
+
+    client = grpcclient.InferenceServerClient(f"localhost:{s.grpc_port}", ssl=True,
+                                              root_certificates=str(cert))
+    end = time.monotonic() + 120
+    ready = False
+    while time.monotonic() < end and not ready:
+        try:
+            ready = client.is_server_ready()
+        except Exception:
+            time.sleep(0.3)
+    assert ready

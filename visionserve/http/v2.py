@@ -20,11 +20,32 @@ router = APIRouter(tags=["Open Inference Protocol v2"])
 
 _HEADER_LEN = "inference-header-content-length"
 
+
+def _inline_schema(model: type) -> dict[str, Any]:
+    """``model``'s JSON schema with its ``$defs`` inlined. The infer routes read the body
+    themselves, so FastAPI never puts InferenceRequest into ``components``; a ``$ref`` to it
+    would dangle and OpenAPI tools (schemathesis, code generators) could not resolve it."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def resolve(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return resolve(defs[ref.split("/")[-1]])
+            return {k: resolve(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [resolve(v) for v in node]
+        return node
+
+    return resolve(schema)
+
+
 _INFER_BODY = {
     "requestBody": {
         "required": True,
         "content": {
-            "application/json": {"schema": {"$ref": "#/components/schemas/InferenceRequest"}},
+            "application/json": {"schema": _inline_schema(InferenceRequest)},
             "application/octet-stream": {
                 "schema": {"type": "string", "format": "binary"},
                 "description": "Binary tensor extension: a JSON InferenceRequest of "

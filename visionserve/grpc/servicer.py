@@ -1,0 +1,195 @@
+"""``inference.GRPCInferenceService``: the OIP v2 gRPC service. It only translates.
+
+Every call goes to the same :class:`~visionserve.engine.Engine` as HTTP. Errors come from the
+one table in :mod:`visionserve.errors`; anything unexpected is answered INTERNAL with a short
+message, and its traceback goes to the log only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from .. import oip
+from ..errors import NotFound, VisionServeError, grpc_code
+from . import convert
+
+if TYPE_CHECKING:
+    from ..config import ServerSettings
+    from ..engine import Engine
+
+log = logging.getLogger(__name__)
+
+pb = service_pb2
+INTERNAL_MESSAGE = "internal server error; see the server log"
+#: requests of one stream being answered at once; past it the stream is not read further, so
+#: gRPC flow control pushes back on the client instead of memory growing
+STREAM_INFLIGHT = 256
+
+
+class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, engine: Engine, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+
+    # --- health and metadata -----------------------------------------------------------------
+
+    async def ServerLive(self, request, context):
+        return pb.ServerLiveResponse(live=self.engine.live)
+
+    async def ServerReady(self, request, context):
+        return pb.ServerReadyResponse(ready=self.engine.ready)
+
+    async def ModelReady(self, request, context):
+        # Unknown model or version: ready=false, not an error, so tritonclient's is_model_ready()
+        # answers False over gRPC just as it does over HTTP (where it reads a 404 as False).
+        try:
+            ready = self.engine.model_ready(request.name, request.version)
+        except NotFound:
+            ready = False
+        return pb.ModelReadyResponse(ready=ready)
+
+    async def ServerMetadata(self, request, context):
+        return convert.server_metadata()
+
+    async def ModelMetadata(self, request, context):
+        return await _call(context, lambda: convert.model_metadata(
+            self.engine.get(request.name, request.version)))
+
+    async def ModelConfig(self, request, context):
+        return await _call(context, lambda: convert.model_config(
+            self.engine.get(request.name, request.version)))
+
+    async def ModelStatistics(self, request, context):
+        return await _call(context, lambda: self._statistics(request.name, request.version))
+
+    def _statistics(self, name: str, version: str) -> service_pb2.ModelStatisticsResponse:
+        engine = self.engine
+        if not name:
+            served = list(engine.served.values())
+        elif version:
+            served = [engine.get(name, version)]
+        else:
+            entry = engine.entry(name)
+            served = [s for (n, _), s in engine.served.items() if n == entry.name]
+        return convert.model_statistics(served)
+
+    # --- inference ---------------------------------------------------------------------------
+
+    async def ModelInfer(self, request, context):
+        arrival = time.monotonic()
+        return await _call(context, lambda: self._infer(request, arrival, context.time_remaining()))
+
+    async def _infer(self, request: service_pb2.ModelInferRequest, arrival: float,
+                     time_remaining_s: float | None) -> service_pb2.ModelInferResponse:
+        engine = self.engine
+        served = engine.get(request.model_name, request.model_version)
+        frames = convert.frames(served, request, self.settings.max_image_pixels)
+        names = oip.requested([o.name for o in request.outputs] or None)
+        param_ms, priority = oip.parameters(convert.parameters(request.parameters))
+        served, results = await engine.infer(
+            request.model_name, request.model_version, frames,
+            deadline_ms=convert.deadline_ms(param_ms, time_remaining_s), priority=priority,
+            arrival=arrival)
+        return convert.infer_response(served, results, names, request.id)
+
+    async def ModelStreamInfer(self, request_iterator, context) -> AsyncIterator[Any]:
+        """One long-lived stream, many requests: each is answered as soon as its frames are done
+        (so answers may come out of order; each carries its request id). A failed request is
+        answered with ``error_message`` and the stream goes on."""
+        answers: asyncio.Queue = asyncio.Queue()
+        slots = asyncio.Semaphore(STREAM_INFLIGHT)
+        tasks: set[asyncio.Task] = set()
+        done_reading = object()
+
+        async def answer(request: service_pb2.ModelInferRequest, arrival: float) -> None:
+            try:
+                response = await self._infer(request, arrival, context.time_remaining())
+                await answers.put(pb.ModelStreamInferResponse(infer_response=response))
+            except VisionServeError as exc:
+                await answers.put(_stream_error(request, exc.message))
+            except Exception:
+                log.exception("unhandled error in ModelStreamInfer (model %r)", request.model_name)
+                await answers.put(_stream_error(request, INTERNAL_MESSAGE))
+            finally:
+                slots.release()
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    arrival = time.monotonic()
+                    await slots.acquire()
+                    task = asyncio.create_task(answer(request, arrival))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                if tasks:
+                    await asyncio.gather(*list(tasks), return_exceptions=True)
+            finally:
+                await answers.put(done_reading)
+
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                item = await answers.get()
+                if item is done_reading:
+                    break
+                yield item
+            await reader  # surfaces a failure to read the stream
+        finally:
+            # the client went away (or the server is stopping): its frames need not run
+            reader.cancel()
+            for task in list(tasks):
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+
+
+def _unimplemented(method: str):
+    async def handler(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            f"visionserve does not implement {method} (supported extensions: "
+                            f"{', '.join(oip.EXTENSIONS)})")
+
+    handler.__name__ = method
+    return handler
+
+
+# Triton's repository, shared-memory, trace and log RPCs: answered UNIMPLEMENTED with a clear
+# message (the generated base class would raise NotImplementedError and log a traceback).
+for _method in service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
+    if _method.name not in InferenceServicer.__dict__:
+        setattr(InferenceServicer, _method.name, _unimplemented(_method.name))
+
+
+def _stream_error(request: service_pb2.ModelInferRequest, message: str) -> Any:
+    """An error answer in the stream; it names the request (id, model) it belongs to."""
+    return pb.ModelStreamInferResponse(error_message=message, infer_response=pb.ModelInferResponse(
+        model_name=request.model_name, model_version=request.model_version, id=request.id))
+
+
+async def _call(context: grpc.aio.ServicerContext, work: Callable[[], Any]) -> Any:
+    """Run ``work`` (a function, or one returning an awaitable); map VisionServeError through the
+    status table, anything else to INTERNAL."""
+    try:
+        result = work()
+        if inspect.isawaitable(result):
+            result = await result
+        return result
+    except VisionServeError as exc:
+        if exc.retry_after_s is not None:
+            context.set_trailing_metadata((("retry-after", str(max(1, math.ceil(exc.retry_after_s)))),))
+        await context.abort(grpc.StatusCode[grpc_code(exc)], exc.message)
+    except (asyncio.CancelledError, grpc.aio.AbortError):
+        raise
+    except Exception:
+        log.exception("unhandled error in a gRPC call")
+        await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)

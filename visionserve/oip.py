@@ -200,10 +200,9 @@ def json_elements_to_bytes(data: list[Any]) -> list[bytes]:
 
 def json_uint8(data: list[Any], shape: list[int]) -> np.ndarray:
     flat = _flatten(data)
-    try:
-        arr = np.asarray(flat, dtype=np.int64)
-    except (TypeError, ValueError):
-        raise InvalidInput("UINT8 data must be integers 0..255") from None
+    if any(type(v) is not int for v in flat):  # bool is an int subclass: refuse it too
+        raise InvalidInput("UINT8 data must be integers 0..255")
+    arr = np.asarray(flat, dtype=np.int64)
     if arr.size and (arr.min() < 0 or arr.max() > 255):
         raise InvalidInput("UINT8 data must be integers 0..255")
     return arr.astype(np.uint8)

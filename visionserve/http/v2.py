@@ -166,6 +166,8 @@ def _parse_request(header: bytes) -> InferenceRequest:
         data = json.loads(header)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidInput(f"malformed JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidInput("malformed JSON: nested too deeply") from None
     try:
         return InferenceRequest.model_validate(data)
     except ValidationError as exc:

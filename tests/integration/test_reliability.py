@@ -201,3 +201,23 @@ def test_many_idle_connections_do_not_block(tiny_repo, server_factory, jpeg_byte
     finally:
         for sock in idle:
             sock.close()
+
+
+def test_corrupt_corpus_over_grpc_never_internal(tiny_server, jpeg_bytes):
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(tiny_server.grpc_url)
+    allowed = {"StatusCode.INVALID_ARGUMENT", "StatusCode.RESOURCE_EXHAUSTED"}
+    for name, body in corrupt_corpus(jpeg_bytes):
+        inp = grpcclient.InferInput("image", [1], "BYTES")
+        inp.set_data_from_numpy(np.array([body], dtype=object))
+        try:
+            result = client.infer("tiny", [inp])
+        except InferenceServerException as exc:
+            assert exc.status() in allowed, (name, exc.status(), exc.message())
+            assert "Traceback" not in (exc.message() or "")
+        else:
+            assert result.as_numpy("verdict").shape == (1,), name
+    assert client.is_server_ready()

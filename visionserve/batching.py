@@ -7,6 +7,7 @@ Requests wait in a bounded priority queue; a batch is formed when
   of the batch, on ``time.monotonic()``), or
 * waiting any longer would make the earliest deadline in the queue miss, estimated from measured
   batch times (:class:`CostModel`),
+* or, with ``dispatch_when_idle``, nothing is running: then waiting only adds latency,
 
 and only when an executor slot is free: while the runner is busy, requests keep joining the next
 batch instead of forming small ones that would just wait. Higher priorities go first, then
@@ -105,6 +106,7 @@ class Batcher:
         max_queue_size: int,
         cost: CostModel,
         max_inflight: int = 2,
+        dispatch_when_idle: bool = False,
         safety_s: float = 0.005,
     ) -> None:
         if max_batch_size < 1 or max_queue_size < 1 or max_inflight < 1 or max_queue_delay_s < 0:
@@ -115,6 +117,7 @@ class Batcher:
         self.max_queue_size = max_queue_size
         self.cost = cost
         self._execute = execute
+        self.dispatch_when_idle = dispatch_when_idle
         self._safety = safety_s
         self._heap: list[Pending] = []
         self._seq = itertools.count()
@@ -256,6 +259,8 @@ class Batcher:
             n = len(self._heap)
             if n >= self.max_batch_size or not self._accepting:
                 break
+            if self.dispatch_when_idle and not self._tasks:
+                break  # nothing running: waiting for company would only add latency
             now = time.monotonic()
             first_arrival = min(p.arrival for p in self._heap)
             earliest_deadline = min(p.deadline for p in self._heap)

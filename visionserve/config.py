@@ -121,6 +121,14 @@ class BatchingSpec(_Strict):
         200.0, gt=0, le=3_600_000,
         description="The line's takt budget: default deadline (ms from arrival) when the client sends none.")
     priority_levels: int = Field(3, ge=1, le=100, description="Priorities 0..levels-1; higher runs first.")
+    pad_to_preferred: Literal["auto", "always", "never"] = Field(
+        "auto", description="Pad a batch up to the next preferred size: always (static shapes: CUDA "
+        "graphs, TensorRT), never (dynamic-shape CPU runtimes gain nothing from extra rows), or auto: "
+        "on a GPU only.")
+    dispatch_when_idle: bool = Field(
+        False, description="Send what is queued at once when the model is idle instead of waiting "
+        "max_queue_delay_ms for company: lowest latency at light load, batches still form under load "
+        "(requests queue while the model is busy).")
 
     @model_validator(mode="after")
     def _check_sizes(self) -> BatchingSpec:

@@ -160,7 +160,9 @@ class Engine:
         config = effective_config(entry.config, self.settings)
         b = config.batching
         preferred = b.preferred_batch_sizes or (b.max_batch_size,)
-        cost = CostModel(lambda n: padded_size(n, preferred))
+        pad = b.pad_to_preferred == "always" or (b.pad_to_preferred == "auto" and self.device != "cpu")
+        pad_to = preferred if pad else ()
+        cost = CostModel(lambda n: padded_size(n, pad_to))
         runners = []
         for i in range(config.runtime.instances):
             backend = backends.create(config.runtime.backend)
@@ -173,7 +175,7 @@ class Engine:
             log.info("%s:%d instance %d loaded and warmed up in %.1f s (%s)", entry.name, version, i,
                      time.monotonic() - t0, backend.describe())
             runners.append(Runner(name=f"{entry.name}:{version}#{i}", backend=backend, config=config,
-                                  preferred=preferred, cost=cost, on_batch=lambda r: None,
+                                  preferred=pad_to, cost=cost, on_batch=lambda r: None,
                                   prepare=prep.prepare if prep is not None else None))
 
         async def execute(batch):
@@ -182,7 +184,8 @@ class Engine:
 
         batcher = Batcher(name=f"{entry.name}:{version}", execute=execute,
                           max_batch_size=b.max_batch_size, max_queue_delay_s=b.max_queue_delay_ms / 1000,
-                          max_queue_size=b.max_queue_size, cost=cost, max_inflight=2 * len(runners))
+                          max_queue_size=b.max_queue_size, cost=cost, max_inflight=2 * len(runners),
+                          dispatch_when_idle=b.dispatch_when_idle)
         served = Served(entry, version, config, batcher, runners, backend_info=runners[0].backend.describe())
         for r in runners:
             r.on_batch = lambda rec, s=served: self._record_batch(s, rec)

@@ -525,3 +525,39 @@ async def test_runner_batch_of_only_bad_frames(runner_env):
     good = [pending(frame(250), loop)]
     await asyncio.wait_for(runner.execute(good), WAIT)
     assert good[0].future.result().label == "ok"
+
+
+async def test_dispatch_when_idle_sends_a_lone_request_at_once_and_batches_under_load():
+    """Idle: no waiting for company. Busy: requests queue and leave together."""
+    import time as _time
+
+    from visionserve.batching import Batcher, CostModel
+
+    gate = asyncio.Event()
+    batches: list[int] = []
+
+    async def execute(batch):
+        batches.append(len(batch))
+        if len(batches) == 1:
+            await gate.wait()  # the first batch keeps the model busy
+        for p in batch:
+            p.future.set_result(len(batch))
+
+    b = Batcher(name="m", execute=execute, max_batch_size=8, max_queue_delay_s=5.0, max_queue_size=64,
+                cost=CostModel(lambda n: n), max_inflight=1, dispatch_when_idle=True)
+    b.start()
+    try:
+        t0 = _time.monotonic()
+        first = b.submit("a", deadline=_time.monotonic() + 60)
+        while not batches:
+            await asyncio.sleep(0.001)
+        assert _time.monotonic() - t0 < 2.0, "a lone request must not wait the 5 s delay"
+        rest = [b.submit(i, deadline=_time.monotonic() + 60) for i in range(5)]
+        await asyncio.sleep(0.05)
+        assert batches == [1]  # busy: the five wait together
+        gate.set()
+        assert await first.future == 1
+        assert [await p.future for p in rest] == [5] * 5
+        assert batches == [1, 5]
+    finally:
+        await b.close()

@@ -269,6 +269,27 @@ def preprocess(frame: Frame, spec: InputSpec) -> np.ndarray:
     return to_model_pixels(decode(frame, spec.channels), spec)
 
 
+_POOL = None
+
+
+def _decode_pool():
+    """Threads that decode and resize the frames of one batch in parallel (OpenCV releases the
+    GIL); shared by every runner of the process, sized to the machine."""
+    global _POOL
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="decode")
+    return _POOL
+
+
+def _preprocess_or_error(frame: Frame, spec: InputSpec) -> np.ndarray | InvalidInput:
+    try:
+        return preprocess(frame, spec)
+    except InvalidInput as exc:
+        return exc
+
+
 def prepare_batch(frames: list[Frame], spec: InputSpec, padded: int
                   ) -> tuple[np.ndarray, list[int], list[tuple[int, Exception]]]:
     """Decode and preprocess ``frames`` into one model tensor of ``padded`` rows (CPU path).
@@ -277,14 +298,17 @@ def prepare_batch(frames: list[Frame], spec: InputSpec, padded: int
     in tensor order, and (index, error) for each frame that failed to decode: a bad frame fails
     alone, never its batch.
     """
+    if len(frames) > 1 and (os.cpu_count() or 1) > 1:
+        decoded = list(_decode_pool().map(_preprocess_or_error, frames, [spec] * len(frames)))
+    else:
+        decoded = [_preprocess_or_error(f, spec) for f in frames]
     pixels = np.zeros((padded, spec.height, spec.width, spec.channels), dtype=np.uint8)
     good: list[int] = []
     bad: list[tuple[int, Exception]] = []
-    for i, frame in enumerate(frames):
-        try:
-            pixels[len(good)] = preprocess(frame, spec).reshape(spec.height, spec.width, spec.channels)
-        except InvalidInput as exc:
-            bad.append((i, exc))
+    for i, out in enumerate(decoded):
+        if isinstance(out, InvalidInput):
+            bad.append((i, out))
             continue
+        pixels[len(good)] = out.reshape(spec.height, spec.width, spec.channels)
         good.append(i)
     return normalize(pixels, spec), good, bad

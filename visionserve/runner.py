@@ -135,6 +135,8 @@ class Runner:
                     tensor, good, bad = self.prepare([p.payload for p in live], padded)
                 errors = [(live[i], exc) for i, exc in bad]
                 items = [live[i] for i in good]
+                if bad and good:  # rows of bad frames need not run: keep the good ones (+ padding)
+                    tensor = tensor[:padded_size(len(good), self.preferred)]
             except _Unhealthy:
                 tensor, items = None, []
                 errors = [(p, Unavailable(f"model instance {self.name} is unhealthy after a device "

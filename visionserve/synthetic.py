@@ -284,6 +284,14 @@ def _ragged(rng: np.random.Generator, soft: np.ndarray, cell: float) -> np.ndarr
     return np.clip(soft * (1.6 + 0.6 * wobble) - 0.3, 0, 1)
 
 
+def _local_luminance(img: np.ndarray, c: np.ndarray, radius: float) -> float:
+    h, w = img.shape[:2]
+    r = max(4, int(radius))
+    x0, x1 = max(0, int(c[0]) - r), min(w, int(c[0]) + r)
+    y0, y1 = max(0, int(c[1]) - r), min(h, int(c[1]) + r)
+    return float(img[y0:y1:4, x0:x1:4].mean()) if x1 > x0 and y1 > y0 else float(img.mean())
+
+
 def _point(rng: np.random.Generator, w: int, h: int, margin: float) -> np.ndarray:
     return np.array([rng.uniform(margin * w, (1 - margin) * w),
                      rng.uniform(margin * h, (1 - margin) * h)], np.float64)
@@ -312,12 +320,14 @@ def _scratch(rng: np.random.Generator, img: np.ndarray, s: int) -> None:
         pts.append(centre + d * t * length + n * bow * (1 - 4 * t * t))
     mask = _polyline_mask(h, w, pts, thick)
     mask = cv2.GaussianBlur(mask, (0, 0), max(0.5, thick * 0.25))
-    # Fade the ends: scratches taper out.
-    taper = np.clip(rng.uniform(0.6, 1.0), 0, 1)
-    if rng.random() < 0.6:
-        _shade(img, mask, rng.uniform(1.6, 2.4) * taper + (1 - taper))   # bright, specular groove
+    # A groove catches the light (bright) or shadows (dark); whichever, it must stand out from
+    # the surface around it, or the label would be a lie.
+    lum = _local_luminance(img, centre, length)
+    if lum < 0.35 or (lum < 0.7 and rng.random() < 0.55):
+        tone = min(1.0, lum + rng.uniform(0.3, 0.5))
     else:
-        _shade(img, mask, rng.uniform(0.35, 0.6))                        # dark groove
+        tone = lum * rng.uniform(0.25, 0.5)
+    _blend(img, mask, np.full(3, tone, np.float32), rng.uniform(0.8, 1.0))
 
 
 def _spot(rng: np.random.Generator, img: np.ndarray, s: int) -> None:
@@ -398,8 +408,13 @@ def _contamination(rng: np.random.Generator, img: np.ndarray, s: int) -> None:
         (0.08, 0.25, 0.30),     # brown dirt
         (0.55, 0.35, 0.10),     # blue lint
         (0.15, 0.45, 0.55),     # ochre / sand
+        (0.80, 0.85, 0.88),     # white dust, dried coolant
     )]
-    base_colour = colours[int(rng.integers(len(colours)))]
+    # Only materials that differ from the surface under them: dark dirt on a dark part is
+    # invisible to any camera, and would teach the model that a clean look can be "contaminated".
+    lum = _local_luminance(img, c, spread)
+    visible = [k for k, col in enumerate(colours) if abs(float(col.mean()) - lum) > 0.3]
+    base_colour = colours[visible[int(rng.integers(len(visible)))]]
     if rng.random() < 0.4:
         # Smear: an irregular, elongated, translucent film (oil, coolant residue).
         mask = np.zeros((h, w), np.float32)
@@ -415,7 +430,7 @@ def _contamination(rng: np.random.Generator, img: np.ndarray, s: int) -> None:
     for _ in range(n):
         # Irregular particle: a random polygon around a point scattered near the centre.
         q = c + rng.normal(0, spread * 0.5, 2)
-        r = s * (rng.uniform(0.004, 0.012) if rng.random() < 0.75 else rng.uniform(0.012, 0.022))
+        r = s * (rng.uniform(0.005, 0.012) if rng.random() < 0.7 else rng.uniform(0.012, 0.024))
         k = int(rng.integers(5, 9))
         angs = np.sort(rng.uniform(0, 2 * math.pi, k))
         rad = r * rng.uniform(0.5, 1.3, k)
@@ -423,7 +438,7 @@ def _contamination(rng: np.random.Generator, img: np.ndarray, s: int) -> None:
         cv2.fillPoly(mask, [np.round(poly * 4).astype(np.int32)], 1.0, cv2.LINE_AA, 2)
     mask = cv2.GaussianBlur(mask, (0, 0), max(0.4, s * 0.0015))
     # Particles are usually another (darker) material than the film they sit in.
-    particle_colour = colours[int(rng.integers(len(colours)))] * rng.uniform(0.4, 1.0)
+    particle_colour = colours[visible[int(rng.integers(len(visible)))]]
     _blend(img, mask, particle_colour, rng.uniform(0.8, 0.95))
 
 

@@ -33,7 +33,7 @@ DEFAULT_WIDTHS = (16, 32, 64, 128)
 
 # The input section every model trained here gets (written into model.toml for new models).
 DEFAULT_INPUT = InputSpec(
-    name="image", width=192, height=192, channels=3, color_order="RGB", resize="stretch",
+    name="image", width=160, height=160, channels=3, color_order="RGB", resize="stretch",
     interpolation="area", layout="NCHW", dtype="float32", scale=1.0 / 255.0,
     mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), tensor_name="input",
 )

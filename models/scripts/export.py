@@ -83,6 +83,8 @@ def export_version(version_dir: Path, check_x: np.ndarray, tolerance: float = 1e
     import torch
 
     model, meta = common.load_checkpoint(version_dir / "weights.pt")
+    if len(check_x) < 2:  # torch.export specialises a batch of 1; trace with 2
+        check_x = np.concatenate([check_x, check_x])
     example = torch.from_numpy(check_x[:2].copy())
     t0 = time.perf_counter()
     with torch.no_grad():

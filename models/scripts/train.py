@@ -152,12 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models-dir", type=Path, default=common.REPO / "models")
     ap.add_argument("--data", type=Path, help="folder-per-label photos; default: synthetic images")
     ap.add_argument("--init", type=Path, help="weights.pt to start from (fine-tuning)")
-    ap.add_argument("--n-per-label", type=int, default=900, help="synthetic training images per label")
+    ap.add_argument("--n-per-label", type=int, default=800, help="synthetic training images per label")
     ap.add_argument("--val-per-label", type=int, default=40, help="synthetic validation images per label")
     ap.add_argument("--sizes", default="640x480,1280x1024", help="synthetic camera frame sizes")
     ap.add_argument("--input-size", type=int, default=common.DEFAULT_INPUT.width,
                     help="model input width = height in pixels (new models only)")
-    ap.add_argument("--epochs", type=int, default=14)
+    ap.add_argument("--epochs", type=int, default=15)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
@@ -273,7 +273,10 @@ def train(args: argparse.Namespace, argv: list[str]) -> int:
 
     versions = common.version_dirs(model_dir)
     version_dir = model_dir / str(args.version or (versions[-1] if versions else 0) + 1)
-    version_dir.mkdir(parents=True)
+    try:
+        version_dir.mkdir(parents=True)
+    except FileExistsError:
+        raise ScriptError(f"{version_dir} appeared while training; not overwriting it") from None
     model = model.cpu().eval()
     meta = {"labels": list(labels), "widths": list(widths), "input": spec.model_dump(mode="json"),
             "seed": args.seed}

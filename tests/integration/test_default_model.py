@@ -1,0 +1,202 @@
+"""The shipped default model works out of the box, and the scripts that made it still run.
+
+The scripts live in models/scripts/ (not in the package); they are run as subprocesses, as a
+user runs them, and ``common`` is imported from there for the server-identical preprocessing.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = REPO / "models" / "scripts"
+MODEL_DIR = REPO / "models" / "defect-classifier"
+VERSION = MODEL_DIR / "1"
+
+sys.path.insert(0, str(SCRIPTS))
+import common  # noqa: E402
+
+from visionserve import synthetic  # noqa: E402
+from visionserve.config import load_model_config  # noqa: E402
+
+ort = pytest.importorskip("onnxruntime")
+
+
+def _script(name: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPTS / name), *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return load_model_config(MODEL_DIR / "model.toml")
+
+
+@pytest.fixture(scope="module")
+def heldout(cfg):
+    """50 held-out frames (10 per label): seed and texture parameters unlike training."""
+    frames = list(synthetic.generate_set(10, common.HELDOUT_SEED + 17,
+                                         params=synthetic.HELDOUT_PARAMS))
+    x = common.preprocess([f for f, _ in frames], cfg.input)
+    y = np.array([cfg.output.labels.index(lab) for _, lab in frames])
+    return x, y
+
+
+@pytest.fixture(scope="module")
+def session():
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    return ort.InferenceSession(str(VERSION / "model.onnx"), so, providers=["CPUExecutionProvider"])
+
+
+def test_shipped_files_are_in_place_and_small():
+    for name in ("model.onnx", "model.pt2", "weights.pt"):
+        assert (VERSION / name).is_file(), name
+    assert (VERSION / "model.onnx").stat().st_size <= 10 * 1024 * 1024
+    total = sum(p.stat().st_size for p in MODEL_DIR.rglob("*") if p.is_file())
+    assert total < 15 * 1024 * 1024
+
+
+def test_onnx_graph_matches_model_toml(session, cfg):
+    (inp,), (out,) = session.get_inputs(), session.get_outputs()
+    assert inp.name == cfg.input.tensor_name and out.name == cfg.output.tensor_name
+    assert inp.shape[0] == "batch"                          # dynamic batch
+    assert inp.shape[1:] == [cfg.input.channels, cfg.input.height, cfg.input.width]
+    assert out.shape[1] == len(cfg.output.labels)
+    import onnx
+
+    assert onnx.load(str(VERSION / "model.onnx")).opset_import[0].version >= 17
+
+
+def test_classifies_heldout_frames(session, cfg, heldout):
+    x, y = heldout
+    logits = session.run([cfg.output.tensor_name], {cfg.input.tensor_name: x})[0]
+    acc = float((logits.argmax(1) == y).mean())
+    assert acc >= 0.95, f"held-out accuracy {acc:.2%} on {len(y)} frames"
+
+
+def test_batch_size_does_not_change_answers(session, cfg, heldout):
+    x, _ = heldout
+    batched = session.run(None, {cfg.input.tensor_name: x[:8]})[0]
+    single = np.concatenate([session.run(None, {cfg.input.tensor_name: x[i:i + 1]})[0] for i in range(8)])
+    assert np.abs(batched - single).max() <= 1e-4
+
+
+def test_pt2_agrees_with_onnx(session, cfg, heldout):
+    torch = pytest.importorskip("torch")
+    x, _ = heldout
+    onnx_out = session.run(None, {cfg.input.tensor_name: x})[0]
+    module = torch.export.load(str(VERSION / "model.pt2")).module()
+    with torch.no_grad():
+        pt2_out = module(torch.from_numpy(x)).numpy()
+    assert np.abs(onnx_out - pt2_out).max() <= 1e-3
+
+
+def test_preprocessing_follows_model_toml(cfg):
+    frame = synthetic.generate("ok", 3, (640, 480))
+    x = common.preprocess([frame], cfg.input)
+    assert x.shape == (1, 3, cfg.input.height, cfg.input.width) and x.dtype == np.float32
+    import cv2
+
+    rgb = cv2.resize(frame[..., ::-1].copy(), (cfg.input.width, cfg.input.height),
+                     interpolation=cv2.INTER_AREA).astype(np.float32) / 255.0
+    expect = ((rgb - np.array(cfg.input.mean, np.float32)) / np.array(cfg.input.std, np.float32))
+    assert np.allclose(x[0], expect.transpose(2, 0, 1), atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def smoke_version(tmp_path_factory) -> Path:
+    """A tiny training run (20 frames, one epoch): the pipeline end to end, in seconds."""
+    models = tmp_path_factory.mktemp("models")
+    (models / "smoke" / "1").mkdir(parents=True)      # an existing version: the run must add 2
+    run = _script("train.py", "--models-dir", str(models), "--name", "smoke", "--n-per-label", "4",
+                  "--val-per-label", "1", "--epochs", "1", "--sizes", "320x240",
+                  "--check-per-label", "1", "--workers", "1")
+    assert run.returncode == 0, run.stderr[-2000:]
+    return models / "smoke" / "2"
+
+
+@pytest.mark.slow
+def test_smoke_training_writes_a_loadable_version(smoke_version):
+    for name in ("model.onnx", "model.pt2", "weights.pt", "metrics.json", "export.json"):
+        assert (smoke_version / name).is_file(), name
+    cfg = load_model_config(smoke_version.parent / "model.toml")
+    sess = ort.InferenceSession(str(smoke_version / "model.onnx"), providers=["CPUExecutionProvider"])
+    frames = [synthetic.generate(lab, 1, (320, 240)) for lab in cfg.output.labels[:3]]
+    out = sess.run(None, {cfg.input.tensor_name: common.preprocess(frames, cfg.input)})[0]
+    assert out.shape == (3, len(cfg.output.labels)) and np.isfinite(out).all()
+    # An existing version is never overwritten.
+    again = _script("train.py", "--models-dir", str(smoke_version.parents[1]), "--name", "smoke",
+                    "--version", "2")
+    assert again.returncode == 2 and "must be >= 1 and not exist yet" in again.stderr
+
+
+@pytest.mark.slow
+def test_export_and_evaluate_scripts_run_on_a_trained_version(smoke_version, tmp_path):
+    exp = _script("export.py", str(smoke_version), "--check-per-label", "1")
+    assert exp.returncode == 0, exp.stderr[-2000:]
+    assert '"onnx_vs_pt2"' in exp.stdout
+    ev = _script("evaluate.py", str(smoke_version), "--n-per-label", "1", "--latency-runs", "5",
+                 "--workers", "1", "--out", str(tmp_path))
+    assert ev.returncode == 0, ev.stderr[-2000:]
+    assert (tmp_path / "confusion_matrix.png").is_file() and (smoke_version / "eval.json").is_file()
+    assert "jpeg quality 60" in ev.stdout
+
+
+@pytest.mark.slow
+def test_fine_tuning_on_a_photo_folder(smoke_version, tmp_path):
+    photos = _photo_set(tmp_path / "photos", labels=("ok", "crack"), n=3)
+    run = _script("train.py", "--data", str(photos), "--init", str(smoke_version / "weights.pt"),
+                  "--models-dir", str(tmp_path / "m"), "--name", "line", "--epochs", "1")
+    assert run.returncode == 0, run.stderr[-2000:]
+    cfg = load_model_config(tmp_path / "m" / "line" / "model.toml")
+    # A subset of the base model's labels keeps its head and label order.
+    assert cfg.output.labels == synthetic.LABELS
+    assert (tmp_path / "m" / "line" / "1" / "model.onnx").is_file()
+
+
+def _photo_set(root: Path, labels=("ok", "scratch"), n=2) -> Path:
+    for lab in labels:
+        (root / lab).mkdir(parents=True)
+        for i in range(n):
+            (root / lab / f"{lab}{i}.png").write_bytes(
+                synthetic.encode(synthetic.generate(lab if lab in synthetic.LABELS else "spot", i,
+                                                    (64, 48)), "png"))
+    return root
+
+
+def test_bad_datasets_are_refused_by_name(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    run = _script("train.py", "--data", str(empty), "--models-dir", str(tmp_path / "m"))
+    assert run.returncode == 2 and "is empty" in run.stderr and "Traceback" not in run.stderr
+
+    loose = _photo_set(tmp_path / "loose")
+    (loose / "stray.png").write_bytes(b"x")
+    run = _script("train.py", "--data", str(loose), "--models-dir", str(tmp_path / "m"))
+    assert run.returncode == 2 and "stray.png" in run.stderr
+
+    broken = _photo_set(tmp_path / "broken")
+    (broken / "ok" / "truncated.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    (broken / "scratch" / "empty.png").write_bytes(b"")
+    run = _script("train.py", "--data", str(broken), "--models-dir", str(tmp_path / "m"))
+    assert run.returncode == 2
+    assert "ok/truncated.jpg" in run.stderr and "scratch/empty.png" in run.stderr
+
+    odd = _photo_set(tmp_path / "odd")
+    (odd / "scratch" / "notes.txt").write_text("hi")
+    run = _script("train.py", "--data", str(odd), "--models-dir", str(tmp_path / "m"))
+    assert run.returncode == 2 and "notes.txt" in run.stderr
+
+    unknown = _photo_set(tmp_path / "unknown", labels=("ok", "dent"))
+    run = _script("evaluate.py", str(VERSION), "--data", str(unknown), "--latency-runs", "1")
+    assert run.returncode == 2 and "dent" in run.stderr
+
+    missing = _script("train.py", "--data", str(tmp_path / "nope"), "--models-dir", str(tmp_path / "m"))
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    assert not (tmp_path / "m").exists() or not any((tmp_path / "m").rglob("*.onnx"))

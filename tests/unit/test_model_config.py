@@ -1,0 +1,75 @@
+"""The shipped model.toml validates; bad files are refused with the file and the field named."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from visionserve.config import ModelConfig, load_model_config
+from visionserve.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = REPO / "models" / "defect-classifier" / "model.toml"
+
+
+def test_shipped_model_toml_validates():
+    cfg = load_model_config(SHIPPED)
+    assert isinstance(cfg, ModelConfig)
+    assert cfg.output.labels == ("ok", "scratch", "spot", "crack", "contamination")
+    assert cfg.output.activation == "softmax"
+    assert cfg.verdict.ok_labels == ("ok",)
+    assert cfg.input.tensor_name == "input" and cfg.output.tensor_name == "logits"
+    assert cfg.input.name == "image"
+    assert cfg.batching.preferred_batch_sizes[-1] <= cfg.batching.max_batch_size
+
+
+def _variant(tmp_path: Path, old: str, new: str) -> Path:
+    text = SHIPPED.read_text()
+    assert old in text
+    path = tmp_path / "model.toml"
+    path.write_text(text.replace(old, new, 1))
+    return path
+
+
+@pytest.mark.parametrize("old, new, field, words", [
+    ("width = 160\n", "width = 160\nwidht = 160\n", "input.widht", "unknown field"),
+    ("[verdict]\n", "[verdict]\nthreshold = 0.5\n", "verdict.threshold", "unknown field"),
+    ("width = 160\n", "width = 0\n", "input.width", "greater than or equal"),
+    ('resize = "stretch"', 'resize = "squash"', "input.resize", "squash"),
+    ("ok_threshold = 0.5", "ok_threshold = 1.5", "verdict.ok_threshold", "1.5"),
+    ("max_batch_size = 32", "max_batch_size = 16", "batching", "exceed max_batch_size"),
+    ('labels = ["ok", "scratch", "spot", "crack", "contamination"]', "", "output.labels", "required"),
+    ("height = 160\n", "", "input.height", "required"),
+])
+def test_bad_model_toml_is_refused_with_file_and_field(tmp_path, old, new, field, words):
+    path = _variant(tmp_path, old, new)
+    with pytest.raises(ConfigError) as info:
+        load_model_config(path)
+    msg = str(info.value)
+    assert str(path) in msg and f"'{field}" in msg and words in msg
+
+
+def test_ok_labels_must_be_output_labels(tmp_path):
+    path = _variant(tmp_path, 'ok_labels = ["ok"]', 'ok_labels = ["good"]')
+    with pytest.raises(ConfigError, match="good"):
+        load_model_config(path)
+
+
+def test_not_toml_is_refused_with_file(tmp_path):
+    path = tmp_path / "model.toml"
+    path.write_text("[input\nwidth = 3")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_model_config(path)
+
+
+def test_docs_reference_is_generated_from_the_schema():
+    spec = importlib.util.spec_from_file_location(
+        "model_toml_doc", REPO / "models" / "scripts" / "model_toml_doc.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert (REPO / "docs" / "model-toml.md").read_text() == mod.render(), \
+        "docs/model-toml.md is stale: run python models/scripts/model_toml_doc.py"
+    for name in ModelConfig.model_fields["input"].annotation.model_fields:
+        assert f"`{name}`" in mod.render()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,10 @@ class OnnxBackend(Backend):
         if config.runtime.intra_op_threads:
             opts.intra_op_num_threads = config.runtime.intra_op_threads
         opts.inter_op_num_threads = 1
+        if not device.startswith("cuda") and os.environ.get("VISIONSERVE_ORT_SPIN", "0") != "1":
+            # Idle intra-op threads spin by default: on a small edge CPU that burns the cores the
+            # decode threads and the event loop need. They sleep instead unless asked otherwise.
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         opts.log_severity_level = 3  # quiet: onnxruntime warns about missing CUDA on CPU boxes
         providers: list = ["CPUExecutionProvider"]
         if device.startswith("cuda"):

@@ -7,6 +7,7 @@ import asyncio
 import queue
 import signal
 import struct
+import time
 
 import cv2
 import grpc
@@ -107,7 +108,13 @@ def test_health_service_says_serving(tiny_server):
     with grpc.insecure_channel(tiny_server.grpc_url) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         for service in ("", "inference.GRPCInferenceService"):
-            answer = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            # the health service follows readiness within a poll period (0.2 s) of HTTP's
+            end = time.monotonic() + 10
+            while True:
+                answer = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+                if answer.status == health_pb2.HealthCheckResponse.SERVING or time.monotonic() > end:
+                    break
+                time.sleep(0.05)
             assert answer.status == health_pb2.HealthCheckResponse.SERVING
 
 

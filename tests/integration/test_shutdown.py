@@ -135,11 +135,11 @@ def test_sigterm_under_load_drains_and_exits_0(slow_repo, tmp_path, jpeg_bytes):
 
 
 def test_drain_timeout_answers_the_rest_503_and_exits_0(slow_repo, tmp_path, jpeg_bytes):
-    drain_timeout = 1.0
+    drain_timeout = 0.2
     s = start_server(slow_repo, tmp_path, "--drain-timeout-s", str(drain_timeout), grpc=False)
     try:
         url = s.url + "/v1/models/slow/inspect"
-        n = 40  # ten batches: far more than one second of work
+        n = 60  # fifteen batches: far more than 0.2 s of work, even on a quiet machine
         clients = [httpx.Client(timeout=120) for _ in range(n)]
         for c in clients:
             assert c.get(s.url + "/v2/health/live").status_code == 200

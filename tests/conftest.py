@@ -34,6 +34,24 @@ takt_ms = 2000
 """
 
 
+def export_onnx(module, folder: Path, input_shape: tuple[int, ...], toml: str) -> Path:
+    """Write ``folder/1/model.onnx`` (dynamic batch; graph names ``input``/``logits``) and
+    ``folder/model.toml``: a real model repository entry for tests. Returns ``folder``."""
+    import warnings
+
+    import torch
+
+    (folder / "1").mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module.eval(), (torch.zeros(*input_shape),), str(folder / "1" / "model.onnx"),
+                          input_names=["input"], output_names=["logits"],
+                          dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
+                          opset_version=17, dynamo=False)
+    (folder / "model.toml").write_text(toml)
+    return folder
+
+
 def make_tiny_model(folder: Path, toml: str = TINY_TOML) -> Path:
     """Export a tiny random-weight CNN to ``folder/1/model.onnx`` (+ model.toml); returns folder."""
     import torch
@@ -48,17 +66,7 @@ def make_tiny_model(folder: Path, toml: str = TINY_TOML) -> Path:
             return self.fc(torch.relu(self.conv(x)).mean(dim=(2, 3)))
 
     torch.manual_seed(0)
-    (folder / "1").mkdir(parents=True, exist_ok=True)
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(Tiny().eval(), (torch.zeros(2, 3, 32, 32),), str(folder / "1" / "model.onnx"),
-                          input_names=["input"], output_names=["logits"],
-                          dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
-                          opset_version=17, dynamo=False)
-    (folder / "model.toml").write_text(toml)
-    return folder
+    return export_onnx(Tiny(), folder, (2, 3, 32, 32), toml)
 
 
 @pytest.fixture(scope="session")

@@ -187,7 +187,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _get(url: str, timeout: float = 2.0) -> int:
+def http_status(url: str, timeout: float = 2.0) -> int:
+    """The HTTP status of GET ``url``; 0 when nothing answers."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
             return r.status
@@ -216,7 +217,7 @@ class StartedServer:
             if self.proc.poll() is not None:
                 raise BenchError(f"the server exited with {self.proc.returncode}; log {self.log_path}:\n"
                                  f"{self.log_path.read_text(errors='replace')[-2000:]}", 3)
-            if _get(self.url + "/v2/health/ready") == 200:
+            if http_status(self.url + "/v2/health/ready") == 200:
                 return
             time.sleep(0.2)
         raise BenchError(f"the server was not ready after {timeout:.0f} s; log {self.log_path}", 3)
@@ -272,7 +273,7 @@ def _run(args: argparse.Namespace) -> int:
             if not ghost or not gport.isdigit():
                 raise BenchError(f"--grpc-url {grpc_url!r} must be HOST:PORT")
             host, port = ghost, int(gport)
-        elif _get(url.rstrip("/") + "/v2/health/ready") == 0 and _get(url) == 0:
+        elif http_status(url.rstrip("/") + "/v2/health/ready") == 0 and http_status(url) == 0:
             raise BenchError(f"cannot reach the server at {url}", 3)
         server_pid = args.server_pid or (server.proc.pid if server else None)
 

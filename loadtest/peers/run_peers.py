@@ -25,8 +25,9 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
+
+from visionserve.bench import http_status
 
 ROOT = Path(__file__).resolve().parents[2]
 PEERS = Path(__file__).resolve().parent
@@ -47,16 +48,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def status(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except OSError:
-        return 0
 
 
 class Target:
@@ -101,7 +92,7 @@ class Target:
         while time.monotonic() < end:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log_path}")
-            if status(self.ready_url) == 200:
+            if http_status(self.ready_url) == 200:
                 return
             time.sleep(0.5)
         raise RuntimeError(f"{self.name} not ready after {timeout} s; see {self.log_path}")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import start_server
+from conftest import export_onnx, start_server
 
 SLOW_TOML = """\
 description = "slow test model: random weights, 256x256, one CPU thread"
@@ -36,8 +36,6 @@ intra_op_threads = 1
 
 
 def make_slow_model(folder: Path) -> Path:
-    import warnings
-
     import torch
 
     class Slow(torch.nn.Module):
@@ -51,15 +49,7 @@ def make_slow_model(folder: Path) -> Path:
             return self.fc(self.convs(x).mean(dim=(2, 3)))
 
     torch.manual_seed(0)
-    (folder / "1").mkdir(parents=True, exist_ok=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(Slow().eval(), (torch.zeros(1, 3, 256, 256),), str(folder / "1" / "model.onnx"),
-                          input_names=["input"], output_names=["logits"],
-                          dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
-                          opset_version=17, dynamo=False)
-    (folder / "model.toml").write_text(SLOW_TOML)
-    return folder
+    return export_onnx(Slow(), folder, (1, 3, 256, 256), SLOW_TOML)
 
 
 @pytest.fixture(scope="module")

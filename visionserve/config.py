@@ -236,6 +236,15 @@ class ServerSettings(BaseSettings):
     auth_health_open: bool = Field(True, description="Health endpoints stay open when auth is on.")
     tls_cert: Path | None = Field(None, description="PEM certificate: serve HTTPS and gRPC over TLS.")
     tls_key: Path | None = Field(None, description="PEM private key for --tls-cert.")
+    frontends: int = Field(
+        0, ge=0, le=64,
+        description="HTTP/gRPC front-end processes handing frames to this process's engine through shared "
+                    "memory (one batch queue per model still); 0: the front end runs in the engine process. "
+                    "Use several when one process cannot parse requests as fast as the GPU serves them.")
+    frontend_arena_bytes: int = Field(
+        64 * 1024**2, ge=1024**2,
+        description="Shared memory per front-end process for frames in flight; a frame that does not fit "
+                    "travels in the message instead (slower, never refused).")
     guard: bool = Field(False, description="Also host the training-queue guard (and /v1/guard/jobs).")
     guard_db: Path | None = Field(
         None, description="The guard's SQLite database (default: VISIONSERVE_GUARD_DB or "

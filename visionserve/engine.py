@@ -101,7 +101,49 @@ def effective_config(config: ModelConfig, settings: ServerSettings) -> ModelConf
     return config.model_copy(update={"batching": batching})
 
 
-class Engine:
+class ModelLookup:
+    """Finding a served model version by name and version: the same answers (and errors) from
+    the engine and from a front end in another process (:mod:`visionserve.frontends.remote`).
+
+    Needs ``entries`` (name -> ModelEntry), ``served`` ((name, version) -> a Served-like object
+    with ``ready``) and ``ready``.
+    """
+
+    entries: dict[str, ModelEntry]
+    served: dict
+
+    def entry(self, name: str) -> ModelEntry:
+        try:
+            return self.entries[name]
+        except KeyError:
+            raise NotFound(f"unknown model {name!r}; served: {sorted(self.entries)}") from None
+
+    def get(self, name: str, version: str | int | None = None):
+        entry = self.entry(name)
+        v = parse_version(entry, version)
+        served = self.served.get((name, v))
+        if served is None:
+            raise Unavailable(f"model {name} version {v} is not loaded yet")
+        return served
+
+    def model_ready(self, name: str, version: str | int | None = None) -> bool:
+        try:
+            s = self.get(name, version)
+        except Unavailable:
+            return False
+        return self.ready and s.ready
+
+    def select(self, name: str = "", version: str | int | None = None) -> list:
+        """The versions a statistics request names: all models, all versions of one, or one."""
+        if not name:
+            return list(self.served.values())
+        if version:
+            return [self.get(name, version)]
+        entry = self.entry(name)
+        return [s for (n, _), s in self.served.items() if n == entry.name]
+
+
+class Engine(ModelLookup):
     def __init__(self, settings: ServerSettings, device: str = "cpu") -> None:
         self.settings = settings
         self.device = device
@@ -229,28 +271,17 @@ class Engine:
             await self.gpu.close()
         self._ready = False
 
-    # --- queries -----------------------------------------------------------------------------
+    # --- statistics and metrics for the front ends ----------------------------------------------
 
-    def entry(self, name: str) -> ModelEntry:
-        try:
-            return self.entries[name]
-        except KeyError:
-            raise NotFound(f"unknown model {name!r}; served: {sorted(self.entries)}") from None
+    async def statistics(self, name: str = "", version: str | int | None = None) -> list[Served]:
+        """The selected versions with their current ``stats`` (async: a front end in another
+        process fetches them from here)."""
+        return self.select(name, version)
 
-    def get(self, name: str, version: str | int | None = None) -> Served:
-        entry = self.entry(name)
-        v = parse_version(entry, version)
-        served = self.served.get((name, v))
-        if served is None:
-            raise Unavailable(f"model {name} version {v} is not loaded yet")
-        return served
+    async def metrics_text(self) -> bytes:
+        from prometheus_client import generate_latest
 
-    def model_ready(self, name: str, version: str | int | None = None) -> bool:
-        try:
-            s = self.get(name, version)
-        except Unavailable:
-            return False
-        return self.ready and s.ready
+        return generate_latest()
 
     # --- inference ---------------------------------------------------------------------------
 

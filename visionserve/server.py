@@ -74,6 +74,17 @@ def configure_logging(level: str, as_json: bool) -> None:
     root.setLevel(level.upper())
 
 
+def run_loop(main):
+    """Run ``main`` on uvloop where it is installed (uvicorn[standard] brings it): the event loop
+    is on every request's path, and uvloop's costs a fraction of asyncio's own."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
+
+
 def pin_device(spec: str):
     """Resolve the device and pin this process to it before any CUDA library loads.
 
@@ -112,7 +123,13 @@ def run(args: argparse.Namespace) -> int:
     except VisionServeError as exc:
         print(f"visionserve serve: {exc.message}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(engine, settings, guard))
+    return run_loop(serve(engine, settings, guard))
+
+
+def open_guard_store(settings: ServerSettings):
+    from .guard.store import JobStore, default_db_path
+
+    return JobStore(str(settings.guard_db or default_db_path()))
 
 
 class HostedGuard:
@@ -121,10 +138,9 @@ class HostedGuard:
     def __init__(self, settings: ServerSettings, resolved) -> None:
         from .config import parse_bytes
         from .guard.memory import open_nvml_source
-        from .guard.store import JobStore, default_db_path
         from .guard.supervisor import Supervisor, SupervisorConfig
 
-        self.store = JobStore(str(settings.guard_db or default_db_path()))
+        self.store = open_guard_store(settings)
         source = None if resolved.gpu is None else open_nvml_source(resolved.gpu.uuid)
         budget = parse_bytes(settings.gpu_memory_budget) if settings.gpu_memory_budget else 0
         self.supervisor = Supervisor(self.store, source, SupervisorConfig(
@@ -148,24 +164,36 @@ class HostedGuard:
             self._thread.join(timeout=30)
 
 
-async def serve(engine, settings: ServerSettings, guard: HostedGuard | None = None) -> int:
-    """Run HTTP (+ gRPC) until a signal, then drain; returns the exit code."""
-    import uvicorn
-
+def http_app(engine, settings: ServerSettings, routers: tuple = ()):
+    """The ASGI app a front end serves: the FastAPI app behind auth and request ids."""
     from .http.app import create_app
     from .security import HttpSecurity, load_token
 
     token = load_token(settings.auth_token, settings.auth_token_file)
-    routers = (guard.router(),) if guard is not None else ()
-    app = HttpSecurity(create_app(engine, settings, routers), token, settings.auth_health_open)
+    return HttpSecurity(create_app(engine, settings, routers), token, settings.auth_health_open)
+
+
+def http_server(app, engine, settings: ServerSettings) -> DrainingServer:
+    import uvicorn
+
     tls = {"ssl_certfile": str(settings.tls_cert), "ssl_keyfile": str(settings.tls_key)} \
         if settings.tls_cert else {}
-    server = DrainingServer(uvicorn.Config(
+    return DrainingServer(uvicorn.Config(
         app, host=settings.host, port=settings.http_port, log_level=settings.log_level,
         access_log=settings.log_level == "debug", timeout_keep_alive=30,
         timeout_graceful_shutdown=max(1.0, settings.drain_timeout_s),
         limit_concurrency=settings.max_connections, log_config=None, **tls,
     ), engine, settings.drain_timeout_s)
+
+
+async def serve(engine, settings: ServerSettings, guard: HostedGuard | None = None) -> int:
+    """Run HTTP (+ gRPC) until a signal, then drain; returns the exit code."""
+    if settings.frontends:
+        from .frontends.procs import serve_with_frontends
+
+        return await serve_with_frontends(engine, settings, guard)
+    routers = (guard.router(),) if guard is not None else ()
+    server = http_server(http_app(engine, settings, routers), engine, settings)
     grpc_server = None
     if settings.grpc_port >= 0:
         from .grpc.server import create_server
@@ -193,16 +221,22 @@ async def serve(engine, settings: ServerSettings, guard: HostedGuard | None = No
     return server.exit_code
 
 
-async def _start_engine(engine, server: DrainingServer) -> None:
+async def start_engine(engine) -> int:
+    """Load and warm up every model; 0 when ready, else the exit code (3), the reason logged."""
     try:
         await engine.start()
+        return 0
     except VisionServeError as exc:
         log.error("start-up failed: %s", exc.message)
-        server.exit_code = 3
-        server.should_exit = True
     except Exception:
         log.exception("start-up failed")
-        server.exit_code = 3
+    return 3
+
+
+async def _start_engine(engine, server: DrainingServer) -> None:
+    code = await start_engine(engine)
+    if code:
+        server.exit_code = code
         server.should_exit = True
 
 

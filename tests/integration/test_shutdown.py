@@ -67,9 +67,11 @@ def post_frame(url: str, jpeg: bytes, part: str, results: dict, client: httpx.Cl
         results[part] = (None, repr(exc))
 
 
-def test_sigterm_under_load_drains_and_exits_0(slow_repo, tmp_path, jpeg_bytes):
+@pytest.mark.parametrize("frontends", ["0", "2"])
+def test_sigterm_under_load_drains_and_exits_0(slow_repo, tmp_path, jpeg_bytes, frontends):
     drain_timeout = 60.0
-    s = start_server(slow_repo, tmp_path, "--drain-timeout-s", str(drain_timeout), grpc=False)
+    s = start_server(slow_repo, tmp_path, "--drain-timeout-s", str(drain_timeout), "--frontends", frontends,
+                     grpc=False)
     try:
         url = s.url + "/v1/models/slow/inspect"
         n = 12  # three batches of 4 at ~0.1 s a frame: still queued when the signal comes

@@ -82,7 +82,9 @@ class GrpcServer:
                 last = ready
 
 
-def create_server(engine: Engine, settings: ServerSettings) -> GrpcServer:
+def create_server(engine: Engine, settings: ServerSettings, *, shared_port: bool = False) -> GrpcServer:
+    """``shared_port``: several front-end processes serve the one port (SO_REUSEPORT); the serving
+    process holds the port so that no other program can take it."""
     limit = settings.grpc_max_message_bytes
     from ..security import grpc_auth_interceptor, load_token
 
@@ -91,8 +93,8 @@ def create_server(engine: Engine, settings: ServerSettings) -> GrpcServer:
     server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.max_send_message_length", limit),
         ("grpc.max_receive_message_length", limit),
-        # one port per process: a second server on the same port must fail, not share it
-        ("grpc.so_reuseport", 0),
+        # one port per server: a second server on the same port must fail, not share it
+        ("grpc.so_reuseport", 1 if shared_port else 0),
     ])
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(engine, settings), server)
     health_servicer = health.aio.HealthServicer()

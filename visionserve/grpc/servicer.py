@@ -70,18 +70,10 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             self.engine.get(request.name, request.version)))
 
     async def ModelStatistics(self, request, context):
-        return await _call(context, lambda: self._statistics(request.name, request.version))
+        async def statistics():
+            return convert.model_statistics(await self.engine.statistics(request.name, request.version))
 
-    def _statistics(self, name: str, version: str) -> service_pb2.ModelStatisticsResponse:
-        engine = self.engine
-        if not name:
-            served = list(engine.served.values())
-        elif version:
-            served = [engine.get(name, version)]
-        else:
-            entry = engine.entry(name)
-            served = [s for (n, _), s in engine.served.items() if n == entry.name]
-        return convert.model_statistics(served)
+        return await _call(context, statistics)
 
     # --- inference ---------------------------------------------------------------------------
 

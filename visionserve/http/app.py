@@ -130,10 +130,10 @@ def create_app(engine: Engine, settings: ServerSettings, routers: tuple = ()) ->
         app.include_router(extra)
 
     @app.get("/metrics", include_in_schema=False)
-    async def metrics() -> Response:
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    async def metrics(request: Request) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
 
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        return Response(await engine_of(request).metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     return app
 

@@ -78,8 +78,7 @@ async def server_metadata() -> dict[str, Any]:
 
 @router.get("/v2/models/stats", summary="Statistics of every model", responses={200: {"description": "OK"}})
 async def all_stats(request: Request) -> dict[str, Any]:
-    engine = engine_of(request)
-    return {"model_stats": [oip.model_statistics(s) for s in engine.served.values()]}
+    return {"model_stats": [oip.model_statistics(s) for s in await engine_of(request).statistics()]}
 
 
 @router.get("/v2/models/{model_name}", response_model=ModelMetadata, responses=ERRORS, summary="Model metadata")
@@ -114,12 +113,7 @@ async def model_config(request: Request, model_name: str, model_version: str = "
 @router.get("/v2/models/{model_name}/versions/{model_version}/stats", responses=ERRORS,
             summary="Model version statistics")
 async def model_stats(request: Request, model_name: str, model_version: str = "") -> dict[str, Any]:
-    engine = engine_of(request)
-    entry = engine.entry(model_name)
-    if model_version:
-        served = [engine.get(model_name, model_version)]
-    else:
-        served = [s for (n, _), s in engine.served.items() if n == entry.name]
+    served = await engine_of(request).statistics(model_name, model_version)
     return {"model_stats": [oip.model_statistics(s) for s in served]}
 
 

@@ -1,0 +1,210 @@
+"""``visionserve serve --frontends N``: several front-end processes, one engine, real clients.
+
+The answers must be the ones the in-process front end gives; the protocol behaviour (errors,
+statistics, metrics, health, gRPC) the same; a front end that dies is replaced while the others
+keep serving. SIGTERM under load is in test_shutdown.py (run with and without front ends).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.conftest import start_server
+
+INSPECT = "/v1/models/tiny/inspect"
+JPEG = {"Content-Type": "image/jpeg"}
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        out += [int(c) for c in text]
+    return out
+
+
+@pytest.fixture(scope="module")
+def fe_server(tiny_repo, tmp_path_factory):
+    s = start_server(tiny_repo, tmp_path_factory.mktemp("fe"), "--frontends", "2")
+    yield s
+    s.stop()
+
+
+def test_two_front_end_processes_are_started(fe_server):
+    kids = children(fe_server.proc.pid)
+    assert len(kids) >= 2
+    cmdlines = [Path(f"/proc/{k}/cmdline").read_bytes() for k in kids]
+    assert sum(b"visionserve.frontends.child" in c for c in cmdlines) == 2
+
+
+def test_answers_equal_the_in_process_front_end(fe_server, tiny_server, jpeg_bytes):
+    with httpx.Client(timeout=30) as c:
+        for body in (jpeg_bytes, np.full((32, 48, 3), 90, np.uint8).tobytes()):
+            headers = JPEG if body is jpeg_bytes else {"Content-Type": "application/octet-stream",
+                                                       "X-Image-Shape": "32x48x3"}
+            a = c.post(fe_server.url + INSPECT, content=body, headers={**headers, "X-Part-Id": "p7"})
+            b = c.post(tiny_server.url + INSPECT, content=body, headers=headers)
+            assert a.status_code == b.status_code == 200, (a.text, b.text)
+            ja, jb = a.json(), b.json()
+            assert ja["part_id"] == "p7"
+            assert (ja["verdict"], ja["label"]) == (jb["verdict"], jb["label"])
+            assert ja["scores"] == pytest.approx(jb["scores"], abs=1e-5)
+
+
+def test_many_clients_at_once_each_get_their_own_answer(fe_server, tiny_repo):
+    """Frames of different content through both front ends at once: nobody gets another's answer."""
+    import cv2
+
+    bodies = {}
+    for v in range(0, 256, 16):  # 16 distinct images, each with a known answer
+        ok, buf = cv2.imencode(".png", np.full((40, 40, 3), v, np.uint8))
+        bodies[v] = buf.tobytes()
+    with httpx.Client(timeout=30) as c:
+        expected = {v: c.post(fe_server.url + INSPECT, content=b,
+                              headers={"Content-Type": "image/png"}).json()["scores"]
+                    for v, b in bodies.items()}
+    errors, mismatches = [], []
+
+    def client(k: int) -> None:
+        with httpx.Client(timeout=30) as c:
+            for i in range(12):
+                v = list(bodies)[(k + i) % len(bodies)]
+                r = c.post(fe_server.url + INSPECT, content=bodies[v],
+                           headers={"Content-Type": "image/png", "X-Part-Id": f"{k}-{i}-{v}"})
+                if r.status_code != 200:
+                    errors.append(r.text)
+                elif r.json()["part_id"] != f"{k}-{i}-{v}" or \
+                        r.json()["scores"] != pytest.approx(expected[v], abs=1e-5):
+                    mismatches.append((k, i, v))
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and not mismatches
+
+
+def test_oip_http_and_grpc_through_front_ends(fe_server, jpeg_bytes):
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    arr = np.array([[jpeg_bytes]], dtype=object)
+    hc = httpclient.InferenceServerClient(f"127.0.0.1:{fe_server.http_port}")
+    inp = httpclient.InferInput("image", [1, 1], "BYTES")
+    inp.set_data_from_numpy(arr, binary_data=True)
+    h = hc.infer("tiny", [inp]).as_numpy("label")
+    gc = grpcclient.InferenceServerClient(fe_server.grpc_url)
+    assert gc.is_server_ready() and gc.is_model_ready("tiny")
+    ginp = grpcclient.InferInput("image", [1, 1], "BYTES")
+    ginp.set_data_from_numpy(arr)
+    g = gc.infer("tiny", [ginp]).as_numpy("label")
+    assert h.tolist() == g.tolist()
+    assert gc.get_model_metadata("tiny").name == "tiny"
+    stats = gc.get_inference_statistics("tiny")
+    assert stats.model_stats[0].inference_count >= 2
+    with pytest.raises(Exception, match="unknown model"):
+        gc.infer("nope", [ginp])
+
+
+def test_errors_stats_metrics_and_health(fe_server, jpeg_bytes):
+    with httpx.Client(timeout=30) as c:
+        assert c.get(fe_server.url + "/v2/health/ready").json() == {"ready": True}
+        assert c.get(fe_server.url + "/v2/models/tiny/ready").status_code == 200
+        r = c.post(fe_server.url + INSPECT, content=b"not an image", headers=JPEG)
+        assert r.status_code == 400 and "not an image" in r.json()["error"]
+        r = c.post(fe_server.url + "/v1/models/nope/inspect", content=jpeg_bytes, headers=JPEG)
+        assert r.status_code == 404
+        r = c.post(fe_server.url + INSPECT, content=jpeg_bytes, headers={**JPEG, "X-Priority": "99"})
+        assert r.status_code == 400 and "priority" in r.json()["error"]  # the engine's check, sent back
+        r = c.post(fe_server.url + INSPECT, content=jpeg_bytes, headers={**JPEG, "X-Deadline-Ms": "0.001"})
+        assert r.status_code == 504 and r.json()["verdict"] == "LATE"
+        before = c.get(fe_server.url + "/v2/models/tiny/stats").json()["model_stats"][0]["inference_count"]
+        assert c.post(fe_server.url + INSPECT, content=jpeg_bytes, headers=JPEG).status_code == 200
+        after = c.get(fe_server.url + "/v2/models/tiny/stats").json()["model_stats"][0]["inference_count"]
+        assert after == before + 1  # counted once, in the engine, whichever front end took it
+        metrics = c.get(fe_server.url + "/metrics").text
+        assert 'visionserve_model_ready{model="tiny",version="1"} 1.0' in metrics
+        assert "visionserve_batch_size_bucket" in metrics
+    assert "Traceback" not in fe_server.log()
+
+
+def test_frames_larger_than_the_arena_are_served(tiny_repo, tmp_path):
+    s = start_server(tiny_repo, tmp_path, "--frontends", "1", "--frontend-arena-bytes", str(1024**2),
+                     grpc=False)
+    try:
+        pixels = np.random.default_rng(0).integers(0, 255, (800, 600, 3), dtype=np.uint8)  # 1.44 MB
+        with httpx.Client(timeout=30) as c:
+            r = c.post(s.url + INSPECT, content=pixels.tobytes(),
+                       headers={"Content-Type": "application/octet-stream", "X-Image-Shape": "800x600x3"})
+        assert r.status_code == 200, r.text
+    finally:
+        assert s.stop() == 0
+
+
+def test_a_dead_front_end_is_replaced_and_the_server_keeps_serving(tiny_repo, tmp_path, jpeg_bytes):
+    s = start_server(tiny_repo, tmp_path, "--frontends", "2", grpc=False)
+    try:
+        first = set(children(s.proc.pid))
+        victim = min(first)
+        os.kill(victim, signal.SIGKILL)
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            kids = set(children(s.proc.pid)) - {victim}
+            if len(kids) >= 2 and kids != first - {victim}:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("no new front end after 60 s:\n" + s.log())
+        s.wait_ready()
+        with httpx.Client(timeout=30) as c:  # new connections land on either process
+            codes = [c.post(s.url + INSPECT, content=jpeg_bytes, headers={**JPEG, "Connection": "close"})
+                     .status_code for _ in range(20)]
+        assert codes == [200] * 20
+        assert f"front end 0 (pid {victim})" in s.log() or f"(pid {victim}) exited" in s.log()
+    finally:
+        assert s.stop() == 0
+
+
+def test_port_in_use_is_a_clear_error(tiny_repo, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        s = start_server(tiny_repo, tmp_path, "--frontends", "2", "--http-port", str(port), wait=False)
+        assert s.proc.wait(60) == 2
+    assert "cannot listen on" in s.log() and "Traceback" not in s.log()
+
+
+def test_a_model_that_fails_to_load_exits_3_and_leaves_no_front_end(tmp_path):
+    import shutil
+
+    from tests.conftest import REPO
+
+    repo = tmp_path / "repo"
+    shutil.copytree(REPO / "models" / "defect-classifier", repo / "broken",
+                    ignore=shutil.ignore_patterns("*.pt2", "*.pt", "*.png"))
+    (repo / "broken" / "model.toml").write_text(
+        (repo / "broken" / "model.toml").read_text().replace('name = "defect-classifier"', ""))
+    (repo / "broken" / "1" / "model.onnx").write_bytes(b"this is not an onnx file")
+    s = start_server(repo, tmp_path, "--frontends", "2", grpc=False, wait=False)
+    kids_seen: set[int] = set()
+    end = time.monotonic() + 60
+    while s.proc.poll() is None and time.monotonic() < end:
+        kids_seen |= set(children(s.proc.pid)) if Path(f"/proc/{s.proc.pid}").exists() else set()
+        time.sleep(0.05)
+    assert s.proc.wait(5) == 3, s.log()
+    time.sleep(0.5)
+    alive = [k for k in kids_seen if Path(f"/proc/{k}").exists()
+             and b"frontends.child" in Path(f"/proc/{k}/cmdline").read_bytes()]
+    assert not alive
+    assert "start-up failed" in s.log()

@@ -1,0 +1,264 @@
+"""The front-end / engine split (``--frontends N``) without subprocesses: a real Engine on the tiny
+model, the Hub, and a RemoteEngine joined by a real Unix socket pair and a real memfd arena, all
+in one event loop. The multi-process server itself is in tests/integration/test_frontends.py."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import socket
+
+import numpy as np
+import pytest
+
+from visionserve import imaging
+from visionserve.config import ServerSettings
+from visionserve.engine import Engine
+from visionserve.errors import DeadlineExceeded, InvalidInput, NotFound, Unavailable
+from visionserve.frontends.arena import ALIGN, Arena, create_memfd
+from visionserve.frontends.channel import _LEN, Channel, connect
+from visionserve.frontends.hub import Hub
+from visionserve.frontends.remote import RemoteEngine
+
+# --- the arena ---------------------------------------------------------------------------------
+
+
+def arena(size: int = 4096) -> Arena:
+    fd = create_memfd(size)
+    try:
+        return Arena(fd, size)
+    finally:
+        import os
+
+        os.close(fd)
+
+
+def test_arena_allocates_aligned_and_refuses_when_full():
+    a = arena(1024)
+    offs = [a.alloc(100) for _ in range(8)]  # 100 -> 128 bytes each
+    assert offs == [i * 128 for i in range(8)]
+    assert all(o % ALIGN == 0 for o in offs)
+    assert a.alloc(1) is None and a.used == 1024
+
+
+def test_arena_free_coalesces_neighbours():
+    a = arena(1024)
+    offs = [a.alloc(256) for _ in range(4)]
+    a.free(offs[1], 256)
+    a.free(offs[3], 256)
+    assert a.alloc(512) is None  # two holes of 256, not one of 512
+    a.free(offs[2], 256)  # joins both neighbours
+    assert a.free_extents == 1
+    assert a.alloc(768) == 256
+    a.free(256, 768)
+    a.free(offs[0], 256)
+    assert a.free_extents == 1 and a.used == 0 and a.alloc(1024) == 0
+
+
+def test_arena_write_is_seen_through_another_mapping():
+    import mmap
+    import os
+
+    fd = create_memfd(4096)
+    try:
+        a = Arena(fd, 4096)
+        other = mmap.mmap(fd, 4096, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    off = a.alloc(5)
+    a.write(off, b"hello")
+    pixels = np.arange(12, dtype=np.uint8).reshape(2, 2, 3)[:, ::-1]  # not contiguous
+    off2 = a.alloc(pixels.nbytes)
+    a.write(off2, np.ascontiguousarray(pixels))
+    assert other[off:off + 5] == b"hello"
+    assert other[off2:off2 + 12] == np.ascontiguousarray(pixels).tobytes()
+
+
+# --- the channel -------------------------------------------------------------------------------
+
+
+def test_channel_reassembles_messages_split_anywhere():
+    got = []
+    ch = Channel(got.append, lambda: None)
+    msgs = [("infer", 1, "m", None, [b"x" * 1000]), ("cancel", 1), ("metrics", 2)]
+    stream = b"".join(_LEN.pack(len(b)) + b for b in (pickle.dumps(m) for m in msgs))
+    for i in range(0, len(stream), 7):  # 7-byte pieces: lengths and bodies cut in the middle
+        ch.data_received(stream[i:i + 7])
+    assert got == msgs
+
+
+def test_channel_survives_a_handler_error():
+    got = []
+
+    def handler(msg):
+        if msg == "bad":
+            raise ValueError("boom")
+        got.append(msg)
+
+    ch = Channel(handler, lambda: None)
+    for m in ("bad", "good"):
+        b = pickle.dumps(m)
+        ch.data_received(_LEN.pack(len(b)) + b)
+    assert got == ["good"]
+
+
+# --- hub and remote engine, in one loop ---------------------------------------------------------
+
+
+@pytest.fixture
+async def pair(tiny_repo):
+    """(engine, hub, remote): the remote engine is what a front-end process would hold."""
+    import os
+
+    eng = Engine(ServerSettings(models=tiny_repo, max_queue_delay_ms=1), device="cpu")
+    eng.scan()
+    hub = Hub(eng)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    size = 1024**2
+    fd = create_memfd(size)
+    remote = RemoteEngine(Arena(fd, size))
+    remote.channel = await connect(theirs, remote.on_message, remote.on_lost)
+    await hub.attach(0, ours, fd, size)
+    os.close(fd)
+    await asyncio.wait_for(remote.connected.wait(), 5)
+    assert not remote.ready and "tiny" in remote.entries  # the repository is known before warm-up ends
+    await eng.start()
+    hub.publish()
+    await _until(lambda: remote.ready)
+    yield eng, hub, remote
+    await remote.close()
+    await hub.close()
+    await eng.close()
+
+
+async def _until(cond, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        assert loop.time() < end, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+def raw(value: int = 128) -> imaging.Frame:
+    return imaging.raw_frame(np.full((32, 32, 3), value, np.uint8), (32, 32, 3))
+
+
+def jpeg(value: int = 128) -> imaging.Frame:
+    import cv2
+
+    ok, buf = cv2.imencode(".jpg", np.full((48, 64, 3), value, np.uint8))
+    return imaging.encoded_frame(buf.tobytes())
+
+
+async def test_remote_answers_equal_the_engines(pair):
+    eng, _, remote = pair
+    frames = [raw(0), jpeg(200), raw(255)]
+    served, results = await remote.infer("tiny", None, frames)
+    assert served.name == "tiny" and served.version == 1 and served.ready
+    _, direct = await eng.infer("tiny", None, frames)
+    assert [r.label for r in results] == [r.label for r in direct]
+    for a, b in zip(results, direct):
+        assert np.allclose(a.scores, b.scores, atol=1e-6)
+    assert remote.arena.used == 0  # every extent back once answered
+
+
+async def test_remote_errors_keep_their_class_and_message(pair):
+    _, _, remote = pair
+    with pytest.raises(NotFound, match="unknown model 'nope'"):
+        await remote.infer("nope", None, [raw()])
+    with pytest.raises(InvalidInput, match="priority"):
+        await remote.infer("tiny", None, [raw()], priority=99)  # checked by the engine, sent back
+    with pytest.raises(DeadlineExceeded):
+        await remote.infer("tiny", None, [raw()], deadline_ms=0.001)
+    assert remote.arena.used == 0
+
+
+async def test_queue_full_comes_back_with_retry_after(tiny_repo):
+    eng = Engine(ServerSettings(models=tiny_repo, max_queue_size=2, max_queue_delay_ms=1), device="cpu")
+    await eng.start()
+    hub = Hub(eng)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    fd = create_memfd(1024**2)
+    remote = RemoteEngine(Arena(fd, 1024**2))
+    remote.channel = await connect(theirs, remote.on_message, remote.on_lost)
+    await hub.attach(0, ours, fd, 1024**2)
+    try:
+        await _until(lambda: remote.ready)
+        with pytest.raises(InvalidInput, match="at most 2"):
+            await remote.infer("tiny", None, [raw()] * 3)
+        # fill the queue from many requests at once: some are refused with a retry hint, none lost
+        outcomes = await asyncio.gather(*(remote.infer("tiny", None, [raw()]) for _ in range(40)),
+                                        return_exceptions=True)
+        refused = [o for o in outcomes if isinstance(o, Unavailable)]
+        answered = [o for o in outcomes if isinstance(o, tuple)]
+        assert len(refused) + len(answered) == 40 and answered
+        assert all(o.retry_after_s for o in refused)
+    finally:
+        await remote.close()
+        await hub.close()
+        await eng.close()
+
+
+async def test_cancelled_request_frees_its_extent_after_the_engine_answers(pair):
+    eng, _, remote = pair
+    big = imaging.raw_frame(np.zeros((480, 640, 3), np.uint8), (480, 640, 3))
+    task = asyncio.ensure_future(remote.infer("tiny", None, [big] * 8))
+    await asyncio.sleep(0)  # the request is sent
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await _until(lambda: remote.arena.used == 0 and not remote._pending)
+    _, (r,) = await remote.infer("tiny", None, [raw()])  # and it goes on serving
+    assert r.label
+
+
+async def test_frames_that_do_not_fit_the_arena_travel_inline(pair):
+    _, _, remote = pair
+    big = imaging.raw_frame(np.full((600, 800, 3), 7, np.uint8), (600, 800, 3))  # 1.44 MB > 1 MiB arena
+    _, results = await remote.infer("tiny", None, [big, raw()])
+    _, (alone,) = await remote.infer("tiny", None, [imaging.raw_frame(
+        np.full((600, 800, 3), 7, np.uint8), (600, 800, 3))])
+    assert results[0].label == alone.label and len(results) == 2
+    assert remote.arena.used == 0
+
+
+async def test_statistics_and_metrics_come_from_the_engine(pair):
+    _, _, remote = pair
+    await remote.infer("tiny", None, [raw(), raw()])
+    (st,) = await remote.statistics("tiny")
+    assert st.name == "tiny" and st.stats.inference_count == 2
+    assert len(await remote.statistics()) == 1
+    with pytest.raises(NotFound):
+        await remote.statistics("nope")
+    text = (await remote.metrics_text()).decode()
+    assert 'visionserve_model_ready{model="tiny",version="1"} 1.0' in text
+
+
+async def test_drain_reaches_the_front_end_and_waits_for_accepted_work(pair):
+    eng, hub, remote = pair
+    link, received = hub.links[0], asyncio.Event()
+
+    def on_message(msg, handle=link.on_message):
+        handle(msg)  # the engine task is created here, so it runs before the drain below starts
+        received.set()
+
+    link.channel.on_message = on_message
+    inflight = asyncio.ensure_future(remote.infer("tiny", None, [raw()] * 4))
+    await asyncio.wait_for(received.wait(), 5)
+    drained = asyncio.ensure_future(eng.drain(5))
+    hub.publish()
+    await _until(lambda: not remote.ready)
+    assert remote.draining
+    _, results = await inflight  # accepted before the drain: answered
+    assert len(results) == 4 and await drained
+    with pytest.raises(Unavailable, match="shutting down"):
+        await remote.infer("tiny", None, [raw()])
+
+
+async def test_engine_gone_fails_waiting_requests_with_503(pair):
+    _, hub, remote = pair
+    hub.detach(0)  # the engine side closes the channel
+    await asyncio.wait_for(remote.lost.wait(), 5)
+    assert not remote.ready
+    with pytest.raises(Unavailable, match="not reachable"):
+        await remote.infer("tiny", None, [raw()])

@@ -1,0 +1,186 @@
+"""The engine side: requests from every front-end process go into the one engine (one batch queue
+per model); answers go back on the link they came from.
+
+Messages (tuples) a front end sends:
+  ``("infer", rid, model, version, frames, deadline_ms, priority, arrival)``: ``frames`` are
+  ``(kind, width, height, channels, shape, offset, length, inline)`` with the bytes in the arena at
+  ``offset`` (or, when the arena was full, ``inline``); ``arrival`` is ``time.monotonic()``, which
+  is one clock for all processes of a machine.
+  ``("cancel", rid)``: the client went away.
+  ``("stats", rid, model, version)`` and ``("metrics", rid)``.
+and what the hub sends back:
+  ``("state", ready, draining, {(model, version): ready}, models)``: on connect and on every
+  change; ``models`` (the repository entries and the served versions' configs) only when they
+  change.
+  ``("result", rid, [FrameResult])``, ``("error", rid, error class name, message, retry_after_s)``
+  exactly once per ``infer``; ``("reply", rid, value)`` or an error for the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import InternalError, VisionServeError
+from ..imaging import Frame
+from .arena import ArenaReader
+from .channel import Channel, connect
+
+log = logging.getLogger(__name__)
+
+#: how often readiness is compared with what the front ends were told (they are told at once on drain)
+STATE_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class ServedInfo:
+    """What a front end needs to know of a served version (no batcher, no runners)."""
+
+    entry: object
+    version: int
+    config: object
+    backend_info: dict
+
+
+class Link:
+    """One front-end process: its channel, its arena, its requests in progress."""
+
+    def __init__(self, hub: Hub, index: int, arena: ArenaReader) -> None:
+        self.hub = hub
+        self.index = index
+        self.arena = arena
+        self.channel: Channel | None = None
+        self.models_sent = -1  # how many served versions this front end has been told of
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.lost = asyncio.Event()
+
+    def on_message(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "infer":
+            _, rid, name, version, descs, deadline_ms, priority, arrival = msg
+            frames = [self._frame(d) for d in descs]  # copied out now: the arena extent may be reused after the answer
+            task = asyncio.get_running_loop().create_task(
+                self._infer(rid, name, version, frames, deadline_ms, priority, arrival))
+            task.add_done_callback(lambda t, rid=rid: self._done(rid, t))
+            self.tasks[rid] = task
+        elif kind == "cancel":
+            task = self.tasks.get(msg[1])
+            if task is not None:
+                task.cancel()
+        elif kind == "stats":
+            _, rid, name, version = msg
+            try:
+                stats = [(s.name, s.version, s.stats) for s in self.hub.engine.select(name, version)]
+                self.channel.send(("reply", rid, stats))
+            except VisionServeError as exc:
+                self._error(rid, exc)
+        elif kind == "metrics":
+            from prometheus_client import generate_latest
+
+            self.channel.send(("reply", msg[1], generate_latest()))
+        else:
+            log.error("front end %d sent an unknown message %r", self.index, kind)
+
+    def _frame(self, desc: tuple) -> Frame:
+        kind, width, height, channels, shape, off, n, inline = desc
+        data = inline if inline is not None else self.arena.read(off, n)
+        if kind == "raw":
+            data = np.frombuffer(data, dtype=np.uint8).reshape(shape)
+        return Frame(kind, data, width, height, channels)
+
+    async def _infer(self, rid, name, version, frames, deadline_ms, priority, arrival) -> None:
+        try:
+            _, results = await self.hub.engine.infer(name, version, frames, deadline_ms=deadline_ms,
+                                                     priority=priority, arrival=arrival)
+            self.channel.send(("result", rid, results))
+        except VisionServeError as exc:
+            self._error(rid, exc)
+        except Exception:
+            log.exception("inference for front end %d failed", self.index)
+            self._error(rid, InternalError("internal error; see the server log"))
+
+    def _done(self, rid: int, task: asyncio.Task) -> None:
+        self.tasks.pop(rid, None)
+        if task.cancelled():  # also when cancelled before it ever ran: the front end needs an answer
+            self.channel.send(("error", rid, "Cancelled", "cancelled", None))
+
+    def _error(self, rid: int, exc: VisionServeError) -> None:
+        self.channel.send(("error", rid, type(exc).__name__, exc.message, exc.retry_after_s))
+
+    def on_lost(self) -> None:
+        # the front end died or stopped: its clients are gone, so are their frames
+        for task in list(self.tasks.values()):
+            task.cancel()
+        self.lost.set()
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+
+
+class Hub:
+    """Every front end's way into ``engine``; keeps them told of readiness."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.links: dict[int, Link] = {}
+        self._last: tuple | None = None
+        self._watcher: asyncio.Task | None = None
+
+    async def attach(self, index: int, sock: socket.socket, arena_fd: int, arena_size: int) -> Link:
+        """Serve front end ``index`` on ``sock`` (our end of its socket pair)."""
+        link = Link(self, index, ArenaReader(arena_fd, arena_size))
+        link.channel = await connect(sock, link.on_message, link.on_lost)
+        self.links[index] = link
+        self._send_state(link)
+        if self._watcher is None:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+        return link
+
+    def detach(self, index: int) -> None:
+        link = self.links.pop(index, None)
+        if link is not None:
+            link.close()
+            link.arena.close()
+
+    def _state(self) -> tuple:
+        e = self.engine
+        return (e.ready, e.draining, {k: s.ready for k, s in e.served.items()})
+
+    def _send_state(self, link: Link) -> None:
+        ready, draining, per_model = self._state()
+        models = None
+        served = self.engine.served
+        if link.models_sent != len(served):
+            models = (self.engine.entries, {k: ServedInfo(s.entry, s.version, s.config, s.backend_info)
+                                            for k, s in served.items()})
+            link.models_sent = len(served)
+        link.channel.send(("state", ready, draining, per_model, models))
+
+    def publish(self) -> None:
+        """Tell every front end the current state if it changed (also called at once on drain)."""
+        state = self._state()
+        if state == self._last:
+            return
+        self._last = state
+        for link in list(self.links.values()):
+            if not link.channel.closed:
+                self._send_state(link)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(STATE_POLL_S)
+            self.publish()
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+        for index in list(self.links):
+            self.detach(index)

@@ -67,6 +67,10 @@ class Served:
     runners: list[Runner]
     stats: ModelStats = field(default_factory=ModelStats)
     backend_info: dict[str, str] = field(default_factory=dict)
+    series: metrics.ModelSeries | None = None
+
+    def __post_init__(self) -> None:
+        self.series = metrics.ModelSeries(self.entry.name)
 
     @property
     def name(self) -> str:
@@ -292,13 +296,22 @@ class Engine(ModelLookup):
         arrival = time.monotonic() if arrival is None else arrival
         served = self.get(name, version)
         try:
-            return served, await self._infer(served, frames, deadline_ms, priority, arrival)
+            pending = self.admit(served, frames, deadline_ms, priority, arrival)
+            try:
+                results = await asyncio.gather(*(p.future for p in pending))
+            except BaseException:
+                for p in pending:
+                    p.future.cancel()
+                raise
         except VisionServeError as exc:
-            metrics.REQUESTS.labels(name, exc.kind).inc()
+            self.count_error(name, exc)
             raise
+        return served, self.finish(served, results, arrival)
 
-    async def _infer(self, served: Served, frames: list[Frame], deadline_ms, priority,
-                     arrival: float) -> list[FrameResult]:
+    def admit(self, served: Served, frames: list[Frame], deadline_ms: float | None, priority: int | None,
+              arrival: float) -> list:
+        """Check the request and queue its frames; the answers come on the returned items'
+        futures (``finish`` records them). Raises a VisionServeError for the whole request."""
         b = served.config.batching
         if self._draining:
             raise Unavailable("the server is shutting down; send to another instance", retry_after_s=1.0)
@@ -323,23 +336,31 @@ class Engine(ModelLookup):
         try:
             for f in frames:
                 pending.append(batcher.submit(f, deadline=deadline, priority=priority, arrival=arrival))
-            metrics.QUEUE_DEPTH.labels(served.name).set(batcher.queue_depth)
-            results = await asyncio.gather(*(p.future for p in pending))
         except BaseException:
             for p in pending:
                 p.future.cancel()
             raise
+        served.series.queue_depth.set(batcher.queue_depth)
+        return pending
+
+    def finish(self, served: Served, results: list[FrameResult], arrival: float) -> list[FrameResult]:
+        """Statistics and metrics of an answered request."""
         now = time.monotonic()
         served.stats.success.add(now - arrival, len(results))
         served.stats.inference_count += len(results)
         served.stats.last_inference_ms = int(time.time() * 1000)
-        metrics.REQUESTS.labels(served.name, "success").inc()
+        m = served.series
+        m.success.inc()
         for r in results:
-            metrics.FRAMES.labels(served.name, r.verdict).inc()
-            metrics.REQUEST_SECONDS.labels(served.name).observe(r.total_ms / 1000)
+            m.frames(r.verdict).inc()
+            m.request_seconds.observe(r.total_ms / 1000)
             if not r.deadline_met:
-                metrics.DEADLINE_MISSES.labels(served.name).inc()
+                m.deadline_misses.inc()
         return list(results)
+
+    @staticmethod
+    def count_error(model: str, exc: VisionServeError) -> None:
+        metrics.REQUESTS.labels(model, exc.kind).inc()
 
     # --- statistics (loop thread) ------------------------------------------------------------
 
@@ -348,7 +369,7 @@ class Engine(ModelLookup):
         st.execution_count += 1
         for q in rec.queue_s:
             st.queue.add(q)
-            metrics.QUEUE_SECONDS.labels(served.name).observe(q)
+            served.series.queue_seconds.observe(q)
         st.compute_input.add(rec.prep_s, rec.size)
         st.compute_infer.add(rec.infer_s, rec.size)
         st.compute_output.add(rec.post_s, rec.size)
@@ -356,12 +377,13 @@ class Engine(ModelLookup):
         bi.add(rec.prep_s)
         bf.add(rec.infer_s)
         bo.add(rec.post_s)
-        metrics.BATCH_SIZE.labels(served.name).observe(rec.size)
-        metrics.COMPUTE_SECONDS.labels(served.name).observe(rec.prep_s + rec.infer_s + rec.post_s)
-        metrics.QUEUE_DEPTH.labels(served.name).set(served.batcher.queue_depth)
+        m = served.series
+        m.batch_size.observe(rec.size)
+        m.compute_seconds.observe(rec.prep_s + rec.infer_s + rec.post_s)
+        m.queue_depth.set(served.batcher.queue_depth)
 
     def _record_drop(self, served: Served, reason: str) -> None:
         if reason == "late":
             served.stats.fail.add(0.0)
-            metrics.FRAMES.labels(served.name, "late").inc()
-            metrics.DEADLINE_MISSES.labels(served.name).inc()
+            served.series.frames("late").inc()
+            served.series.deadline_misses.inc()

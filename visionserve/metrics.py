@@ -23,3 +23,25 @@ INFLIGHT = Gauge("visionserve_inflight_batches", "Batches being decoded or compu
 DEADLINE_MISSES = Counter("visionserve_deadline_misses",
                           "Frames that missed their deadline (dropped late or answered after it)", ["model"])
 READY = Gauge("visionserve_model_ready", "1 when the model version is ready", ["model", "version"])
+
+
+class ModelSeries:
+    """One model's labelled series, looked up once: ``labels()`` costs microseconds per call, and
+    the engine would call it several times for every frame."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.success = REQUESTS.labels(model, "success")
+        self.request_seconds = REQUEST_SECONDS.labels(model)
+        self.queue_seconds = QUEUE_SECONDS.labels(model)
+        self.compute_seconds = COMPUTE_SECONDS.labels(model)
+        self.batch_size = BATCH_SIZE.labels(model)
+        self.queue_depth = QUEUE_DEPTH.labels(model)
+        self.deadline_misses = DEADLINE_MISSES.labels(model)
+        self._frames: dict[str, object] = {}
+
+    def frames(self, outcome: str):
+        child = self._frames.get(outcome)
+        if child is None:
+            child = self._frames[outcome] = FRAMES.labels(self.model, outcome)
+        return child

@@ -56,7 +56,7 @@ class Link:
         self.arena = arena
         self.channel: Channel | None = None
         self.models_sent = -1  # how many served versions this front end has been told of
-        self.tasks: dict[int, asyncio.Task] = {}
+        self.tasks: dict[int, asyncio.Future] = {}  # a Task, or a one-frame request's future
         self.lost = asyncio.Event()
 
     def on_message(self, msg: tuple) -> None:
@@ -64,6 +64,9 @@ class Link:
         if kind == "infer":
             _, rid, name, version, descs, deadline_ms, priority, arrival = msg
             frames = [self._frame(d) for d in descs]  # copied out now: the arena extent may be reused after the answer
+            if len(frames) == 1:
+                self._infer_one(rid, name, version, frames[0], deadline_ms, priority, arrival)
+                return
             task = asyncio.get_running_loop().create_task(
                 self._infer(rid, name, version, frames, deadline_ms, priority, arrival))
             task.add_done_callback(lambda t, rid=rid: self._done(rid, t))
@@ -92,6 +95,36 @@ class Link:
         if kind == "raw":
             data = np.frombuffer(data, dtype=np.uint8).reshape(shape)
         return Frame(kind, data, width, height, channels)
+
+    def _infer_one(self, rid, name, version, frame, deadline_ms, priority, arrival) -> None:
+        """One frame (the inspect API's case): straight into the batcher, answered from the
+        future's callback; no task per request (the engine process is the one all front ends
+        share, so its cost per request sets the ceiling)."""
+        engine = self.hub.engine
+        try:
+            served = engine.get(name, version)
+            (item,) = engine.admit(served, [frame], deadline_ms, priority, arrival)
+        except VisionServeError as exc:
+            engine.count_error(name, exc)
+            self._error(rid, exc)
+            return
+        fut = item.future
+        self.tasks[rid] = fut  # "cancel" cancels it; the batcher drops a cancelled frame
+
+        def answered(f: asyncio.Future) -> None:
+            self.tasks.pop(rid, None)
+            if f.cancelled():
+                self.channel.send(("error", rid, "Cancelled", "cancelled", None))
+            elif isinstance(f.exception(), VisionServeError):
+                engine.count_error(name, f.exception())
+                self._error(rid, f.exception())
+            elif f.exception() is not None:
+                log.error("inference for front end %d failed: %r", self.index, f.exception())
+                self._error(rid, InternalError("internal error; see the server log"))
+            else:
+                self.channel.send(("result", rid, engine.finish(served, [f.result()], arrival)))
+
+        fut.add_done_callback(answered)
 
     async def _infer(self, rid, name, version, frames, deadline_ms, priority, arrival) -> None:
         try:

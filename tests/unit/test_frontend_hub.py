@@ -212,6 +212,16 @@ async def test_cancelled_request_frees_its_extent_after_the_engine_answers(pair)
     assert r.label
 
 
+async def test_cancelled_single_frame_is_answered_and_freed(pair):
+    _, hub, remote = pair
+    task = asyncio.ensure_future(remote.infer("tiny", None, [raw()], deadline_ms=60_000))
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await _until(lambda: remote.arena.used == 0 and not remote._pending and not hub.links[0].tasks)
+
+
 async def test_frames_that_do_not_fit_the_arena_travel_inline(pair):
     _, _, remote = pair
     big = imaging.raw_frame(np.full((600, 800, 3), 7, np.uint8), (600, 800, 3))  # 1.44 MB > 1 MiB arena

@@ -51,9 +51,11 @@ preferred_batch_sizes = [1, 2, 4, 8, 16, 32]
 max_queue_delay_ms = 2.0
 max_queue_size = 1024
 takt_ms = 5000
+dispatch_when_idle = true
 [runtime]
 backend = "{backend}"
 precision = "{precision}"
+instances = {instances}
 """
 
 
@@ -63,7 +65,8 @@ def log(msg: str) -> None:  # CLI progress output
 
 # --- model -----------------------------------------------------------------------------------
 
-def export_models(root: Path) -> dict[str, Path]:
+def export_models(root: Path, names: tuple[str, ...] = ("rn50", "rn50-ort")) -> dict[str, Path]:
+    """The bench model as ``rn50`` (torch fp16, ``.pt2``) and/or ``rn50-ort`` (onnxruntime fp32)."""
     import warnings
 
     import torch
@@ -74,21 +77,33 @@ def export_models(root: Path) -> dict[str, Path]:
     x = torch.randn(2, 3, 224, 224)
     repos = {}
     for name, backend, precision in (("rn50", "torch", "fp16"), ("rn50-ort", "onnxruntime", "fp32")):
+        if name not in names:
+            continue
         folder = root / name / name
         (folder / "1").mkdir(parents=True)
         (folder / "model.toml").write_text(TOML.format(labels=json.dumps(LABELS), backend=backend,
-                                                        precision=precision))
+                                                        precision=precision, instances=1))
         repos[name] = root / name
     t0 = time.time()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ep = torch.export.export(net, (x,), dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=1024)},))
-        torch.export.save(ep, str(root / "rn50" / "rn50" / "1" / "model.pt2"))
-        torch.onnx.export(net, (x,), str(root / "rn50-ort" / "rn50-ort" / "1" / "model.onnx"),
-                          input_names=["input"], output_names=["logits"],
-                          dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
-                          opset_version=17, dynamo=False)
-    log(f"exported ResNet-50 to .pt2 and .onnx in {time.time() - t0:.1f} s")
+        if "rn50" in repos:
+            ep = torch.export.export(net, (x,), dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=1024)},))
+            torch.export.save(ep, str(root / "rn50" / "rn50" / "1" / "model.pt2"))
+        if "rn50-ort" in repos:
+            torch.onnx.export(net, (x,), str(root / "rn50-ort" / "rn50-ort" / "1" / "model.onnx"),
+                              input_names=["input"], output_names=["logits"],
+                              dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
+                              opset_version=17, dynamo=False)
+    if "rn50" in repos:  # the same model with two runner instances (two decode/compute pipelines)
+        import shutil
+
+        two = root / "rn50-i2" / "rn50"
+        shutil.copytree(root / "rn50" / "rn50", two)
+        (two / "model.toml").write_text(TOML.format(labels=json.dumps(LABELS), backend="torch",
+                                                    precision="fp16", instances=2))
+        repos["rn50-i2"] = root / "rn50-i2"
+    log(f"exported ResNet-50 ({', '.join(repos)}) in {time.time() - t0:.1f} s")
     return repos
 
 
@@ -245,18 +260,21 @@ class Server:
         t0 = time.time()
         while time.time() - t0 < 240:
             if self.proc.poll() is not None:
+                self._log.close()
                 raise RuntimeError(f"server exited {self.proc.returncode}; see {log_path}")
             if get(self.url + "/v2/health/ready", 1)[0] == 200:
                 self.start_s = round(time.time() - t0, 1)
                 return
             time.sleep(0.25)
+        self.stop()  # the caller never gets this object: do not leave the process behind
         raise RuntimeError(f"server not ready after 240 s; see {log_path}")
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, prefixes: tuple[str, ...] = ("visionserve_gpu_", "visionserve_batch_size_")
+                ) -> dict[str, float]:
         _, body = get(self.url + "/metrics")
         out = {}
         for line in body.decode().splitlines():
-            if line.startswith("visionserve_gpu_") or line.startswith("visionserve_batch_size_"):
+            if line.startswith(prefixes):
                 name, _, value = line.rpartition(" ")
                 out[name] = float(value)
         return out
@@ -355,42 +373,78 @@ def breakdown(before: dict, after: dict) -> dict:
 
 
 def served(repos: dict[str, Path], jpegs: list[bytes], log_dir: Path, quick: bool, bare_res: dict,
-           res: dict, save=lambda: None) -> dict:
-    """Fills ``res`` phase by phase, calling ``save`` after each (a time limit loses little)."""
+           res: dict, save=lambda: None, frontends: int = 0, client_procs: int = 0,
+           jpegs_1080: list[bytes] | None = None) -> dict:
+    """Fills ``res`` phase by phase, calling ``save`` after each (a time limit loses little).
+
+    One server per scenario: the in-process front end (``--frontends 0``), then ``frontends``
+    front-end processes (batching on, then ``--max-batch-size 1``, then onnxruntime). The
+    allocator is read before and after all the load on the front-ends server (over 60 s).
+    """
     dur = 5.0 if quick else 10.0
-    procs = min(8, max(2, (os.cpu_count() or 8) // 2))
-    threads = 8
+    long = 8.0 if quick else 25.0
+    cpus = os.cpu_count() or 8
+    procs = client_procs or min(8, max(2, cpus // 2))
+    threads = 12
+    fe = ("--frontends", str(frontends)) if frontends else ()
+    res["setup"] = {"frontends": frontends, "client_processes": procs, "threads_per_client_process": threads,
+                    "cpus": cpus}
 
     def single(server: Server, model: str) -> dict:
-        r = load(server, model, jpegs, 1, 1, 3.0 if quick else 6.0)
-        return r
+        return load(server, model, jpegs, 1, 1, 3.0 if quick else 6.0)
 
-    # torch, batching on
+    # torch, batching on, the front end in the engine process (the previous design, for comparison)
     s = Server(repos["rn50"], log_dir / "server.log", "--gpu-memory-budget", "8GiB")
     try:
         res["torch_start_s"] = s.start_s
-        m0 = s.metrics()
+        st0 = s.stats("rn50")
         res["torch_single_client"] = single(s, "rn50")
+        res["torch_single_client_breakdown"] = breakdown(st0, s.stats("rn50"))
         st0 = s.stats("rn50")
         res["torch_saturation"] = load(s, "rn50", jpegs, procs, threads, dur)
+        res["torch_breakdown_at_saturation"] = breakdown(st0, s.stats("rn50"))
         save()
-        st1 = s.stats("rn50")
-        m1 = s.metrics()
-        res["torch_breakdown_at_saturation"] = breakdown(st0, st1)
-        res["allocator"] = {
-            "new_segments_after_ready_before_load": m0.get("visionserve_gpu_allocator_new_segments"),
-            "new_segments_after_load": m1.get("visionserve_gpu_allocator_new_segments"),
-            "reserved_bytes_before": m0.get("visionserve_gpu_memory_reserved_bytes"),
-            "reserved_bytes_after": m1.get("visionserve_gpu_memory_reserved_bytes"),
-            "process_used_bytes_after": m1.get("visionserve_gpu_memory_used_bytes"),
-            "budget_bytes": m1.get("visionserve_gpu_memory_budget_bytes"),
-        }
-        res["gpu_after_load"] = {k: v for k, v in m1.items() if "temperature" in k or "power" in k
-                                 or ("throttle" in k and v)}
     finally:
         s.stop()
+    if frontends:
+        # torch, batching on, several front-end processes feeding the one engine
+        s = Server(repos["rn50"], log_dir / "server.log", "--gpu-memory-budget", "8GiB", *fe)
+        try:
+            t_load0 = time.time()
+            m0 = s.metrics()
+            res["fe_single_client"] = single(s, "rn50")
+            st0 = s.stats("rn50")
+            res["fe_saturation"] = load(s, "rn50", jpegs, procs, threads, long)
+            st1 = s.stats("rn50")
+            res["fe_breakdown_at_saturation"] = breakdown(st0, st1)
+            save()
+            res["fe_saturation_2x_clients"] = load(s, "rn50", jpegs, procs, 2 * threads, dur)
+            save()
+            if jpegs_1080:
+                st0 = s.stats("rn50")
+                res["fe_saturation_1080p"] = load(s, "rn50", jpegs_1080, procs, threads, long)
+                res["fe_breakdown_1080p"] = breakdown(st0, s.stats("rn50"))
+                save()
+            m1 = s.metrics()
+            res["allocator"] = allocator(m0, m1, time.time() - t_load0)
+            res["gpu_after_load"] = {k: v for k, v in m1.items() if "temperature" in k or "power" in k
+                                     or ("throttle" in k and v)}
+        finally:
+            s.stop()
+    if frontends and "rn50-i2" in repos:
+        # two runner instances: two decode + compute pipelines on their own streams
+        s = Server(repos["rn50-i2"], log_dir / "server.log", "--gpu-memory-budget", "8GiB", *fe)
+        try:
+            st0 = s.stats("rn50")
+            res["fe_i2_saturation"] = load(s, "rn50", jpegs, procs, threads, dur)
+            res["fe_i2_breakdown_at_saturation"] = breakdown(st0, s.stats("rn50"))
+            if jpegs_1080:
+                res["fe_i2_saturation_1080p"] = load(s, "rn50", jpegs_1080, procs, threads, dur)
+            save()
+        finally:
+            s.stop()
     # torch, batching off
-    s = Server(repos["rn50"], log_dir / "server.log", "--max-batch-size", "1")
+    s = Server(repos["rn50"], log_dir / "server.log", "--max-batch-size", "1", *fe)
     try:
         res["torch_single_client_bs1"] = single(s, "rn50")
         res["torch_saturation_bs1"] = load(s, "rn50", jpegs, procs, threads, dur)
@@ -399,7 +453,7 @@ def served(repos: dict[str, Path], jpegs: list[bytes], log_dir: Path, quick: boo
         s.stop()
     # onnxruntime
     if isinstance(bare_res.get("onnxruntime_fp32_iobinding"), dict):
-        s = Server(repos["rn50-ort"], log_dir / "server.log", "--gpu-memory-budget", "8GiB")
+        s = Server(repos["rn50-ort"], log_dir / "server.log", "--gpu-memory-budget", "8GiB", *fe)
         try:
             res["ort_single_client"] = single(s, "rn50-ort")
             res["ort_saturation"] = load(s, "rn50-ort", jpegs, procs, threads, dur)
@@ -408,18 +462,36 @@ def served(repos: dict[str, Path], jpegs: list[bytes], log_dir: Path, quick: boo
             s.stop()
     # ratios to the bare model (same run)
     g = bare_res.get("torch_fp16_cuda_graph", {})
+    best = max((res[k] for k in ("fe_i2_saturation", "fe_saturation", "torch_saturation") if k in res),
+               key=lambda r: r.get("throughput_per_s", 0))
     try:
         res["ratios"] = {
-            "saturation_vs_bare_bs32_graph": round(res["torch_saturation"]["throughput_per_s"]
-                                                   / g[32]["img_per_s"], 3),
+            "saturation_vs_bare_bs32_graph": round(best["throughput_per_s"] / g[32]["img_per_s"], 3),
+            "in_process_saturation_vs_bare_bs32_graph": round(
+                res["torch_saturation"]["throughput_per_s"] / g[32]["img_per_s"], 3),
             "single_p50_vs_bare_bs1_run_ms": round(res["torch_single_client"]["p50_ms"]
                                                    / g[1]["run_device_input"]["p50_ms"], 2),
-            "batching_gain": round(res["torch_saturation"]["throughput_per_s"]
+            "batching_gain": round(best["throughput_per_s"]
                                    / max(1e-9, res["torch_saturation_bs1"]["throughput_per_s"]), 2),
         }
+        hd = [res[k]["throughput_per_s"] for k in ("fe_saturation_1080p", "fe_i2_saturation_1080p") if k in res]
+        if hd:
+            res["ratios"]["saturation_1080p_vs_bare_bs32_graph"] = round(max(hd) / g[32]["img_per_s"], 3)
     except (KeyError, TypeError):
         pass
     return res
+
+
+def allocator(before: dict, after: dict, seconds: float) -> dict:
+    return {
+        "load_window_s": round(seconds, 1),
+        "new_segments_after_ready_before_load": before.get("visionserve_gpu_allocator_new_segments"),
+        "new_segments_after_load": after.get("visionserve_gpu_allocator_new_segments"),
+        "reserved_bytes_before": before.get("visionserve_gpu_memory_reserved_bytes"),
+        "reserved_bytes_after": after.get("visionserve_gpu_memory_reserved_bytes"),
+        "process_used_bytes_after": after.get("visionserve_gpu_memory_used_bytes"),
+        "budget_bytes": after.get("visionserve_gpu_memory_budget_bytes"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -428,6 +500,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-dir", type=Path, default=None)
     ap.add_argument("--quick", action="store_true", help="shorter phases")
     ap.add_argument("--skip-served", action="store_true")
+    ap.add_argument("--frontends", type=int, default=None,
+                    help="front-end processes for the multi-process scenarios (default: cores/2, at most 8)")
+    ap.add_argument("--client-procs", type=int, default=0, help="load generator processes (default: cores/2)")
     args = ap.parse_args(argv)
     log_dir = args.log_dir or args.out.parent
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -449,7 +524,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_served:
             try:
                 results["served"] = {}
-                served(repos, jpegs, log_dir, args.quick, results["bare"], results["served"], save)
+                fe = args.frontends if args.frontends is not None else min(8, max(2, (os.cpu_count() or 4) // 2))
+                served(repos, jpegs, log_dir, args.quick, results["bare"], results["served"], save,
+                       frontends=fe, client_procs=args.client_procs, jpegs_1080=make_jpegs(16, 1080, 1920))
             except Exception as exc:
                 results["served_error"] = repr(exc)
             save()

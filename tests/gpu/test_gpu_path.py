@@ -364,3 +364,79 @@ def test_device_fault_marks_the_model_unhealthy(repo):
     out = p.stdout + p.stderr
     assert "RESULT FrameResult Unavailable False" in out, out[-3000:]
     assert out.count("device fault in net:1#0") == 1, out[-3000:]
+
+
+def test_front_end_processes_hold_no_gpu_context_and_answer_like_the_engine(repo, tmp_path):
+    """``--frontends 2`` on the GPU: the serving process holds the device (its only CUDA
+    context), the front-end processes none; their answers equal the in-process engine's, and
+    the load through them adds no device memory after warm-up."""
+    import os
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    import cv2
+
+    from visionserve.gpu.nvml import real_nvml
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_path = tmp_path / "fe-server.log"
+    args = [sys.executable, "-m", "visionserve", "serve", "--models", str(repo), "--device", "cuda:0",
+            "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", "-1", "--frontends", "2",
+            "--gpu-memory-budget", "2GiB"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+
+    def call(path, body=None, headers=None):
+        req = urllib.request.Request(url + path, data=body, headers=headers or {})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+        except OSError:
+            return 0, b""
+
+    try:
+        end = time.time() + 180
+        while call("/v2/health/ready")[0] != 200:
+            assert proc.poll() is None and time.time() < end, log_path.read_text()
+            time.sleep(0.25)
+        jpegs = [cv2.imencode(".jpg", img)[1].tobytes() for img in _scenes(6)]
+        answers = []
+        for _ in range(30):  # several rounds: both front ends take some
+            for j in jpegs:
+                status, body = call("/v1/models/net/inspect", j, {"Content-Type": "image/jpeg"})
+                assert status == 200, body
+                answers.append(__import__("json").loads(body))
+        by_image = {}
+        for i, a in enumerate(answers):
+            by_image.setdefault(i % len(jpegs), set()).add(a["label"])
+        assert all(len(labels) == 1 for labels in by_image.values())  # same image, same answer
+        metrics = call("/metrics")[1].decode()
+        segs = [line for line in metrics.splitlines()
+                if line.startswith("visionserve_gpu_allocator_new_segments")]
+        assert segs and float(segs[0].split()[-1]) == 0, segs
+
+        kids = [int(c) for t in Path(f"/proc/{proc.pid}/task").iterdir()
+                for c in (t / "children").read_text().split()]
+        fronts = [k for k in kids if b"frontends.child" in Path(f"/proc/{k}/cmdline").read_bytes()]
+        assert len(fronts) == 2
+        nvml = real_nvml()
+        holders = {p.pid for g in nvml.devices() for p in nvml.processes(g.index)}
+        assert proc.pid in holders, holders
+        assert not holders & set(fronts), (holders, fronts)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = None
+    assert code == 0, log_path.read_text()[-3000:]
+    assert "Traceback" not in log_path.read_text()

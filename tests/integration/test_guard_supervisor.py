@@ -189,3 +189,18 @@ def test_logs_capture_stdout_and_stderr(guard_factory):
     text = Path(done.log_path).read_text()
     assert "out" in text and "err" in text and f"job {job.id}" in text
     assert all(s in TERMINAL for s in [done.state])
+
+
+@pytest.mark.parametrize("sched_idle", [True, False])
+def test_jobs_run_at_low_cpu_priority(guard_factory, sched_idle):
+    """A job (and what it starts, e.g. data-loading workers) runs at nice +10 and, by default,
+    under SCHED_IDLE: it gets only CPU time the server does not want."""
+    g = guard_factory(sched_idle=sched_idle)
+    job = g.submit("import os, subprocess, sys; print('policy', os.sched_getscheduler(0), os.nice(0)); "
+                   "subprocess.run([sys.executable, '-c', 'import os; print(\"child\", os.sched_getscheduler(0))'])")
+    done = g.wait_state(job.id, "succeeded")
+    text = Path(done.log_path).read_text()
+    import os as _os
+
+    want = _os.SCHED_IDLE if sched_idle else _os.SCHED_OTHER
+    assert f"policy {want} 10" in text and f"child {want}" in text, text

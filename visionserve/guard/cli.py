@@ -83,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--context-reserve", default="768MiB", metavar="SIZE",
                    help="CUDA context allowance: the torch allocator cap is need minus this")
     p.add_argument("--nice", type=int, default=10, help="CPU nice increment for jobs")
+    p.add_argument("--sched-idle", action=argparse.BooleanOptionalAction, default=True,
+                   help="run jobs under SCHED_IDLE: CPU time the server does not want (default on)")
     p.add_argument("--stop-jobs-on-exit", action="store_true",
                    help="on SIGTERM/SIGINT stop running jobs instead of leaving them running")
     p.add_argument("--simulate-memory", metavar="FILE",
@@ -253,7 +255,7 @@ def _run(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         inference_floor=_size(args.inference_floor, "--inference-floor"),
         margin=_size(args.margin, "--margin"), hysteresis=_size(args.hysteresis, "--hysteresis"),
-        poll_hz=args.poll_hz, grace_s=args.grace, nice=args.nice,
+        poll_hz=args.poll_hz, grace_s=args.grace, nice=args.nice, sched_idle=args.sched_idle,
         context_reserve=_size(args.context_reserve, "--context-reserve"),
         stop_jobs_on_exit=args.stop_jobs_on_exit)
     store = _store(args)

@@ -1,8 +1,10 @@
 """The job's wrapper: the process group leader the guard starts, stdlib only, run as a script.
 
-    python -I jobwrap.py --status FILE --nice N -- CMD ARGS...
+    python -I jobwrap.py --status FILE --nice N [--sched-idle] -- CMD ARGS...
 
-It lowers its CPU priority (inherited by the job), makes itself the host OOM killer's preferred
+It lowers its CPU priority (inherited by the job and every process it starts: nice N, and with
+``--sched-idle`` the SCHED_IDLE policy, so the job only gets CPU time the server does not want:
+a training job's data-loading workers must not slow the line's inference), makes itself the host OOM killer's preferred
 victim, starts the job, and waits for it while ignoring SIGTERM/SIGINT/SIGHUP (those reach the job
 directly: the guard signals the whole process group). When the job ends it writes its exit status
 to FILE. That file is what lets a *restarted* guard, which is not the job's parent and cannot
@@ -27,7 +29,7 @@ def _write_status(path: str, data: dict) -> None:
 
 def main(argv: list[str]) -> int:
     if "--" not in argv:
-        sys.stderr.write("usage: jobwrap.py --status FILE --nice N -- CMD ARGS...\n")
+        sys.stderr.write("usage: jobwrap.py --status FILE --nice N [--sched-idle] -- CMD ARGS...\n")
         return 2
     sep = argv.index("--")
     opts, cmd = argv[:sep], argv[sep + 1:]
@@ -35,6 +37,11 @@ def main(argv: list[str]) -> int:
     nice = int(opts[opts.index("--nice") + 1]) if "--nice" in opts else 0
     if nice:
         os.nice(nice)
+    if "--sched-idle" in opts and hasattr(os, "SCHED_IDLE"):
+        try:  # lowering one's own policy needs no privilege
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except OSError as exc:
+            sys.stderr.write(f"visionserve guard: SCHED_IDLE refused ({exc}); running at nice {nice}\n")
     try:  # raising one's own oom_score_adj needs no privilege
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("500")

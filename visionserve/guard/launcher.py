@@ -117,6 +117,8 @@ class LaunchSettings:
     #: CUDA context + library workspaces NVML counts but the allocator cap does not
     context_reserve: int = 768 * 1024**2
     nice: int = 10
+    #: SCHED_IDLE for the job: it runs on CPU time nothing else wants
+    sched_idle: bool = True
     site_dir: str = ""
 
 
@@ -182,7 +184,7 @@ def launch(job: Job, s: LaunchSettings) -> Launched:
         logf.flush()
         popen = subprocess.Popen(
             [sys.executable, "-I", JOBWRAP, "--status", job.status_path, "--nice", str(s.nice),
-             "--", *job.command],
+             *(["--sched-idle"] if s.sched_idle else []), "--", *job.command],
             cwd=job.cwd, env=env, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
             start_new_session=True, close_fds=True)
     return Launched(popen, popen.pid, proc.starttime(popen.pid))

@@ -42,6 +42,7 @@ class SupervisorConfig:
     poll_hz: float = 10.0
     grace_s: float = 10.0
     nice: int = 10
+    sched_idle: bool = True
     context_reserve: int = 768 * 1024**2
     stop_jobs_on_exit: bool = False
 
@@ -89,7 +90,7 @@ class Supervisor:
         self._total = total
         self.launch_settings = LaunchSettings(
             gpu_uuid=source.uuid if source is not None else None, gpu_total=total,
-            context_reserve=self.cfg.context_reserve, nice=self.cfg.nice,
+            context_reserve=self.cfg.context_reserve, nice=self.cfg.nice, sched_idle=self.cfg.sched_idle,
             site_dir=write_site_dir(os.path.join(store.log_dir, "jobsite")))
 
     # -- lifecycle ------------------------------------------------------------------------------

@@ -236,6 +236,11 @@ class ServerSettings(BaseSettings):
     auth_health_open: bool = Field(True, description="Health endpoints stay open when auth is on.")
     tls_cert: Path | None = Field(None, description="PEM certificate: serve HTTPS and gRPC over TLS.")
     tls_key: Path | None = Field(None, description="PEM private key for --tls-cert.")
+    switch_interval_ms: float = Field(
+        0.5, gt=0, le=100,
+        description="Python's thread switch interval in the serving process: how long one thread (the busy "
+                    "event loop) may hold the interpreter while the decode/compute threads wait for it. "
+                    "Python's own 5 ms starved the runner threads under load.")
     frontends: int = Field(
         0, ge=0, le=64,
         description="HTTP/gRPC front-end processes handing frames to this process's engine through shared "

@@ -74,6 +74,11 @@ def configure_logging(level: str, as_json: bool) -> None:
     root.setLevel(level.upper())
 
 
+def apply_process_settings(settings: ServerSettings) -> None:
+    """Interpreter settings of the serving process (the one with the runner threads)."""
+    sys.setswitchinterval(settings.switch_interval_ms / 1000)
+
+
 def run_loop(main):
     """Run ``main`` on uvloop where it is installed (uvicorn[standard] brings it): the event loop
     is on every request's path, and uvloop's costs a fraction of asyncio's own."""
@@ -115,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
 
         load_token(settings.auth_token, settings.auth_token_file)
         resolved = pin_device(settings.device)
+        apply_process_settings(settings)
         from .engine import Engine
 
         engine = Engine(settings, device=resolved.torch_device)

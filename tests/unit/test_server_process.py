@@ -1,0 +1,42 @@
+"""The serving process's own settings: the command line maps to them, bad values are refused."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from visionserve import server
+from visionserve.config import ServerSettings
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_switch_interval_is_applied_to_the_serving_process():
+    before = sys.getswitchinterval()
+    try:
+        p = argparse.ArgumentParser()
+        server.add_arguments(p)
+        settings = server.settings_from(p.parse_args(["--switch-interval-ms", "0.25", "--frontends", "3"]))
+        assert settings.frontends == 3
+        server.apply_process_settings(settings)
+        assert sys.getswitchinterval() == pytest.approx(0.00025)
+        server.apply_process_settings(ServerSettings())  # the default is below Python's 5 ms
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    finally:
+        sys.setswitchinterval(before)
+
+
+@pytest.mark.parametrize("option, value, words", [
+    ("--switch-interval-ms", "0", "greater than 0"),
+    ("--frontends", "-1", "greater than or equal to 0"),
+    ("--frontend-arena-bytes", "10", "greater than or equal to 1048576"),
+])
+def test_bad_process_settings_are_refused_with_exit_2(option, value, words):
+    run = subprocess.run([sys.executable, "-m", "visionserve", "serve", option, value, "--device", "cpu"],
+                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert run.returncode == 2, run.stderr
+    assert option in run.stderr and words in run.stderr and "Traceback" not in run.stderr

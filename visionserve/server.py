@@ -86,6 +86,9 @@ def run_loop(main):
         import uvloop
     except ImportError:
         return asyncio.run(main)
+    if sys.version_info < (3, 11):  # no asyncio.Runner: the policy is how 3.10 picks a loop
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+        return asyncio.run(main)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(main)
 

@@ -6,11 +6,15 @@ import sys
 import time
 
 import httpx
+import pytest
 
 
-def test_serve_hosts_the_guard(tiny_repo, server_factory, tmp_path):
+@pytest.mark.parametrize("frontends", ["0", "2"])
+def test_serve_hosts_the_guard(tiny_repo, server_factory, tmp_path, frontends):
+    """With front-end processes, each serves the guard's API from the same SQLite queue; the one
+    supervisor runs in the serving process."""
     db = tmp_path / "guard.sqlite"
-    s = server_factory(tiny_repo, "--guard", "--guard-db", str(db), grpc=False)
+    s = server_factory(tiny_repo, "--guard", "--guard-db", str(db), "--frontends", frontends, grpc=False)
     marker = tmp_path / "ran.txt"
     r = httpx.post(s.url + "/v1/guard/jobs", json={
         "name": "fine-tune", "command": [sys.executable, "-c", f"open({str(marker)!r}, 'a').write('x')"]})

@@ -40,3 +40,14 @@ def test_bad_process_settings_are_refused_with_exit_2(option, value, words):
                          capture_output=True, text=True, cwd=REPO, timeout=60)
     assert run.returncode == 2, run.stderr
     assert option in run.stderr and words in run.stderr and "Traceback" not in run.stderr
+
+
+def test_the_serving_loop_is_uvloop_when_installed():
+    uvloop = pytest.importorskip("uvloop")
+
+    async def which():
+        import asyncio
+
+        return type(asyncio.get_running_loop())
+
+    assert server.run_loop(which()) is uvloop.Loop

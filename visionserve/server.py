@@ -176,10 +176,12 @@ class HostedGuard:
 def http_app(engine, settings: ServerSettings, routers: tuple = ()):
     """The ASGI app a front end serves: the FastAPI app behind auth and request ids."""
     from .http.app import create_app
+    from .http.inspect import InspectFastPath
     from .security import HttpSecurity, load_token
 
     token = load_token(settings.auth_token, settings.auth_token_file)
-    return HttpSecurity(create_app(engine, settings, routers), token, settings.auth_health_open)
+    return HttpSecurity(InspectFastPath(create_app(engine, settings, routers)), token,
+                        settings.auth_health_open)
 
 
 def http_server(app, engine, settings: ServerSettings) -> DrainingServer:
@@ -266,8 +268,11 @@ class DrainingServer(_uvicorn_server_class()):  # type: ignore[misc]
         self.exit_code = 0
         self.grpc_server = None
         self._drain_task: asyncio.Task | None = None
+        self.ignored_signals: tuple[int, ...] = ()
 
     def handle_exit(self, sig, frame) -> None:  # called from the signal handler
+        if sig in self.ignored_signals:
+            return
         if self._drain_task is not None:  # second signal: leave now
             self.force_exit = True
             self.should_exit = True

@@ -203,4 +203,5 @@ def test_jobs_run_at_low_cpu_priority(guard_factory, sched_idle):
     import os as _os
 
     want = _os.SCHED_IDLE if sched_idle else _os.SCHED_OTHER
-    assert f"policy {want} 10" in text and f"child {want}" in text, text
+    nice = min(19, _os.nice(0) + 10)  # +10 on top of ours (the suite may itself run under nice)
+    assert f"policy {want} {nice}" in text and f"child {want}" in text, text

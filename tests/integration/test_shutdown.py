@@ -194,3 +194,46 @@ def test_sigterm_when_idle_exits_0_promptly(tiny_repo, tmp_path):
         s.stop(signal.SIGKILL)
         raise
     assert time.monotonic() - t0 < 20  # less than the default drain timeout: nothing to wait for
+
+
+def test_ctrl_c_to_the_process_group_with_front_ends_drains(slow_repo, tmp_path, jpeg_bytes):
+    """Ctrl-C in a terminal signals every process of the group: the front ends leave shutdown to
+    the serving process, so frames already accepted are still answered."""
+    import os
+    import sys
+
+    from conftest import REPO, ServerProcess, free_port
+
+    port = free_port()
+    log_path = tmp_path / "ctrl-c.log"
+    args = [sys.executable, "-m", "visionserve", "serve", "--models", str(slow_repo), "--device", "cpu",
+            "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", "-1", "--frontends", "2",
+            "--drain-timeout-s", "60"]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO),
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    s = ServerProcess(proc, port, -1, log_path, args)
+    try:
+        s.wait_ready()
+        url = s.url + "/v1/models/slow/inspect"
+        clients = [httpx.Client(timeout=120) for _ in range(8)]
+        results: dict[str, tuple] = {}
+        threads = [threading.Thread(target=post_frame, args=(url, jpeg_bytes, f"p{i}", results, c))
+                   for i, c in enumerate(clients)]
+        for t in threads:
+            t.start()
+        end = time.monotonic() + 120
+        while not results and time.monotonic() < end:
+            time.sleep(0.01)
+        assert results and len(results) < 8, "the model is too fast for this test"
+        os.killpg(proc.pid, signal.SIGINT)
+        for t in threads:
+            t.join(timeout=90)
+        assert sorted(results) == sorted(f"p{i}" for i in range(8))
+        assert all(status == 200 for status, _ in results.values()), results
+        assert proc.wait(timeout=90) == 0, s.log()
+        for c in clients:
+            c.close()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 
@@ -36,6 +37,9 @@ async def run(spec: dict, settings: ServerSettings) -> int:
 
         routers = (make_router(open_guard_store(settings)),)
     server = http_server(http_app(remote, settings, routers), remote, settings)
+    # Ctrl-C in a terminal reaches the whole process group: the serving process drains and then
+    # sends SIGTERM here; taking SIGINT too would make that SIGTERM a second signal (leave now)
+    server.ignored_signals = (signal.SIGINT,)
     grpc_server = None
     if spec["grpc_port"] >= 0:
         from ..grpc.server import create_server

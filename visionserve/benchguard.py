@@ -466,6 +466,8 @@ def acceptance(args: argparse.Namespace, res: dict, save) -> None:
         extra = ["--guard", "--guard-db", str(db)]
         if plan.budget:
             extra += ["--gpu-memory-budget", plan.budget]
+        if args.latency_budget_ms:
+            extra += ["--guard-latency-budget-ms", f"{args.latency_budget_ms:g}"]
         res["server_args"] = extra
         server = paced = sampler = None
         windows: dict[str, tuple[float, float]] = {}
@@ -609,8 +611,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-args", default=None, help="train.py options (one string)")
     ap.add_argument("--hostile-gpu-mem", default="4GiB", help="the hostile job's declared need")
     ap.add_argument("--hostile-policy", choices=("stop", "pause"), default="stop")
+    ap.add_argument("--latency-budget-ms", type=float, default=None,
+                    help="the server's --guard-latency-budget-ms: jobs pause while its p99 is over it")
     args = ap.parse_args(argv)
-    for name in ("rate", "baseline_s", "deadline_ms"):
+    for name in ("rate", "baseline_s", "deadline_ms", "latency_budget_ms"):
         v = getattr(args, name)
         if v is not None and v <= 0:
             ap.error(f"--{name.replace('_', '-')} must be > 0, got {v}")

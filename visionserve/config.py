@@ -254,6 +254,9 @@ class ServerSettings(BaseSettings):
     guard_db: Path | None = Field(
         None, description="The guard's SQLite database (default: VISIONSERVE_GUARD_DB or "
         "./visionserve-guard.sqlite).")
+    guard_latency_budget_ms: float | None = Field(
+        None, gt=0, description="With --guard: pause running training jobs while the served p99 of the last "
+                                "second is over this (ms); they resume under 80% of it. Default: off.")
     guard_margin: str = Field("1GiB", description="Safety margin the guard keeps above the server's budget.")
 
     @field_validator("guard_margin")

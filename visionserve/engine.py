@@ -22,6 +22,7 @@ from .batching import Batcher, CostModel
 from .config import BatchingSpec, ModelConfig, ServerSettings
 from .errors import ConfigError, InvalidInput, NotFound, Unavailable, VisionServeError
 from .imaging import Frame
+from .latency import LatencyWindow
 from .repository import ModelEntry, parse_version, scan
 from .runner import BatchRecord, FrameResult, Runner, padded_size
 
@@ -158,6 +159,7 @@ class Engine(ModelLookup):
         self._draining = False
         self.startup_error: str | None = None
         self.gpu = None  # gpu.memory.GpuReservation when the device is a GPU
+        self.latency = LatencyWindow()  # the last second's answers, for the guard's latency budget
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -352,6 +354,7 @@ class Engine(ModelLookup):
         m = served.series
         m.success.inc()
         for r in results:
+            self.latency.add(r.total_ms, now)
             m.frames(r.verdict).inc()
             m.request_seconds.observe(r.total_ms / 1000)
             if not r.deadline_met:

@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
 
         engine = Engine(settings, device=resolved.torch_device)
         engine.scan()
-        guard = HostedGuard(settings, resolved) if settings.guard else None
+        guard = HostedGuard(settings, resolved, latency=engine.latency.p99) if settings.guard else None
     except VisionServeError as exc:
         print(f"visionserve serve: {exc.message}", file=sys.stderr)
         return 2
@@ -144,7 +144,8 @@ def open_guard_store(settings: ServerSettings):
 class HostedGuard:
     """The training-queue guard's supervisor in a thread of the server, its API under /v1/guard."""
 
-    def __init__(self, settings: ServerSettings, resolved) -> None:
+    def __init__(self, settings: ServerSettings, resolved, latency=None) -> None:
+        """``latency``: the engine's served-p99 function, for ``--guard-latency-budget-ms``."""
         from .config import parse_bytes
         from .guard.memory import open_nvml_source
         from .guard.supervisor import Supervisor, SupervisorConfig
@@ -153,7 +154,8 @@ class HostedGuard:
         source = None if resolved.gpu is None else open_nvml_source(resolved.gpu.uuid)
         budget = parse_bytes(settings.gpu_memory_budget) if settings.gpu_memory_budget else 0
         self.supervisor = Supervisor(self.store, source, SupervisorConfig(
-            inference_floor=budget, margin=parse_bytes(settings.guard_margin)))
+            inference_floor=budget, margin=parse_bytes(settings.guard_margin),
+            latency_budget_ms=settings.guard_latency_budget_ms), latency=latency)
         self._thread = None
 
     def router(self):

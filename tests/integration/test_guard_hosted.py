@@ -33,3 +33,37 @@ def test_serve_hosts_the_guard(tiny_repo, server_factory, tmp_path, frontends):
     # inference keeps working beside it
     assert httpx.get(s.url + "/v2/health/ready").status_code == 200
     assert "serial job queue" in s.log()
+
+
+def test_latency_budget_pauses_a_job_while_the_line_is_slow(tiny_repo, server_factory, tmp_path, jpeg_bytes):
+    """End to end: the engine's own p99 drives the hosted guard. A budget of 0.001 ms is missed by
+    every frame, so the job is paused once the server answers frames, and resumes when it stops
+    (a second later the window is empty: no p99, no reason to hold training back)."""
+    db = tmp_path / "guard.sqlite"
+    s = server_factory(tiny_repo, "--guard", "--guard-db", str(db), "--guard-latency-budget-ms", "0.001",
+                       grpc=False)
+    r = httpx.post(s.url + "/v1/guard/jobs", json={"name": "ft", "command": [sys.executable, "-c",
+                                                                               "import time; time.sleep(60)"]})
+    job_id = r.json()["id"]
+
+    def state():
+        return httpx.get(f"{s.url}/v1/guard/jobs/{job_id}").json()
+
+    end = time.monotonic() + 30
+    while state()["state"] != "running" and time.monotonic() < end:
+        time.sleep(0.1)
+    with httpx.Client(timeout=30) as c:
+        for _ in range(40):
+            assert c.post(s.url + "/v1/models/tiny/inspect", content=jpeg_bytes,
+                          headers={"Content-Type": "image/jpeg"}).status_code == 200
+    end = time.monotonic() + 10
+    while state()["state"] != "paused" and time.monotonic() < end:
+        time.sleep(0.05)
+    job = state()
+    assert job["state"] == "paused" and "over the latency budget 0.001 ms" in job["reason"], job
+    end = time.monotonic() + 10
+    while state()["state"] != "running" and time.monotonic() < end:
+        time.sleep(0.1)
+    assert state()["state"] == "running" and "served p99 n/a" in state()["reason"]
+    assert "pause while the served p99 is over 0.001 ms" in s.log()
+    assert httpx.post(f"{s.url}/v1/guard/jobs/{job_id}/cancel").status_code == 200

@@ -35,13 +35,14 @@ def wait_for(pred: Callable[[], object], timeout: float = 10.0, what: str = "con
 
 
 class Guard:
-    def __init__(self, tmp: Path, **cfg) -> None:
+    def __init__(self, tmp: Path, latency=None, **cfg) -> None:
         self.gpu = str(tmp / "gpu.json")
         write_simulation(self.gpu, total=16 * GIB, base_used=0, pids={})
         self.store = JobStore(tmp / "guard.sqlite")
         cfg.setdefault("poll_hz", 50)
         cfg.setdefault("hysteresis", GIB // 2)
-        self.sup = Supervisor(self.store, SimulatedMemorySource(self.gpu), SupervisorConfig(**cfg))
+        self.sup = Supervisor(self.store, SimulatedMemorySource(self.gpu), SupervisorConfig(**cfg),
+                              latency=latency)
         self.thread = threading.Thread(target=self.sup.run_forever, daemon=True)
 
     def submit(self, code: str, **kw):
@@ -205,3 +206,28 @@ def test_jobs_run_at_low_cpu_priority(guard_factory, sched_idle):
     want = _os.SCHED_IDLE if sched_idle else _os.SCHED_OTHER
     nice = min(19, _os.nice(0) + 10)  # +10 on top of ours (the suite may itself run under nice)
     assert f"policy {want} {nice}" in text and f"child {want}" in text, text
+
+
+def test_served_latency_over_budget_pauses_the_job_until_it_recovers(guard_factory):
+    """The server that hosts the guard reports its p99; over the budget, the running job is paused
+    (even with policy stop: it is not at fault), and resumed once the p99 is under 80% of it."""
+    p99 = {"ms": 5.0}
+    g = guard_factory(latency_budget_ms=20.0, latency=lambda: p99["ms"])
+    job = g.submit("import time; time.sleep(60)", policy="stop")
+    running = g.wait_running(job.id)
+    wait_for(lambda: len(proc.session_members(running.pid)) >= 2, what="job process")
+    time.sleep(0.2)
+    assert g.state(job.id) == "running"  # 5 ms: nothing to do
+    p99["ms"] = 45.0
+    paused = g.wait_state(job.id, "paused")
+    assert "served p99 45.0 ms is over the latency budget 20 ms" in paused.reason
+    wait_for(lambda: all(m.state == "T" for m in proc.session_members(paused.pid)),
+             what="job processes stopped")
+    p99["ms"] = 18.0  # under the budget, not yet under 80% of it: stays paused
+    time.sleep(0.3)
+    assert g.state(job.id) == "paused"
+    p99["ms"] = 10.0
+    resumed = g.wait_state(job.id, "running")
+    assert "served p99 10.0 ms" in resumed.reason
+    wait_for(lambda: all(m.state != "T" for m in proc.session_members(paused.pid)),
+             what="job processes continued")

@@ -66,6 +66,40 @@ def test_watchdog_leaves_healthy_jobs_alone():
     assert watchdog.decide([_view()], free=50 * GIB, floor=2 * GIB, hysteresis=GIB) == []
 
 
+def test_latency_over_budget_pauses_whatever_the_policy():
+    slow = watchdog.Latency(p99_ms=45.0, budget_ms=20.0)
+    for policy in ("pause", "stop"):
+        [a] = watchdog.decide([_view(policy=policy)], free=50 * GIB, floor=2 * GIB, hysteresis=GIB,
+                              latency=slow)
+        assert (a.kind, a.trigger) == ("pause", "latency")
+        assert "served p99 45.0 ms is over the latency budget 20 ms" in a.reason
+    # no GPU sample (serial mode, or NVML failed): the latency rule still works
+    [a] = watchdog.decide([_view()], free=None, floor=0, hysteresis=0, latency=slow)
+    assert a.kind == "pause"
+
+
+def test_memory_triggers_win_over_latency():
+    slow = watchdog.Latency(p99_ms=45.0, budget_ms=20.0)
+    [a] = watchdog.decide([_view(policy="stop", used=5 * GIB)], free=50 * GIB, floor=2 * GIB,
+                          hysteresis=GIB, latency=slow)
+    assert (a.kind, a.trigger) == ("stop", "over_need")
+
+
+def test_latency_pause_resumes_under_the_resume_fraction_and_with_memory_back():
+    paused = [_view(state="paused")]
+    at = lambda ms: watchdog.Latency(p99_ms=ms, budget_ms=20.0)  # noqa: E731
+    assert watchdog.decide(paused, free=50 * GIB, floor=0, hysteresis=0, latency=at(19.0)) == []
+    [a] = watchdog.decide(paused, free=50 * GIB, floor=0, hysteresis=0, latency=at(15.0))
+    assert a.kind == "resume" and "served p99 15.0 ms <= 0.8 x budget 20 ms" in a.reason
+    # too few frames to tell (a quiet line): no reason to hold training back
+    [a] = watchdog.decide(paused, free=None, floor=0, hysteresis=0, latency=at(None))
+    assert a.kind == "resume"
+    # latency fine but memory not back: stays paused
+    assert watchdog.decide(paused, free=GIB, floor=2 * GIB, hysteresis=GIB, latency=at(5.0)) == []
+    # and no p99 never pauses a running job
+    assert watchdog.decide([_view()], free=None, floor=0, hysteresis=0, latency=at(None)) == []
+
+
 def test_source_device_by_index_uuid_and_bus(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     nvml = SimulatedNvml([simulated_gpu(0), simulated_gpu(1)])

@@ -45,6 +45,8 @@ class SupervisorConfig:
     sched_idle: bool = True
     context_reserve: int = 768 * 1024**2
     stop_jobs_on_exit: bool = False
+    #: pause running jobs while the served p99 (``latency`` below) is over this; None: off
+    latency_budget_ms: float | None = None
 
     @property
     def floor(self) -> int:
@@ -71,9 +73,12 @@ class Active:
 
 class Supervisor:
     def __init__(self, store: JobStore, source: MemorySource | None,
-                 config: SupervisorConfig | None = None) -> None:
+                 config: SupervisorConfig | None = None, latency=None) -> None:
+        """``latency``: a function returning the served p99 (ms) of the last second, or None
+        when it cannot tell; given by the server that hosts the guard."""
         self.store = store
         self.source = source
+        self.latency = latency
         self.cfg = config or SupervisorConfig()
         if self.cfg.concurrency < 1:
             raise ValueError("concurrency must be >= 1")
@@ -108,6 +113,9 @@ class Supervisor:
                      admission.fmt_bytes(self.cfg.inference_floor),
                      admission.fmt_bytes(self.cfg.margin), self.cfg.concurrency, self.cfg.poll_hz)
         metrics.INFERENCE_FLOOR.set(self.cfg.floor)
+        if self._latency_budget() is not None:
+            log.info("guard: running jobs pause while the served p99 is over %g ms (resume under %g ms)",
+                     self.cfg.latency_budget_ms, watchdog.RESUME_FRACTION * self.cfg.latency_budget_ms)
         self.recover()
 
     def run_forever(self) -> None:
@@ -173,7 +181,7 @@ class Supervisor:
     # -- one tick -------------------------------------------------------------------------------
     def tick(self) -> None:
         sample = self._sample()
-        if sample is not None:
+        if sample is not None or self._latency_budget() is not None:
             self._watch(sample)
         self._reap()
         self._cancels()
@@ -217,12 +225,20 @@ class Supervisor:
                 out[by_sid[sid]] += used
         return out
 
-    def _watch(self, sample: MemorySample) -> None:
-        usage = self.job_usage(sample)
+    def _latency_budget(self) -> float | None:
+        return self.cfg.latency_budget_ms if self.latency is not None else None
+
+    def _watch(self, sample: MemorySample | None) -> None:
+        usage = self.job_usage(sample) if sample is not None else dict.fromkeys(self.active, 0)
         views = [watchdog.JobView(a.job.id, a.job.policy, a.state, a.job.gpu_mem, usage[i])
                  for i, a in self.active.items() if a.stop_state is None]
-        for act in watchdog.decide(views, free=sample.free, floor=self.cfg.floor,
-                                   hysteresis=self.cfg.hysteresis):
+        latency = None
+        budget = self._latency_budget()
+        if budget is not None and views:
+            latency = watchdog.Latency(self.latency(), budget)
+        for act in watchdog.decide(views, free=sample.free if sample is not None else None,
+                                   floor=self.cfg.floor, hysteresis=self.cfg.hysteresis,
+                                   latency=latency):
             a = self.active[act.job_id]
             if act.kind == "pause":
                 proc.signal_group(a.pgid, signal.SIGSTOP)

@@ -108,7 +108,9 @@ class RemoteEngine(ModelLookup):
         self._pending.clear()
         self.lost.set()
 
-    def _call(self, msg_head: tuple, *rest, extents: list[tuple[int, int]] | None = None) -> asyncio.Future:
+    def _call(self, msg_head: str, *rest, extents: list[tuple[int, int]] | None = None
+              ) -> tuple[asyncio.Future, int]:
+        """Send ``(msg_head, id, *rest)``; the future gets the engine's answer to that id."""
         if self.channel is None or self.channel.closed:
             raise Unavailable("the server's engine process is not reachable", retry_after_s=1.0)
         rid = next(self._ids)

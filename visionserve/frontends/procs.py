@@ -160,7 +160,11 @@ async def serve_with_frontends(engine, settings: ServerSettings, guard=None) -> 
     exit_code = 0
     start = None
     try:
-        await fronts.start()
+        try:
+            await fronts.start()
+        except OSError as exc:  # out of processes, memory or file descriptors
+            log.error("cannot start the front-end processes: %s", exc)
+            return 2
         start = asyncio.ensure_future(start_engine(engine))
         if guard is not None:
             guard.start()

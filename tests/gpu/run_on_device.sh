@@ -5,6 +5,9 @@
 #   pytest.txt    test output;  junit.xml  the same, machine-readable
 #   bench.json    benchmark results;  bench.txt  its progress log
 #   server.log    the benchmark servers' logs
+#   guard.json / guard.txt  with GUARD_ARGS set (e.g. GUARD_ARGS="--latency-budget-ms 20"): the
+#                 guard's acceptance run (python -m visionserve.benchguard), up to GUARD_T s (300)
+# SKIP_TESTS=1 / SKIP_BENCH=1 leave those parts out (one call may run 10 minutes at most).
 # Run from the repository root:  bash tests/gpu/run_on_device.sh   (under 10 minutes: tests <= 210 s, benchmark <= 330 s)
 # Wheels for packages the machine lacks may be carried in .whl/ (installed to /tmp/site);
 # onnxruntime-gpu installed at /tmp/ort (shared/device/ort-gpu-chunks.sh) is used if present.
@@ -29,14 +32,25 @@ export PYTHONUNBUFFERED=1
 } >>"$OUT/env.txt" 2>&1
 
 # the guard's acceptance test (2-3 min) runs on its own: tests/gpu/test_guard_acceptance.py
-timeout ${PYTEST_T:-210} python3 -m pytest -p no:cacheprovider -q -rs -o addopts="" \
-  tests/gpu tests/unit/test_gpu_memory.py tests/unit/test_torch_backend.py tests/unit/test_frontend_hub.py \
-  --ignore=tests/gpu/test_guard_acceptance.py \
-  --junitxml="$OUT/junit.xml" >"$OUT/pytest.txt" 2>&1
-echo "pytest exit $?" >>"$OUT/pytest.txt"
-tail -n 25 "$OUT/pytest.txt"
+if [ -z "${SKIP_TESTS:-}" ]; then
+  timeout ${PYTEST_T:-210} python3 -m pytest -p no:cacheprovider -q -rs -o addopts="" \
+    tests/gpu tests/unit/test_gpu_memory.py tests/unit/test_torch_backend.py tests/unit/test_frontend_hub.py \
+    --ignore=tests/gpu/test_guard_acceptance.py \
+    --junitxml="$OUT/junit.xml" >"$OUT/pytest.txt" 2>&1
+  echo "pytest exit $?" >>"$OUT/pytest.txt"
+  tail -n 25 "$OUT/pytest.txt"
+fi
 
-timeout ${BENCH_T:-270} python3 -m visionserve.benchgpu --out "$OUT/bench.json" --log-dir "$OUT" \
-  ${BENCH_ARGS:-} >"$OUT/bench.txt" 2>&1
-echo "benchgpu exit $?" >>"$OUT/bench.txt"
-tail -n 60 "$OUT/bench.txt"
+if [ -z "${SKIP_BENCH:-}" ]; then
+  timeout ${BENCH_T:-270} python3 -m visionserve.benchgpu --out "$OUT/bench.json" --log-dir "$OUT" \
+    ${BENCH_ARGS:-} >"$OUT/bench.txt" 2>&1
+  echo "benchgpu exit $?" >>"$OUT/bench.txt"
+  tail -n 60 "$OUT/bench.txt"
+fi
+
+if [ -n "${GUARD_ARGS+x}" ]; then
+  timeout ${GUARD_T:-300} python3 -m visionserve.benchguard --device cuda --out "$OUT/guard.json" \
+    --log-dir /tmp/benchguard-logs $GUARD_ARGS >"$OUT/guard.txt" 2>&1
+  echo "benchguard exit $?" >>"$OUT/guard.txt"
+  tail -n 40 "$OUT/guard.txt"
+fi

@@ -77,6 +77,17 @@ def tiny_repo(tmp_path_factory) -> Path:
     return root
 
 
+def wait_for(pred, timeout: float = 10.0, what: str = "condition"):
+    """``pred()``'s first truthy value, polled every 20 ms; AssertionError after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -129,7 +140,9 @@ class ServerProcess:
 
 
 def start_server(models: Path, tmp_path: Path, *extra: str, grpc: bool = True,
-                 env: dict[str, str] | None = None, wait: bool = True) -> ServerProcess:
+                 env: dict[str, str] | None = None, wait: bool = True,
+                 new_session: bool = False) -> ServerProcess:
+    """``new_session``: its own process group, so a test can signal the whole group (Ctrl-C)."""
     http_port = free_port()
     grpc_port = free_port() if grpc else -1
     log_path = tmp_path / f"server-{http_port}.log"
@@ -137,7 +150,8 @@ def start_server(models: Path, tmp_path: Path, *extra: str, grpc: bool = True,
             "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--device", "cpu", *extra]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=str(REPO))
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=str(REPO),
+                                start_new_session=new_session)
     server = ServerProcess(proc, http_port, grpc_port, log_path, args)
     if wait:
         try:

@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+from conftest import wait_for
 
 pytestmark = pytest.mark.gpu
 
@@ -52,14 +53,6 @@ def gpu():
     return src
 
 
-def _wait(pred, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class FreeWatcher(threading.Thread):
@@ -116,7 +109,7 @@ def test_allocator_cap_reaches_a_torch_job(tmp_path, gpu):
     store, sup, t = _guard(tmp_path, gpu, inference_floor=0, margin=0, context_reserve=GIB)
     try:
         job = _submit(store, POLITE.format(want=3 * GIB), gpu_mem=3 * GIB)  # cap = 2 GiB
-        done = _wait(lambda: (j := store.get(job.id)).state in ("succeeded", "failed") and j,
+        done = wait_for(lambda: (j := store.get(job.id)).state in ("succeeded", "failed") and j,
                      120, "job end")
         log = open(done.log_path).read()
         assert done.state == "succeeded", log
@@ -139,7 +132,7 @@ def test_hostile_job_is_stopped_or_paused_and_the_floor_holds(tmp_path, gpu, pol
     try:
         job = _submit(store, HOSTILE, gpu_mem=need, policy=policy)
         want = "killed" if policy == "stop" else "paused"
-        done = _wait(lambda: (j := store.get(job.id)).state in (want, "failed", "succeeded")
+        done = wait_for(lambda: (j := store.get(job.id)).state in (want, "failed", "succeeded")
                      and j, 120, f"job {want}")
         assert done.state == want, open(done.log_path).read()
         assert "over its declared" in done.reason or "inference floor" in done.reason

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import wait_for
 
 from visionserve.guard import proc
 from visionserve.guard.memory import write_simulation
@@ -21,14 +22,6 @@ REPO = str(Path(__file__).resolve().parents[2])
 GIB = 1024**3
 
 
-def wait_for(pred, timeout=10.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture

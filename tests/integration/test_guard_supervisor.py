@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from conftest import wait_for
 
 from visionserve.guard import proc
 from visionserve.guard.memory import SimulatedMemorySource, write_simulation
@@ -24,14 +25,6 @@ GIB = 1024**3
 REPO = str(Path(__file__).resolve().parents[2])
 
 
-def wait_for(pred: Callable[[], object], timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Guard:

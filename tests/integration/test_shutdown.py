@@ -67,6 +67,31 @@ def post_frame(url: str, jpeg: bytes, part: str, results: dict, client: httpx.Cl
         results[part] = (None, repr(exc))
 
 
+class Burst:
+    """``n`` clients, each with one frame in flight; returns once the first answer is in (the
+    first batch ran; by then every request has long been read and the rest are queued)."""
+
+    def __init__(self, url: str, jpeg: bytes, n: int, live_url: str) -> None:
+        self.n = n
+        self.clients = [httpx.Client(timeout=120) for _ in range(n)]
+        for c in self.clients:  # connect first, so the burst is only the requests
+            assert c.get(live_url).status_code == 200
+        self.results: dict[str, tuple] = {}
+        self.threads = [threading.Thread(target=post_frame, args=(url, jpeg, f"p{i}", self.results, c))
+                        for i, c in enumerate(self.clients)]
+        for t in self.threads:
+            t.start()
+        end = time.monotonic() + 120
+        while not self.results and time.monotonic() < end:
+            time.sleep(0.01)
+
+    def join(self, timeout: float) -> None:
+        for t in self.threads:
+            t.join(timeout=timeout)
+        for c in self.clients:
+            c.close()
+
+
 @pytest.mark.parametrize("frontends", ["0", "2"])
 def test_sigterm_under_load_drains_and_exits_0(slow_repo, tmp_path, jpeg_bytes, frontends):
     drain_timeout = 60.0
@@ -75,19 +100,8 @@ def test_sigterm_under_load_drains_and_exits_0(slow_repo, tmp_path, jpeg_bytes, 
     try:
         url = s.url + "/v1/models/slow/inspect"
         n = 12  # three batches of 4 at ~0.1 s a frame: still queued when the signal comes
-        clients = [httpx.Client(timeout=120) for _ in range(n)]
-        for c in clients:  # connect first, so the burst is only the requests
-            assert c.get(s.url + "/v2/health/live").status_code == 200
-        results: dict[str, tuple] = {}
-        threads = [threading.Thread(target=post_frame, args=(url, jpeg_bytes, f"p{i}", results, c))
-                   for i, c in enumerate(clients)]
-        for t in threads:
-            t.start()
-        # the first answer means the first batch ran; by then every request has long been read
-        # (the event loop is idle while the model computes) and the rest are queued
-        end = time.monotonic() + 120
-        while not results and time.monotonic() < end:
-            time.sleep(0.01)
+        burst = Burst(url, jpeg_bytes, n, s.url + "/v2/health/live")
+        results = burst.results
         assert results, "no answer at all"
         assert len(results) < n, "everything finished before SIGTERM; the model is too fast for this test"
         signal_at = time.monotonic()
@@ -108,8 +122,7 @@ def test_sigterm_under_load_drains_and_exits_0(slow_repo, tmp_path, jpeg_bytes, 
         assert int(refused.headers["Retry-After"]) >= 1
 
         # every request accepted before the signal gets its answer
-        for t in threads:
-            t.join(timeout=drain_timeout + 30)
+        burst.join(timeout=drain_timeout + 30)
         assert sorted(results) == sorted(f"p{i}" for i in range(n))
         for part, (status, body) in results.items():
             assert status == 200, (part, body)
@@ -117,8 +130,6 @@ def test_sigterm_under_load_drains_and_exits_0(slow_repo, tmp_path, jpeg_bytes, 
         code = s.proc.wait(timeout=drain_timeout + 30)
         assert code == 0, s.log()
         assert time.monotonic() - signal_at < drain_timeout
-        for c in clients:
-            c.close()
         log = s.log()
         assert "draining" in log
         assert "Traceback" not in log
@@ -132,20 +143,10 @@ def test_drain_timeout_answers_the_rest_503_and_exits_0(slow_repo, tmp_path, jpe
     try:
         url = s.url + "/v1/models/slow/inspect"
         n = 60  # fifteen batches: far more than 0.2 s of work, even on a quiet machine
-        clients = [httpx.Client(timeout=120) for _ in range(n)]
-        for c in clients:
-            assert c.get(s.url + "/v2/health/live").status_code == 200
-        results: dict[str, tuple] = {}
-        threads = [threading.Thread(target=post_frame, args=(url, jpeg_bytes, f"p{i}", results, c))
-                   for i, c in enumerate(clients)]
-        for t in threads:
-            t.start()
-        end = time.monotonic() + 120
-        while not results and time.monotonic() < end:
-            time.sleep(0.01)
+        burst = Burst(url, jpeg_bytes, n, s.url + "/v2/health/live")
+        results = burst.results
         s.proc.send_signal(signal.SIGTERM)
-        for t in threads:
-            t.join(timeout=60)
+        burst.join(timeout=60)
         code = s.proc.wait(timeout=60)
         assert code == 0, s.log()
         statuses = [results[f"p{i}"][0] for i in range(n)]
@@ -155,8 +156,6 @@ def test_drain_timeout_answers_the_rest_503_and_exits_0(slow_repo, tmp_path, jpe
         shut = [b for st, b in results.values() if st == 503]
         assert all("shut down" in b["error"] or "shutting down" in b["error"] for b in shut), shut
         assert "drain timeout" in s.log()
-        for c in clients:
-            c.close()
     finally:
         s.stop(signal.SIGKILL)
 
@@ -200,40 +199,17 @@ def test_ctrl_c_to_the_process_group_with_front_ends_drains(slow_repo, tmp_path,
     """Ctrl-C in a terminal signals every process of the group: the front ends leave shutdown to
     the serving process, so frames already accepted are still answered."""
     import os
-    import sys
 
-    from conftest import REPO, ServerProcess, free_port
-
-    port = free_port()
-    log_path = tmp_path / "ctrl-c.log"
-    args = [sys.executable, "-m", "visionserve", "serve", "--models", str(slow_repo), "--device", "cpu",
-            "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", "-1", "--frontends", "2",
-            "--drain-timeout-s", "60"]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO),
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-    s = ServerProcess(proc, port, -1, log_path, args)
+    s = start_server(slow_repo, tmp_path, "--frontends", "2", "--drain-timeout-s", "60", grpc=False,
+                     new_session=True)
     try:
-        s.wait_ready()
-        url = s.url + "/v1/models/slow/inspect"
-        clients = [httpx.Client(timeout=120) for _ in range(8)]
-        results: dict[str, tuple] = {}
-        threads = [threading.Thread(target=post_frame, args=(url, jpeg_bytes, f"p{i}", results, c))
-                   for i, c in enumerate(clients)]
-        for t in threads:
-            t.start()
-        end = time.monotonic() + 120
-        while not results and time.monotonic() < end:
-            time.sleep(0.01)
-        assert results and len(results) < 8, "the model is too fast for this test"
-        os.killpg(proc.pid, signal.SIGINT)
-        for t in threads:
-            t.join(timeout=90)
-        assert sorted(results) == sorted(f"p{i}" for i in range(8))
-        assert all(status == 200 for status, _ in results.values()), results
-        assert proc.wait(timeout=90) == 0, s.log()
-        for c in clients:
-            c.close()
+        burst = Burst(s.url + "/v1/models/slow/inspect", jpeg_bytes, 8, s.url + "/v2/health/live")
+        assert burst.results and len(burst.results) < 8, "the model is too fast for this test"
+        os.killpg(s.proc.pid, signal.SIGINT)
+        burst.join(timeout=90)
+        assert sorted(burst.results) == sorted(f"p{i}" for i in range(8))
+        assert all(status == 200 for status, _ in burst.results.values()), burst.results
+        assert s.proc.wait(timeout=90) == 0, s.log()
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        if s.proc.poll() is None:
+            os.killpg(s.proc.pid, signal.SIGKILL)

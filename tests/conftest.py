@@ -88,6 +88,29 @@ def wait_for(pred, timeout: float = 10.0, what: str = "condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def inspect_answer(server, body: bytes, content_type: str, shape: str | None = None,
+                   model: str = "tiny") -> dict:
+    """The inspect API's answer for one frame (200 asserted): the reference OIP answers are held to."""
+    headers = {"Content-Type": content_type}
+    if shape:
+        headers["X-Image-Shape"] = shape
+    r = httpx.post(f"{server.url}/v1/models/{model}/inspect", content=body, headers=headers, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def assert_same_answer(result, index: int, answer: dict) -> None:
+    """Frame ``index`` of a tritonclient (HTTP or gRPC) result says what the inspect API said."""
+    import numpy as np
+
+    labels = list(answer["scores"])
+    np.testing.assert_allclose(result.as_numpy("scores")[index], [answer["scores"][k] for k in labels],
+                               atol=1e-4)
+    label, verdict = result.as_numpy("label")[index], result.as_numpy("verdict")[index]
+    assert (label.decode() if isinstance(label, bytes) else label) == answer["label"]
+    assert (verdict.decode() if isinstance(verdict, bytes) else verdict) == answer["verdict"]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -11,11 +11,11 @@ import time
 
 import cv2
 import grpc
-import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
+from conftest import assert_same_answer, inspect_answer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
@@ -48,23 +48,6 @@ def bytes_input(images: list[bytes], name: str = "image") -> grpcclient.InferInp
     inp = grpcclient.InferInput(name, [len(images)], "BYTES")
     inp.set_data_from_numpy(np.array(images, dtype=np.object_))
     return inp
-
-
-def inspect(server, body: bytes, content_type: str, shape: str | None = None) -> dict:
-    headers = {"Content-Type": content_type}
-    if shape:
-        headers["X-Image-Shape"] = shape
-    r = httpx.post(f"{server.url}/v1/models/{MODEL}/inspect", content=body, headers=headers, timeout=30)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def assert_same_answer(result, index: int, answer: dict) -> None:
-    labels = list(answer["scores"])
-    np.testing.assert_allclose(result.as_numpy("scores")[index], [answer["scores"][k] for k in labels],
-                               atol=1e-4)
-    assert result.as_numpy("label")[index].decode() == answer["label"]
-    assert result.as_numpy("verdict")[index].decode() == answer["verdict"]
 
 
 # --- health, metadata, configuration ------------------------------------------------------------
@@ -136,7 +119,7 @@ def test_bytes_jpeg_frames_match_the_inspect_api(client, tiny_server, jpeg_bytes
     assert result.as_numpy("scores").dtype == np.float32
     assert result.as_numpy("label").shape == (3,)
     for i, (image, kind) in enumerate(zip(images, ["image/jpeg", "image/png", "image/jpeg"])):
-        assert_same_answer(result, i, inspect(tiny_server, image, kind))
+        assert_same_answer(result, i, inspect_answer(tiny_server, image, kind))
 
 
 def test_bytes_input_of_shape_n_by_1(client, jpeg_bytes):
@@ -154,7 +137,7 @@ def test_uint8_nhwc_frames_match_the_inspect_api(client, tiny_server):
                                                  grpcclient.InferRequestedOutput("label"),
                                                  grpcclient.InferRequestedOutput("verdict")])
     for i in range(2):
-        answer = inspect(tiny_server, frames[i].tobytes(), "application/octet-stream", "48x64x3")
+        answer = inspect_answer(tiny_server, frames[i].tobytes(), "application/octet-stream", "48x64x3")
         assert_same_answer(result, i, answer)
 
 

@@ -11,6 +11,7 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
+from conftest import assert_same_answer, inspect_answer
 from tritonclient.utils import InferenceServerException
 
 from visionserve import oip
@@ -41,24 +42,6 @@ def outputs(binary: bool) -> list[httpclient.InferRequestedOutput]:
     return [httpclient.InferRequestedOutput(n, binary_data=binary) for n in ("scores", "label", "verdict")]
 
 
-def inspect(server, body: bytes, content_type: str, shape: str | None = None) -> dict:
-    headers = {"Content-Type": content_type}
-    if shape:
-        headers["X-Image-Shape"] = shape
-    r = httpx.post(f"{server.url}/v1/models/{MODEL}/inspect", content=body, headers=headers, timeout=30)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def assert_same_answer(result, index: int, answer: dict) -> None:
-    labels = list(answer["scores"])
-    np.testing.assert_allclose(result.as_numpy("scores")[index], [answer["scores"][k] for k in labels],
-                               atol=1e-4)
-    label, verdict = result.as_numpy("label")[index], result.as_numpy("verdict")[index]
-    assert (label.decode() if isinstance(label, bytes) else label) == answer["label"]
-    assert (verdict.decode() if isinstance(verdict, bytes) else verdict) == answer["verdict"]
-
-
 def test_health_and_metadata(client):
     assert client.is_server_live() and client.is_server_ready()
     assert client.is_model_ready(MODEL) and client.is_model_ready(MODEL, "1")
@@ -81,7 +64,7 @@ def test_bytes_frames_match_the_inspect_api(client, tiny_server, jpeg_bytes, bin
     assert result.get_response()["id"] == "r1"
     assert result.as_numpy("scores").shape == (2, 3)
     for i, kind in enumerate(["image/jpeg", "image/png"]):
-        assert_same_answer(result, i, inspect(tiny_server, images[i], kind))
+        assert_same_answer(result, i, inspect_answer(tiny_server, images[i], kind))
 
 
 @pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
@@ -91,7 +74,7 @@ def test_uint8_nhwc_frames_match_the_inspect_api(client, tiny_server, binary):
     inp.set_data_from_numpy(frames, binary_data=binary)
     result = client.infer(MODEL, [inp], outputs=outputs(binary))
     for i in range(3):
-        answer = inspect(tiny_server, frames[i].tobytes(), "application/octet-stream", "24x32x3")
+        answer = inspect_answer(tiny_server, frames[i].tobytes(), "application/octet-stream", "24x32x3")
         assert_same_answer(result, i, answer)
 
 

@@ -156,7 +156,7 @@ class Batcher:
     def check_capacity(self, n: int) -> None:
         """Raise 503 (with a Retry-After estimate) unless ``n`` more items fit in the queue."""
         if not self._accepting:
-            raise Unavailable("the server is shutting down; send to another instance", retry_after_s=1.0)
+            raise Unavailable.shutting_down()
         if len(self._heap) + n > self.max_queue_size:
             self._purge()
             if len(self._heap) + n > self.max_queue_size:

@@ -316,7 +316,7 @@ class Engine(ModelLookup):
         futures (``finish`` records them). Raises a VisionServeError for the whole request."""
         b = served.config.batching
         if self._draining:
-            raise Unavailable("the server is shutting down; send to another instance", retry_after_s=1.0)
+            raise Unavailable.shutting_down()
         if not self._ready or not served.ready:
             raise Unavailable(f"model {served.name} is not ready")
         if not frames:

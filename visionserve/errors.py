@@ -47,6 +47,10 @@ class Unavailable(VisionServeError):
 
     kind = "unavailable"
 
+    @classmethod
+    def shutting_down(cls) -> Unavailable:
+        return cls("the server is shutting down; send to another instance", retry_after_s=1.0)
+
 
 class DeadlineExceeded(VisionServeError):
     """The request's deadline passed before an answer could be computed (verdict ``LATE``)."""
@@ -68,6 +72,10 @@ class ConfigError(VisionServeError):
     """A settings value or a ``model.toml`` field is wrong; the message names file and field."""
 
     kind = "config"
+
+
+#: what a client is told of a fault inside the server (the details go to the log)
+INTERNAL_MESSAGE = "internal server error; see the server log"
 
 
 class InternalError(VisionServeError):

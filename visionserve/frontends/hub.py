@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import InternalError, VisionServeError
+from ..errors import INTERNAL_MESSAGE, InternalError, VisionServeError
 from ..imaging import Frame
 from .arena import ArenaReader
 from .channel import Channel, connect
@@ -120,7 +120,7 @@ class Link:
                 self._error(rid, f.exception())
             elif f.exception() is not None:
                 log.error("inference for front end %d failed: %r", self.index, f.exception())
-                self._error(rid, InternalError("internal error; see the server log"))
+                self._error(rid, InternalError(INTERNAL_MESSAGE))
             else:
                 self.channel.send(("result", rid, engine.finish(served, [f.result()], arrival)))
 
@@ -135,7 +135,7 @@ class Link:
             self._error(rid, exc)
         except Exception:
             log.exception("inference for front end %d failed", self.index)
-            self._error(rid, InternalError("internal error; see the server log"))
+            self._error(rid, InternalError(INTERNAL_MESSAGE))
 
     def _done(self, rid: int, task: asyncio.Task) -> None:
         self.tasks.pop(rid, None)

@@ -138,7 +138,7 @@ class RemoteEngine(ModelLookup):
         arrival = time.monotonic() if arrival is None else arrival
         served = self.get(name, version)
         if self._draining:
-            raise Unavailable("the server is shutting down; send to another instance", retry_after_s=1.0)
+            raise Unavailable.shutting_down()
         descs, extents = [], []
         for f in frames:
             data = f.data

@@ -20,7 +20,7 @@ import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from .. import oip
-from ..errors import NotFound, VisionServeError, grpc_code
+from ..errors import INTERNAL_MESSAGE, NotFound, VisionServeError, grpc_code
 from . import convert
 
 if TYPE_CHECKING:
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 pb = service_pb2
-INTERNAL_MESSAGE = "internal server error; see the server log"
 #: requests of one stream being answered at once; past it the stream is not read further, so
 #: gRPC flow control pushes back on the client instead of memory growing
 STREAM_INFLIGHT = 256

@@ -16,7 +16,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import __version__
 from ..config import ServerSettings
 from ..engine import Engine
-from ..errors import InvalidInput, PayloadTooLarge, RequestTimeout, Unavailable, VisionServeError, http_status
+from ..errors import (
+    INTERNAL_MESSAGE,
+    InvalidInput,
+    PayloadTooLarge,
+    RequestTimeout,
+    Unavailable,
+    VisionServeError,
+    http_status,
+)
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +96,17 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     raise ClientGone()
 
 
+def client_gone_response() -> Response:
+    # never reaches the client (uvicorn drops sends after a disconnect); 499 as nginx logs it
+    return Response(status_code=499)
+
+
+def internal_error_response(method: str, path: str) -> JSONResponse:
+    """Called from an ``except``: the traceback goes to the log, the client gets one line."""
+    log.exception("unhandled error on %s %s", method, path)
+    return JSONResponse({"error": INTERNAL_MESSAGE}, status_code=500)
+
+
 def create_app(engine: Engine, settings: ServerSettings, routers: tuple = ()) -> FastAPI:
     app = FastAPI(
         title="visionserve",
@@ -104,8 +123,7 @@ def create_app(engine: Engine, settings: ServerSettings, routers: tuple = ()) ->
 
     @app.exception_handler(ClientGone)
     async def _gone(request: Request, exc: ClientGone) -> Response:
-        # never reaches the client (uvicorn drops sends after a disconnect); 499 as nginx logs it
-        return Response(status_code=499)
+        return client_gone_response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -119,8 +137,7 @@ def create_app(engine: Engine, settings: ServerSettings, routers: tuple = ()) ->
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse({"error": "internal server error; see the server log"}, status_code=500)
+        return internal_error_response(request.method, request.url.path)
 
     from . import inspect, v2
 

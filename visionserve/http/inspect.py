@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import json
-import logging
 import re
 import time
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from .. import imaging
 from ..errors import DeadlineExceeded, InvalidInput, VisionServeError
-from .app import ClientGone, engine_of, error_response, read_body, settings_of, unless_disconnected
+from .app import (
+    ClientGone,
+    client_gone_response,
+    engine_of,
+    error_response,
+    internal_error_response,
+    read_body,
+    settings_of,
+    unless_disconnected,
+)
 from .schemas import ERRORS, InspectError, InspectResult
-
-log = logging.getLogger(__name__)
 
 router = APIRouter(tags=["Inspect"])
 
@@ -126,8 +132,7 @@ class InspectFastPath:
         try:
             response = await inspect(request, match[1], match[2] or "")
         except ClientGone:
-            response = Response(status_code=499)  # never reaches the client; as nginx logs it
+            response = client_gone_response()
         except Exception:
-            log.exception("unhandled error on POST %s", scope["path"])
-            response = JSONResponse({"error": "internal server error; see the server log"}, status_code=500)
+            response = internal_error_response("POST", scope["path"])
         await response(scope, receive, send)

@@ -308,7 +308,7 @@ def check_compute_capability(c: _Ctx) -> Check:
 
 
 def check_visible_devices(c: _Ctx) -> Check:
-    f, name = c.facts, "cuda_visible_devices"
+    name = "cuda_visible_devices"
     vis = c.visibility
     if not vis.masked:
         return Check(name, "ok", "CUDA_VISIBLE_DEVICES unset: CUDA sees every GPU"

@@ -159,7 +159,8 @@ class Engine(ModelLookup):
         self._draining = False
         self.startup_error: str | None = None
         self.gpu = None  # gpu.memory.GpuReservation when the device is a GPU
-        self.latency = LatencyWindow()  # the last second's answers, for the guard's latency budget
+        # the last second's answers, kept only when someone reads them (the guard's latency budget)
+        self.latency: LatencyWindow | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -284,6 +285,12 @@ class Engine(ModelLookup):
         process fetches them from here)."""
         return self.select(name, version)
 
+    def latency_p99(self):
+        """Start keeping the last second's latencies; returns the function that reads their p99."""
+        if self.latency is None:
+            self.latency = LatencyWindow()
+        return self.latency.p99
+
     async def metrics_text(self) -> bytes:
         from prometheus_client import generate_latest
 
@@ -353,8 +360,10 @@ class Engine(ModelLookup):
         served.stats.last_inference_ms = int(time.time() * 1000)
         m = served.series
         m.success.inc()
+        if self.latency is not None:
+            for r in results:
+                self.latency.add(r.total_ms, now)
         for r in results:
-            self.latency.add(r.total_ms, now)
             m.frames(r.verdict).inc()
             m.request_seconds.observe(r.total_ms / 1000)
             if not r.deadline_met:

@@ -128,7 +128,10 @@ def run(args: argparse.Namespace) -> int:
 
         engine = Engine(settings, device=resolved.torch_device)
         engine.scan()
-        guard = HostedGuard(settings, resolved, latency=engine.latency.p99) if settings.guard else None
+        guard = None
+        if settings.guard:
+            p99 = engine.latency_p99() if settings.guard_latency_budget_ms else None
+            guard = HostedGuard(settings, resolved, latency=p99)
     except VisionServeError as exc:
         print(f"visionserve serve: {exc.message}", file=sys.stderr)
         return 2

@@ -162,3 +162,12 @@ async def test_engine_cancelled_request_never_runs(tiny_repo):
         assert s.batcher.queue_depth == 0
     finally:
         await eng.close()
+
+
+async def test_engine_keeps_latencies_only_once_asked(engine):
+    await engine.infer("tiny", None, [raw()])
+    assert engine.latency is None  # nothing recorded on the hot path unless the guard reads it
+    p99 = engine.latency_p99()
+    assert p99() is None  # too few frames yet
+    await engine.infer("tiny", None, [raw()] * 30)
+    assert p99() is not None and p99() > 0

@@ -249,7 +249,7 @@ async def test_drain_reaches_the_front_end_and_waits_for_accepted_work(pair):
     link, received = hub.links[0], asyncio.Event()
 
     def on_message(msg, handle=link.on_message):
-        handle(msg)  # the engine task is created here, so it runs before the drain below starts
+        handle(msg)  # the frames are admitted here, before the drain below starts
         received.set()
 
     link.channel.on_message = on_message

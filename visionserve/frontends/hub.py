@@ -56,7 +56,7 @@ class Link:
         self.arena = arena
         self.channel: Channel | None = None
         self.models_sent = -1  # how many served versions this front end has been told of
-        self.tasks: dict[int, asyncio.Future] = {}  # a Task, or a one-frame request's future
+        self.tasks: dict[int, asyncio.Future] = {}  # request id -> its frame's future (or their gather)
         self.lost = asyncio.Event()
 
     def on_message(self, msg: tuple) -> None:
@@ -64,13 +64,7 @@ class Link:
         if kind == "infer":
             _, rid, name, version, descs, deadline_ms, priority, arrival = msg
             frames = [self._frame(d) for d in descs]  # copied out now: the arena extent may be reused after the answer
-            if len(frames) == 1:
-                self._infer_one(rid, name, version, frames[0], deadline_ms, priority, arrival)
-                return
-            task = asyncio.get_running_loop().create_task(
-                self._infer(rid, name, version, frames, deadline_ms, priority, arrival))
-            task.add_done_callback(lambda t, rid=rid: self._done(rid, t))
-            self.tasks[rid] = task
+            self._infer(rid, name, version, frames, deadline_ms, priority, arrival)
         elif kind == "cancel":
             task = self.tasks.get(msg[1])
             if task is not None:
@@ -96,51 +90,39 @@ class Link:
             data = np.frombuffer(data, dtype=np.uint8).reshape(shape)
         return Frame(kind, data, width, height, channels)
 
-    def _infer_one(self, rid, name, version, frame, deadline_ms, priority, arrival) -> None:
-        """One frame (the inspect API's case): straight into the batcher, answered from the
-        future's callback; no task per request (the engine process is the one all front ends
-        share, so its cost per request sets the ceiling)."""
+    def _infer(self, rid, name, version, frames, deadline_ms, priority, arrival) -> None:
+        """Straight into the batcher, answered from the futures' callback: no task per request
+        (the engine process is the one all front ends share, so its cost per request sets the
+        ceiling). The same checks, statistics and errors as ``Engine.infer``."""
         engine = self.hub.engine
         try:
             served = engine.get(name, version)
-            (item,) = engine.admit(served, [frame], deadline_ms, priority, arrival)
+            futures = [p.future for p in engine.admit(served, frames, deadline_ms, priority, arrival)]
         except VisionServeError as exc:
             engine.count_error(name, exc)
             self._error(rid, exc)
             return
-        fut = item.future
-        self.tasks[rid] = fut  # "cancel" cancels it; the batcher drops a cancelled frame
+        done = futures[0] if len(futures) == 1 else asyncio.gather(*futures)
+        self.tasks[rid] = done  # "cancel" cancels it; the batcher drops cancelled frames
 
         def answered(f: asyncio.Future) -> None:
             self.tasks.pop(rid, None)
+            if f.cancelled() or f.exception() is not None:
+                for other in futures:  # one frame failed: the request failed, drop the rest
+                    other.cancel()
             if f.cancelled():
                 self.channel.send(("error", rid, "Cancelled", "cancelled", None))
             elif isinstance(f.exception(), VisionServeError):
                 engine.count_error(name, f.exception())
                 self._error(rid, f.exception())
             elif f.exception() is not None:
-                log.error("inference for front end %d failed: %r", self.index, f.exception())
+                log.error("inference for front end %d failed", self.index, exc_info=f.exception())
                 self._error(rid, InternalError(INTERNAL_MESSAGE))
             else:
-                self.channel.send(("result", rid, engine.finish(served, [f.result()], arrival)))
+                results = [f.result()] if len(futures) == 1 else f.result()
+                self.channel.send(("result", rid, engine.finish(served, results, arrival)))
 
-        fut.add_done_callback(answered)
-
-    async def _infer(self, rid, name, version, frames, deadline_ms, priority, arrival) -> None:
-        try:
-            _, results = await self.hub.engine.infer(name, version, frames, deadline_ms=deadline_ms,
-                                                     priority=priority, arrival=arrival)
-            self.channel.send(("result", rid, results))
-        except VisionServeError as exc:
-            self._error(rid, exc)
-        except Exception:
-            log.exception("inference for front end %d failed", self.index)
-            self._error(rid, InternalError(INTERNAL_MESSAGE))
-
-    def _done(self, rid: int, task: asyncio.Task) -> None:
-        self.tasks.pop(rid, None)
-        if task.cancelled():  # also when cancelled before it ever ran: the front end needs an answer
-            self.channel.send(("error", rid, "Cancelled", "cancelled", None))
+        done.add_done_callback(answered)
 
     def _error(self, rid: int, exc: VisionServeError) -> None:
         self.channel.send(("error", rid, type(exc).__name__, exc.message, exc.retry_after_s))

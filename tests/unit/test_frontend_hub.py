@@ -272,3 +272,4 @@ async def test_engine_gone_fails_waiting_requests_with_503(pair):
     assert not remote.ready
     with pytest.raises(Unavailable, match="not reachable"):
         await remote.infer("tiny", None, [raw()])
+    assert remote.arena.used == 0  # refused before its frames took arena space

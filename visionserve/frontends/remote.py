@@ -108,11 +108,14 @@ class RemoteEngine(ModelLookup):
         self._pending.clear()
         self.lost.set()
 
+    def _check_reachable(self) -> None:
+        if self.channel is None or self.channel.closed:
+            raise Unavailable("the server's engine process is not reachable", retry_after_s=1.0)
+
     def _call(self, msg_head: str, *rest, extents: list[tuple[int, int]] | None = None
               ) -> tuple[asyncio.Future, int]:
         """Send ``(msg_head, id, *rest)``; the future gets the engine's answer to that id."""
-        if self.channel is None or self.channel.closed:
-            raise Unavailable("the server's engine process is not reachable", retry_after_s=1.0)
+        self._check_reachable()
         rid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = (fut, extents or [])
@@ -139,6 +142,7 @@ class RemoteEngine(ModelLookup):
         served = self.get(name, version)
         if self._draining:
             raise Unavailable.shutting_down()
+        self._check_reachable()  # before the frames take arena space that only an answer frees
         descs, extents = [], []
         for f in frames:
             data = f.data

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from .errors import InvalidInput, PayloadTooLarge, UnsupportedMediaType
+from .errors import InvalidInput, PayloadTooLarge, UnsupportedMediaType, VisionServeError
 
 if TYPE_CHECKING:
     from .config import InputSpec
@@ -34,6 +34,15 @@ MEDIA_TYPES: dict[str, Kind] = {
 }
 
 DEFAULT_MAX_PIXELS = 40_000_000
+
+#: A frame's long side may be at most this many times its short side. Resizing to the model's
+#: input costs memory that grows with the long side (a centre crop's intermediate image, the GPU
+#: path's resize weights), so a tiny PNG of 400000x2 pixels must not reach the resize.
+MAX_ASPECT_RATIO = 64
+
+#: A resize may make an intermediate image (before the centre crop) of at most this many times
+#: the model's input pixels. Implied by MAX_ASPECT_RATIO for square inputs; checked anyway.
+MAX_RESIZE_FACTOR = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +93,7 @@ def encoded_frame(data: bytes, *, max_pixels: int = DEFAULT_MAX_PIXELS,
         raise PayloadTooLarge(
             f"{kind.upper()} declares {width}x{height} = {width * height} pixels; "
             f"the limit is {max_pixels} (setting max_image_pixels)")
+    check_aspect(kind, width, height)
     if kind == "jpeg" and not data.rstrip(b"\x00").endswith(b"\xff\xd9"):
         raise InvalidInput("truncated JPEG: the end-of-image marker is missing")
     return Frame(kind, bytes(data), width, height, 3)
@@ -115,6 +125,7 @@ def raw_frame(pixels: bytes | np.ndarray, shape: tuple[int, int, int], *,
         raise InvalidInput(f"raw frame has {c} channels; 1 (grey), 3 (RGB) or 4 (RGBA) are accepted")
     if h * w > max_pixels:
         raise PayloadTooLarge(f"raw frame of {w}x{h} = {w * h} pixels is over the limit of {max_pixels}")
+    check_aspect("raw", w, h)
     size = h * w * c
     if isinstance(pixels, np.ndarray):
         if pixels.dtype != np.uint8:
@@ -126,6 +137,14 @@ def raw_frame(pixels: bytes | np.ndarray, shape: tuple[int, int, int], *,
         raise InvalidInput(
             f"raw frame holds {arr.size} bytes but its shape {h}x{w}x{c} needs {size}")
     return Frame("raw", arr.reshape(h, w, c), w, h, c)
+
+
+def check_aspect(kind: str, width: int, height: int) -> None:
+    """Refuse frames whose sides differ by more than :data:`MAX_ASPECT_RATIO` (400)."""
+    if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+        raise InvalidInput(
+            f"{kind.upper()} frame of {width}x{height} has an aspect ratio over the limit of "
+            f"{MAX_ASPECT_RATIO}:1; crop it to the region to inspect before sending")
 
 
 def _dimensions(kind: Kind, data: bytes) -> tuple[int, int]:
@@ -208,6 +227,27 @@ def decode(frame: Frame, channels: int) -> np.ndarray:
     return img
 
 
+def geometry(spec: InputSpec, ih: int, iw: int) -> tuple[int, int, int, int, int, int]:
+    """(nh, nw, y0, x0, crop_y, crop_x): resize to nh x nw; place at (y0, x0) on the canvas
+    (letterbox) or cut the window at (crop_y, crop_x) (centre crop). The one definition of the
+    geometry: the CPU path (:func:`resize`) and the GPU path (``gpu/preprocess.py``) both use it.
+    An intermediate over :data:`MAX_RESIZE_FACTOR` times the model's input is refused (413)."""
+    w, h = spec.width, spec.height
+    if spec.resize == "stretch" or (iw, ih) == (w, h):
+        return h, w, 0, 0, 0, 0
+    if spec.resize == "letterbox":
+        s = min(w / iw, h / ih)
+        nw, nh = max(1, round(iw * s)), max(1, round(ih * s))
+        return nh, nw, (h - nh) // 2, (w - nw) // 2, 0, 0
+    s = max(w / iw, h / ih)
+    nw, nh = max(w, round(iw * s)), max(h, round(ih * s))
+    if nw * nh > MAX_RESIZE_FACTOR * w * h:
+        raise PayloadTooLarge(
+            f"a {iw}x{ih} frame centre-cropped to {w}x{h} needs a {nw}x{nh} intermediate image, "
+            f"over {MAX_RESIZE_FACTOR}x the model's input; crop it before sending")
+    return nh, nw, 0, 0, (nh - h) // 2, (nw - w) // 2
+
+
 _INTERP = {"area": "INTER_AREA", "linear": "INTER_LINEAR", "nearest": "INTER_NEAREST", "cubic": "INTER_CUBIC"}
 
 
@@ -217,21 +257,15 @@ def resize(img: np.ndarray, spec: InputSpec) -> np.ndarray:
     interp = getattr(cv2, _INTERP[spec.interpolation])
     w, h = spec.width, spec.height
     ih, iw = img.shape[:2]
-    if spec.resize == "stretch" or (iw, ih) == (w, h):
-        return cv2.resize(img, (w, h), interpolation=interp) if (iw, ih) != (w, h) else img
+    if (iw, ih) == (w, h):
+        return img
+    nh, nw, y0, x0, cy, cx = geometry(spec, ih, iw)
+    sized = cv2.resize(img, (nw, nh), interpolation=interp)
     if spec.resize == "letterbox":
-        s = min(w / iw, h / ih)
-        nw, nh = max(1, round(iw * s)), max(1, round(ih * s))
-        small = cv2.resize(img, (nw, nh), interpolation=interp)
         out = np.full((h, w) + img.shape[2:], spec.pad_value, dtype=np.uint8)
-        y0, x0 = (h - nh) // 2, (w - nw) // 2
-        out[y0:y0 + nh, x0:x0 + nw] = small
+        out[y0:y0 + nh, x0:x0 + nw] = sized
         return out
-    s = max(w / iw, h / ih)  # center_crop
-    nw, nh = max(w, round(iw * s)), max(h, round(ih * s))
-    big = cv2.resize(img, (nw, nh), interpolation=interp)
-    y0, x0 = (nh - h) // 2, (nw - w) // 2
-    return big[y0:y0 + h, x0:x0 + w]
+    return sized[cy:cy + h, cx:cx + w]  # stretch: the whole image; centre crop: the window
 
 
 def to_model_pixels(img: np.ndarray, spec: InputSpec) -> np.ndarray:
@@ -283,10 +317,10 @@ def _decode_pool():
     return _POOL
 
 
-def _preprocess_or_error(frame: Frame, spec: InputSpec) -> np.ndarray | InvalidInput:
+def _preprocess_or_error(frame: Frame, spec: InputSpec) -> np.ndarray | VisionServeError:
     try:
         return preprocess(frame, spec)
-    except InvalidInput as exc:
+    except (InvalidInput, PayloadTooLarge) as exc:
         return exc
 
 
@@ -306,7 +340,7 @@ def prepare_batch(frames: list[Frame], spec: InputSpec, padded: int
     good: list[int] = []
     bad: list[tuple[int, Exception]] = []
     for i, out in enumerate(decoded):
-        if isinstance(out, InvalidInput):
+        if isinstance(out, VisionServeError):
             bad.append((i, out))
             continue
         pixels[len(good)] = out.reshape(spec.height, spec.width, spec.channels)

@@ -183,12 +183,19 @@ class Runner:
                 "deadline passed while the frame was being decoded; it was not run")) for p in late])
         if not keep:
             return
+        out_rows: list[int] | None = None  # rows of the model's output that answer ``items``
         if len(keep) != len(items):
-            # drop rows of frames that expired or were cancelled during decode, re-pad
-            padded = padded_size(len(keep), self.preferred)
-            rows = keep + [keep[0]] * (padded - len(keep))
-            tensor = tensor[rows]  # numpy or torch (GPU path): both copy on advanced indexing
-            tensor = np.ascontiguousarray(tensor) if isinstance(tensor, np.ndarray) else tensor.contiguous()
+            if isinstance(tensor, np.ndarray):
+                # CPU: drop rows of frames that expired or were cancelled during decode, re-pad;
+                # fewer rows is less compute
+                padded = padded_size(len(keep), self.preferred)
+                tensor = np.ascontiguousarray(tensor[keep + [keep[0]] * (padded - len(keep))])
+            else:
+                # device tensor: its rows may still be being written on the preprocessing stream,
+                # and this thread's stream is another one; a re-index here could read them before
+                # they are written. Run the batch as prepared (same padded shape, same CUDA graph)
+                # and answer from the kept rows of the output.
+                out_rows = keep
             items = [items[i] for i in keep]
         t1 = time.monotonic()
         try:
@@ -205,7 +212,8 @@ class Runner:
                 for p in items])
             return
         t2 = time.monotonic()
-        results = classify(np.asarray(raw[:len(items)]), self.config)
+        raw = np.asarray(raw)
+        results = classify(raw[out_rows] if out_rows is not None else raw[:len(items)], self.config)
         t3 = time.monotonic()
         n = len(items)
         answers = []

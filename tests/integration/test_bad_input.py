@@ -14,6 +14,7 @@ import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
+import cv2
 import httpx
 import numpy as np
 import pytest
@@ -81,6 +82,9 @@ def assert_error(r: httpx.Response, status: int, pattern: str) -> dict:
 RAW = bytes(32 * 32 * 3)
 
 
+LINE_PNG = cv2.imencode(".png", np.zeros((1, 4000, 3), np.uint8))[1].tobytes()  # a real 4000x1 PNG
+
+
 def inspect_cases(jpeg: bytes) -> list:
     cases = [
         # (id, path, body, headers, status, message)
@@ -90,6 +94,11 @@ def inspect_cases(jpeg: bytes) -> list:
          "not an image"),
         ("png-40000x40000", "", png_header(40000, 40000) + b"\x00" * 100, {"Content-Type": "image/png"}, 413,
          r"40000x40000 .* limit is \d+"),
+        # tiny PNGs whose resize would need gigabytes (a centre crop's intermediate, the GPU
+        # path's weight matrices): refused at the door by their aspect ratio
+        ("png-4000x1", "", LINE_PNG, {"Content-Type": "image/png"}, 400, r"4000x1 .*aspect ratio .* 64:1"),
+        ("png-400000x2", "", png_header(400000, 2) + b"\x00" * 100, {"Content-Type": "image/png"}, 400,
+         "aspect ratio"),
         ("jpeg-sent-as-png", "", jpeg, {"Content-Type": "image/png"}, 400, "content type says PNG"),
         ("raw-wrong-shape", "", RAW, {"Content-Type": "application/octet-stream", "X-Image-Shape": "10x10x3"},
          400, r"holds 3072 bytes but its shape 10x10x3 needs 300"),

@@ -291,3 +291,54 @@ def test_axis_weights_are_normalised_and_exact_for_integer_area():
     assert np.allclose(w[0, :4], 0.25) and w[0, 4:].sum() == 0
     for mode in ("area", "linear", "nearest", "cubic"):
         assert np.allclose(axis_weights(50, 50, mode), np.eye(50))
+
+
+# --- resize costs a client cannot blow up -----------------------------------------------------
+
+def test_axis_weights_build_only_the_rows_asked_for():
+    from visionserve.gpu.preprocess import axis_weights
+
+    for mode in ("area", "area_up", "linear", "nearest", "cubic"):
+        full = axis_weights(300, 700, mode)
+        part = axis_weights(300, 700, mode, 200, 96)
+        assert part.shape == (96, 300)
+        np.testing.assert_array_equal(part, full[200:296])
+
+
+def test_centre_crop_intermediate_over_the_limit_fails_alone_on_both_paths():
+    """A 64:1 frame (the largest aspect allowed) into a wide, flat model input would need a
+    512x32768 intermediate: refused (413) for that frame only, the others answered."""
+    import torch
+
+    from visionserve import imaging
+    from visionserve.config import InputSpec
+    from visionserve.errors import PayloadTooLarge
+    from visionserve.gpu.preprocess import TorchPreprocessor
+
+    spec = InputSpec(width=512, height=8, resize="center_crop")
+    tall = imaging.raw_frame(np.zeros((512, 8, 3), np.uint8), (512, 8, 3))
+    ok = imaging.raw_frame(np.full((16, 1024, 3), 9, np.uint8), (16, 1024, 3))
+    _, good, bad = TorchPreprocessor(spec, device="cpu", dtype=torch.float32,
+                                     max_batch=2).prepare([tall, ok], 2)
+    assert good == [1] and [i for i, _ in bad] == [0]
+    assert isinstance(bad[0][1], PayloadTooLarge) and "512x32768 intermediate" in bad[0][1].message
+    _, rgood, rbad = imaging.prepare_batch([tall, ok], spec, 2)
+    assert rgood == good and isinstance(rbad[0][1], PayloadTooLarge)
+
+
+def test_resize_weight_cache_is_bounded_by_bytes(monkeypatch):
+    import torch
+
+    from visionserve import imaging
+    from visionserve.config import InputSpec
+    from visionserve.gpu import preprocess
+
+    monkeypatch.setattr(preprocess, "WEIGHT_CACHE_BYTES", 400_000)
+    prep = preprocess.TorchPreprocessor(InputSpec(width=64, height=64), device="cpu",
+                                        dtype=torch.float32, max_batch=1)
+    for k in range(40):  # a client sending ever new frame sizes
+        h, w = 100 + 9 * k, 120 + 11 * k
+        prep.prepare([imaging.raw_frame(np.zeros((h, w, 3), np.uint8), (h, w, 3))], 1)
+        assert prep._weight_bytes <= 400_000
+    assert prep._weight_bytes == sum(t.numel() * t.element_size() for t in prep._weights.values())
+    assert 0 < len(prep._weights) < 40

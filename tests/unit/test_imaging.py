@@ -319,3 +319,23 @@ def test_configure_opencv_sets_the_decoder_limit(monkeypatch):
     monkeypatch.delenv("OPENCV_IO_MAX_IMAGE_PIXELS", raising=False)
     imaging.configure_opencv(1234)
     assert os.environ["OPENCV_IO_MAX_IMAGE_PIXELS"] == "1234"
+
+
+# --- frames whose resize would cost without bound ---------------------------------------------
+
+
+@pytest.mark.parametrize("w,h", [(4000, 1), (1, 4000), (400000, 2), (65, 1)])
+def test_extreme_aspect_ratios_are_refused_at_the_door(w, h):
+    with pytest.raises(InvalidInput, match=rf"{w}x{h} has an aspect ratio over the limit of 64:1"):
+        imaging.encoded_frame(png_header(w, h) + b"\x00" * 100)
+    if w * h <= 1_000_000:
+        with pytest.raises(InvalidInput, match="aspect ratio"):
+            imaging.raw_frame(bytes(w * h * 3), (h, w, 3))
+
+
+def test_the_largest_aspect_ratio_allowed_still_resizes():
+    img = np.full((8, 512, 3), 77, np.uint8)  # 64:1
+    frame = imaging.raw_frame(img, (8, 512, 3))
+    for mode in ("stretch", "letterbox", "center_crop"):
+        out = imaging.preprocess(frame, spec(resize=mode))
+        assert out.shape == (32, 32, 3)

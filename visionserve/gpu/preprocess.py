@@ -26,8 +26,8 @@ The class runs on the CPU as well (``device="cpu"``), which is how it is unit-te
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
+from collections import OrderedDict
 import struct
 import warnings
 from typing import Any
@@ -36,38 +36,47 @@ import numpy as np
 
 from .. import imaging
 from ..config import InputSpec, ModelConfig
-from ..errors import InvalidInput
-from ..imaging import Frame
+from ..errors import InvalidInput, VisionServeError
+from ..imaging import Frame, geometry
 from .memory import DEFAULT_STAGE_FRAME_BYTES, PinnedPool, stage_slot_bytes
 
 log = logging.getLogger(__name__)
 
 #: images resized together in one matrix product (bounds the fp16 working copy)
 CHUNK = 8
+#: device memory the cached resize weights may hold (least recently used dropped first); a
+#: client sending ever new frame sizes costs at most this much, not memory without bound
+WEIGHT_CACHE_BYTES = 64 << 20
 _GRAY = (4899, 9617, 1868)  # OpenCV's fixed-point RGB->grey weights (R, G, B), 14 bits
 
 
 # --- resize weights (OpenCV's) ---------------------------------------------------------------
 
-@functools.lru_cache(maxsize=256)
-def axis_weights(n_in: int, n_out: int, mode: str) -> np.ndarray:
-    """(n_out, n_in) float64 matrix: output pixel = weights @ input pixels along one axis.
+def axis_weights(n_in: int, n_out: int, mode: str, start: int = 0, count: int | None = None
+                 ) -> np.ndarray:
+    """(count, n_in) float64 matrix: rows ``start:start+count`` (default: all ``n_out``) of the
+    resize along one axis; output pixel = weights @ input pixels.
+
+    Only the rows asked for are built, so a centre crop's weights are (model side x frame side),
+    whatever the size of the intermediate image the crop is cut from.
 
     ``mode``: "area" (downscale: exact overlap), "area_up" (OpenCV's INTER_AREA when enlarging),
     "linear", "nearest", "cubic".
     """
-    w = np.zeros((n_out, n_in), dtype=np.float64)
+    count = n_out - start if count is None else count
+    w = np.zeros((count, n_in), dtype=np.float64)
     scale = n_in / n_out
     last = n_in - 1
-    for dx in range(n_out):
+    for row in range(count):
+        dx = start + row
         if mode == "area":
             f1, f2 = dx * scale, (dx + 1) * scale
             s = int(np.floor(f1))
             while s < n_in and s < f2:
-                w[dx, s] = min(f2, s + 1) - max(f1, s)
+                w[row, s] = min(f2, s + 1) - max(f1, s)
                 s += 1
         elif mode == "nearest":
-            w[dx, min(int(np.floor(dx * scale)), last)] = 1.0
+            w[row, min(int(np.floor(dx * scale)), last)] = 1.0
         elif mode in ("linear", "area_up"):
             if mode == "linear":
                 fx = (dx + 0.5) * scale - 0.5
@@ -81,8 +90,8 @@ def axis_weights(n_in: int, n_out: int, mode: str) -> np.ndarray:
                 sx, fx = 0, 0.0
             if sx >= last:
                 sx, fx = last, 0.0
-            w[dx, sx] += 1.0 - fx
-            w[dx, min(sx + 1, last)] += fx
+            w[row, sx] += 1.0 - fx
+            w[row, min(sx + 1, last)] += fx
         elif mode == "cubic":
             fx = (dx + 0.5) * scale - 0.5
             sx = int(np.floor(fx))
@@ -93,7 +102,7 @@ def axis_weights(n_in: int, n_out: int, mode: str) -> np.ndarray:
                   ((a + 2) * (1 - fx) - (a + 3)) * (1 - fx) * (1 - fx) + 1]
             cs.append(1.0 - sum(cs))
             for k, c in enumerate(cs):
-                w[dx, min(max(sx - 1 + k, 0), last)] += c
+                w[row, min(max(sx - 1 + k, 0), last)] += c
         else:
             raise ValueError(f"unknown resize mode {mode!r}")
     w /= w.sum(axis=1, keepdims=True)
@@ -106,21 +115,6 @@ def resize_modes(interp: str, in_hw: tuple[int, int], out_hw: tuple[int, int]) -
         return interp
     (ih, iw), (oh, ow) = in_hw, out_hw
     return "area" if (ih >= oh and iw >= ow) else "area_up"
-
-
-def geometry(spec: InputSpec, ih: int, iw: int) -> tuple[int, int, int, int, int, int]:
-    """(nh, nw, y0, x0, crop_y, crop_x): resize to nh x nw; place at (y0, x0) on the canvas
-    (letterbox) or cut the window at (crop_y, crop_x) (centre crop). Mirrors imaging.resize."""
-    w, h = spec.width, spec.height
-    if spec.resize == "stretch" or (iw, ih) == (w, h):
-        return h, w, 0, 0, 0, 0
-    if spec.resize == "letterbox":
-        s = min(w / iw, h / ih)
-        nw, nh = max(1, round(iw * s)), max(1, round(ih * s))
-        return nh, nw, (h - nh) // 2, (w - nw) // 2, 0, 0
-    s = max(w / iw, h / ih)
-    nw, nh = max(w, round(iw * s)), max(h, round(ih * s))
-    return nh, nw, 0, 0, (nh - h) // 2, (nw - w) // 2
 
 
 # --- EXIF orientation (OpenCV applies it, nvJPEG does not) -----------------------------------
@@ -188,7 +182,14 @@ class TorchPreprocessor:
         mean = torch.tensor(spec.mean, dtype=torch.float32).view(1, c, 1, 1)
         self._mul = (spec.scale / std).to(self.device)
         self._add = (-mean / std).to(self.device)
-        self._weights: dict[tuple[int, int, str, int, int], Any] = {}
+        self._weights: OrderedDict[tuple[int, int, str, int, int], Any] = OrderedDict()
+        self._weight_bytes = 0
+        # nvJPEG decodes on a stream of torchvision's own, into tensors allocated on the caller's
+        # current stream, without waiting for what is queued there. Decoding with ``stream``
+        # current could overwrite blocks that queued kernels of the previous batch have not read
+        # yet. So decode with a stream of our own current, mark the images as used on ``stream``
+        # (their blocks are reused only once ``stream`` is past them) and make ``stream`` wait.
+        self.decode_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self.counts = {"nvjpeg": 0, "cpu_decoded": 0, "raw": 0, "fallback": 0}
 
     @classmethod
@@ -226,6 +227,8 @@ class TorchPreprocessor:
         top = max(batch_sizes)
         for bs in sorted(set(batch_sizes)):
             self.prepare([jpeg] * bs, bs)
+        for _ in range(2):  # under load decoded images of ~2 batches wait on the stream at once
+            self.prepare([jpeg] * top, top)
         self.prepare([raw] * top, top)
         self.prepare([jpeg, raw] * (top // 2) + [jpeg] * (top % 2), top)
         if self.cuda:
@@ -237,16 +240,24 @@ class TorchPreprocessor:
         images: dict[int, Any] = {}
         bad: list[tuple[int, Exception]] = []
         host: list[tuple[int, np.ndarray, str]] = []  # (index, pixels, "bgr"|"rgb"|"gray"|"rgba")
-        jpegs = [i for i, f in enumerate(frames) if f.kind == "jpeg" and not exif_rotated(f.data)]
+        skip: set[int] = set()
+        for i, f in enumerate(frames):  # a frame whose resize is refused fails alone, undecoded
+            try:
+                geometry(self.spec, f.height, f.width)
+            except VisionServeError as exc:
+                bad.append((i, exc))
+                skip.add(i)
+        jpegs = [i for i, f in enumerate(frames)
+                 if f.kind == "jpeg" and i not in skip and not exif_rotated(f.data)]
         for i, img in self._nvjpeg(frames, jpegs).items():
             if img is None:
                 self.counts["fallback"] += 1
                 self._host_decode(i, frames[i], host, bad)
             else:
                 images[i] = img
-        jset = set(jpegs)
+        done = set(jpegs) | skip
         for i, f in enumerate(frames):
-            if i in jset:
+            if i in done:
                 continue
             if f.kind == "raw":
                 px = f.data
@@ -280,22 +291,29 @@ class TorchPreprocessor:
 
         mode = ImageReadMode.GRAY if self.spec.channels == 1 else ImageReadMode.RGB
         datas = [torch.frombuffer(bytearray(frames[i].data), dtype=torch.uint8) for i in idx]
-        with warnings.catch_warnings():
+        result: dict[int, Any] = {}
+        consumer = torch.cuda.current_stream(self.device) if self.cuda else None
+        ctx = torch.cuda.stream(self.decode_stream) if self.decode_stream is not None \
+            else contextlib.nullcontext()
+        with ctx, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torchvision >= 0.29 warns that decode_jpeg is deprecated
             try:
-                out = decode_jpeg(datas, mode=mode, device=self.device)
+                result = dict(zip(idx, decode_jpeg(datas, mode=mode, device=self.device)))
                 self.counts["nvjpeg"] += len(idx)
-                return dict(zip(idx, out))
             except RuntimeError as exc:
                 log.debug("batched JPEG decode failed (%s); decoding one by one", exc)
-            result: dict[int, Any] = {}
-            for i, d in zip(idx, datas):
-                try:
-                    result[i] = decode_jpeg([d], mode=mode, device=self.device)[0]
-                    self.counts["nvjpeg"] += 1
-                except RuntimeError:
-                    result[i] = None
-            return result
+                for i, d in zip(idx, datas):
+                    try:
+                        result[i] = decode_jpeg([d], mode=mode, device=self.device)[0]
+                        self.counts["nvjpeg"] += 1
+                    except RuntimeError:
+                        result[i] = None
+        if self.decode_stream is not None and consumer is not None:
+            consumer.wait_stream(self.decode_stream)
+            for img in result.values():
+                if img is not None:
+                    img.record_stream(consumer)
+        return result
 
     def _upload(self, arrays: list[np.ndarray]) -> list[Any]:
         import torch
@@ -363,15 +381,22 @@ class TorchPreprocessor:
 
     def _w(self, n_in: int, n_out: int, mode: str, start: int, count: int) -> Any:
         """(count, n_in) weights on the device: rows ``start:start+count`` (the crop window) of
-        :func:`axis_weights`; cached. Columns use it transposed."""
+        :func:`axis_weights`; cached up to :data:`WEIGHT_CACHE_BYTES`. Columns use it transposed."""
         key = (n_in, n_out, mode, start, count)
         t = self._weights.get(key)
-        if t is None:
-            import torch
+        if t is not None:
+            self._weights.move_to_end(key)
+            return t
+        import torch
 
-            m = axis_weights(n_in, n_out, mode)[start:start + count]
-            t = torch.from_numpy(np.ascontiguousarray(m)).to(self.device, self._mm_dtype)
-            self._weights[key] = t
+        m = axis_weights(n_in, n_out, mode, start, count)
+        t = torch.from_numpy(m).to(self.device, self._mm_dtype)
+        size = t.numel() * t.element_size()
+        while self._weights and self._weight_bytes + size > WEIGHT_CACHE_BYTES:
+            _, old = self._weights.popitem(last=False)
+            self._weight_bytes -= old.numel() * old.element_size()
+        self._weights[key] = t
+        self._weight_bytes += size
         return t
 
 

@@ -1,0 +1,31 @@
+"""Every answer belongs to its own frame, on the GPU data path (nvJPEG, device preprocessing,
+CUDA graphs): the CPU test's check (tests/integration/test_frame_integrity.py) with the torch
+backend on CUDA, with and without front-end processes, and 1-8 ms deadlines that expire while a
+batch is being decoded (the case that gave other frames' scores before the stream fixes)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.tools import integrity
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def means_repo(tmp_path_factory):
+    return integrity.make_repo(tmp_path_factory.mktemp("integrity"), "torch", "fp16")
+
+
+@pytest.mark.parametrize("frontends", [0, 4])
+def test_every_answer_belongs_to_its_frame_on_gpu(means_repo, server_factory, frontends):
+    extra = ("--frontends", str(frontends)) if frontends else ()
+    server = server_factory(means_repo, "--device", "cuda:0", *extra, grpc=False)
+    report = asyncio.run(integrity.run_load(server.url, seconds=30, clients=48))
+    summary = report.as_dict()
+    print("frame integrity", "frontends", frontends, summary)
+    assert report.wrong == 0, summary
+    assert report.answered_200 > 1000, summary
+    assert not {s for s in report.statuses if s not in (200, 503, 504)}, summary

@@ -252,8 +252,9 @@ class ServerSettings(BaseSettings):
                     "travels in the message instead (slower, never refused).")
     guard: bool = Field(False, description="Also host the training-queue guard (and /v1/guard/jobs).")
     guard_db: Path | None = Field(
-        None, description="The guard's SQLite database (default: VISIONSERVE_GUARD_DB or "
-        "./visionserve-guard.sqlite).")
+        None, description="The guard's SQLite database (default: VISIONSERVE_GUARD_DB, else "
+        "$XDG_DATA_HOME/visionserve/guard.sqlite, i.e. ~/.local/share/visionserve/guard.sqlite: "
+        "the same one `visionserve guard` uses).")
     guard_latency_budget_ms: float | None = Field(
         None, gt=0, description="With --guard: pause running training jobs while the served p99 of the last "
                                 "second is over this (ms); they resume under 80% of it. Default: off.")

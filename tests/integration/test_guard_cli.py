@@ -213,3 +213,99 @@ def test_cancel_without_a_supervisor_stops_the_job_itself(env, tmp_path):
     job = job_state(env, job_id)
     assert job.state == "cancelled"
     assert not proc.is_alive(job.pid, job.pid_starttime)
+
+
+# -- issue 15, item 10: the traps a first-time user hit -------------------------------------------
+def test_default_database_is_one_fixed_place_whatever_the_working_directory(tmp_path):
+    """Without --db or $VISIONSERVE_GUARD_DB: $XDG_DATA_HOME/visionserve/guard.sqlite, so `list`
+    from another folder shows the same queue, and each command says which database it uses."""
+    data = tmp_path / "xdg-data"
+    env = {k: v for k, v in os.environ.items() if k != "VISIONSERVE_GUARD_DB"}
+    env.update(PYTHONPATH=REPO, XDG_DATA_HOME=str(data))
+    here, there = tmp_path / "here", tmp_path / "there"
+    here.mkdir()
+    there.mkdir()
+
+    def run(cwd, *args):
+        return subprocess.run([sys.executable, "-m", "visionserve", "guard", *args], env=env,
+                              cwd=cwd, capture_output=True, text=True, timeout=30)
+
+    r = run(here, "submit", "--name", "from-here", "--", "true")
+    assert r.returncode == 0, r.stderr
+    db = data / "visionserve" / "guard.sqlite"
+    assert db.is_file() and not list(here.iterdir())
+    assert str(db) in r.stderr
+    listed = run(there, "list")
+    assert "from-here" in listed.stdout and str(db) in listed.stdout
+    shown = json.loads(run(there, "show", r.stdout.strip()).stdout)
+    assert shown["database"] == str(db)
+    assert "XDG_DATA_HOME" in run(there, "list", "--help").stdout
+    # an empty queue says where it looked
+    env["XDG_DATA_HOME"] = str(tmp_path / "other-data")
+    empty = run(there, "list")
+    assert empty.returncode == 0 and "no jobs in" in empty.stdout
+    assert str(tmp_path / "other-data" / "visionserve" / "guard.sqlite") in empty.stdout
+
+
+def test_server_hosted_guard_uses_the_same_default_database(tmp_path, monkeypatch):
+    from visionserve.guard.store import default_db_path
+
+    monkeypatch.delenv("VISIONSERVE_GUARD_DB", raising=False)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    assert default_db_path() == str(tmp_path / "visionserve" / "guard.sqlite")
+    assert (tmp_path / "visionserve").is_dir()
+    monkeypatch.setenv("XDG_DATA_HOME", "relative/ignored")  # the XDG spec: relative is ignored
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_db_path() == str(tmp_path / "home" / ".local" / "share" / "visionserve" /
+                                    "guard.sqlite")
+
+
+def test_queued_job_without_a_supervisor_says_why_it_waits(env, tmp_path):
+    r = cli(env, "submit", "--name", "waiting", "--", "true")
+    job_id = int(r.stdout)
+    assert "no supervisor runs on this database" in r.stderr
+    assert "no supervisor runs on this database" in cli(env, "list").stdout
+    [listed] = json.loads(cli(env, "list", "--json").stdout)
+    assert "visionserve guard run" in listed["reason"]
+    assert "no supervisor" in json.loads(cli(env, "show", str(job_id)).stdout)["reason"]
+    sup = start_supervisor(env, tmp_path)
+    try:
+        wait_for(lambda: job_state(env, job_id).state == "succeeded", what="job to run")
+        second = int(cli(env, "submit", "--", sys.executable, "-c", "import time; time.sleep(30)")
+                     .stdout)
+        wait_for(lambda: job_state(env, second).pid, what="second job to start")
+        third = cli(env, "submit", "--", "true")  # queued behind it, a supervisor is running
+        assert "no supervisor" not in third.stderr
+        assert "no supervisor" not in cli(env, "list").stdout
+        cli(env, "cancel", str(second))
+    finally:
+        sup.send_signal(signal.SIGTERM)
+        sup.wait(10)
+
+
+def test_show_prints_iso_local_times(env):
+    job_id = int(cli(env, "submit", "--", "true").stdout)
+    shown = json.loads(cli(env, "show", str(job_id)).stdout)
+    from datetime import datetime
+
+    submitted = datetime.fromisoformat(shown["submitted_at"])
+    assert submitted.tzinfo is not None  # local time, with its offset
+    assert abs(submitted.timestamp() - time.time()) < 60
+    assert shown["started_at"] is None and shown["ended_at"] is None
+
+
+def test_bare_python_is_resolved_on_the_submitters_path_and_says_so(env, tmp_path):
+    """`python` in a job is the submitter's PATH's python: the CLI shows the absolute path it
+    stored and, when it is not the Python visionserve runs in, says which one that is."""
+    other = tmp_path / "otherbin"
+    other.mkdir()
+    (other / "python").symlink_to(sys.executable)  # "a different python" on the PATH
+    env = dict(env, PATH=f"{other}{os.pathsep}{env.get('PATH', '')}")
+    r = cli(env, "submit", "--", "python", "-c", "pass")
+    assert r.returncode == 0, r.stderr
+    assert f"{other / 'python'} -c pass" in r.stderr
+    assert "not the Python visionserve runs in" in r.stderr and sys.executable in r.stderr
+    assert job_state(env, int(r.stdout)).command[0] == str(other / "python")
+    # the interpreter visionserve runs in: no note
+    r = cli(env, "submit", "--", sys.executable, "-c", "pass")
+    assert "note:" not in r.stderr

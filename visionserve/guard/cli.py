@@ -4,7 +4,9 @@
   visionserve guard list | show ID | cancel ID | logs ID [--follow]
   visionserve guard run --inference-floor 6GiB --margin 1GiB   (the supervisor)
 
-The database is --db, else $VISIONSERVE_GUARD_DB, else ./visionserve-guard.sqlite.
+The database is --db, else $VISIONSERVE_GUARD_DB, else $XDG_DATA_HOME/visionserve/guard.sqlite
+(~/.local/share/visionserve/guard.sqlite): the same one from any working directory, and the one
+`visionserve serve --guard` hosts by default. `list`, `show` and `submit` say which one they use.
 See docs/guard.md.
 """
 
@@ -17,6 +19,7 @@ import os
 import signal
 import sys
 import time
+from datetime import datetime
 
 from ..config import parse_bytes
 from ..errors import VisionServeError
@@ -33,7 +36,8 @@ class _UsageError(Exception):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--db", default=None,
-                        help=f"job database (default: ${DB_ENV} or {DEFAULT_DB})")
+                        help=f"job database (default: ${DB_ENV}, else {DEFAULT_DB}, "
+                             "~/.local/share/visionserve/guard.sqlite where XDG_DATA_HOME is unset)")
     sub = parser.add_subparsers(dest="guard_command", metavar="SUBCOMMAND")
 
     p = sub.add_parser("submit", parents=[common], help="queue a job; prints its id",
@@ -47,13 +51,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--cwd", help="working directory (default: the current one)")
     p.add_argument("--env", action="extend", nargs="+", default=[], metavar="K=V",
                    help="extra environment variables for the job")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the job's command")
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="-- then the job's command; a bare program name (python) is looked up on "
+                        "YOUR PATH now and stored as an absolute path (the job runs that one, with "
+                        "the supervisor's environment plus --env)")
 
     p = sub.add_parser("list", parents=[common], help="list jobs")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--state", action="append", help="only jobs in this state (repeatable)")
 
-    p = sub.add_parser("show", parents=[common], help="one job in detail (JSON)")
+    p = sub.add_parser("show", parents=[common],
+                       help="one job in detail (JSON; times in ISO 8601 local time)")
     p.add_argument("id", type=int)
 
     p = sub.add_parser("cancel", parents=[common],
@@ -116,6 +124,34 @@ def _store(args: argparse.Namespace) -> JobStore:
     return JobStore(args.db or default_db_path())
 
 
+#: a supervisor writes its heartbeat every second; one silent this long is taken as gone
+SUPERVISOR_STALE_S = 15.0
+
+
+def _waiting_reason(store: JobStore) -> str | None:
+    """Why queued jobs do not start when no supervisor runs on this database; None if one runs.
+
+    The heartbeat decides (it works across PID namespaces: a supervisor in a container), the
+    process table only as a second opinion for one that is busy."""
+    from . import proc
+
+    sup = store.supervisor()
+    start = "start `visionserve guard run` or `visionserve serve --guard` on this database"
+    if sup is None:
+        return f"no supervisor runs on this database: {start}"
+    if time.time() - (sup.get("heartbeat") or 0.0) <= SUPERVISOR_STALE_S \
+            or proc.is_alive(sup["pid"], sup["starttime"]):
+        return None
+    return (f"the supervisor (pid {sup['pid']}) was last seen {_iso(sup.get('heartbeat'))} and is "
+            f"gone: {start}")
+
+
+def _with_reason(job: dict, waiting: str | None) -> dict:
+    if job["state"] == "queued" and not job.get("reason") and waiting:
+        job["reason"] = waiting
+    return job
+
+
 def _size(value: str, option: str) -> int:
     try:
         return parse_bytes(value)
@@ -141,31 +177,75 @@ def _submit(args: argparse.Namespace) -> int:
     spec = JobSpec(command=command, name=args.name, cwd=args.cwd, env=env,
                    gpu_mem=_size(args.gpu_mem, "--gpu-mem"), priority=args.priority,
                    policy=args.policy)
-    job = _store(args).submit(spec)
+    store = _store(args)
+    job = store.submit(spec)
     print(job.id)
+    print(f"job {job.id} queued in {store.path}: {' '.join(job.command)}", file=sys.stderr)
+    note = _python_note(command[0], job.command[0])
+    if note:
+        print(note, file=sys.stderr)
+    waiting = _waiting_reason(store)
+    if waiting:
+        print(f"job {job.id} waits: {waiting}", file=sys.stderr)
     return 0
+
+
+def _python_note(asked: str, resolved: str) -> str | None:
+    """A bare `python` is found on the submitter's PATH, which is often not the environment
+    visionserve (and torch) is installed in: say so, with the path that would be."""
+    name = os.path.basename(asked)
+    if asked != name or not name.startswith("python"):
+        return None
+    ours = sys.executable
+    try:
+        same = os.path.samefile(os.path.dirname(resolved), os.path.dirname(ours))
+    except OSError:
+        same = False
+    if same:
+        return None
+    return (f"note: `{asked}` is {resolved} on your PATH, not the Python visionserve runs in "
+            f"({ours}); the job runs {resolved}. To run it in visionserve's environment, give "
+            f"that path: -- {ours} ...")
 
 
 def _when(t: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
 
 
+def _iso(t: float | None) -> str | None:
+    """ISO 8601 local time with its UTC offset, to the second."""
+    return datetime.fromtimestamp(t).astimezone().isoformat(timespec="seconds") if t else None
+
+
 def _list(args: argparse.Namespace) -> int:
-    jobs = _store(args).list(tuple(args.state) if args.state else None)
+    store = _store(args)
+    jobs = store.list(tuple(args.state) if args.state else None)
+    waiting = _waiting_reason(store) if any(j.state == "queued" for j in jobs) else None
     if args.json:
-        print(json.dumps([j.to_dict() for j in jobs], indent=2))
+        print(f"guard database: {store.path}", file=sys.stderr)
+        print(json.dumps([_with_reason(j.to_dict(), waiting) for j in jobs], indent=2))
         return 0
+    if not jobs:
+        print(f"no jobs in {store.path}" + (f" in state {', '.join(args.state)}" if args.state else ""))
+        return 0
+    print(f"guard database: {store.path}")
     print(f"{'ID':>5}  {'STATE':<9}  {'PRI':>4}  {'POLICY':<6}  {'GPU MEM':>10}  {'SUBMITTED':<19}"
           f"  {'NAME':<20}  REASON")
     for j in jobs:
         print(f"{j.id:>5}  {j.state:<9}  {j.priority:>4}  {j.policy:<6}  "
               f"{fmt_bytes(j.gpu_mem):>10}  {_when(j.submitted_at):<19}  {j.name[:20]:<20}  "
-              f"{j.reason or ''}")
+              f"{_with_reason(j.to_dict(), waiting)['reason'] or ''}")
     return 0
 
 
 def _show(args: argparse.Namespace) -> int:
-    print(json.dumps(_store(args).get(args.id).to_dict(), indent=2))
+    store = _store(args)
+    job = store.get(args.id)
+    shown = _with_reason(job.to_dict(), _waiting_reason(store) if job.state == "queued" else None)
+    for key in ("submitted_at", "started_at", "ended_at"):
+        shown[key] = _iso(shown[key])
+    shown["database"] = store.path
+    print(json.dumps(shown, indent=2))
     return 0
 
 
@@ -259,6 +339,7 @@ def _run(args: argparse.Namespace) -> int:
         context_reserve=_size(args.context_reserve, "--context-reserve"),
         stop_jobs_on_exit=args.stop_jobs_on_exit)
     store = _store(args)
+    log.info("guard job database: %s", store.path)
     if args.simulate_memory:
         source = SimulatedMemorySource(args.simulate_memory)
     else:

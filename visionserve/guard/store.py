@@ -23,7 +23,7 @@ from typing import Any
 from ..errors import InvalidInput, NotFound, VisionServeError
 
 DB_ENV = "VISIONSERVE_GUARD_DB"
-DEFAULT_DB = "./visionserve-guard.sqlite"
+DEFAULT_DB = "$XDG_DATA_HOME/visionserve/guard.sqlite"  # how help texts name the default
 
 STATES = ("queued", "running", "paused", "succeeded", "failed", "cancelled", "killed")
 ACTIVE = ("running", "paused")
@@ -177,7 +177,21 @@ class Job:
 
 
 def default_db_path() -> str:
-    return os.environ.get(DB_ENV) or DEFAULT_DB
+    """$VISIONSERVE_GUARD_DB, else $XDG_DATA_HOME/visionserve/guard.sqlite (~/.local/share/...).
+
+    One fixed place for the CLI and the server's hosted guard alike: a default relative to the
+    working directory made `guard list` elsewhere show an empty queue without a word."""
+    if os.environ.get(DB_ENV):
+        return os.environ[DB_ENV]
+    data = os.environ.get("XDG_DATA_HOME", "")
+    if not os.path.isabs(data):  # the XDG spec: unset or relative means the default
+        data = os.path.join(os.path.expanduser("~"), ".local", "share")
+    folder = os.path.join(data, "visionserve")
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+    except OSError:
+        pass  # JobStore then names the folder that is missing
+    return os.path.join(folder, "guard.sqlite")
 
 
 class JobStore:

@@ -3,12 +3,15 @@
 # code), then the GPU benchmark. Results land in $OUT (at most 8 files):
 #   env.txt       nvidia-smi, versions, onnxruntime providers
 #   pytest.txt    test output;  junit.xml  the same, machine-readable
+#   integrity.jsonl  the frame-integrity test's counts (answers checked, wrong answers)
 #   bench.json    benchmark results;  bench.txt  its progress log
 #   server.log    the benchmark servers' logs
 #   guard.json / guard.txt  with GUARD_ARGS set (e.g. GUARD_ARGS="--latency-budget-ms 20"): the
 #                 guard's acceptance run (python -m visionserve.benchguard), up to GUARD_T s (300)
-# SKIP_TESTS=1 / SKIP_BENCH=1 leave those parts out (one call may run 10 minutes at most).
-# Run from the repository root:  bash tests/gpu/run_on_device.sh   (under 10 minutes: tests <= 210 s, benchmark <= 330 s)
+# SKIP_TESTS=1 / SKIP_BENCH=1 leave those parts out (one call may run 10 minutes at most: the
+# tests take up to 330 s with the frame-integrity test, the benchmark up to 270 s, so run them in
+# two calls: SKIP_BENCH=1 bash tests/gpu/run_on_device.sh, then SKIP_TESTS=1 ...).
+# Run from the repository root:  bash tests/gpu/run_on_device.sh
 # Wheels for packages the machine lacks may be carried in .whl/ (installed to /tmp/site);
 # onnxruntime-gpu installed at /tmp/ort (shared/device/ort-gpu-chunks.sh) is used if present.
 set -u
@@ -33,8 +36,9 @@ export PYTHONUNBUFFERED=1
 
 # the guard's acceptance test (2-3 min) runs on its own: tests/gpu/test_guard_acceptance.py
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout ${PYTEST_T:-210} python3 -m pytest -p no:cacheprovider -q -rs -o addopts="" \
+  INTEGRITY_OUT="$OUT" timeout ${PYTEST_T:-330} python3 -m pytest -p no:cacheprovider -q -rs -o addopts="" \
     tests/gpu tests/unit/test_gpu_memory.py tests/unit/test_torch_backend.py tests/unit/test_frontend_hub.py \
+    tests/unit/test_runner.py \
     --ignore=tests/gpu/test_guard_acceptance.py \
     --junitxml="$OUT/junit.xml" >"$OUT/pytest.txt" 2>&1
   echo "pytest exit $?" >>"$OUT/pytest.txt"

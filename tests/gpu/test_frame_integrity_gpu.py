@@ -6,6 +6,9 @@ batch is being decoded (the case that gave other frames' scores before the strea
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -25,7 +28,9 @@ def test_every_answer_belongs_to_its_frame_on_gpu(means_repo, server_factory, fr
     server = server_factory(means_repo, "--device", "cuda:0", *extra, grpc=False)
     report = asyncio.run(integrity.run_load(server.url, seconds=30, clients=48))
     summary = report.as_dict()
-    print("frame integrity", "frontends", frontends, summary)
+    if os.environ.get("INTEGRITY_OUT"):  # tests/gpu/run_on_device.sh keeps the figures
+        with open(Path(os.environ["INTEGRITY_OUT"]) / "integrity.jsonl", "a") as f:
+            f.write(json.dumps({"frontends": frontends, **summary}) + "\n")
     assert report.wrong == 0, summary
     assert report.answered_200 > 1000, summary
     assert not {s for s in report.statuses if s not in (200, 503, 504)}, summary

@@ -7,8 +7,12 @@ the field named (see :func:`load_model_config`).
 
 from __future__ import annotations
 
+import difflib
 import re
 import sys
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -212,8 +216,8 @@ class ServerSettings(BaseSettings):
     host: str = Field("0.0.0.0", description="Address to bind (0.0.0.0: all interfaces, for line PCs on the network).")
     http_port: int = Field(8000, ge=0, le=65535, description="HTTP port (OIP v2, inspect API, /metrics).")
     grpc_port: int = Field(8001, ge=-1, le=65535, description="gRPC port; -1 disables gRPC.")
-    models: Path = Field(default_factory=default_models_dir,
-                         description="Model repository folder (default: the checkout's models/).")
+    models: Path = Field(default_factory=default_models_dir, description="Model repository folder.",
+                         json_schema_extra={"default_text": "the checkout's models/, else ./models"})
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N | GPU-<uuid> | PCI bus id.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     log_json: bool = Field(False, description="Structured JSON log lines.")
@@ -278,3 +282,73 @@ class ServerSettings(BaseSettings):
         if v is not None:
             parse_bytes(v)
         return v
+
+
+ENV_PREFIX = "VISIONSERVE_"
+
+#: ``VISIONSERVE_*`` variables that are not server settings, and what reads them. The start-up
+#: check for misspelt settings leaves them alone; docs/settings.md lists them.
+OTHER_VARIABLES: dict[str, str] = {
+    "GPU": "deploy/docker-compose.yml: the GPU (UUID or index) passed to the containers",
+    "IMAGE": "deploy/docker-compose.yml: the image the containers run",
+    "MODELS_DIR": "deploy/docker-compose.yml: the host folder mounted as the model repository",
+    "GUARD_DEVICE": "deploy/docker-compose.yml: the guard container's `--device`",
+    "ORT_SPIN": "onnxruntime on the CPU: `1` lets idle intra-op threads spin (default: they sleep)",
+    "IMAGE_CACHE": "`visionserve bench`: where generated image sets are cached (`off`: not at all)",
+    "GUARD_JOB_ID": "set by the training-queue guard for its jobs (docs/guard.md)",
+    "GUARD_POLICY": "set by the training-queue guard for its jobs (docs/guard.md)",
+    "GPU_MEM_LIMIT": "set by the training-queue guard for its jobs (docs/guard.md)",
+    "GUARD_ALLOCATOR_CAP": "set by the training-queue guard for its jobs (docs/guard.md)",
+    "GPU_MEM_FRACTION": "set by the training-queue guard for its jobs (docs/guard.md)",
+}
+
+
+@dataclass(frozen=True)
+class SettingDoc:
+    """One server setting as ``serve --help`` and docs/settings.md show it."""
+
+    name: str
+    flags: tuple[str, ...]  # ("--log-json", "--no-log-json") for a switch
+    env: str
+    default: str
+    help: str
+    choices: tuple[str, ...] = ()
+
+
+def setting_docs() -> list[SettingDoc]:
+    """Every :class:`ServerSettings` field: its flags, variable, default and help text."""
+    out = []
+    for name, field in ServerSettings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        switch = field.annotation is bool
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        if "default_text" in extra:  # computed defaults (default_factory) say what they are
+            default = str(extra["default_text"])
+        elif field.default is None:
+            default = "unset"
+        elif switch:
+            default = "true" if field.default else "false"
+        else:
+            default = str(field.default)
+        choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is Literal else ()
+        out.append(SettingDoc(name, (flag, "--no-" + flag[2:]) if switch else (flag,),
+                              ENV_PREFIX + name.upper(), default, field.description or "",
+                              tuple(map(str, choices))))
+    return out
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """A warning for each ``VISIONSERVE_*`` variable that is no setting (pydantic-settings ignores
+    them silently: a typo would leave the default in force), naming the nearest setting."""
+    settings = [n.upper() for n in ServerSettings.model_fields]
+    known = set(settings) | set(OTHER_VARIABLES)
+    out = []
+    for key in sorted(environ):
+        upper = key.upper()  # settings are read case-insensitively
+        if not upper.startswith(ENV_PREFIX) or upper[len(ENV_PREFIX):] in known:
+            continue
+        near = difflib.get_close_matches(upper[len(ENV_PREFIX):], settings, n=1, cutoff=0.6)
+        hint = (f"; did you mean {ENV_PREFIX}{near[0]} (--{near[0].lower().replace('_', '-')})?" if near
+                else " (docs/settings.md lists the settings)")
+        out.append(f"{key} is not a visionserve setting and is ignored{hint}")
+    return out

@@ -12,37 +12,32 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 import typing
 from pathlib import Path
 
 from pydantic import ValidationError
 
-from .config import ServerSettings
+from .config import ServerSettings, setting_docs, unknown_variables
 from .errors import VisionServeError
 
 log = logging.getLogger("visionserve")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One option per ServerSettings field, so the CLI, env and docs never drift apart."""
-    for name, field in ServerSettings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        env = "VISIONSERVE_" + name.upper()
-        default = field.default_factory() if field.default_factory else field.default
-        help_text = f"{field.description} [env {env}; default {default}]"
-        ann = field.annotation
-        args = typing.get_args(ann)
+    """One option per ServerSettings field, so the CLI, env and docs (docs/settings.md, from the
+    same :func:`~visionserve.config.setting_docs`) never drift apart."""
+    for doc in setting_docs():
+        # argparse %-formats help texts: a literal "%" (as in "80% of it") must be doubled
+        help_text = f"{doc.help} [env {doc.env}; default {doc.default}]".replace("%", "%%")
+        ann = ServerSettings.model_fields[doc.name].annotation
         if ann is bool:
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
-                                help=help_text)
+            parser.add_argument(doc.flags[0], dest=doc.name, action=argparse.BooleanOptionalAction,
+                                default=None, help=help_text)
             continue
-        choices = None
-        if typing.get_origin(ann) is typing.Literal:
-            choices = list(args)
-        kind = _scalar(ann)
-        parser.add_argument(flag, dest=name, type=kind, choices=choices, default=None, help=help_text,
-                            metavar=name.upper() if choices is None else None)
+        parser.add_argument(doc.flags[0], dest=doc.name, type=_scalar(ann), choices=doc.choices or None,
+                            default=None, help=help_text, metavar=None if doc.choices else doc.name.upper())
 
 
 def _scalar(ann) -> type:
@@ -118,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
                   f"{err['msg']} (got {err.get('input')!r})", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_json)
+    for warning in unknown_variables(os.environ):
+        log.warning("%s", warning)
     try:
         from .security import load_token
 

@@ -143,20 +143,23 @@ def render() -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, doc: Path = DOC, render_doc=render, script: str = __file__,
+         description: str | None = __doc__) -> int:
+    """Write ``doc`` from ``render_doc()``, or with --check exit 1 if it differs (the settings
+    reference's script uses it too)."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="only check that the file is up to date")
     args = ap.parse_args(argv)
-    text = render()
+    text = render_doc()
     if args.check:
-        current = DOC.read_text(encoding="utf-8") if DOC.is_file() else ""
+        current = doc.read_text(encoding="utf-8") if doc.is_file() else ""
         if current != text:
-            print(f"{DOC} is out of date; run {Path(__file__).name}", file=sys.stderr)
+            print(f"{doc} is out of date; run {Path(script).name}", file=sys.stderr)
             return 1
         return 0
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    DOC.write_text(text, encoding="utf-8")
-    print(f"wrote {DOC}")
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text, encoding="utf-8")
+    print(f"wrote {doc}")
     return 0
 
 

@@ -174,3 +174,11 @@ def test_compose_cli_rejects_a_broken_file(tmp_path):
     proc = subprocess.run(cli + ["-f", str(broken), "config", "-q"], check=False, capture_output=True, text=True,
                           timeout=60, cwd=tmp_path)
     assert proc.returncode != 0 and "stop_grace_periode" in proc.stderr
+
+
+def test_every_setting_in_dot_env_reaches_the_server():
+    """Auth, TLS, takt, ... from deploy/.env: not only the variables `environment:` names."""
+    env_file = yaml.safe_load(COMPOSE.read_text())["services"]["server"]["env_file"]
+    entries = [e if isinstance(e, dict) else {"path": e} for e in (env_file if isinstance(env_file, list) else [env_file])]
+    assert any(e["path"] == ".env" for e in entries)
+    assert all(e.get("required") is False for e in entries), "a missing deploy/.env is no error"

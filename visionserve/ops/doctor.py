@@ -2,14 +2,18 @@
 
   visionserve doctor [--device SPEC] [--gpu-memory-budget SIZE] [--pid PID] [--json]
 
-Exit code: 0 all checks ok (or skipped), 1 warnings, 2 failures.
+What it checks: the driver against the CUDA runtime of torch and onnxruntime, whether torch was
+built for the card, CUDA_VISIBLE_DEVICES and the configured device, stray CUDA contexts, temperature
+and throttling, the PCIe link, Xid and ECC errors in the kernel log, and whether the server's GPU
+memory budget is free (or taken by training jobs). Run it first when the server will not start on
+its GPU, or got slower for no visible reason.
 
-The checks read their inputs from a :class:`Facts` object (NVML, torch/onnxruntime build facts,
-environment variables, kernel log), so that each fault of the field notes (driver too old for
-the CUDA runtime, torch not built for the card, masked devices, stray context on GPU 0, thermal
-throttling, degraded PCIe link, Xid, ECC, memory taken by training) can be reproduced in a test
-with simulated answers.
+Exit code: 0 all checks ok (or skipped), 1 warnings, 2 failures.
 """
+
+# The checks read their inputs from a Facts object (NVML, torch/onnxruntime build facts,
+# environment variables, kernel log), so that each fault of the field notes can be reproduced in a
+# test with simulated answers.
 
 from __future__ import annotations
 

@@ -1,0 +1,116 @@
+"""The ``visionserve`` command line: every help text renders, and the settings reference
+(docs/settings.md, serve --help) is the code's."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from visionserve import cli
+from visionserve.config import ServerSettings, setting_docs, unknown_variables
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _parsers(parser: argparse.ArgumentParser, argv: tuple[str, ...] = ()):
+    """(argv, parser) for the parser and every subcommand below it, at any depth."""
+    yield argv, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, (*argv, name))
+
+
+def _help(argv: tuple[str, ...]) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_:
+        cli.main([*argv, "--help"])
+    assert exit_.value.code == 0
+    return out.getvalue()
+
+
+ALL = [argv for argv, _ in _parsers(cli.build_parser())]
+
+
+def test_every_command_is_walked():
+    assert {("serve",), ("doctor",), ("env",), ("guard",)} <= set(ALL)
+    assert any(len(argv) == 2 and argv[0] == "guard" for argv in ALL), "the guard's subcommands"
+
+
+@pytest.mark.parametrize("argv", ALL, ids=lambda argv: " ".join(argv) or "visionserve")
+def test_help_renders_for_every_command(argv):
+    text = _help(argv)
+    assert text.startswith("usage: visionserve")
+    for markup in (":class:", ":func:", ":mod:", ":meth:"):  # developer text, not for users
+        assert markup not in text
+
+
+def test_serve_help_lists_every_setting_with_its_variable():
+    text = " ".join(_help(("serve",)).split())  # argparse wraps lines
+    for doc in setting_docs():
+        for flag in doc.flags:
+            assert flag in text
+        assert doc.env in text
+    assert "80% of it" in text  # a literal percent sign (argparse formats help with %)
+
+
+def test_serve_help_in_a_fresh_process():
+    run = subprocess.run([sys.executable, "-m", "visionserve", "serve", "--help"], capture_output=True,
+                         text=True, cwd=REPO, timeout=120, check=False)
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+    assert "--guard-latency-budget-ms" in run.stdout
+
+
+def test_doctor_help_is_for_users():
+    text = _help(("doctor",))
+    assert "Facts" not in text and "in a test" not in text
+    assert "Exit code" in text
+
+
+def test_settings_reference_is_generated_from_the_code():
+    spec = importlib.util.spec_from_file_location("settings_doc", REPO / "models" / "scripts" / "settings_doc.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    text = mod.render()
+    assert (REPO / "docs" / "settings.md").read_text() == text, \
+        "docs/settings.md is stale: run python models/scripts/settings_doc.py"
+    for name in ServerSettings.model_fields:
+        assert f"`VISIONSERVE_{name.upper()}`" in text
+
+
+# --- misspelt settings ---------------------------------------------------------------------------
+
+
+def test_unknown_variable_names_the_nearest_setting():
+    (warning,) = unknown_variables({"VISIONSERVE_HTTP_PROT": "9000", "VISIONSERVE_HTTP_PORT": "9000",
+                                    "visionserve_device": "cpu", "PATH": "/bin"})
+    assert "VISIONSERVE_HTTP_PROT" in warning and "VISIONSERVE_HTTP_PORT (--http-port)" in warning
+    (far,) = unknown_variables({"VISIONSERVE_ZZZZZZ": "1"})
+    assert "did you mean" not in far and "docs/settings.md" in far
+
+
+def test_compose_variables_are_not_unknown():
+    import re
+
+    compose = (REPO / "deploy" / "docker-compose.yml").read_text()
+    names = set(re.findall(r"\$\{(VISIONSERVE_\w+)", compose))
+    assert {"VISIONSERVE_GPU", "VISIONSERVE_IMAGE", "VISIONSERVE_MODELS_DIR"} <= names
+    assert unknown_variables(dict.fromkeys(names, "x")) == []
+
+
+def test_serve_warns_about_a_misspelt_variable_at_start_up(tmp_path):
+    import os
+
+    run = subprocess.run([sys.executable, "-m", "visionserve", "serve", "--device", "cpu",
+                          "--models", str(tmp_path / "none")], capture_output=True, text=True, cwd=REPO,
+                         timeout=120, env={**os.environ, "VISIONSERVE_HTTP_PROT": "9000"}, check=False)
+    assert run.returncode == 2  # no repository there: it stops, after the warning
+    (line,) = [ln for ln in run.stderr.splitlines() if "VISIONSERVE_HTTP_PROT" in ln]
+    assert "WARNING" in line and "VISIONSERVE_HTTP_PORT" in line

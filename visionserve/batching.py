@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import DeadlineExceeded, InternalError, Unavailable, VisionServeError
+from .logs import batch_ids, request_id
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ class Pending:
     seq: int = 0
     dispatched: float = 0.0
     extra: dict = field(default_factory=dict)
+    #: the id of the request it belongs to, for log lines about its batch (runner threads)
+    request_id: str = field(default_factory=request_id.get)
 
     def sort_key(self) -> tuple[int, float, int]:
         return (-self.priority, self.deadline, self.seq)
@@ -243,7 +246,7 @@ class Batcher:
             for item in batch:
                 resolve(item.future, exc=exc)
         except Exception:
-            log.exception("model %s failed on a batch of %d", self.name, len(batch))
+            log.exception("model %s failed on a batch of %d", self.name, len(batch), extra=batch_ids(batch))
             for item in batch:
                 resolve(item.future, exc=InternalError("the model failed on this batch; see the server log"))
 

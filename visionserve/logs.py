@@ -1,10 +1,33 @@
-"""Structured JSON log lines (``--log-json``), one object per line, for log shippers."""
+"""Log lines that name their request: the request id in a context variable, set by the HTTP and
+gRPC front ends, added to every record by :class:`RequestIdFilter`; and structured JSON log lines
+(``--log-json``), one object per line, for log shippers."""
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import time
+from collections.abc import Iterable
+
+#: the id of the request the running code serves (``-`` outside a request)
+request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+
+
+class RequestIdFilter(logging.Filter):
+    """Adds ``request_id`` to every log record: the current request's, unless the call named its
+    own (``extra=batch_ids(...)`` where one line is about several requests, in the runner threads)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "request_id", None) is None:
+            record.request_id = request_id.get()
+        return True
+
+
+def batch_ids(items: Iterable) -> dict[str, str]:
+    """``extra=`` for a log line about a batch: the request ids of its items (``.request_id``)."""
+    ids = dict.fromkeys(getattr(p, "request_id", "-") for p in items)
+    return {"request_id": ",".join(ids) or "-"}
 
 
 class JsonFormatter(logging.Formatter):

@@ -24,6 +24,7 @@ from .backends.base import Backend
 from .batching import CostModel, Pending, resolve
 from .config import ModelConfig
 from .errors import DeadlineExceeded, InternalError, Unavailable, VisionServeError
+from .logs import batch_ids
 from .postprocess import classify
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,7 @@ class Runner:
             except Exception as exc:
                 if device_fault(exc):
                     self._mark_unhealthy(exc)
-                log.exception("preprocessing failed in %s", self.name)
+                log.exception("preprocessing failed in %s", self.name, extra=batch_ids(live))
                 tensor, items = None, []
                 errors = [(p, InternalError("preprocessing failed; see the server log")) for p in live]
             if errors:
@@ -162,7 +163,7 @@ class Runner:
             except Exception as exc:  # never let the thread die: the batch fails, the runner goes on
                 if device_fault(exc):
                     self._mark_unhealthy(exc)
-                log.exception("compute failed in %s", self.name)
+                log.exception("compute failed in %s", self.name, extra=batch_ids(items))
                 self._post(_fail_all, [(p, InternalError("the model failed on this batch; see the server log"))
                                        for p in items])
             finally:

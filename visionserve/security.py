@@ -7,16 +7,13 @@ probe without the secret (``--no-auth-health-open`` closes them too).
 
 from __future__ import annotations
 
-import contextvars
 import hmac
 import json
-import logging
 import uuid
 from pathlib import Path
 
 from .errors import ConfigError
-
-request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+from .logs import request_id
 
 HEALTH_PATHS = ("/v2/health/live", "/v2/health/ready")
 GRPC_HEALTH_METHODS = ("/inference.GRPCInferenceService/ServerLive",
@@ -41,14 +38,6 @@ def bearer_ok(header: str | None, token: str) -> bool:
     if not header or not header.lower().startswith("bearer "):
         return False
     return hmac.compare_digest(header[7:].strip().encode(), token.encode())
-
-
-class RequestIdFilter(logging.Filter):
-    """Adds ``request_id`` to every log record (``-`` outside a request)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.request_id = request_id.get()
-        return True
 
 
 class HttpSecurity:

@@ -61,7 +61,7 @@ def configure_logging(level: str, as_json: bool) -> None:
     else:
         handler.setFormatter(logging.Formatter(
             "%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"))
-    from .security import RequestIdFilter
+    from .logs import RequestIdFilter
 
     handler.addFilter(RequestIdFilter())
     root = logging.getLogger()

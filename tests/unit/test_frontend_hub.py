@@ -212,6 +212,27 @@ async def test_cancelled_request_frees_its_extent_after_the_engine_answers(pair)
     assert r.label
 
 
+async def test_the_request_id_crosses_to_the_engine_process(pair):
+    from visionserve.logs import request_id
+
+    eng, _, remote = pair
+    seen = []
+    submit = eng.get("tiny").batcher.submit
+
+    def spy(*args, **kw):
+        item = submit(*args, **kw)
+        seen.append(item.request_id)
+        return item
+
+    eng.get("tiny").batcher.submit = spy
+    token = request_id.set("cam3-0815")
+    try:
+        await remote.infer("tiny", None, [raw(), raw()])
+    finally:
+        request_id.reset(token)
+    assert seen == ["cam3-0815", "cam3-0815"]  # what the runner threads' log lines name
+
+
 async def test_cancelled_single_frame_is_answered_and_freed(pair):
     _, hub, remote = pair
     task = asyncio.ensure_future(remote.infer("tiny", None, [raw()], deadline_ms=60_000))

@@ -2,10 +2,10 @@
 per model); answers go back on the link they came from.
 
 Messages (tuples) a front end sends:
-  ``("infer", rid, model, version, frames, deadline_ms, priority, arrival)``: ``frames`` are
+  ``("infer", rid, model, version, frames, deadline_ms, priority, arrival, request_id)``: ``frames`` are
   ``(kind, width, height, channels, shape, offset, length, inline)`` with the bytes in the arena at
   ``offset`` (or, when the arena was full, ``inline``); ``arrival`` is ``time.monotonic()``, which
-  is one clock for all processes of a machine.
+  is one clock for all processes of a machine; ``request_id`` is the client's (for log lines).
   ``("cancel", rid)``: the client went away.
   ``("stats", rid, model, version)`` and ``("metrics", rid)``.
 and what the hub sends back:
@@ -28,6 +28,7 @@ import numpy as np
 
 from ..errors import INTERNAL_MESSAGE, InternalError, VisionServeError
 from ..imaging import Frame
+from ..logs import request_id
 from .arena import ArenaReader
 from .channel import Channel, connect
 
@@ -62,9 +63,13 @@ class Link:
     def on_message(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "infer":
-            _, rid, name, version, descs, deadline_ms, priority, arrival = msg
+            _, rid, name, version, descs, deadline_ms, priority, arrival, client_id = msg
             frames = [self._frame(d) for d in descs]  # copied out now: the arena extent may be reused after the answer
-            self._infer(rid, name, version, frames, deadline_ms, priority, arrival)
+            token = request_id.set(client_id)  # the frames' and the answer callback's log lines name it
+            try:
+                self._infer(rid, name, version, frames, deadline_ms, priority, arrival)
+            finally:
+                request_id.reset(token)
         elif kind == "cancel":
             task = self.tasks.get(msg[1])
             if task is not None:

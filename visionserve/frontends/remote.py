@@ -19,6 +19,7 @@ from .. import errors
 from ..engine import ModelLookup, ModelStats
 from ..errors import Unavailable, VisionServeError
 from ..imaging import Frame
+from ..logs import request_id
 from .arena import Arena
 from .channel import Channel
 
@@ -156,7 +157,8 @@ class RemoteEngine(ModelLookup):
             self.arena.write(off, data)
             extents.append((off, n))
             descs.append((f.kind, f.width, f.height, f.channels, shape, off, n, None))
-        fut, rid = self._call("infer", name, version, descs, deadline_ms, priority, arrival, extents=extents)
+        fut, rid = self._call("infer", name, version, descs, deadline_ms, priority, arrival, request_id.get(),
+                              extents=extents)
         try:
             results = await asyncio.shield(fut)
         except asyncio.CancelledError:

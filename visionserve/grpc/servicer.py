@@ -13,6 +13,7 @@ import inspect
 import logging
 import math
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from .. import oip
 from ..errors import INTERNAL_MESSAGE, NotFound, VisionServeError, grpc_code
+from ..logs import request_id
 from . import convert
 
 if TYPE_CHECKING:
@@ -78,7 +80,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request, context):
         arrival = time.monotonic()
-        return await _call(context, lambda: self._infer(request, arrival, context.time_remaining()))
+        return await _call(context, lambda: self._infer(request, arrival, context.time_remaining()),
+                           request.id)
 
     async def _infer(self, request: service_pb2.ModelInferRequest, arrival: float,
                      time_remaining_s: float | None) -> service_pb2.ModelInferResponse:
@@ -101,8 +104,10 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         slots = asyncio.Semaphore(STREAM_INFLIGHT)
         tasks: set[asyncio.Task] = set()
         done_reading = object()
+        stream_id = _request_id(context)
 
         async def answer(request: service_pb2.ModelInferRequest, arrival: float) -> None:
+            request_id.set(request.id[:64] or stream_id)  # in this task's own context
             try:
                 response = await self._infer(request, arrival, context.time_remaining())
                 await answers.put(pb.ModelStreamInferResponse(infer_response=response))
@@ -167,9 +172,19 @@ def _stream_error(request: service_pb2.ModelInferRequest, message: str) -> Any:
         model_name=request.model_name, model_version=request.model_version, id=request.id))
 
 
-async def _call(context: grpc.aio.ServicerContext, work: Callable[[], Any]) -> Any:
-    """Run ``work`` (a function, or one returning an awaitable); map VisionServeError through the
-    status table, anything else to INTERNAL."""
+def _request_id(context: grpc.aio.ServicerContext, oip_id: str = "") -> str:
+    """The id log lines name a call by: the client's ``x-request-id`` metadata, else the OIP
+    request id, else a new one."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-request-id" and value:
+            return str(value)[:64]
+    return oip_id[:64] or uuid.uuid4().hex[:16]
+
+
+async def _call(context: grpc.aio.ServicerContext, work: Callable[[], Any], oip_id: str = "") -> Any:
+    """Run ``work`` (a function, or one returning an awaitable) under the call's request id; map
+    VisionServeError through the status table, anything else to INTERNAL."""
+    token = request_id.set(_request_id(context, oip_id))
     try:
         result = work()
         if inspect.isawaitable(result):
@@ -184,3 +199,5 @@ async def _call(context: grpc.aio.ServicerContext, work: Callable[[], Any]) -> A
     except Exception:
         log.exception("unhandled error in a gRPC call")
         await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+    finally:
+        request_id.reset(token)

@@ -200,6 +200,9 @@ def json_elements_to_bytes(data: list[Any]) -> list[bytes]:
     return out
 
 
+_UINT8_RANGE = "UINT8 data must be integers 0..255"
+
+
 def json_uint8(data: list[Any], shape: list[int]) -> np.ndarray:
     # tritonclient sends the flat row-major list: take it as it is (a 640x480x3 frame is 921,600
     # elements, and walking them one by one in Python cost 150 ms); nested arrays are flattened
@@ -209,10 +212,13 @@ def json_uint8(data: list[Any], shape: list[int]) -> np.ndarray:
         flat = _flatten(data)
         kinds = set(map(type, flat))
     if not kinds <= {int}:  # bool is an int subclass: refuse it too
-        raise InvalidInput("UINT8 data must be integers 0..255")
-    arr = np.array(flat, dtype=np.int64)
+        raise InvalidInput(_UINT8_RANGE)
+    try:
+        arr = np.array(flat, dtype=np.int64)
+    except OverflowError:  # a value past the int64 range (2**63 and up): no pixel either
+        raise InvalidInput(_UINT8_RANGE) from None
     if arr.size and (arr.min() < 0 or arr.max() > 255):
-        raise InvalidInput("UINT8 data must be integers 0..255")
+        raise InvalidInput(_UINT8_RANGE)
     return arr.astype(np.uint8)
 
 

@@ -53,3 +53,20 @@ def test_collect_with_simulated_gpus_has_every_gpu_field():
     json.dumps(rec)
     text = render_text(rec)
     assert "NVIDIA L4" in text and "580.65.06" in text and "x16/x16" in text
+
+
+def test_gpu_providers_are_unusable_without_a_gpu(monkeypatch):
+    from visionserve.ops import envrecord
+
+    built_in = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    monkeypatch.setattr(envrecord, "torch_info", lambda: None)
+    monkeypatch.setattr(envrecord, "onnxruntime_info", lambda: {
+        "version": "1.31.1", "providers": list(built_in), "package": "onnxruntime-gpu", "cuda_version": "13.0"})
+    rec = collect(SimulatedNvml([]), {})
+    assert rec["onnxruntime"]["providers"] == built_in  # what is built in, still recorded
+    assert rec["onnxruntime"]["usable_providers"] == ["CPUExecutionProvider"]
+    (line,) = [ln for ln in render_text(rec).splitlines() if ln.startswith("onnxrt")]
+    assert "providers CPUExecutionProvider " in line and "unusable without a GPU" in line
+    rec = collect(SimulatedNvml([simulated_gpu(0)]), {})
+    assert rec["onnxruntime"]["usable_providers"] == built_in
+    assert "unusable" not in render_text(rec)

@@ -5,6 +5,7 @@ in one event loop. The multi-process server itself is in tests/integration/test_
 from __future__ import annotations
 
 import asyncio
+import logging
 import pickle
 import socket
 
@@ -210,6 +211,20 @@ async def test_cancelled_request_frees_its_extent_after_the_engine_answers(pair)
     await _until(lambda: remote.arena.used == 0 and not remote._pending)
     _, (r,) = await remote.infer("tiny", None, [raw()])  # and it goes on serving
     assert r.label
+
+
+async def test_cancelled_request_of_many_frames_is_no_internal_error(pair, caplog):
+    _, hub, remote = pair
+    caplog.set_level(logging.DEBUG, logger="visionserve")
+    task = asyncio.ensure_future(remote.infer("tiny", None, [raw()] * 4, deadline_ms=60_000))
+    await asyncio.sleep(0)  # the request is sent
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await _until(lambda: not remote._pending and not hub.links[0].tasks)
+    noisy = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert not noisy, [r.getMessage() for r in noisy]  # a client that went away is no fault
+    assert any("cancelled" in r.getMessage() for r in caplog.records)
 
 
 async def test_the_request_id_crosses_to_the_engine_process(pair):

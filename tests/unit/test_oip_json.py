@@ -23,7 +23,8 @@ def test_irregular_nesting_is_read_in_row_major_order(data, flat):
     assert oip.json_uint8(data, [len(flat)]).tolist() == flat
 
 
-@pytest.mark.parametrize("data", [[1, True], [[True]], [1, 2.0], [1, "a"], [1, [None]], [256], [[-1]]])
+@pytest.mark.parametrize("data", [[1, True], [[True]], [1, 2.0], [1, "a"], [1, [None]], [256], [[-1]],
+                                  [2**63], [[1, 2**64]], [-2**63 - 1]])  # past int64: 400, not 500
 def test_anything_but_integers_0_to_255_is_refused(data):
     with pytest.raises(InvalidInput, match="integers 0..255"):
         oip.json_uint8(data, [1])

@@ -112,10 +112,13 @@ class Link:
 
         def answered(f: asyncio.Future) -> None:
             self.tasks.pop(rid, None)
-            if f.cancelled() or f.exception() is not None:
+            # a gather whose frames were cancelled holds a CancelledError as its exception
+            cancelled = f.cancelled() or isinstance(f.exception(), asyncio.CancelledError)
+            if cancelled or f.exception() is not None:
                 for other in futures:  # one frame failed: the request failed, drop the rest
                     other.cancel()
-            if f.cancelled():
+            if cancelled:
+                log.debug("request cancelled (front end %d): its frames are dropped", self.index)
                 self.channel.send(("error", rid, "Cancelled", "cancelled", None))
             elif isinstance(f.exception(), VisionServeError):
                 engine.count_error(name, f.exception())

@@ -28,6 +28,10 @@ ENV_VARS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "NVIDIA_VISIBLE_DEVICES
             "PYTORCH_CUDA_ALLOC_CONF", "VISIONSERVE_DEVICE", "VISIONSERVE_GPU_MEMORY_BUDGET")
 
 # label -> distributions that provide it (first one installed wins)
+# onnxruntime execution providers that need an NVIDIA GPU: onnxruntime-gpu lists them whenever
+# they are built in, GPU or not
+GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
+
 PACKAGES: dict[str, tuple[str, ...]] = {
     "visionserve": ("visionserve",),
     "torch": ("torch",),
@@ -172,6 +176,11 @@ def collect(nvml: Nvml | None = None, environ: Mapping[str, str] | None = None,
         "nvidia": nvidia_info(nvml if nvml is not None else real_nvml()),
         "env": {k: env.get(k) for k in ENV_VARS},
     }
+    ort = record["onnxruntime"]
+    if ort is not None and "providers" in ort:
+        # built in is not usable: without a GPU the CUDA and TensorRT providers cannot run
+        gpu = bool(record["nvidia"]["gpus"])
+        ort["usable_providers"] = [p for p in ort["providers"] if gpu or p not in GPU_PROVIDERS]
     return record
 
 
@@ -202,8 +211,11 @@ def render_text(record: Mapping[str, Any]) -> str:
                      f"  cuda available: {t.get('cuda_available')}")
     o = record.get("onnxruntime")
     if o is not None and "error" not in o:
+        usable = o.get("usable_providers", o["providers"])
+        unusable = [p for p in o["providers"] if p not in usable]
         lines.append(f"onnxrt    {o['version']} ({o.get('package') or '?'}, CUDA "
-                     f"{o.get('cuda_version') or '-'})  providers {', '.join(o['providers'])}")
+                     f"{o.get('cuda_version') or '-'})  providers {', '.join(usable)}"
+                     + (f"  (built in, unusable without a GPU: {', '.join(unusable)})" if unusable else ""))
     elif o is not None:
         lines.append(f"onnxrt    {o['error']}")
     nv = record["nvidia"]

@@ -77,3 +77,32 @@ def test_grpc_stations(tiny_repo, server_factory, tmp_path, image_cache):
                   "--budget-ms", "5000")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ModelInfer" in _names(tmp_path / "grpc_stats.csv")
+
+
+# -- issue 15, item 9 ------------------------------------------------------------------------------
+def test_unknown_model_stops_the_run_before_it_starts(http_server, tmp_path, image_cache):
+    """No whole test run on 404s: the model is looked up first, and the served ones are named."""
+    out = _locust(http_server.url, tmp_path / "nomodel", image_cache, "--model", "nope",
+                  "--budget-ms", "5000")
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "--model 'nope'" in out.stderr and "it serves: tiny" in out.stderr
+    assert "PASS" not in out.stderr and "p99" not in out.stderr and "Traceback" not in out.stderr
+
+
+def test_errors_are_named_by_class_and_a_run_without_verdicts_fails(http_server, tmp_path, image_cache):
+    """Every frame refused (400, bodies naming the part): one failures row for the class, not one
+    per part, no latency figures over the errors, and exit 1 even when errors are tolerated."""
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    for i in range(3):
+        (folder / f"frame{i}.jpg").write_bytes(b"not a jpeg %d" % i)
+    out = _locust(http_server.url, tmp_path / "broken", image_cache, "--images", str(folder),
+                  "--budget-ms", "5000", "--max-error-ratio", "1")
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "no valid answers" in out.stderr and "HTTP 400 Bad Request" in out.stderr
+    assert "PASS" not in out.stderr
+    with open(tmp_path / "broken_failures.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["Name"], r["Error"]) for r in rows] == [("inspect error", "HTTP 400 Bad Request")]
+    assert int(rows[0]["Occurrences"]) > 3
+    assert "first HTTP 400 Bad Request" in out.stderr  # the detail, once

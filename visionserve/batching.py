@@ -14,6 +14,15 @@ batch instead of forming small ones that would just wait. Higher priorities go f
 earlier deadlines, then arrival order. Requests whose deadline has passed are answered at once
 with :class:`~visionserve.errors.DeadlineExceeded` and never cost compute; cancelled ones (the
 client went away) are dropped.
+
+Admission (:meth:`Batcher.check_capacity`) refuses at once (503 + Retry-After) a request that
+the load ahead of it would make miss its deadline: the frames queued ahead of it and the batches
+running, costed with the measured time each batch size takes of the server. Under overload the
+queue stays as long as the deadline allows and no longer, so what is admitted is answered in time
+instead of every frame finishing just late.
+
+If the batching loop itself ever dies (a bug), :attr:`Batcher.alive` turns false, the model is
+reported not ready, the failure is logged and every queued request is answered 503 at once.
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ import asyncio
 import heapq
 import itertools
 import logging
+import math
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -43,6 +54,8 @@ class Pending:
     deadline: float
     priority: int = 0
     seq: int = 0
+    admitted: float = 0.0
+    predicted: float = 0.0  # seconds from ``admitted`` to the answer, as admission predicted (0: none)
     dispatched: float = 0.0
     extra: dict = field(default_factory=dict)
     #: the id of the request it belongs to, for log lines about its batch (runner threads)
@@ -66,27 +79,67 @@ def resolve(future: asyncio.Future, value: Any = None, exc: BaseException | None
 
 
 class CostModel:
-    """Measured time from dispatch to answers, per (padded) batch size, as a moving average."""
+    """Measured batch times, as moving averages:
+
+    * latency per (padded) batch size (:meth:`observe`, :meth:`estimate`): from dispatch to
+      answers, what one batch takes;
+    * the server's time per frame (:meth:`observe_interval`, :meth:`per_frame`): how long the
+      server was busy with each batch, over its frames. Less than the latency when batches overlap
+      (decode of one while another computes, several instances); queued work is costed with it.
+      One figure over the recent batches whatever their sizes, rather than one per size: sizes
+      seen rarely would be costed from a stale sample. :meth:`typical_batch` goes with it.
+
+    The runner threads write, the event loop reads. A write replaces the table by an updated copy
+    (under a lock, so concurrent writers lose nothing) and a reader takes the table once: nobody
+    iterates a dict that another thread is changing. (Iterating the live dict while a compute thread
+    inserted a new batch size raised "dictionary changed size during iteration" in the batcher loop.)
+    """
 
     def __init__(self, padded_size: Callable[[int], int], alpha: float = 0.2) -> None:
         self._padded = padded_size
         self._alpha = alpha
+        self._lock = threading.Lock()
         self._seconds: dict[int, float] = {}
+        self._busy: tuple[float, float] | None = None  # moving averages: (busy seconds, frames) per batch
 
     def observe(self, batch_size: int, seconds: float) -> None:
-        p = self._padded(batch_size)
-        old = self._seconds.get(p)
-        self._seconds[p] = seconds if old is None else old + self._alpha * (seconds - old)
+        with self._lock:
+            self._seconds = self._averaged(self._seconds, batch_size, seconds)
+
+    def observe_interval(self, batch_size: int, seconds: float) -> None:
+        with self._lock:
+            old, a = self._busy, self._alpha
+            self._busy = (seconds, float(batch_size)) if old is None else (
+                old[0] + a * (seconds - old[0]), old[1] + a * (batch_size - old[1]))
 
     def estimate(self, batch_size: int) -> float:
-        if not self._seconds:
+        """Seconds from dispatch to answers for a batch of ``batch_size`` (0.0: nothing measured)."""
+        return self._lookup(self._seconds, batch_size)
+
+    def per_frame(self) -> float | None:
+        """Seconds of the server's time one frame costs in the recent batches (None: none yet)."""
+        busy = self._busy
+        return busy[0] / busy[1] if busy else None
+
+    def typical_batch(self) -> float | None:
+        """Frames in the recent batches, on average (None: none yet)."""
+        busy = self._busy
+        return busy[1] if busy else None
+
+    def _averaged(self, table: dict[int, float], batch_size: int, seconds: float) -> dict[int, float]:
+        p = self._padded(batch_size)
+        old = table.get(p)
+        return {**table, p: seconds if old is None else old + self._alpha * (seconds - old)}
+
+    def _lookup(self, table: dict[int, float], batch_size: int) -> float:
+        if not table:
             return 0.0
         p = self._padded(max(1, batch_size))
-        if p in self._seconds:
-            return self._seconds[p]
+        if p in table:
+            return table[p]
         # nearest measured size, scaled linearly: pessimistic for larger batches, which is safe
-        q = min(self._seconds, key=lambda s: abs(s - p))
-        return self._seconds[q] * max(1.0, p / q)
+        q = min(table, key=lambda s: abs(s - p))
+        return table[q] * max(1.0, p / q)
 
     def snapshot(self) -> dict[int, float]:
         return dict(sorted(self._seconds.items()))
@@ -129,13 +182,25 @@ class Batcher:
         self._tasks: dict[asyncio.Task, list[Pending]] = {}  # running batches
         self._loop_task: asyncio.Task | None = None
         self._accepting = True
+        self._last_done = 0.0  # when the last batch was answered (monotonic)
+        #: answer time over admission's prediction, its recent 90th percentile (see _check_deadline)
+        self.margin = 1.0
+        #: why the batching loop stopped, when it died (then the model is not ready)
+        self.failure: BaseException | None = None
         self.on_drop: Callable[[Pending, str], None] = lambda item, reason: None
+        self.on_failure: Callable[[BaseException], None] = lambda exc: None
 
     # --- caller side -------------------------------------------------------------------------
 
     def start(self) -> None:
         if self._loop_task is None:
             self._loop_task = asyncio.get_running_loop().create_task(self._run(), name=f"batcher:{self.name}")
+            self._loop_task.add_done_callback(self._loop_ended)
+
+    @property
+    def alive(self) -> bool:
+        """False once the batching loop died: nothing would be dispatched any more."""
+        return self.failure is None
 
     @property
     def queue_depth(self) -> int:
@@ -146,20 +211,27 @@ class Batcher:
         return len(self._tasks)
 
     def submit(self, payload: Any, *, deadline: float, priority: int = 0,
-               arrival: float | None = None) -> Pending:
-        """Queue one item; await ``pending.future`` for its answer."""
+               arrival: float | None = None, predicted: float = 0.0) -> Pending:
+        """Queue one item; await ``pending.future`` for its answer. ``predicted``: what
+        :meth:`check_capacity` returned for its request (how late answers come is learnt from it)."""
         self.check_capacity(1)
         now = time.monotonic()
         item = Pending(payload, asyncio.get_running_loop().create_future(),
-                       now if arrival is None else arrival, deadline, priority, next(self._seq))
+                       now if arrival is None else arrival, deadline, priority, next(self._seq),
+                       now, predicted)
         heapq.heappush(self._heap, item)
         self._wakeup.set()
         return item
 
-    def check_capacity(self, n: int) -> None:
-        """Raise 503 (with a Retry-After estimate) unless ``n`` more items fit in the queue."""
+    def check_capacity(self, n: int, *, deadline: float | None = None, priority: int = 0) -> float:
+        """Raise 503 (with a Retry-After estimate) unless ``n`` more items fit in the queue and,
+        given a ``deadline``, the load ahead of them leaves time to answer them before it.
+        Returns the predicted seconds to their answer (0.0 when there was no need to predict)."""
         if not self._accepting:
+            if self.failure is not None:
+                raise self._stopped()
             raise Unavailable.shutting_down()
+        predicted = 0.0 if deadline is None else self._check_deadline(n, deadline, priority)
         if len(self._heap) + n > self.max_queue_size:
             self._purge()
             if len(self._heap) + n > self.max_queue_size:
@@ -168,6 +240,65 @@ class Batcher:
                 raise Unavailable(
                     f"model {self.name} is overloaded: {len(self._heap)} frames queued "
                     f"(max_queue_size {self.max_queue_size})", retry_after_s=round(wait, 3))
+        return predicted
+
+    def predict(self, n: int, *, deadline: float, priority: int = 0) -> tuple[float, int]:
+        """Seconds from now until the last of ``n`` new frames would be answered, and how many
+        queued frames go before them.
+
+        The server's time per frame (measured) times the frames it works through first: those of
+        the running batches (less what it already spent on the oldest), the queued frames that go
+        first (higher priority, or the same and a deadline no later), the ``n`` frames, and the
+        frames that will join their batch (the ``n`` frames' batch is answered as a whole; batches
+        are as large as the recent ones). Never sooner than one batch's latency.
+        """
+        now = time.monotonic()
+        key = (-priority, deadline)
+        ahead = sum(1 for p in self._heap
+                    if (-p.priority, p.deadline) <= key and p.deadline > now and not p.future.done())
+        cost = self.cost
+        per_frame = cost.per_frame() or cost.estimate(self.max_batch_size) / self.max_batch_size
+        batch = min(max(1.0, cost.typical_batch() or 1.0), self.max_batch_size)
+        frames = math.ceil((ahead + n) / batch - 1e-9) * batch
+        spent = 0.0
+        if self._tasks:
+            running = list(self._tasks.values())  # in dispatch order
+            frames += sum(len(b) for b in running)
+            spent = min(now - max(self._last_done, running[0][0].dispatched), len(running[0]) * per_frame)
+        work = frames * per_frame - spent
+        return max(work, cost.estimate(min(ahead + n, self.max_batch_size))), ahead
+
+    def _check_deadline(self, n: int, deadline: float, priority: int) -> float:
+        """503 at once for frames the load would make late: finishing them just after their
+        deadline would cost the server the time that frames behind them need to be in time.
+
+        The prediction is scaled by :attr:`margin`, the measured 90th percentile of answer time
+        over prediction: when every admitted frame is admitted at the edge (sustained overload),
+        a prediction right on average would still leave half of them late."""
+        budget = deadline - time.monotonic() - self._safety
+        if not self._heap and not self._tasks:
+            return 0.0  # idle: nothing ahead (a deadline even an idle server misses is answered 504)
+        if self.cost.estimate(n) > budget:
+            return 0.0  # alone it would miss as well: not the load's doing, no 503 (it ends as 504)
+        predicted, ahead = self.predict(n, deadline=deadline, priority=priority)
+        if predicted * self.margin <= budget:
+            return predicted
+        raise Unavailable(
+            f"model {self.name} is overloaded: the frame would be answered in about "
+            f"{predicted * self.margin * 1000:.0f} ms ({ahead} frames queued before it, {len(self._tasks)} "
+            f"batches running), after its deadline in {max(0.0, budget + self._safety) * 1000:.0f} ms",
+            retry_after_s=round(predicted * self.margin, 3))
+
+    def _learn(self, item: Pending, now: float) -> None:
+        """Move :attr:`margin` toward the 90th percentile of answer time over prediction (a
+        stochastic quantile estimate: up by 0.9 steps when slower, down by 0.1 when not)."""
+        if item.predicted > 0:
+            slower = now - item.admitted > item.predicted * self.margin
+            self.margin = min(4.0, max(0.5, self.margin * math.exp(0.05 * (0.9 if slower else -0.1))))
+
+    def _stopped(self) -> Unavailable:
+        return Unavailable(f"model {self.name} is not ready: its batcher stopped after an internal "
+                           "error; see the server log", retry_after_s=1.0)
 
     async def drain(self, timeout_s: float) -> bool:
         """Refuse new items, let queued and running ones finish; True if all did in time."""
@@ -188,12 +319,9 @@ class Batcher:
         produces later is ignored (futures are answered once)."""
         self._accepting = False
         if self._loop_task is not None:
-            self._loop_task.cancel()
-            try:
-                await self._loop_task
-            except asyncio.CancelledError:
-                pass
-            self._loop_task = None
+            task, self._loop_task = self._loop_task, None
+            task.cancel()
+            await asyncio.wait([task])  # never raises: a loop that died was logged when it did
         while self._heap:
             item = heapq.heappop(self._heap)
             resolve(item.future, exc=Unavailable("the server shut down before this frame ran"))
@@ -232,12 +360,38 @@ class Batcher:
                 pass
         await self._slots.acquire()  # free: returns at once
 
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """The batching loop only ends when cancelled (close): anything else is a bug that would
+        leave every request waiting for ever. Say it, turn not ready, answer the queue 503."""
+        if task.cancelled():
+            return
+        exc = task.exception() or RuntimeError("the batching loop returned")
+        self.failure = exc
+        self._accepting = False
+        log.error("the batcher of model %s stopped: %s: %s; the model is not ready, queued frames "
+                  "are answered 503", self.name, type(exc).__name__, exc, exc_info=exc)
+        while self._heap:
+            resolve(heapq.heappop(self._heap).future, exc=self._stopped())
+        try:
+            self.on_failure(exc)
+        except Exception:
+            log.exception("on_failure of the batcher of %s failed", self.name)
+
     def _task_done(self, task: asyncio.Task) -> None:
-        self._tasks.pop(task, None)
+        batch = self._tasks.pop(task, None)
+        now = time.monotonic()
+        if batch and not task.cancelled() and task.exception() is None:
+            # the server's time this batch took: since it was dispatched, or since the batch before
+            # it was answered when it was already running then (batches overlap)
+            self.cost.observe_interval(len(batch), now - max(self._last_done, batch[0].dispatched))
+            for item in batch:
+                self._learn(item, now)
+        self._last_done = now
         self._slots.release()
         self._wakeup.set()  # a slot is free: wake the loop if it waits in _acquire_slot
         if not task.cancelled() and task.exception() is not None:
-            log.error("batch execution failed in %s", self.name, exc_info=task.exception())
+            log.error("batch execution failed in %s", self.name, exc_info=task.exception(),
+                      extra=batch_ids(batch or ()))
 
     async def _dispatch(self, batch: list[Pending]) -> None:
         try:
@@ -312,6 +466,7 @@ class Batcher:
             self._heap = keep
 
     def _late(self, item: Pending, now: float) -> None:
+        self._learn(item, now)
         self.on_drop(item, "late")
         waited = (now - item.arrival) * 1000
         resolve(item.future, exc=DeadlineExceeded(

@@ -79,7 +79,7 @@ class Served:
 
     @property
     def ready(self) -> bool:
-        return all(r.healthy for r in self.runners)
+        return self.batcher.alive and all(r.healthy for r in self.runners)
 
 
 def effective_config(config: ModelConfig, settings: ServerSettings) -> ModelConfig:
@@ -228,7 +228,9 @@ class Engine(ModelLookup):
                                   prepare=prep.prepare if prep is not None else None))
 
         async def execute(batch):
-            runner = min(runners, key=lambda r: r._inbox.qsize())
+            # the instance with the fewest batches in flight (a batch a prep thread took is no
+            # longer in its inbox, but still in flight); ties to the one that took fewer so far
+            runner = min(runners, key=lambda r: (r.inflight, r.accepted))
             await runner.execute(batch)
 
         batcher = Batcher(name=f"{entry.name}:{version}", execute=execute,
@@ -240,6 +242,7 @@ class Engine(ModelLookup):
             r.on_batch = lambda rec, s=served: self._record_batch(s, rec)
             r.start(loop)
         batcher.on_drop = lambda item, reason, s=served: self._record_drop(s, reason)
+        batcher.on_failure = lambda exc, s=served: metrics.READY.labels(s.name, str(s.version)).set(0)
         batcher.start()
         return served
 
@@ -339,12 +342,17 @@ class Engine(ModelLookup):
         if not (0 <= priority < b.priority_levels):
             raise InvalidInput(f"priority {priority!r} is out of range 0..{b.priority_levels - 1}")
         batcher = served.batcher
-        batcher.check_capacity(len(frames))
         deadline = arrival + deadline_ms / 1000.0
+        try:  # 503 at once for a full queue, or for frames the load ahead would answer too late
+            predicted = batcher.check_capacity(len(frames), deadline=deadline, priority=priority)
+        except Unavailable:
+            served.series.frames("rejected").inc(len(frames))
+            raise
         pending = []
         try:
             for f in frames:
-                pending.append(batcher.submit(f, deadline=deadline, priority=priority, arrival=arrival))
+                pending.append(batcher.submit(f, deadline=deadline, priority=priority, arrival=arrival,
+                                              predicted=predicted))
         except BaseException:
             for p in pending:
                 p.future.cancel()

@@ -83,6 +83,10 @@ class Runner:
         self.cost = cost
         self.on_batch = on_batch
         self.healthy = True
+        # batches accepted and not answered yet, and accepted in all (loop thread only): the
+        # engine sends a batch to the instance with the fewest in flight
+        self.inflight = 0
+        self.accepted = 0
         self._inbox: queue.Queue = queue.Queue()
         self._handoff: queue.Queue = queue.Queue(maxsize=1)
         self._threads: list[threading.Thread] = []
@@ -104,8 +108,14 @@ class Runner:
     async def execute(self, batch: list[Pending]) -> None:
         """Batcher entry point: returns when every item of ``batch`` has its answer."""
         done = asyncio.get_running_loop().create_future()
+        self.inflight += 1
+        self.accepted += 1
+        done.add_done_callback(self._answered)
         self._inbox.put((batch, done))
         await done
+
+    def _answered(self, done: asyncio.Future) -> None:
+        self.inflight -= 1
 
     # --- threads -----------------------------------------------------------------------------
 
@@ -157,7 +167,7 @@ class Runner:
             job = self._handoff.get()
             if job is _STOP:
                 return
-            batch, done, items, tensor, t0, prep_s, failed = job
+            _batch, done, items, tensor, t0, prep_s, failed = job
             try:
                 self._compute(items, tensor, t0, prep_s, failed)
             except Exception as exc:  # never let the thread die: the batch fails, the runner goes on

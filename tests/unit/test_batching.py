@@ -368,6 +368,221 @@ def test_cost_model_estimates():
     assert list(cost.snapshot()) == [4]
 
 
+def test_cost_model_estimate_survives_a_new_batch_size_inserted_while_it_reads():
+    """A compute thread observing a new batch size while the loop estimates (issue 14, defect 5):
+    the insert is made from inside estimate's own iteration, so the race is hit every time."""
+    cost: CostModel
+
+    class Size(int):  # the padded size estimate looks up; comparing with it inserts a new size
+        inserted = False
+
+        def __rsub__(self, other):
+            if not Size.inserted:
+                Size.inserted = True
+                cost.observe(7, 0.5)  # what CostModel.observe does from a runner thread
+            return int(other) - int(self)
+
+    cost = CostModel(lambda n: Size(n) if n == 3 else n)
+    cost.observe(2, 0.010)
+    cost.observe(4, 0.020)
+    assert cost.estimate(3) == pytest.approx(0.015)  # nearest measured size (2), scaled
+    assert Size.inserted
+    assert cost.snapshot() == {2: pytest.approx(0.010), 4: pytest.approx(0.020), 7: pytest.approx(0.5)}
+
+
+def test_cost_model_per_frame_server_time_over_recent_batches():
+    cost = CostModel(lambda n: padded_size(n, (1, 2, 4, 8)))
+    assert cost.per_frame() is None and cost.typical_batch() is None
+    cost.observe_interval(4, 0.040)
+    assert cost.per_frame() == pytest.approx(0.010) and cost.typical_batch() == pytest.approx(4)
+    cost.observe_interval(8, 0.040)  # bigger batches cost less per frame: the average moves
+    assert 0.005 < cost.per_frame() < 0.010 and 4 < cost.typical_batch() < 8
+    assert cost.estimate(4) == 0.0  # the latency table is apart
+
+
+# --- a batching loop that dies -------------------------------------------------------------------
+
+
+class BrokenCost(CostModel):
+    """A cost model whose estimate fails the way the racing dict did."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda n: n)
+
+    def estimate(self, batch_size: int) -> float:
+        raise RuntimeError("dictionary changed size during iteration")
+
+
+async def test_dead_batching_loop_turns_not_alive_logs_and_answers_503(caplog):
+    rec = Recorder()
+    b = make_batcher(rec, max_batch_size=4, delay=1.0, cost=BrokenCost())
+    failures = []
+    b.on_failure = failures.append
+    assert b.alive
+    with caplog.at_level("ERROR", logger="visionserve.batching"):
+        queued = b.submit("queued", deadline=far())  # the loop estimates its wait, and dies
+        with pytest.raises(Unavailable, match="batcher stopped") as info:
+            await asyncio.wait_for(queued.future, WAIT)  # answered, not left hanging
+    assert http_status(info.value) == 503 and info.value.retry_after_s
+    assert not b.alive and isinstance(b.failure, RuntimeError)
+    assert [type(e) for e in failures] == [RuntimeError]
+    assert any("batcher of model test stopped" in r.getMessage() and "not ready" in r.getMessage()
+               for r in caplog.records)
+    with pytest.raises(Unavailable, match="batcher stopped"):
+        b.submit("after", deadline=far())
+    await b.close()  # does not re-raise the loop's error
+    assert rec.batches == []
+
+
+# --- admission: refuse at once what the load would make late ------------------------------------
+
+
+def slow_cost(latency: float = 10.0, per_frame: float = 2.5, batch: int = 4) -> CostModel:
+    """Every batch takes ``latency``; the server spends ``per_frame`` on each frame of batches of
+    ``batch`` frames (the batches overlap: less than the latency)."""
+    cost = CostModel(lambda n: n)
+    for n in range(1, 9):
+        cost.observe(n, latency)
+    cost.observe_interval(batch, batch * per_frame)
+    return cost
+
+
+async def running_and_queued(b: Batcher, rec: Recorder, queued: int = 8) -> tuple[float, list]:
+    """One frame running (its batch blocked), ``queued`` more waiting at priority 1."""
+    b.submit("running", deadline=far())
+    await asyncio.wait_for(rec.started.wait(), WAIT)
+    now = time.monotonic()
+    return now, [b.submit(i, deadline=now + 100, priority=1) for i in range(queued)]
+
+
+async def test_admission_predicts_from_the_running_batch_and_the_frames_ahead():
+    rec = Recorder(block_all=True)
+    b = make_batcher(rec, max_batch_size=4, cost=slow_cost())
+    now, _ = await running_and_queued(b, rec)
+    # 2.5 s a frame: the running one, 8 ahead, itself, and 3 that join its batch of 4 (13 frames)
+    predicted, ahead = b.predict(1, deadline=now + 200, priority=1)
+    assert ahead == 8 and 32.0 < predicted <= 32.5
+    # a higher priority only waits for the running frame, in a batch of 4 (5 frames)
+    predicted, ahead = b.predict(1, deadline=now + 200, priority=2)
+    assert ahead == 0 and 12.0 < predicted <= 12.5
+    # same priority, earlier deadline: ahead of them too
+    assert b.predict(1, deadline=now + 50, priority=1)[1] == 0
+    # 5 frames of one request: 13 with those ahead, in batches of 4: 16, and the running one
+    assert 42.0 < b.predict(5, deadline=now + 200, priority=1)[0] <= 42.5
+    rec.gate.set()
+    await b.close()
+
+
+async def test_admission_refuses_what_cannot_make_its_deadline_with_503_and_retry_after():
+    rec = Recorder(block_all=True)
+    b = make_batcher(rec, max_batch_size=4, cost=slow_cost())
+    now, queued = await running_and_queued(b, rec)
+    with pytest.raises(Unavailable, match="overloaded") as info:
+        b.check_capacity(1, deadline=now + 30, priority=0)  # behind all 8: answered in ~32.5 s
+    assert http_status(info.value) == 503
+    assert info.value.retry_after_s == pytest.approx(32.5, abs=1.0)
+    assert "8 frames queued before it" in info.value.message
+    assert 32.0 < b.check_capacity(1, deadline=now + 45, priority=0) <= 32.5  # in time: admitted
+    b.check_capacity(1, deadline=now + 30, priority=2)  # overtakes the queue: ~12.5 s, admitted
+    b.check_capacity(1, deadline=now + 30, priority=1)  # the same priority, due sooner: ahead of them
+    assert b.check_capacity(1) == 0.0  # no deadline given: only the queue's size counts
+    assert not any(p.future.done() for p in queued)
+    rec.gate.set()
+    await b.close()
+
+
+async def test_admission_costs_queued_work_with_the_server_time_not_the_latency():
+    """Overlapping batches (decode of one while another computes) take less of the server's time
+    than their latency: a pessimistic estimate would refuse frames that would be in time."""
+    rec = Recorder(block_all=True)
+    b = make_batcher(rec, max_batch_size=4, cost=slow_cost(latency=10.0, per_frame=1.0))
+    now, _ = await running_and_queued(b, rec)
+    predicted, _ = b.predict(1, deadline=now + 200, priority=0)
+    assert 12.5 < predicted <= 13.0  # 13 frames x 1 s, not 3 batches x 10 s
+    b.check_capacity(1, deadline=now + 20)
+    rec.gate.set()
+    await b.close()
+
+
+async def test_admission_never_refuses_an_idle_or_lightly_loaded_batcher():
+    rec = Recorder(block_all=True)
+    b = make_batcher(rec, max_batch_size=4, cost=slow_cost())
+    now = time.monotonic()
+    b.check_capacity(1, deadline=now + 11)  # idle: one batch, in time
+    b.check_capacity(1, deadline=now + 1)  # idle, a deadline even an idle server misses: no 503
+    b.submit("running", deadline=far())
+    await asyncio.wait_for(rec.started.wait(), WAIT)
+    b.check_capacity(1, deadline=time.monotonic() + 21)  # the running frame, then its own batch
+    b.check_capacity(1, deadline=time.monotonic() + 5)  # hopeless alone too: left to the 504 path
+    rec.gate.set()
+    await b.close()
+
+
+async def test_admission_margin_learns_how_late_answers_come_against_the_prediction():
+    rec = Recorder(block_all=True)
+    b = make_batcher(rec, max_batch_size=4, cost=slow_cost())
+    now, _ = await running_and_queued(b, rec, queued=0)
+    assert b.margin == 1.0
+    assert b.check_capacity(1, deadline=now + 20) > 0  # ~12.5 s predicted: admitted
+    loop = asyncio.get_running_loop()
+    for _ in range(100):  # answers come at twice the predicted time
+        b._learn(Pending(None, loop.create_future(), now, far(), admitted=now, predicted=1.0), now + 2.0)
+    assert 1.9 < b.margin <= 4.0
+    with pytest.raises(Unavailable, match="overloaded"):  # 12.5 s x 2 > 20 s
+        b.check_capacity(1, deadline=now + 20)
+    for _ in range(1000):  # and then in half of it
+        b._learn(Pending(None, loop.create_future(), now, far(), admitted=now, predicted=1.0), now + 0.5)
+    assert 0.5 <= b.margin < 0.6
+    assert b.check_capacity(1, deadline=now + 20) > 0
+    rec.gate.set()
+    await b.close()
+
+
+async def test_admitted_frames_teach_the_margin_from_their_answers():
+    rec = Recorder()
+    b = make_batcher(rec, max_batch_size=4)
+    now = time.monotonic()
+    items = [b.submit(i, deadline=far(), predicted=1e-6) for i in range(4)]  # predicted far too soon
+    await asyncio.wait_for(asyncio.gather(*(p.future for p in items)), WAIT)
+    await until(lambda: b.margin > 1.0)
+    late = b.submit("late", deadline=now - 1, predicted=1e-6)
+    with pytest.raises(DeadlineExceeded):
+        await asyncio.wait_for(late.future, WAIT)
+    await b.close()
+
+
+async def test_batch_intervals_are_measured_from_overlapping_batches():
+    gates = [asyncio.Event(), asyncio.Event()]
+    intervals = []
+
+    class Recording(CostModel):
+        def observe_interval(self, batch_size, seconds):
+            intervals.append((batch_size, seconds))
+            super().observe_interval(batch_size, seconds)
+
+    async def execute(batch):
+        await gates[len(batch) - 1].wait()
+        for p in batch:
+            resolve(p.future, p.payload)
+
+    b = make_batcher(execute, max_batch_size=2, inflight=2, cost=Recording(lambda n: n))
+    one = b.submit("a", deadline=far())
+    await asyncio.sleep(0.05)  # dispatched alone (size 1)
+    two = [b.submit("b", deadline=far()), b.submit("c", deadline=far())]  # dispatched while it runs
+    await asyncio.sleep(0.3)
+    gates[0].set()
+    await asyncio.wait_for(one.future, WAIT)
+    await asyncio.sleep(0.3)
+    gates[1].set()
+    await asyncio.wait_for(asyncio.gather(*(p.future for p in two)), WAIT)
+    await until(lambda: len(intervals) == 2)
+    (n1, s1), (n2, s2) = intervals
+    assert n1 == 1 and s1 >= 0.35 - 0.01
+    # the second batch ran ~0.6 s, but the server was busy with it alone only after the first ended
+    assert n2 == 2 and 0.3 - 0.01 <= s2 < 0.5
+    await b.close()
+
+
 # --- the runner with a fake backend ------------------------------------------------------------
 
 CONFIG = ModelConfig.model_validate({
@@ -561,3 +776,26 @@ async def test_dispatch_when_idle_sends_a_lone_request_at_once_and_batches_under
         assert batches == [1, 5]
     finally:
         await b.close()
+
+
+async def test_runner_counts_batches_in_flight_until_answered(runner_env):
+    import threading
+
+    make, _ = runner_env
+    release = threading.Event()
+
+    class Blocking(FakeBackend):
+        def run(self, batch):
+            release.wait(WAIT)
+            return super().run(batch)
+
+    runner = make(Blocking())
+    loop = asyncio.get_running_loop()
+    assert (runner.inflight, runner.accepted) == (0, 0)
+    tasks = [asyncio.ensure_future(runner.execute([pending(frame(v), loop)])) for v in (5, 250)]
+    await asyncio.sleep(0.1)
+    # the prep thread took the first batch out of the inbox: it is in flight all the same
+    assert (runner.inflight, runner.accepted) == (2, 2)
+    release.set()
+    await asyncio.wait_for(asyncio.gather(*tasks), WAIT)
+    assert (runner.inflight, runner.accepted) == (0, 2)

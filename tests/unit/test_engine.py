@@ -171,3 +171,108 @@ async def test_engine_keeps_latencies_only_once_asked(engine):
     assert p99() is None  # too few frames yet
     await engine.infer("tiny", None, [raw()] * 30)
     assert p99() is not None and p99() > 0
+
+
+# --- issue 14: a dead batcher loop, admission under load, the runner pick -----------------------
+
+
+class _BrokenCost:
+    """Stands in for the cost model: fails the way the dict race did, inside the batching loop."""
+
+    def estimate(self, batch_size: int) -> float:
+        raise RuntimeError("dictionary changed size during iteration")
+
+    interval = estimate
+
+
+async def test_engine_dead_batcher_loop_turns_not_ready_with_a_log_line(tiny_repo, caplog):
+    from visionserve import metrics
+
+    eng = Engine(settings(models=tiny_repo, max_queue_delay_ms=50), device="cpu")
+    await eng.start()
+    try:
+        s = eng.get("tiny")
+        s.batcher.cost = _BrokenCost()
+        # answered 503 at once, not left waiting for a loop that will never dispatch it
+        with caplog.at_level("ERROR", logger="visionserve.batching"), \
+                pytest.raises(Unavailable, match="batcher stopped"):
+            await asyncio.wait_for(eng.infer("tiny", None, [raw()]), 10)
+        assert any("batcher of model tiny:1 stopped" in r.getMessage() for r in caplog.records)
+        assert not eng.ready and not eng.model_ready("tiny")
+        assert metrics.READY.labels("tiny", "1")._value.get() == 0
+        with pytest.raises(Unavailable, match="not ready"):
+            await eng.infer("tiny", None, [raw()])
+    finally:
+        await eng.close()  # does not re-raise the loop's error
+
+
+async def test_engine_refuses_frames_the_queue_would_make_late(tiny_repo):
+    from visionserve import metrics
+    from visionserve.batching import CostModel
+
+    eng = Engine(settings(models=tiny_repo, max_queue_delay_ms=1000, takt_ms=2000), device="cpu")
+    await eng.start()
+    try:
+        s = eng.get("tiny")
+        # 0.4 s of the server's time per frame, in batches of 2 (the latency is kept short so that
+        # the batcher does not dispatch early): 7 frames queued, waiting for company
+        # (max_queue_delay 1 s), and one more take 3.2 s, past the 2 s takt. The runner measures
+        # into its own cost model, so these figures stay.
+        cost = CostModel(lambda n: n)
+        for n in range(1, 9):
+            cost.observe(n, 0.010)
+        cost.observe_interval(2, 0.8)
+        queued = [asyncio.ensure_future(eng.infer("tiny", None, [raw()])) for _ in range(7)]
+        await asyncio.sleep(0.05)
+        s.batcher.cost = cost
+        rejected = metrics.FRAMES.labels("tiny", "rejected")._value.get()
+        refused = metrics.REQUESTS.labels("tiny", "unavailable")._value.get()
+        with pytest.raises(Unavailable, match="overloaded") as info:
+            await eng.infer("tiny", None, [raw()])
+        assert info.value.retry_after_s and info.value.retry_after_s > 2.0
+        assert metrics.FRAMES.labels("tiny", "rejected")._value.get() == rejected + 1
+        assert metrics.REQUESTS.labels("tiny", "unavailable")._value.get() == refused + 1
+        # a higher priority goes before the seven: its batch (of 2, 0.8 s) ends in time
+        _, (r,) = await asyncio.wait_for(eng.infer("tiny", None, [raw()], priority=2), 10)
+        assert r.label
+        results = await asyncio.wait_for(asyncio.gather(*queued), 10)
+        assert len(results) == 7  # what was admitted is answered
+    finally:
+        await eng.close()
+
+
+@pytest.fixture(scope="module")
+def two_instance_repo(tmp_path_factory):
+    from conftest import TINY_TOML, make_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny2")
+    make_tiny_model(root / "tiny", TINY_TOML + "[runtime]\ninstances = 2\n")
+    return root
+
+
+async def test_engine_two_instances_both_get_batches(two_instance_repo):
+    eng = Engine(settings(models=two_instance_repo, max_queue_delay_ms=1), device="cpu")
+    await eng.start()
+    try:
+        s = eng.get("tiny")
+        assert len(s.runners) == 2
+        counts = [0, 0]
+        for i, r in enumerate(s.runners):
+            def counting(batch, i=i, execute=r.execute):
+                counts[i] += 1
+                return execute(batch)
+            r.execute = counting
+        for _ in range(6):  # one at a time: each finds both instances idle
+            await eng.infer("tiny", None, [raw()])
+        assert counts[0] > 0 and counts[1] > 0, counts
+        counts[:] = [0, 0]
+        for _ in range(5):  # concurrent requests: batches overlap
+            await asyncio.gather(*(eng.infer("tiny", None, [raw(v)]) for v in range(0, 250, 25)))
+        assert counts[0] > 0 and counts[1] > 0, counts
+        for _ in range(100):  # the batch is answered frames first, then the runner's own future
+            if [r.inflight for r in s.runners] == [0, 0]:
+                break
+            await asyncio.sleep(0.01)
+        assert [r.inflight for r in s.runners] == [0, 0]
+    finally:
+        await eng.close()

@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import start_server
+from tests.conftest import start_server, wait_for
 
 INSPECT = "/v1/models/tiny/inspect"
 JPEG = {"Content-Type": "image/jpeg"}
@@ -66,7 +66,7 @@ def test_many_clients_at_once_each_get_their_own_answer(fe_server, tiny_repo):
 
     bodies = {}
     for v in range(0, 256, 16):  # 16 distinct images, each with a known answer
-        ok, buf = cv2.imencode(".png", np.full((40, 40, 3), v, np.uint8))
+        _ok, buf = cv2.imencode(".png", np.full((40, 40, 3), v, np.uint8))
         bodies[v] = buf.tobytes()
     with httpx.Client(timeout=30) as c:
         expected = {v: c.post(fe_server.url + INSPECT, content=b,
@@ -208,3 +208,140 @@ def test_a_model_that_fails_to_load_exits_3_and_leaves_no_front_end(tmp_path):
              and b"frontends.child" in Path(f"/proc/{k}/cmdline").read_bytes()]
     assert not alive
     assert "start-up failed" in s.log()
+
+
+# --- a sick serving process ---------------------------------------------------------------------
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _front_ends(s) -> list[int]:
+    kids = [k for k in children(s.proc.pid) if b"frontends.child" in Path(f"/proc/{k}/cmdline").read_bytes()]
+    assert kids, s.log()
+    return kids
+
+
+def _post(client: httpx.Client, url: str, body: bytes, headers: dict, out: list) -> None:
+    t0 = time.monotonic()
+    try:
+        r = client.post(url + INSPECT, content=body, headers=headers)
+        out.append((r.status_code, time.monotonic() - t0, r.text))
+    except httpx.HTTPError as exc:
+        out.append((type(exc).__name__, time.monotonic() - t0, str(exc)))
+
+
+def _clients(s, n: int) -> list[httpx.Client]:
+    """``n`` clients, each connected already (what is timed is the request, not a connection)."""
+    clients = [httpx.Client(timeout=30) for _ in range(n)]
+    for c in clients:
+        assert c.get(s.url + "/v2/health/live").status_code == 200
+    return clients
+
+
+def test_a_frozen_serving_process_answers_deadlines_and_turns_not_ready(tiny_repo, tmp_path):
+    """SIGSTOP the serving process: the front end answers 504 at each request's own deadline, turns
+    not ready within the heartbeat window, and refuses new work with 503; after SIGCONT it serves
+    again, and every frame gets its own answer (the arena space of the abandoned requests was not
+    handed to new frames while the serving process could still read it)."""
+    import cv2
+
+    from visionserve.frontends.remote import HEARTBEAT_TIMEOUT_S
+
+    s = start_server(tiny_repo, tmp_path, "--frontends", "1", grpc=False)
+    bodies = {v: cv2.imencode(".png", np.full((40, 40, 3), v, np.uint8))[1].tobytes() for v in (20, 120, 220)}
+    png = {"Content-Type": "image/png"}
+    with httpx.Client(timeout=30) as c:
+        expected = {v: c.post(s.url + INSPECT, content=b, headers=png).json()["scores"] for v, b in bodies.items()}
+    clients = _clients(s, len(bodies))
+    try:
+        os.kill(s.proc.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        out: list = []
+        threads = [threading.Thread(target=_post, args=(c, s.url, bodies[v], {**png, "X-Deadline-Ms": "200"}, out))
+                   for c, v in zip(clients, bodies)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert [o[0] for o in out] == [504] * 3, out
+        assert all(0.19 < o[1] < 0.6 for o in out), out  # at the deadline, not when the engine wakes
+        assert all('"verdict":"LATE"' in o[2] for o in out)
+        wait_for(lambda: httpx.get(s.url + "/v2/health/ready", timeout=5).status_code == 503,
+                 timeout=HEARTBEAT_TIMEOUT_S + 2, what="readiness false")
+        assert time.monotonic() - stopped < HEARTBEAT_TIMEOUT_S + 1.0
+        t0 = time.monotonic()
+        r = httpx.post(s.url + INSPECT, content=bodies[20], headers={**png, "X-Deadline-Ms": "5000"}, timeout=30)
+        assert r.status_code == 503 and r.headers.get("retry-after") and time.monotonic() - t0 < 0.5, r.text
+        assert "not answering" in r.json()["error"]
+    finally:
+        os.kill(s.proc.pid, signal.SIGCONT)
+    try:
+        wait_for(lambda: httpx.get(s.url + "/v2/health/ready", timeout=5).status_code == 200,
+                 timeout=10, what="ready again")
+        with httpx.Client(timeout=30) as c:
+            for v in list(bodies) * 3:
+                r = c.post(s.url + INSPECT, content=bodies[v], headers=png)
+                assert r.status_code == 200 and r.json()["scores"] == pytest.approx(expected[v], abs=1e-5)
+        assert "engine process has not answered" in s.log() and "Traceback" not in s.log()
+    finally:
+        assert s.stop() == 0
+
+
+def test_a_killed_serving_process_takes_its_front_ends_along_at_once(tiny_repo, tmp_path, jpeg_bytes):
+    """SIGKILL the serving process while clients have requests in progress (one waiting for the
+    engine, one sending its body slowly, one gRPC stream): the front ends answer 503 and exit within
+    a second or two, and both ports can be bound again."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    from visionserve import oip
+
+    s = start_server(tiny_repo, tmp_path, "--frontends", "2")
+    fronts = _front_ends(s)
+    slow = socket.create_connection(("127.0.0.1", s.http_port))
+    slow.sendall(b"POST " + INSPECT.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
+                 b"Content-Length: 100000\r\n\r\n" + jpeg_bytes[:1000])
+    channel = grpc.insecure_channel(s.grpc_url)
+    release = threading.Event()
+
+    def requests():
+        request = service_pb2.ModelInferRequest(model_name="tiny", id="s1")
+        request.inputs.add(name="image", datatype="BYTES", shape=[1])
+        request.raw_input_contents.append(oip.serialize_bytes(np.array([jpeg_bytes], dtype=object)))
+        yield request
+        release.wait(30)
+
+    stream = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(requests(), timeout=60)
+    assert next(stream).infer_response.id == "s1"
+    out: list = []
+    try:
+        os.kill(s.proc.pid, signal.SIGSTOP)  # so that a request is surely in progress in the engine
+        waiting = threading.Thread(target=_post, args=(_clients(s, 1)[0], s.url, jpeg_bytes,
+                                                       {**JPEG, "X-Deadline-Ms": "20000"}, out))
+        waiting.start()
+        time.sleep(0.3)
+        os.kill(s.proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        s.proc.wait(10)
+        wait_for(lambda: not any(_alive(p) for p in fronts), timeout=10, what="front ends gone")
+        gone = time.monotonic() - killed
+        waiting.join(10)
+        assert out and out[0][0] == 503, out
+        assert gone < 2.0, f"front ends exited {gone:.2f} s after the serving process died"
+        for port in (s.http_port, s.grpc_port):
+            with socket.socket() as again:  # a restart's bind: SO_REUSEADDR, no SO_REUSEPORT
+                again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                again.bind(("127.0.0.1", port))
+                again.listen()
+    finally:
+        release.set()
+        slow.close()
+        channel.close()
+        for p in fronts:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)

@@ -147,7 +147,7 @@ def raw(value: int = 128) -> imaging.Frame:
 def jpeg(value: int = 128) -> imaging.Frame:
     import cv2
 
-    ok, buf = cv2.imencode(".jpg", np.full((48, 64, 3), value, np.uint8))
+    _ok, buf = cv2.imencode(".jpg", np.full((48, 64, 3), value, np.uint8))
     return imaging.encoded_frame(buf.tobytes())
 
 
@@ -201,7 +201,7 @@ async def test_queue_full_comes_back_with_retry_after(tiny_repo):
 
 
 async def test_cancelled_request_frees_its_extent_after_the_engine_answers(pair):
-    eng, _, remote = pair
+    _eng, _, remote = pair
     big = imaging.raw_frame(np.zeros((480, 640, 3), np.uint8), (480, 640, 3))
     task = asyncio.ensure_future(remote.infer("tiny", None, [big] * 8))
     await asyncio.sleep(0)  # the request is sent
@@ -309,3 +309,91 @@ async def test_engine_gone_fails_waiting_requests_with_503(pair):
     with pytest.raises(Unavailable, match="not reachable"):
         await remote.infer("tiny", None, [raw()])
     assert remote.arena.used == 0  # refused before its frames took arena space
+
+
+def _freeze(link) -> list:
+    """Hold what reaches the engine side (an engine process that stopped reading); returns the
+    held messages, to be handed on later with ``link.on_message``."""
+    held: list = []
+    link.channel.on_message = held.append
+    return held
+
+
+async def test_a_deadline_is_answered_by_the_front_end_when_the_engine_does_not(pair):
+    """504 at the deadline, while the engine holds the request; its arena extent is not handed to
+    another frame until the engine has answered (it reads the bytes when it reads the request)."""
+    _, hub, remote = pair
+    link = hub.links[0]
+    held = _freeze(link)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(DeadlineExceeded, match="deadline of 50 ms"):
+        await asyncio.wait_for(remote.infer("tiny", None, [raw(10)], deadline_ms=50), 5)
+    assert 0.05 <= loop.time() - t0 < 0.5
+    used = remote.arena.used
+    assert used > 0  # kept: the engine has not read the frame yet
+    late = asyncio.ensure_future(remote.infer("tiny", None, [raw(250)], deadline_ms=60_000))
+    await _until(lambda: len(held) == 3)  # the first request, its cancel, the second request
+    (_, _, _, _, (first,), *_), (_, _, _, _, (second,), *_) = (m for m in held if m[0] == "infer")
+    assert first[5] + first[6] <= second[5] or second[5] + second[6] <= first[5]  # offsets apart
+    link.channel.on_message = link.on_message
+    for msg in held:
+        link.on_message(msg)
+    _, (r,) = await late
+    _, (alone,) = await remote.infer("tiny", None, [raw(250)])
+    assert np.allclose(r.scores, alone.scores, atol=1e-6)  # its own frame's answer
+    await _until(lambda: remote.arena.used == 0 and not remote._pending)
+
+
+async def test_default_deadline_is_the_models_takt(pair):
+    _, hub, remote = pair
+    served = remote.get("tiny")
+    served.config = served.config.model_copy(update={"batching": served.config.batching.model_copy(
+        update={"takt_ms": 30})})
+    _freeze(hub.links[0])
+    with pytest.raises(DeadlineExceeded, match="deadline of 30 ms"):
+        await asyncio.wait_for(remote.infer("tiny", None, [raw()]), 2)
+
+
+async def test_a_silent_engine_turns_the_front_end_not_ready(pair, monkeypatch):
+    import visionserve.frontends.remote as remote_mod
+
+    _, hub, remote = pair
+    monkeypatch.setattr(remote_mod, "HEARTBEAT_TIMEOUT_S", 0.3)
+    watch = asyncio.ensure_future(remote.watch())
+    try:
+        hub._watcher.cancel()  # no more beats
+        held = _freeze(hub.links[0])
+        waiting = asyncio.ensure_future(remote.infer("tiny", None, [raw()], deadline_ms=60_000))
+        await _until(lambda: not remote.ready, timeout=2)
+        with pytest.raises(Unavailable, match="not answering"):
+            await waiting
+        with pytest.raises(Unavailable, match="not answering"):
+            await remote.infer("tiny", None, [raw()])
+        assert len(held) == 2  # the infer, then its cancel; the refused request sent nothing
+        hub.links[0].channel.on_message = hub.links[0].on_message
+        for msg in held:
+            hub.links[0].on_message(msg)
+        hub._watcher = asyncio.ensure_future(hub._watch())
+        await _until(lambda: remote.ready, timeout=2)
+        await _until(lambda: remote.arena.used == 0 and not remote._pending)
+        _, (r,) = await remote.infer("tiny", None, [raw()])
+        assert r.label
+    finally:
+        watch.cancel()
+
+
+async def test_unreadable_frames_are_answered_not_lost(pair):
+    _, hub, remote = pair
+    link = hub.links[0]
+
+    def corrupt(msg, handle=link.on_message):
+        if msg[0] == "infer":
+            kind, w, h, c, _shape, off, n, inline = msg[4][0]
+            msg = (*msg[:4], [(kind, w, h, c, (7, 7, 7), off, n, inline)], *msg[5:])
+        handle(msg)
+
+    link.channel.on_message = corrupt
+    with pytest.raises(Exception, match="internal"):
+        await asyncio.wait_for(remote.infer("tiny", None, [raw()], deadline_ms=60_000), 5)
+    await _until(lambda: remote.arena.used == 0 and not remote._pending)

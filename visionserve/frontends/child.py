@@ -1,6 +1,11 @@
 """A front-end process (started by :mod:`.procs`, not by hand): the same HTTP app and gRPC
 servicer as the in-process front end, over a :class:`~.remote.RemoteEngine`. It never imports a
-model runtime or touches the GPU."""
+model runtime or touches the GPU.
+
+It lives no longer than the serving process: when that one dies (end of file on the socket pair,
+or SIGHUP through ``PR_SET_PDEATHSIG``) the requests waiting for it are answered 503 at once, the
+listening sockets close (so that a restart can bind the ports) and the process exits, with no
+graceful-shutdown wait."""
 
 from __future__ import annotations
 
@@ -22,6 +27,23 @@ from .remote import RemoteEngine
 
 log = logging.getLogger("visionserve.frontend")
 
+#: after the serving process died: the answers in flight (all 503 by then) may take this long
+#: to go out, then the process leaves
+EXIT_GRACE_S = 0.3
+PR_SET_PDEATHSIG = 1
+
+
+def die_with(parent: int) -> None:
+    """SIGHUP when the serving process dies, even where the end of file on the socket pair would
+    not come (its end inherited by some other process)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGHUP), 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d); relying on the socket pair", ctypes.get_errno())
+    if os.getppid() != parent:  # it died before the request above took effect
+        os._exit(1)
+
 
 async def run(spec: dict, settings: ServerSettings) -> int:
     from ..server import http_app, http_server, open_guard_store
@@ -31,6 +53,8 @@ async def run(spec: dict, settings: ServerSettings) -> int:
     os.close(spec["arena_fd"])
     remote = RemoteEngine(arena)
     remote.channel = await connect(socket.socket(fileno=spec["channel_fd"]), remote.on_message, remote.on_lost)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, remote.channel.transport.abort)
+    heartbeat = asyncio.ensure_future(remote.watch())
     routers = ()
     if settings.guard:
         from ..guard.http import make_router
@@ -55,14 +79,28 @@ async def run(spec: dict, settings: ServerSettings) -> int:
 
     async def engine_gone() -> None:
         await remote.lost.wait()
-        server.should_exit = True
+        # every request that waited for the engine has had its 503 now: stop listening at once
+        # (no graceful-shutdown wait), let those answers go out, and leave without the usual
+        # teardown (requests still reading a body would only be cancelled by it)
+        server.should_exit = server.force_exit = True
+        with contextlib.suppress(Exception):
+            if grpc_server is not None:
+                await asyncio.wait_for(grpc_server.stop(grace=EXIT_GRACE_S), EXIT_GRACE_S + 0.5)
+            else:
+                await asyncio.sleep(EXIT_GRACE_S)
+        log.info("front end %d (pid %d) exits: the engine process is gone", index, os.getpid())
+        logging.shutdown()
+        os._exit(1)
 
     watcher = asyncio.ensure_future(engine_gone())
     http_sock = socket.socket(fileno=spec["http_fd"])
     try:
         await server.serve(sockets=[http_sock])
+        if remote.lost.is_set():
+            await watcher  # it ends the process
     finally:
         watcher.cancel()
+        heartbeat.cancel()
         if grpc_server is not None:
             await grpc_server.stop(grace=1.0)
         await remote.close()
@@ -77,6 +115,7 @@ def main() -> int:
     from ..server import configure_logging, run_loop
 
     configure_logging(settings.log_level, settings.log_json)
+    die_with(spec["parent"])
     return run_loop(run(spec, settings))
 
 

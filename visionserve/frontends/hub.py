@@ -14,6 +14,7 @@ and what the hub sends back:
   change.
   ``("result", rid, [FrameResult])``, ``("error", rid, error class name, message, retry_after_s)``
   exactly once per ``infer``; ``("reply", rid, value)`` or an error for the others.
+  ``("beat",)`` every ``HEARTBEAT_S``: a front end that hears nothing for a while stops taking work.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +38,8 @@ log = logging.getLogger(__name__)
 
 #: how often readiness is compared with what the front ends were told (they are told at once on drain)
 STATE_POLL_S = 0.05
+#: how often every front end is told that this process is alive (see remote.HEARTBEAT_TIMEOUT_S)
+HEARTBEAT_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,12 @@ class Link:
         kind = msg[0]
         if kind == "infer":
             _, rid, name, version, descs, deadline_ms, priority, arrival, client_id = msg
-            frames = [self._frame(d) for d in descs]  # copied out now: the arena extent may be reused after the answer
+            try:
+                frames = [self._frame(d) for d in descs]  # copied out now: the arena extent may be reused after the answer
+            except Exception:  # answered all the same: the front end frees the extents on the answer
+                log.exception("front end %d sent frames that cannot be read", self.index)
+                self._error(rid, InternalError(INTERNAL_MESSAGE))
+                return
             token = request_id.set(client_id)  # the frames' and the answer callback's log lines name it
             try:
                 self._infer(rid, name, version, frames, deadline_ms, priority, arrival)
@@ -196,9 +205,14 @@ class Hub:
                 self._send_state(link)
 
     async def _watch(self) -> None:
+        beat = 0.0
         while True:
             await asyncio.sleep(STATE_POLL_S)
             self.publish()
+            if time.monotonic() - beat >= HEARTBEAT_S:
+                beat = time.monotonic()
+                for link in list(self.links.values()):
+                    link.channel.send(("beat",))
 
     async def close(self) -> None:
         if self._watcher is not None:

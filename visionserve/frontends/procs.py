@@ -74,10 +74,10 @@ class FrontEnds:
         size = self.settings.frontend_arena_bytes
         arena_fd = create_memfd(size, f"visionserve-frontend-{index}")
         spec = {"index": index, "http_fd": self.http_sock.fileno(), "channel_fd": theirs.fileno(),
-                "arena_fd": arena_fd, "arena_bytes": size, "grpc_port": self.grpc_port}
+                "arena_fd": arena_fd, "arena_bytes": size, "grpc_port": self.grpc_port, "parent": os.getpid()}
         env = {**os.environ, SPEC_ENV: json.dumps(spec), SETTINGS_ENV: self.settings.model_dump_json()}
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "visionserve.frontends.child"], env=env,
+            proc = subprocess.Popen([sys.executable, "-m", "visionserve.frontends.child"], env=env,  # noqa: ASYNC220 - milliseconds
                                     pass_fds=(self.http_sock.fileno(), theirs.fileno(), arena_fd))
             theirs.close()
             await self.hub.attach(index, ours, arena_fd, size)

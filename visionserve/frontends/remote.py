@@ -3,6 +3,13 @@
 Lookups (``get``, ``entry``, readiness) answer from what the engine process last said; ``infer``
 writes the frames into this process's arena and waits for the answer; ``statistics`` and
 ``metrics_text`` ask the engine process. See :mod:`visionserve.frontends.hub` for the messages.
+
+A front end does not trust the engine process to answer: each request's deadline is kept here
+too (504 at the deadline, whatever the engine does), and an engine process that sends nothing for
+``HEARTBEAT_TIMEOUT_S`` (it sends a beat every ``hub.HEARTBEAT_S``) makes this front end not
+ready, answers its requests in progress 503 and refuses new ones, until it is heard again.
+A request answered here keeps its arena extents until the engine's own answer to it comes: the
+engine reads a frame's bytes when it reads the request, which may be later than this answer.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -17,13 +25,19 @@ import numpy as np
 
 from .. import errors
 from ..engine import ModelLookup, ModelStats
-from ..errors import Unavailable, VisionServeError
+from ..errors import DeadlineExceeded, Unavailable, VisionServeError
 from ..imaging import Frame
 from ..logs import request_id
 from .arena import Arena
 from .channel import Channel
 
 log = logging.getLogger(__name__)
+
+#: an engine process silent for this long is taken for hung (it beats every hub.HEARTBEAT_S)
+HEARTBEAT_TIMEOUT_S = 1.0
+#: a request's deadline is answered here this long after it passes: an engine that is alive
+#: answers first (LATE from its queue, or a frame it was computing when the deadline came)
+DEADLINE_GRACE_S = 0.02
 
 
 @dataclass
@@ -42,11 +56,6 @@ class ServedView:
         return self.entry.name
 
 
-def _retrieve(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()
-
-
 class RemoteEngine(ModelLookup):
     def __init__(self, arena: Arena) -> None:
         self.arena = arena
@@ -56,7 +65,11 @@ class RemoteEngine(ModelLookup):
         self._ready = False
         self._engine_draining = False
         self._draining = False
-        self._pending: dict[int, tuple[asyncio.Future, list[tuple[int, int]]]] = {}
+        # request id -> its future, its arena extents, its deadline timer (None for non-frames)
+        self._pending: dict[int, tuple[asyncio.Future, list[tuple[int, int]],
+                                       asyncio.TimerHandle | None]] = {}
+        self._heard = time.monotonic()
+        self._silent = False  # the engine process stopped beating
         self._ids = itertools.count(1)
         self.connected = asyncio.Event()
         self.lost = asyncio.Event()
@@ -64,7 +77,10 @@ class RemoteEngine(ModelLookup):
     # --- the channel -------------------------------------------------------------------------
 
     def on_message(self, msg: tuple) -> None:
+        self._heard = time.monotonic()
         kind = msg[0]
+        if kind == "beat":
+            return
         if kind == "state":
             _, ready, draining, per_model, models = msg
             if models is not None:
@@ -82,8 +98,10 @@ class RemoteEngine(ModelLookup):
         pending = self._pending.pop(rid, None)
         if pending is None:
             return
-        fut, extents = pending
-        for off, n in extents:
+        fut, extents, timer = pending
+        if timer is not None:
+            timer.cancel()
+        for off, n in extents:  # the engine has read them (it answers after reading the request)
             self.arena.free(off, n)
         if fut.done():
             return
@@ -100,28 +118,73 @@ class RemoteEngine(ModelLookup):
                 fut.set_exception(cls(message, retry_after_s=retry_after))
 
     def on_lost(self) -> None:
+        if self.lost.is_set():
+            return
         if not self._draining:
             log.error("the engine process closed the channel; this front end stops")
         self._ready = False
-        for fut, _ in self._pending.values():
+        for fut, _, timer in self._pending.values():
+            if timer is not None:
+                timer.cancel()
             if not fut.done():
                 fut.set_exception(Unavailable("the server's engine process is gone", retry_after_s=1.0))
         self._pending.clear()
         self.lost.set()
 
+    async def watch(self) -> None:
+        """Follow the engine process's heartbeat (runs for the front end's lifetime)."""
+        while not self.lost.is_set():
+            await asyncio.sleep(HEARTBEAT_TIMEOUT_S / 10)
+            silent_s = time.monotonic() - self._heard
+            if silent_s > HEARTBEAT_TIMEOUT_S and not self._silent:
+                self._silent = True
+                waiting = [rid for rid, (fut, _, _) in self._pending.items() if not fut.done()]
+                log.error("the engine process has not answered for %.1f s: not ready; %d requests in "
+                          "progress answered 503", silent_s, len(waiting))
+                for rid in waiting:
+                    self._abandon(rid, Unavailable("the server's engine process is not answering",
+                                                   retry_after_s=1.0))
+            elif silent_s <= HEARTBEAT_TIMEOUT_S and self._silent:
+                self._silent = False
+                log.warning("the engine process answers again")
+
     def _check_reachable(self) -> None:
         if self.channel is None or self.channel.closed:
             raise Unavailable("the server's engine process is not reachable", retry_after_s=1.0)
+        if self._silent:
+            raise Unavailable("the server's engine process is not answering", retry_after_s=1.0)
 
-    def _call(self, msg_head: str, *rest, extents: list[tuple[int, int]] | None = None
-              ) -> tuple[asyncio.Future, int]:
-        """Send ``(msg_head, id, *rest)``; the future gets the engine's answer to that id."""
+    def _call(self, msg_head: str, *rest, extents: list[tuple[int, int]] | None = None,
+              expires: tuple[float, float] | None = None) -> tuple[asyncio.Future, int]:
+        """Send ``(msg_head, id, *rest)``; the future gets the engine's answer to that id, or
+        DeadlineExceeded at ``expires`` = (monotonic time, the deadline in ms, for the message)."""
         self._check_reachable()
         rid = next(self._ids)
-        fut = asyncio.get_running_loop().create_future()
-        self._pending[rid] = (fut, extents or [])
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        timer = None
+        if expires is not None:
+            timer = loop.call_at(expires[0], self._abandon, rid, DeadlineExceeded(
+                f"deadline of {expires[1]:g} ms passed without an answer from the engine process"))
+        self._pending[rid] = (fut, extents or [], timer)
         self.channel.send((msg_head, rid, *rest))
         return fut, rid
+
+    def _abandon(self, rid: int, exc: BaseException | None = None) -> None:
+        """Answer request ``rid`` now (``exc``, or cancelled) and tell the engine to drop its frames.
+        Its entry and arena extents stay until the engine answers: the engine may not have read
+        the frames yet, and bytes of another frame there would get that frame's verdict."""
+        pending = self._pending.get(rid)
+        if pending is None or pending[0].done():
+            return
+        fut, _, timer = pending
+        if timer is not None:
+            timer.cancel()
+        if exc is None:
+            fut.cancel()
+        else:
+            fut.set_exception(exc)
+        self.channel.send(("cancel", rid))
 
     # --- what the front ends call ------------------------------------------------------------
 
@@ -131,7 +194,7 @@ class RemoteEngine(ModelLookup):
 
     @property
     def ready(self) -> bool:
-        return self._ready and not self._draining and not self._engine_draining
+        return self._ready and not self._silent and not self._draining and not self._engine_draining
 
     @property
     def draining(self) -> bool:
@@ -157,15 +220,15 @@ class RemoteEngine(ModelLookup):
             self.arena.write(off, data)
             extents.append((off, n))
             descs.append((f.kind, f.width, f.height, f.channels, shape, off, n, None))
+        # the engine's own deadline (it checks the value: no timer for one it refuses)
+        ms = served.config.batching.takt_ms if deadline_ms is None else deadline_ms
+        expires = (arrival + ms / 1000.0 + DEADLINE_GRACE_S, ms) if 0 < ms < math.inf else None
         fut, rid = self._call("infer", name, version, descs, deadline_ms, priority, arrival, request_id.get(),
-                              extents=extents)
+                              extents=extents, expires=expires)
         try:
             results = await asyncio.shield(fut)
         except asyncio.CancelledError:
-            # the client went away: the engine drops its frames; the extents are freed on its answer
-            if not fut.done():
-                self.channel.send(("cancel", rid))
-                fut.add_done_callback(_retrieve)  # nobody awaits it any more
+            self._abandon(rid)  # the client went away: the engine drops its frames
             raise
         return served, results
 

@@ -289,11 +289,15 @@ class Batcher:
             f"batches running), after its deadline in {max(0.0, budget + self._safety) * 1000:.0f} ms",
             retry_after_s=round(predicted * self.margin, 3))
 
-    def _learn(self, item: Pending, now: float) -> None:
+    def _learn(self, item: Pending, now: float, missed: bool = False) -> None:
         """Move :attr:`margin` toward the 90th percentile of answer time over prediction (a
-        stochastic quantile estimate: up by 0.9 steps when slower, down by 0.1 when not)."""
-        if item.predicted > 0:
-            slower = now - item.admitted > item.predicted * self.margin
+        stochastic quantile estimate: up by 0.9 steps when slower, down by 0.1 when not).
+
+        Only frames whose prediction took a quarter of their time left or more: those near the
+        edge, where the margin decides. A few milliseconds of scheduling noise on a short
+        prediction would make a large ratio, and a margin that refuses a queue of any length."""
+        if item.predicted > 0 and item.predicted >= 0.25 * (item.deadline - item.admitted):
+            slower = missed or now - item.admitted > item.predicted * self.margin
             self.margin = min(4.0, max(0.5, self.margin * math.exp(0.05 * (0.9 if slower else -0.1))))
 
     def _stopped(self) -> Unavailable:
@@ -466,7 +470,7 @@ class Batcher:
             self._heap = keep
 
     def _late(self, item: Pending, now: float) -> None:
-        self._learn(item, now)
+        self._learn(item, now, missed=True)
         self.on_drop(item, "late")
         waited = (now - item.arrival) * 1000
         resolve(item.future, exc=DeadlineExceeded(

@@ -526,14 +526,18 @@ async def test_admission_margin_learns_how_late_answers_come_against_the_predict
     assert b.check_capacity(1, deadline=now + 20) > 0  # ~12.5 s predicted: admitted
     loop = asyncio.get_running_loop()
     for _ in range(100):  # answers come at twice the predicted time
-        b._learn(Pending(None, loop.create_future(), now, far(), admitted=now, predicted=1.0), now + 2.0)
+        b._learn(Pending(None, loop.create_future(), now, now + 2, admitted=now, predicted=1.0), now + 2.0)
     assert 1.9 < b.margin <= 4.0
     with pytest.raises(Unavailable, match="overloaded"):  # 12.5 s x 2 > 20 s
         b.check_capacity(1, deadline=now + 20)
     for _ in range(1000):  # and then in half of it
-        b._learn(Pending(None, loop.create_future(), now, far(), admitted=now, predicted=1.0), now + 0.5)
+        b._learn(Pending(None, loop.create_future(), now, now + 2, admitted=now, predicted=1.0), now + 0.5)
     assert 0.5 <= b.margin < 0.6
     assert b.check_capacity(1, deadline=now + 20) > 0
+    # a short prediction far from the deadline teaches nothing: scheduling noise, not the edge
+    margin = b.margin
+    b._learn(Pending(None, loop.create_future(), now, now + 2, admitted=now, predicted=0.1), now + 2.0)
+    assert b.margin == margin
     rec.gate.set()
     await b.close()
 
@@ -542,12 +546,16 @@ async def test_admitted_frames_teach_the_margin_from_their_answers():
     rec = Recorder()
     b = make_batcher(rec, max_batch_size=4)
     now = time.monotonic()
-    items = [b.submit(i, deadline=far(), predicted=1e-6) for i in range(4)]  # predicted far too soon
+    # predicted 30 s of their 60: answered far sooner, the margin goes down
+    items = [b.submit(i, deadline=now + 60, predicted=30.0) for i in range(4)]
     await asyncio.wait_for(asyncio.gather(*(p.future for p in items)), WAIT)
-    await until(lambda: b.margin > 1.0)
-    late = b.submit("late", deadline=now - 1, predicted=1e-6)
+    await until(lambda: b.margin < 1.0)
+    margin = b.margin
+    # dropped as late in the queue: slower than predicted, the margin goes up
+    late = b.submit("late", deadline=time.monotonic() - 1, predicted=0.5)
     with pytest.raises(DeadlineExceeded):
         await asyncio.wait_for(late.future, WAIT)
+    assert b.margin > margin
     await b.close()
 
 

@@ -14,11 +14,17 @@ inspect answers), CPU of the server's process tree, the generator's own send lag
 batch sizes --bare-batch-sizes), and every served figure is reported as a ratio to it.
 --sweep R1,R2,... (or START:STOP:STEP) runs rising rates until p99 crosses --budget-ms and
 reports the max rate at the SLO. --start-server --models DIR starts `visionserve serve` itself.
+--overload M1,M2,... measures capacity first (closed loop, --capacity-concurrency senders, or
+takes --capacity), then offers open-loop load at 1x and at each multiple of it, and reports the
+goodput (answers within the deadline per second) against the goodput at 1x, and how fast and
+how the rest was refused (503 + Retry-After); --check then checks --min-goodput-ratio and
+--max-refusal-p99-ms.
 
 Examples:
   visionserve bench --start-server --models models --bare --concurrency 32 --duration-s 10
   visionserve bench --url http://127.0.0.1:8000 --rate 100 --arrival poisson --budget-ms 50
   visionserve bench --start-server --models models --sweep 20:200:20 --budget-ms 100 --json out.json --plots out
+  visionserve bench --start-server --models models --overload 1.1,1.5,3 --arrival poisson --json overload.json
 
 Exit codes: 0 done (with --check: and within the budget), 1 --check failed, 2 bad arguments,
 3 the server could not be reached or started.
@@ -46,6 +52,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "defect-classifier"
+#: the deadline sent while --overload measures the capacity
+CAPACITY_DEADLINE_MS = 60_000.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,6 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--concurrency", type=int, default=None, help="closed loop: concurrent senders [1]")
     mode.add_argument("--sweep", default=None, help="open-loop rates R1,R2,... or START:STOP:STEP, "
                                                     "stopping once p99 exceeds --budget-ms")
+    mode.add_argument("--overload", default=None, metavar="M1,M2,...",
+                      help="open-loop load at 1x and these multiples of the capacity (e.g. 1.1,1.5,3)")
     g.add_argument("--arrival", choices=("constant", "poisson"), default="constant", help="[%(default)s]")
     g.add_argument("--duration-s", type=float, default=10.0, help="measured window per run [%(default)s]")
     g.add_argument("--warmup-s", type=float, default=1.0, help="load before the window, not counted [%(default)s]")
@@ -86,6 +96,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="open-loop connection cap per process; past it frames count as generator_overflow")
     g.add_argument("--timeout-s", type=float, default=10.0, help="client timeout per frame [%(default)s]")
     g.add_argument("--seed", type=int, default=0)
+    v = p.add_argument_group("overload (--overload)")
+    v.add_argument("--capacity", type=float, default=None,
+                   help="frames/s taken as the capacity [measured: closed loop for --duration-s]")
+    v.add_argument("--capacity-concurrency", type=int, default=None,
+                   help="closed-loop senders that measure the capacity [the model's max_batch_size, else 32]")
+    v.add_argument("--rounds", type=int, default=1,
+                   help="repeat the 1x and multiples sequence; figures are the medians [%(default)s]")
+    v.add_argument("--min-goodput-ratio", type=float, default=0.9,
+                   help="--check: goodput at each multiple over goodput at 1x, at least [%(default)s]")
+    v.add_argument("--max-refusal-p99-ms", type=float, default=5.0,
+                   help="--check: p99 of send-to-503 time, at most [%(default)s]")
     b = p.add_argument_group("bare-model reference")
     b.add_argument("--bare", action="store_true", help="measure the model in-process too (needs --models)")
     b.add_argument("--bare-batch-sizes", default=None,
@@ -139,6 +160,17 @@ def parse_rates(text: str) -> list[float]:
     return rates
 
 
+def parse_multiples(text: str) -> list[float]:
+    """``--overload`` multiples, with 1x (the reference) first."""
+    try:
+        mults = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise BenchError(f"--overload {text!r}: use M1,M2,... (multiples of the capacity)") from None
+    if not mults or any(m <= 0 for m in mults):
+        raise BenchError(f"--overload {text!r}: multiples must be > 0")
+    return [1.0] + sorted({m for m in mults if m != 1.0})
+
+
 def _check(args: argparse.Namespace) -> None:
     for name in ("duration_s", "timeout_s"):
         if getattr(args, name) <= 0:
@@ -159,6 +191,12 @@ def _check(args: argparse.Namespace) -> None:
         raise BenchError(f"--models {str(args.models)!r} is not a folder")
     if args.concurrency is not None and args.processes > args.concurrency:
         args.processes = args.concurrency
+    if args.capacity is not None and args.capacity <= 0:
+        raise BenchError(f"--capacity must be > 0, got {args.capacity}")
+    if args.capacity_concurrency is not None and args.capacity_concurrency < 1:
+        raise BenchError(f"--capacity-concurrency must be >= 1, got {args.capacity_concurrency}")
+    if args.rounds < 1:
+        raise BenchError(f"--rounds must be >= 1, got {args.rounds}")
 
 
 def _model_and_takt(args: argparse.Namespace) -> tuple[str, float | None, int | None]:
@@ -207,7 +245,7 @@ class StartedServer:
                "--log-level", "warning", *extra]
         self.cmd = cmd
         self.log_path = log_path
-        self._log = open(log_path, "wb")
+        self._log = open(log_path, "wb")  # noqa: SIM115 - open while the server runs; closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.http_port}"
 
@@ -242,6 +280,7 @@ def _run(args: argparse.Namespace) -> int:
     budget = args.budget_ms or takt or 200.0
     deadline = budget if args.deadline_ms is None else (args.deadline_ms or None)
     rates = parse_rates(args.sweep) if args.sweep else None
+    mults = parse_multiples(args.overload) if args.overload else None
 
     from .benchclient import images
 
@@ -291,7 +330,10 @@ def _run(args: argparse.Namespace) -> int:
         pool = generator.Pool(args.processes, frames)
         try:
             steps = []
-            if rates is None:
+            if mults is not None:
+                steps = _overload(pool, args, mults, model, host, port, url, budget, deadline, server_pid,
+                                  max_bs)
+            elif rates is None:
                 conc = None if args.rate else (args.concurrency or 1)
                 steps.append(_one_run(pool, args, model, host, port, url, args.rate or 0.0, conc, budget,
                                       deadline, server_pid, bare))
@@ -320,6 +362,8 @@ def _run(args: argparse.Namespace) -> int:
     cdf = [(s.pop("_label"), s.pop("_lat_ms")) for s in steps]
     report["runs"] = steps
     report["summary"] = steps[-1] if rates is None else _best(steps)
+    if mults is not None:
+        report["summary"] = report["overload"] = _overload_verdict(steps, args, deadline or budget)
     if rates is not None:
         ok = [s for s in steps if s["within_slo"]]
         report["sweep"] = {"budget_ms": budget, "miss_threshold": args.miss_threshold,
@@ -342,8 +386,74 @@ def _run(args: argparse.Namespace) -> int:
         _print(report)
     if args.check:
         s = report["summary"]
-        return 0 if s and s["within_slo"] else 1
+        return 0 if s and s.get("within_slo", s.get("passed")) else 1
     return 0
+
+
+def _overload(pool, args, mults, model, host, port, url, budget, deadline, server_pid, max_bs) -> list[dict]:
+    """Capacity (closed loop, unless --capacity), then open loop at each multiple of it."""
+    steps = []
+    capacity = args.capacity
+    if capacity is None:
+        conc = args.capacity_concurrency or max_bs or 32
+        # a deadline no frame meets its limit with: the closed loop keeps the queue short by itself,
+        # and a sender refused with 503 would send again at once, spinning instead of measuring
+        cap = _one_run(pool, args, model, host, port, url, 0.0, conc, budget, CAPACITY_DEADLINE_MS,
+                       server_pid, None)
+        cap["phase"] = "capacity"
+        steps.append(cap)
+        if not args.quiet:
+            print("capacity: " + _line(cap), flush=True)
+        capacity = cap["throughput_fps"]
+        if not capacity:
+            raise BenchError("measuring the capacity answered no frame in time; see the run's errors", 3)
+    for r in range(args.rounds):
+        for m in mults:
+            s = _one_run(pool, args, model, host, port, url, round(m * capacity, 3), None, budget, deadline,
+                         server_pid, None)
+            s.update(phase="overload", multiple=m, round=r, capacity_fps=capacity)
+            steps.append(s)
+            if not args.quiet:
+                o = s["overload"]
+                print(f"{m:g}x capacity ({s['offered_rate']:g}/s): goodput {o['goodput_fps']:.1f}/s, refused "
+                      f"{o['refused_share']}, refusal p99 {_fmt(o['refusal_latency_ms']['p99'])} ms, late "
+                      f"{o['late']}, other {o['other']}", flush=True)
+    return steps
+
+
+def _overload_verdict(steps: list[dict], args, deadline_ms: float) -> dict:
+    """Medians per multiple over the rounds, each against 1x, and the pass/fail of the targets."""
+    import statistics
+
+    runs = [s for s in steps if s.get("phase") == "overload"]
+    by: dict[float, list[dict]] = {}
+    for s in runs:
+        by.setdefault(s["multiple"], []).append(s["overload"])
+    ref = statistics.median(o["goodput_fps"] for o in by[1.0])
+    table = []
+    for m, os_ in sorted(by.items()):
+        good = statistics.median(o["goodput_fps"] for o in os_)
+        p99s = [o["refusal_latency_ms"]["p99"] for o in os_ if o["refusal_latency_ms"]["p99"] is not None]
+        table.append({
+            "multiple": m, "offered_fps": statistics.median(o["offered_fps"] for o in os_),
+            "goodput_fps": round(good, 3), "goodput_over_1x": round(good / ref, 3) if ref else None,
+            "refused_share": statistics.median(o["refused_share"] or 0.0 for o in os_),
+            "refusal_p99_ms": max(p99s) if p99s else None,
+            "refused_without_retry_after": sum(o["refused_without_retry_after"] for o in os_),
+            "late": sum(o["late"] for o in os_), "other": sum(o["other"] for o in os_),
+            "goodput_over_1x_per_round": [round(o["goodput_fps"] / g1["goodput_fps"], 3) if g1["goodput_fps"] else None
+                                          for o, g1 in zip(os_, by[1.0])],
+        })
+    over = [t for t in table if t["multiple"] > 1.0]
+    passed = bool(ref) and all(
+        t["goodput_over_1x"] >= args.min_goodput_ratio
+        and (t["refusal_p99_ms"] is None or t["refusal_p99_ms"] <= args.max_refusal_p99_ms)
+        and t["refused_without_retry_after"] == 0 for t in over)
+    return {"capacity_fps": runs[0]["capacity_fps"] if runs else None, "deadline_ms": deadline_ms,
+            "goodput_at_1x_fps": ref, "rounds": args.rounds, "multiples": table,
+            "targets": {"min_goodput_ratio": args.min_goodput_ratio,
+                        "max_refusal_p99_ms": args.max_refusal_p99_ms},
+            "passed": passed}
 
 
 def _bare_sizes(text: str | None, max_bs: int | None) -> list[int]:
@@ -411,7 +521,10 @@ def _one_run(pool, args, model, host, port, url, rate, conc, budget, deadline, s
                            and (not rate or s["throughput_fps"] >= 0.95 * rate))
     if bare:
         s["vs_bare"] = _vs_bare(s, bare)
-    s["_label"] = f"{s['label']} {'%g/s' % rate if rate else 'c=%d' % conc}"
+    if args.overload:
+        s["overload"] = rep.overload_summary(merged, warmup_s=args.warmup_s, window_s=args.duration_s,
+                                             deadline_ms=deadline or budget)
+    s["_label"] = f"{s['label']} {f'{rate:g}/s' if rate else f'c={conc}'}"
     ok_ms = merged.latency_ns[(merged.sched_ns >= int(args.warmup_s * 1e9)) & (merged.outcome == 0)] / 1e6
     s["_lat_ms"] = ok_ms
     return s
@@ -510,7 +623,18 @@ def _print(report: dict) -> None:
         for bs, b in report["bare"]["batch_sizes"].items():
             print(f"bare bs={bs}: pipeline p50 {b['pipeline_ms']['p50']:.2f} ms ({b['pipeline_fps']:.1f} frames/s), "
                   f"model p50 {b['model_ms']['p50']:.2f} ms ({b['model_fps']:.1f} frames/s)")
-    if "sweep" not in report:
+    if "overload" in report:
+        o = report["overload"]
+        print(f"overload: capacity {o['capacity_fps']} frames/s, deadline {o['deadline_ms']:g} ms, "
+              f"goodput at 1x {o['goodput_at_1x_fps']} frames/s ({o['rounds']} round(s), medians)")
+        for t in o["multiples"]:
+            print(f"  {t['multiple']:g}x: offered {t['offered_fps']:.1f}/s, goodput {t['goodput_fps']:.1f}/s "
+                  f"= {t['goodput_over_1x']} of 1x, refused {t['refused_share']} (p99 "
+                  f"{_fmt(t['refusal_p99_ms'])} ms, {t['refused_without_retry_after']} without Retry-After), "
+                  f"late {t['late']}, other {t['other']}")
+        print(f"  targets (goodput >= {o['targets']['min_goodput_ratio']} of 1x, refusal p99 <= "
+              f"{o['targets']['max_refusal_p99_ms']:g} ms): {'met' if o['passed'] else 'NOT met'}")
+    elif "sweep" not in report:
         for s in report["runs"]:
             print(_line(s))
             if "vs_bare" in s:

@@ -32,8 +32,8 @@ def image_cache(tmp_path_factory) -> str:
 def _bench(image_cache: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "VISIONSERVE_IMAGE_CACHE": image_cache}
     return subprocess.run([sys.executable, "-m", "visionserve", "bench", "--images", "gen:320x240:n=3",
-                           "--model", "tiny", *args], capture_output=True, text=True, timeout=180, env=env,
-                          cwd=str(REPO))
+                           "--model", "tiny", *args], check=False, capture_output=True, text=True,
+                          timeout=180, env=env, cwd=str(REPO))
 
 
 def test_closed_loop_with_bare_reference(http_server, tiny_repo, tmp_path, image_cache):
@@ -107,7 +107,33 @@ def test_grpc(http_server, tmp_path, image_cache):
     assert run["answered_ok"] > 0 and run["errors"] == {}
 
 
+def test_overload_mode_short(http_server, tmp_path, image_cache):
+    """The overload benchmark's command in a short mode: capacity, then 1x and each multiple. The
+    report holds what docs/benchmarks.md quotes; the speed targets are the benchmark's, not here."""
+    out = _bench(image_cache, "--url", http_server.url, "--overload", "1.5", "--capacity-concurrency", "4",
+                 "--duration-s", "1", "--warmup-s", "0.2", "--processes", "1", "--deadline-ms", "500",
+                 "--arrival", "poisson", "--json", str(tmp_path / "o.json"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads((tmp_path / "o.json").read_text())
+    assert [r["phase"] for r in report["runs"]] == ["capacity", "overload", "overload"]
+    o = report["overload"]
+    assert o["capacity_fps"] > 0 and o["goodput_at_1x_fps"] > 0 and o["deadline_ms"] == 500
+    assert [t["multiple"] for t in o["multiples"]] == [1.0, 1.5]
+    for t in o["multiples"]:
+        assert {"offered_fps", "goodput_fps", "goodput_over_1x", "refused_share", "refusal_p99_ms",
+                "refused_without_retry_after", "late", "other"} <= set(t)
+        assert t["refused_without_retry_after"] == 0  # every 503 carries Retry-After
+    run = report["runs"][1]["overload"]
+    assert run["sent"] == (run["in_time"] + run["refused_with_retry_after"] + run["refused_without_retry_after"]
+                           + run["late"] + run["other"])
+    assert isinstance(o["passed"], bool)
+    assert "overload: capacity" in out.stdout and "1.5x:" in out.stdout
+
+
 @pytest.mark.parametrize("args, message", [
+    (["--overload", "0"], "multiples must be > 0"),
+    (["--overload", "x"], "--overload"),
+    (["--overload", "2", "--rounds", "0"], "--rounds must be >= 1"),
     (["--rate", "0"], "--rate must be > 0"),
     (["--sweep", "10:5:1"], "--sweep"),
     (["--bare"], "need --models"),

@@ -75,7 +75,7 @@ def init_worker(frames: list) -> None:
 def run_job(job: Job) -> Result:
     """Worker-process entry point."""
     try:
-        import uvloop  # noqa: F401  (faster loop where available; same semantics)
+        import uvloop  # faster loop where available; same semantics
 
         policy = uvloop.EventLoopPolicy()
         asyncio.set_event_loop_policy(policy)
@@ -123,7 +123,6 @@ class _Worker:
         hostport = f"{job.host}:{job.port}"
         if job.protocol == "grpc":
             import grpc
-
             from tritonclient.grpc import service_pb2_grpc
 
             opts = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
@@ -251,7 +250,7 @@ class _Worker:
                 head, body = wire.inspect_request(f"{job.host}:{job.port}", job.model, frame.data,
                                                   frame.content_type, part, job.deadline_ms)
             status, headers, data = await asyncio.wait_for(conn.request(head, body), job.timeout_s)
-            return wire.parse_inspect(status, data)
+            return wire.parse_inspect(status, data, headers)
         except asyncio.TimeoutError:
             return wire.Answer(wire.TIMEOUT, detail=f"no answer within {job.timeout_s} s")
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, wire.ProtocolError) as exc:

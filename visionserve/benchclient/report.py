@@ -69,6 +69,34 @@ def summarize(res, *, warmup_s: float, window_s: float, budget_ms: float | None,
     return out
 
 
+def overload_summary(res, *, warmup_s: float, window_s: float, deadline_ms: float) -> dict:
+    """What overload did to one run's frames: goodput (answers within ``deadline_ms`` at the
+    client, per second), and how the rest ended: refused (with and without Retry-After, and how
+    fast the refusal came back), late, or otherwise."""
+    keep = res.sched_ns >= int(warmup_s * 1e9)
+    outcome = res.outcome[keep]
+    lat_ns = res.latency_ns[keep]
+    good = (outcome == wire.OK) & (lat_ns >= 0) & (lat_ns <= int(deadline_ms * 1e6))
+    refused = outcome == wire.REJECTED
+    bare = outcome == wire.REJECTED_BARE
+    late = np.isin(outcome, wire.MISS_OUTCOMES) | ((outcome == wire.OK) & ~good)
+    sent = int(keep.sum())
+    n_good, n_refused, n_bare, n_late = (int(x.sum()) for x in (good, refused, bare, late))
+    refused_ms = lat_ns[(refused | bare) & (lat_ns >= 0)] / 1e6
+    return {
+        "sent": sent,
+        "offered_fps": round(sent / window_s, 3),
+        "goodput_fps": round(n_good / window_s, 3),
+        "in_time": n_good,
+        "refused_with_retry_after": n_refused,
+        "refused_without_retry_after": n_bare,
+        "late": n_late,
+        "other": sent - n_good - n_refused - n_bare - n_late,
+        "refused_share": round((n_refused + n_bare) / sent, 4) if sent else None,
+        "refusal_latency_ms": latency_summary(refused_ms),
+    }
+
+
 def compare_answers(res, mask: np.ndarray, bare_answers: list[dict]) -> dict:
     """Served verdict/label per frame against the in-process single-frame answer."""
     idx = np.nonzero(mask)[0]
@@ -82,7 +110,7 @@ def compare_answers(res, mask: np.ndarray, bare_answers: list[dict]) -> dict:
         if res.labels[i] and res.labels[i] != b["label"]:
             mism_l += 1
         s = res.score[i]
-        if s == s:
+        if not np.isnan(s):
             max_dscore = max(max_dscore, abs(float(s) - b["score"]))
     return {"checked": int(idx.size), "verdict_mismatches": mism_v, "label_mismatches": mism_l,
             "max_abs_score_diff": round(max_dscore, 6)}
@@ -159,7 +187,7 @@ def batch_hist_delta(before: dict | None, after: dict | None) -> dict | None:
     dist, prev_le, prev = {}, 0.0, 0.0
     for le in les:
         cum = after["buckets"][le] - before["buckets"].get(le, 0.0)
-        n = int(round(cum - prev))
+        n = round(cum - prev)
         lo, hi = prev_le, key(le)
         name = (f"{int(hi)}" if hi - lo <= 1 else f"{int(lo) + 1}-{int(hi)}") if hi != float("inf") \
             else f">{int(lo)}"
@@ -168,8 +196,8 @@ def batch_hist_delta(before: dict | None, after: dict | None) -> dict | None:
         prev, prev_le = cum, hi
     count = after["count"] - before["count"]
     total = after["sum"] - before["sum"]
-    return {"source": "/metrics visionserve_batch_size", "batches": int(round(count)),
-            "frames": int(round(total)), "distribution": dist,
+    return {"source": "/metrics visionserve_batch_size", "batches": round(count),
+            "frames": round(total), "distribution": dist,
             "mean_batch_size": round(total / count, 3) if count else None}
 
 

@@ -16,9 +16,10 @@ import struct
 from dataclasses import dataclass
 
 # outcome codes (small ints: they travel in numpy arrays between processes)
-OK, LATE, LATE_ANSWER, REJECTED, HTTP_ERROR, CONN_ERROR, TIMEOUT, OVERFLOW, BAD_ANSWER = range(9)
+OK, LATE, LATE_ANSWER, REJECTED, HTTP_ERROR, CONN_ERROR, TIMEOUT, OVERFLOW, BAD_ANSWER, REJECTED_BARE = range(10)
+#: rejected: 503/429 (UNAVAILABLE/RESOURCE_EXHAUSTED) with Retry-After; rejected_no_retry_after: without
 OUTCOMES = ("ok", "late", "late_answer", "rejected", "http_error", "conn_error", "timeout",
-            "generator_overflow", "bad_answer")
+            "generator_overflow", "bad_answer", "rejected_no_retry_after")
 #: outcomes that count as a deadline miss (the part got no usable verdict in time)
 MISS_OUTCOMES = (LATE, LATE_ANSWER)
 VERDICTS = {"OK": 0, "NG": 1, "LATE": 2}
@@ -146,7 +147,7 @@ def oip_request(host: str, model: str, frame_data: bytes, deadline_ms: float | N
     return head, body
 
 
-def parse_inspect(status: int, data: bytes) -> Answer:
+def parse_inspect(status: int, data: bytes, headers: dict[str, str] | None = None) -> Answer:
     if status == 200:
         try:
             d = json.loads(data)
@@ -156,12 +157,12 @@ def parse_inspect(status: int, data: bytes) -> Answer:
         except (ValueError, TypeError, AttributeError):
             return Answer(BAD_ANSWER, detail=data[:200].decode("latin-1"))
         return ans
-    return _status_answer(status, data)
+    return _status_answer(status, data, headers)
 
 
 def parse_oip(status: int, headers: dict[str, str], data: bytes) -> Answer:
     if status != 200:
-        return _status_answer(status, data)
+        return _status_answer(status, data, headers)
     n = headers.get("inference-header-content-length")
     try:
         d = json.loads(data[:int(n)] if n else data)
@@ -189,12 +190,13 @@ def _flat(v):
         yield v
 
 
-def _status_answer(status: int, data: bytes) -> Answer:
+def _status_answer(status: int, data: bytes, headers: dict[str, str] | None = None) -> Answer:
+    """``headers`` (lower-case names) given: a refusal without Retry-After is told apart."""
     text = data[:300].decode("utf-8", "replace")
     if status == 504 or b'"LATE"' in data[:400]:
         return Answer(LATE, VERDICTS["LATE"], detail=text)
     if status in (503, 429):
-        return Answer(REJECTED, detail=text)
+        return Answer(REJECTED if headers is None or "retry-after" in headers else REJECTED_BARE, detail=text)
     return Answer(HTTP_ERROR, detail=f"{status} {text}")
 
 
@@ -246,5 +248,7 @@ def grpc_error_answer(exc) -> Answer:
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return Answer(LATE, VERDICTS["LATE"], detail=text)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
-        return Answer(REJECTED, detail=text)
+        meta = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+        trailers = {k.lower() for k, _ in meta} if meta is not None else {"retry-after"}  # unknown: benefit of doubt
+        return Answer(REJECTED if "retry-after" in trailers else REJECTED_BARE, detail=text)
     return Answer(HTTP_ERROR, detail=text)

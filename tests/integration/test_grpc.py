@@ -11,6 +11,7 @@ import time
 
 import cv2
 import grpc
+import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -111,7 +112,7 @@ def test_unsupported_rpcs_answer_unimplemented(client):
 # --- inference ----------------------------------------------------------------------------------
 
 def test_bytes_jpeg_frames_match_the_inspect_api(client, tiny_server, jpeg_bytes):
-    ok, png = cv2.imencode(".png", cv2.cvtColor(rgb_frame(), cv2.COLOR_RGB2BGR))
+    _ok, png = cv2.imencode(".png", cv2.cvtColor(rgb_frame(), cv2.COLOR_RGB2BGR))
     images = [jpeg_bytes, png.tobytes(), jpeg_bytes]
     result = client.infer(MODEL, [bytes_input(images)], request_id="req-1")
     assert result.get_response().id == "req-1"
@@ -171,7 +172,7 @@ def test_typed_contents_instead_of_raw_input_contents(stub, jpeg_bytes):
 @pytest.fixture(scope="module")
 def png_1080p() -> bytes:
     noise = np.random.default_rng(3).integers(0, 256, (1080, 1920, 3), dtype=np.uint8)
-    ok, png = cv2.imencode(".png", noise, [cv2.IMWRITE_PNG_COMPRESSION, 1])
+    _ok, png = cv2.imencode(".png", noise, [cv2.IMWRITE_PNG_COMPRESSION, 1])
     return png.tobytes()
 
 
@@ -219,14 +220,14 @@ def test_errors_map_to_grpc_status_codes(client, jpeg_bytes):
     assert status == "StatusCode.INVALID_ARGUMENT" and "FP32" in message
     short = grpcclient.InferInput("image", [1, 8, 8, 3], "UINT8")
     short.set_data_from_numpy(np.zeros((1, 8, 8, 3), np.uint8))
-    short._raw_content = short._raw_content[:-1]  # noqa: SLF001 - a client sending too few bytes
+    short._raw_content = short._raw_content[:-1]
     status, message = _status(lambda: client.infer(MODEL, [short]))
     assert status == "StatusCode.INVALID_ARGUMENT" and "192" in message
 
 
 def test_deadline_parameter_and_grpc_deadline(client, jpeg_bytes, png_1080p):
     # timeout parameter (microseconds): 1 us cannot be met
-    status, message = _status(lambda: client.infer(MODEL, [bytes_input([jpeg_bytes])], timeout=1))
+    status, _message = _status(lambda: client.infer(MODEL, [bytes_input([jpeg_bytes])], timeout=1))
     assert status == "StatusCode.DEADLINE_EXCEEDED"
     # the client's gRPC deadline (decoding four 1080p PNGs takes far longer than 5 ms): answered
     # DEADLINE_EXCEEDED by the server or by the channel, whichever notices first
@@ -331,3 +332,42 @@ def test_message_size_limit_and_health_through_shutdown(tiny_repo, server_factor
             pass
     assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses
     assert server.proc.wait(30) == 0
+
+
+def test_stream_read_slowly_holds_a_bounded_number_of_answers(stub, tiny_server):
+    """A client that sends fast and does not read: the server stops taking its requests once the
+    answers it could not write yet reach the stream's bound (gRPC flow control then holds the
+    client back), instead of computing every frame and keeping the answers in memory."""
+    from visionserve.grpc.servicer import STREAM_INFLIGHT
+
+    _, png = cv2.imencode(".png", np.full((32, 32, 3), 77, np.uint8))
+    # the answer's size (one frame's scores, label and verdict) padded with a long request id, so
+    # that what the transport buffers (socket buffers, HTTP/2 windows) holds few answers
+    pad = "x" * 4000
+    total = 16 * STREAM_INFLIGHT
+
+    def requests():
+        for i in range(total):
+            request = service_pb2.ModelInferRequest(model_name=MODEL, id=f"{i}-{pad}")
+            request.inputs.add(name="image", datatype="BYTES", shape=[1])
+            request.raw_input_contents.append(oip.serialize_bytes(np.array([png.tobytes()], dtype=object)))
+            yield request
+
+    def served() -> int:
+        return httpx.get(f"{tiny_server.url}/v2/models/{MODEL}/stats", timeout=10).json()[
+            "model_stats"][0]["inference_count"]
+
+    before = served()
+    answers = stub.ModelStreamInfer(requests(), timeout=120)
+    last, still = -1, time.monotonic()
+    end = time.monotonic() + 30
+    while time.monotonic() < end and time.monotonic() - still < 1.5:  # until the server stops taking
+        time.sleep(0.1)
+        now = served() - before
+        if now != last:
+            last, still = now, time.monotonic()
+    held = served() - before
+    assert held < total // 2, f"{held} of {total} computed for a client that read none"
+    # now read them all: each request answered once (some may be refused: the queue is short)
+    ids = [int(a.infer_response.id.split("-")[0]) for a in answers]
+    assert sorted(ids) == list(range(total))

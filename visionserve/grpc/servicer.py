@@ -108,16 +108,16 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
         async def answer(request: service_pb2.ModelInferRequest, arrival: float) -> None:
             request_id.set(request.id[:64] or stream_id)  # in this task's own context
+            # the slot is given back once the answer is written (below), not when it is queued:
+            # a client that reads slowly must hold the stream back, not grow this queue
             try:
                 response = await self._infer(request, arrival, context.time_remaining())
-                await answers.put(pb.ModelStreamInferResponse(infer_response=response))
+                answers.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
             except VisionServeError as exc:
-                await answers.put(_stream_error(request, exc.message))
+                answers.put_nowait(_stream_error(request, exc.message))
             except Exception:
                 log.exception("unhandled error in ModelStreamInfer (model %r)", request.model_name)
-                await answers.put(_stream_error(request, INTERNAL_MESSAGE))
-            finally:
-                slots.release()
+                answers.put_nowait(_stream_error(request, INTERNAL_MESSAGE))
 
         async def read() -> None:
             try:
@@ -138,7 +138,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 item = await answers.get()
                 if item is done_reading:
                     break
-                yield item
+                yield item  # resumes once gRPC has taken the message (flow control permitting)
+                slots.release()
             await reader  # surfaces a failure to read the stream
         finally:
             # the client went away (or the server is stopping): its frames need not run

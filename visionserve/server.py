@@ -99,6 +99,10 @@ def pin_device(spec: str):
 
     nvml = real_nvml()
     resolved = gpu_device.resolve(gpu_device.parse_device(spec), nvml)
+    if resolved.kind == "cuda":
+        from .extras import gpu_without_torch
+
+        resolved = gpu_without_torch(resolved, lambda: gpu_device.resolve("cpu", nvml))
     gpu_device.pin_environment(resolved)
     log.info("device: %s", gpu_device.describe(resolved))
     return resolved

@@ -49,13 +49,14 @@ class TorchBackend(Backend):
     # -- load ---------------------------------------------------------------------------------
 
     def load(self, path: Path, config: ModelConfig, device: str) -> None:
-        import torch
+        from ..extras import require
 
+        torch = require("torch", f"{path}: runtime.backend = \"torch\"")
         self._config = config
         self.device = device
         try:
             program = torch.export.load(str(path))
-        except Exception as exc:  # torch raises several types for a bad archive
+        except Exception as exc:  # noqa: BLE001 - torch raises several types for a bad archive
             raise ConfigError(f"{path}: torch cannot load the exported program: {exc}") from None
         module = program.module()
         cuda = device.startswith("cuda")
@@ -77,7 +78,7 @@ class TorchBackend(Backend):
                 module = module.to(self.compute_dtype)
             if self.channels_last:
                 module = module.to(memory_format=torch.channels_last)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure here is the model's or the device's
             raise ConfigError(f"{path}: cannot move the model to {device} / "
                               f"{config.runtime.precision}: {exc}") from None
         self._module = module

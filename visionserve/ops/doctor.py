@@ -256,7 +256,13 @@ def check_torch_cuda(c: _Ctx) -> Check:
     f, name = c.facts, "torch_cuda"
     t = f.torch
     if t is None:
-        return Check(name, "skip", "torch is not installed")
+        if c.gpus:
+            from ..extras import install_hint
+
+            return Check(name, "warn", f"torch is not installed (the CPU install) but "
+                         f"{len(c.gpus)} GPU(s) are present: the server can only use the CPU",
+                         install_hint("gpu"))
+        return Check(name, "skip", "torch is not installed (the CPU install)")
     if "error" in t:
         return Check(name, "fail", f"torch does not import: {t['error']}",
                      "reinstall torch in this environment (`pip install --force-reinstall torch`)")

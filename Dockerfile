@@ -2,11 +2,13 @@
 # visionserve image for edge industrial PCs (docker compose) and Kubernetes (NVIDIA device plugin).
 #
 #   docker build -t visionserve:0.1.0 .                 # GPU image (default target "gpu")
-#   docker build -t visionserve:0.1.0-cpu --target cpu . # GPU-less IPCs: CPU-only torch, ~1/4 the size
+#   docker build -t visionserve:0.1.0-cpu --target cpu . # GPU-less IPCs: no torch, no CUDA (venv 0.7 GB, not 6.1)
 #
-# Builds need PyPI (and download.pytorch.org for the cpu target): they happen at the vendor, with
-# internet. The plant's IPC never builds; it gets the image by `docker save` / `docker load`
-# (deploy/README.md).
+# Builds need PyPI: they happen at the vendor, with internet. The plant's IPC never builds; it gets
+# the image by `docker save` / `docker load` (deploy/README.md).
+#
+# Versions: every pip install below takes requirements/constraints.txt (-c), the versions the test
+# suite last passed with, so the image holds what was tested, not what PyPI has newest that day.
 #
 # Where CUDA comes from: NOT from an nvidia/cuda base image. torch's PyPI wheels for x86-64 Linux
 # depend on the nvidia-* / cuda-toolkit wheels (cudart, cuBLAS, cuDNN, cuFFT, nvJPEG comes inside
@@ -15,51 +17,44 @@
 # image would carry a second copy of the same ~3 GB. So: a slim Python base plus the wheels; the only
 # thing needed from the host is the NVIDIA driver (>= 580 for CUDA 13), mounted into the container
 # by the NVIDIA Container Toolkit (compose `driver: nvidia`, Kubernetes device plugin).
+#
+# The CPU image is the core install (pyproject.toml): onnxruntime on the CPU, without torch and its
+# CUDA wheels (extra "gpu"). It serves ONNX models; `runtime.backend = "torch"` needs the GPU image.
 
 ARG PYTHON_IMAGE=python:3.12.12-slim-trixie
-ARG TORCH_VERSION=2.14.1
-ARG TORCHVISION_VERSION=0.29.1
 
 # ---------------------------------------------------------------------------------------------
-# builder: a venv in /opt/venv with torch + the project; the final stage copies only the venv.
+# builder: a venv in /opt/venv with the project; the final stage copies only the venv.
 FROM ${PYTHON_IMAGE} AS builder-base
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_INPUT=1
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
+COPY requirements/constraints.txt requirements/constraints.txt
 
 FROM builder-base AS builder-gpu
-ARG TORCH_VERSION
-ARG TORCHVISION_VERSION
 # torch first, in its own layer: ~4 GB of wheels that change far less often than our code.
 # PyPI's default torch wheel for x86-64 Linux is the CUDA (cu13x) build.
 RUN --mount=type=cache,target=/root/.cache/pip \
-    pip install "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}"
+    pip install -c requirements/constraints.txt torch torchvision
 
-FROM builder-base AS builder-cpu
-ARG TORCH_VERSION
-ARG TORCHVISION_VERSION
-# The CPU index has the same versions without the nvidia-* dependencies (and no triton).
-RUN --mount=type=cache,target=/root/.cache/pip \
-    pip install --index-url https://download.pytorch.org/whl/cpu \
-        "torch==${TORCH_VERSION}+cpu" "torchvision==${TORCHVISION_VERSION}+cpu"
-
-# The project on top; torch is already satisfied so pip keeps the variant installed above.
-# onnxruntime-gpu also carries the CPU execution provider, so the cpu image keeps it.
+# The project on top, with the gpu extra; torch is already satisfied at the constrained version.
 FROM builder-gpu AS project-gpu
 COPY pyproject.toml README.md ./
 COPY visionserve ./visionserve
 RUN --mount=type=cache,target=/root/.cache/pip \
-    pip install . \
-    && python -c "import visionserve.cli"
+    pip install -c requirements/constraints.txt ".[gpu]" \
+    && python -c "import visionserve.cli, torch, onnxruntime"
 
-FROM builder-cpu AS project-cpu
+# The core only: no torch, no nvidia-* wheels.
+FROM builder-base AS project-cpu
 COPY pyproject.toml README.md ./
 COPY visionserve ./visionserve
 RUN --mount=type=cache,target=/root/.cache/pip \
-    pip install . \
-    && python -c "import visionserve.cli"
+    pip install -c requirements/constraints.txt . \
+    && python -c "import visionserve.cli, onnxruntime" \
+    && ! python -c "import torch" 2>/dev/null
 
 # ---------------------------------------------------------------------------------------------
 # runtime: the same slim base, no compilers, no pip cache, no source tree.
@@ -105,7 +100,7 @@ CMD ["serve"]
 
 FROM runtime-base AS cpu
 LABEL org.opencontainers.image.title="visionserve (CPU)" \
-      org.opencontainers.image.description="visionserve inference server, CPU-only torch" \
+      org.opencontainers.image.description="visionserve inference server, CPU only (onnxruntime, no torch)" \
       org.opencontainers.image.licenses="Apache-2.0"
 ENV VISIONSERVE_DEVICE=cpu
 COPY --from=project-cpu /opt/venv /opt/venv

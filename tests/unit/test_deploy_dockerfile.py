@@ -225,6 +225,63 @@ def test_caches_point_to_tmp(runtime):
             assert env.get(name, "").startswith("/tmp/"), name
 
 
+def _pip_installs(stage: Stage) -> list[str]:
+    return [i["value"] for i in stage.chain() if i["instruction"] == "RUN" and "pip install" in i["value"]]
+
+
+def test_every_pip_install_takes_the_tested_versions(stages):
+    """requirements/constraints.txt (what the test suite passed with) rules every install, so the
+    image gets the tested versions; no version of its own beside it (one source of versions)."""
+    for stage in stages:
+        for run in _pip_installs(stage):
+            assert re.search(r"(-c|--constraint)[ =]requirements/constraints\.txt\b", run), \
+                f"{stage.name}: pip install without the constraints file: {run}"
+            assert "==" not in run and "${" not in run, f"{stage.name}: a pin beside the constraints: {run}"
+            copied = [i["value"].split() for i in stage.chain() if i["instruction"] == "COPY"]
+            assert any(c[0] == "requirements/constraints.txt" for c in copied), stage.name
+
+
+def _pip_packages(stage: Stage) -> list[str]:
+    """What the stage's `pip install` commands name (options and their values left out)."""
+    import shlex
+
+    names = []
+    for run in _pip_installs(stage):
+        for command in re.split(r"&&|;", run):
+            words = shlex.split(command)
+            at = next((i for i in range(len(words) - 1) if words[i:i + 2] == ["pip", "install"]), None)
+            if at is None:
+                continue
+            skip = False
+            for w in words[at + 2:]:
+                if skip:
+                    skip = False
+                elif w.startswith("-"):
+                    skip = w in ("-c", "--constraint", "-r", "--requirement", "-i", "--index-url",
+                                 "--extra-index-url", "-f", "--find-links")
+                else:
+                    names.append(w)
+    return names
+
+
+def _venv_source(stages: list[Stage], stage: Stage) -> Stage:
+    """The builder stage whose /opt/venv a runtime stage copies."""
+    copy = [i["value"] for i in stage.chain() if i["instruction"] == "COPY"
+            and i["value"].startswith("--from=") and "/opt/venv" in i["value"]][-1]
+    name = copy.split()[0].removeprefix("--from=")
+    return next(s for s in stages if s.name == name)
+
+
+def test_cpu_image_is_the_core_install_without_torch(stages, runtime):
+    """The CPU image installs the core (onnxruntime on the CPU), not the gpu extra: no torch, no
+    CUDA wheels, and no index other than PyPI; the GPU image installs the gpu extra."""
+    cpu = _venv_source(stages, runtime["cpu"])
+    assert _pip_packages(cpu) == ["."]
+    assert not any("--index-url" in r or "--extra-index-url" in r for r in _pip_installs(cpu))
+    gpu = _pip_packages(_venv_source(stages, runtime["gpu"]))
+    assert ".[gpu]" in gpu and "torch" in gpu
+
+
 # --- the HEALTHCHECK, run for real ---------------------------------------------------------
 
 class _Health(BaseHTTPRequestHandler):
@@ -317,6 +374,7 @@ def _ignored(path: str, patterns: list[str]) -> bool:
     ("visionserve/cli.py", False),
     ("models/defect-classifier/model.toml", False),
     ("models/defect-classifier/1/model.onnx", False),
+    ("requirements/constraints.txt", False),
     (".git/HEAD", True),
     (".venv/bin/python", True),
     ("visionserve/__pycache__/cli.cpython-312.pyc", True),

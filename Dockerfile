@@ -75,6 +75,8 @@ RUN groupadd --system --gid 10001 visionserve \
     && chown -R 10001:10001 /var/lib/visionserve
 # CUDA_DEVICE_ORDER=PCI_BUS_ID: indices match nvidia-smi's, not "fastest first".
 # Caches go under /tmp so the root filesystem can be mounted read-only (Kubernetes).
+# The guard's job database: the folder made above (compose mounts a volume there), for the CLI
+# (`docker exec ... visionserve guard list`) and `serve --guard` alike, not under $HOME.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -84,7 +86,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     VISIONSERVE_HOST=0.0.0.0 \
     VISIONSERVE_HTTP_PORT=8000 \
     VISIONSERVE_GRPC_PORT=8001 \
-    VISIONSERVE_MODELS=/opt/visionserve/models
+    VISIONSERVE_MODELS=/opt/visionserve/models \
+    VISIONSERVE_GUARD_DB=/var/lib/visionserve/guard/guard.db
 WORKDIR /opt/visionserve
 # The shipped models, owned by root and read-only to the server: it never writes to them.
 COPY models/ /opt/visionserve/models/

@@ -407,3 +407,13 @@ def test_copy_sources_exist(stages):
             if ins["instruction"] in ("COPY", "ADD") and "--from=" not in ins["value"]:
                 for src in ins["value"].split()[:-1]:
                     assert (ROOT / src).exists(), f"Dockerfile line {ins['startline'] + 1}: {src} missing"
+
+
+def test_guard_database_default_is_the_guard_volume(runtime):
+    """`docker exec ... visionserve guard list` and `serve --guard` find the queue the compose
+    guard service keeps in its volume, whatever the working directory or $HOME."""
+    compose = (ROOT / "deploy" / "docker-compose.yml").read_text()
+    for target, stage in runtime.items():
+        db = stage.env().get("VISIONSERVE_GUARD_DB", "")
+        assert db.startswith("/var/lib/visionserve/guard/"), target
+        assert f'"--db", "{db}"' in compose, f"{target}: compose's guard uses another database"

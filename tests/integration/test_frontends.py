@@ -243,7 +243,7 @@ def _clients(s, n: int) -> list[httpx.Client]:
     return clients
 
 
-def test_a_frozen_serving_process_answers_deadlines_and_turns_not_ready(tiny_repo, tmp_path):
+def test_a_frozen_serving_process_answers_deadlines_and_turns_not_ready(tiny_repo, server_factory):
     """SIGSTOP the serving process: the front end answers 504 at each request's own deadline, turns
     not ready within the heartbeat window, and refuses new work with 503; after SIGCONT it serves
     again, and every frame gets its own answer (the arena space of the abandoned requests was not
@@ -252,7 +252,7 @@ def test_a_frozen_serving_process_answers_deadlines_and_turns_not_ready(tiny_rep
 
     from visionserve.frontends.remote import HEARTBEAT_TIMEOUT_S
 
-    s = start_server(tiny_repo, tmp_path, "--frontends", "1", grpc=False)
+    s = server_factory(tiny_repo, "--frontends", "1", grpc=False)
     bodies = {v: cv2.imencode(".png", np.full((40, 40, 3), v, np.uint8))[1].tobytes() for v in (20, 120, 220)}
     png = {"Content-Type": "image/png"}
     with httpx.Client(timeout=30) as c:
@@ -280,19 +280,19 @@ def test_a_frozen_serving_process_answers_deadlines_and_turns_not_ready(tiny_rep
         assert "not answering" in r.json()["error"]
     finally:
         os.kill(s.proc.pid, signal.SIGCONT)
-    try:
-        wait_for(lambda: httpx.get(s.url + "/v2/health/ready", timeout=5).status_code == 200,
-                 timeout=10, what="ready again")
-        with httpx.Client(timeout=30) as c:
-            for v in list(bodies) * 3:
-                r = c.post(s.url + INSPECT, content=bodies[v], headers=png)
-                assert r.status_code == 200 and r.json()["scores"] == pytest.approx(expected[v], abs=1e-5)
-        assert "engine process has not answered" in s.log() and "Traceback" not in s.log()
-    finally:
-        assert s.stop() == 0
+        for c in clients:
+            c.close()
+    wait_for(lambda: httpx.get(s.url + "/v2/health/ready", timeout=5).status_code == 200,
+             timeout=10, what="ready again")
+    with httpx.Client(timeout=30) as c:
+        for v in list(bodies) * 3:
+            r = c.post(s.url + INSPECT, content=bodies[v], headers=png)
+            assert r.status_code == 200 and r.json()["scores"] == pytest.approx(expected[v], abs=1e-5)
+    assert "engine process has not answered" in s.log() and "Traceback" not in s.log()
+    assert s.stop() == 0
 
 
-def test_a_killed_serving_process_takes_its_front_ends_along_at_once(tiny_repo, tmp_path, jpeg_bytes):
+def test_a_killed_serving_process_takes_its_front_ends_along_at_once(tiny_repo, server_factory, jpeg_bytes):
     """SIGKILL the serving process while clients have requests in progress (one waiting for the
     engine, one sending its body slowly, one gRPC stream): the front ends answer 503 and exit within
     a second or two, and both ports can be bound again."""
@@ -301,7 +301,7 @@ def test_a_killed_serving_process_takes_its_front_ends_along_at_once(tiny_repo, 
 
     from visionserve import oip
 
-    s = start_server(tiny_repo, tmp_path, "--frontends", "2")
+    s = server_factory(tiny_repo, "--frontends", "2")
     fronts = _front_ends(s)
     slow = socket.create_connection(("127.0.0.1", s.http_port))
     slow.sendall(b"POST " + INSPECT.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
@@ -319,9 +319,10 @@ def test_a_killed_serving_process_takes_its_front_ends_along_at_once(tiny_repo, 
     stream = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(requests(), timeout=60)
     assert next(stream).infer_response.id == "s1"
     out: list = []
+    (client,) = _clients(s, 1)
     try:
         os.kill(s.proc.pid, signal.SIGSTOP)  # so that a request is surely in progress in the engine
-        waiting = threading.Thread(target=_post, args=(_clients(s, 1)[0], s.url, jpeg_bytes,
+        waiting = threading.Thread(target=_post, args=(client, s.url, jpeg_bytes,
                                                        {**JPEG, "X-Deadline-Ms": "20000"}, out))
         waiting.start()
         time.sleep(0.3)
@@ -339,9 +340,12 @@ def test_a_killed_serving_process_takes_its_front_ends_along_at_once(tiny_repo, 
                 again.bind(("127.0.0.1", port))
                 again.listen()
     finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
         release.set()
         slow.close()
         channel.close()
+        client.close()
         for p in fronts:
             if _alive(p):
                 os.kill(p, signal.SIGKILL)

@@ -26,7 +26,7 @@ def means_repo(tmp_path_factory):
 def test_every_answer_belongs_to_its_frame_on_gpu(means_repo, server_factory, frontends):
     extra = ("--frontends", str(frontends)) if frontends else ()
     server = server_factory(means_repo, "--device", "cuda:0", *extra, grpc=False)
-    report = asyncio.run(integrity.run_load(server.url, seconds=30, clients=48))
+    report = asyncio.run(integrity.run_load(server.url, seconds=30, clients=48, processes=4))
     summary = report.as_dict()
     if os.environ.get("INTEGRITY_OUT"):  # tests/gpu/run_on_device.sh keeps the figures
         with open(Path(os.environ["INTEGRITY_OUT"]) / "integrity.jsonl", "a") as f:

@@ -82,7 +82,7 @@ def make_repo(root: Path, backend: str = "onnxruntime", precision: str = "fp16")
 
 
 def colour(i: int) -> tuple[int, int, int]:
-    """The unique RGB colour of frame ``i`` (unique among 4096 consecutive frames)."""
+    """The RGB colour of frame ``i`` of the pool (all 4096 colours differ)."""
     n = 256 // STEP
     k = i % n**3
     return (k % n * STEP + STEP // 2, k // n % n * STEP + STEP // 2, k // n**2 * STEP + STEP // 2)
@@ -105,6 +105,19 @@ def encode(i: int, size: tuple[int, int], fmt: str) -> tuple[bytes, dict[str, st
         media = "image/png"
     assert ok
     return buf.tobytes(), {"Content-Type": media}
+
+
+def frame_pool(n: int, sizes: tuple[tuple[int, int], ...]) -> list[tuple[bytes, dict[str, str]]]:
+    """``n`` frames, each its own colour (so any two in flight differ): mostly JPEG (the GPU
+    path's batch decode), some PNG and raw; raw only up to VGA so the pool stays small."""
+    out = []
+    for i in range(n):
+        size = sizes[i % len(sizes)]
+        fmt = "jpeg" if i % 10 < 7 else ("png" if i % 10 < 9 else "raw")
+        if fmt == "raw" and size[0] * size[1] > 480 * 640:
+            fmt = "png"
+        out.append(encode(i, size, fmt))
+    return out
 
 
 def belongs(scores: dict, i: int) -> bool:
@@ -131,16 +144,14 @@ class Report:
                 "seconds": round(self.seconds, 1), "wrong_examples": self.examples[:10]}
 
 
-async def run_load(url: str, *, seconds: float = 30.0, clients: int = 48, short_share: float = 0.3,
-                   short_ms: tuple[float, float] = (1.0, 8.0), hangup_share: float = 0.05,
-                   sizes: tuple[tuple[int, int], ...] = SIZES, model: str = MODEL,
-                   seed: int = 0) -> Report:
-    """Drive ``clients`` concurrent senders for ``seconds``; every 200 answer is checked."""
+async def _senders(url: str, pool: list, first: int, stride: int, seconds: float, clients: int,
+                   short_share: float, short_ms: tuple[float, float], hangup_share: float,
+                   model: str, seed: int) -> Report:
     import httpx
 
     report = Report()
-    counter = iter(range(1 << 62))
     rng = random.Random(seed)
+    counter = iter(range(first, 1 << 62, stride))
     end = time.monotonic() + seconds
     endpoint = f"{url}/v1/models/{model}/inspect"
     limits = httpx.Limits(max_connections=clients * 2, max_keepalive_connections=clients)
@@ -148,8 +159,9 @@ async def run_load(url: str, *, seconds: float = 30.0, clients: int = 48, short_
     async def sender(client: httpx.AsyncClient) -> None:
         while time.monotonic() < end:
             i = next(counter)
-            body, headers = encode(i, sizes[i % len(sizes)], FORMATS[i // len(sizes) % len(FORMATS)])
-            headers["X-Part-Id"] = str(i)
+            k = i % len(pool)
+            body, media = pool[k]
+            headers = {**media, "X-Part-Id": str(i)}
             if rng.random() < short_share:
                 headers["X-Deadline-Ms"] = f"{rng.uniform(*short_ms):.1f}"
                 report.short_deadline += 1
@@ -168,10 +180,10 @@ async def run_load(url: str, *, seconds: float = 30.0, clients: int = 48, short_
                 continue
             answer = r.json()
             report.answered_200 += 1
-            if answer.get("part_id") != str(i) or not belongs(answer["scores"], i):
+            if answer.get("part_id") != str(i) or not belongs(answer["scores"], k):
                 report.wrong += 1
                 if len(report.examples) < 10:
-                    report.examples.append({"frame": i, "colour": colour(i), "answer": answer})
+                    report.examples.append({"frame": k, "colour": colour(k), "answer": answer})
 
     t0 = time.monotonic()
     async with httpx.AsyncClient(limits=limits) as client:
@@ -180,11 +192,53 @@ async def run_load(url: str, *, seconds: float = 30.0, clients: int = 48, short_
     return report
 
 
+def _process_main(args: tuple) -> dict:
+    url, n, sizes, first, stride, kw = args
+    report = asyncio.run(_senders(url, frame_pool(n, sizes), first, stride, **kw))
+    d = report.as_dict()
+    d["statuses"] = dict(report.statuses)
+    return d
+
+
+async def run_load(url: str, *, seconds: float = 30.0, clients: int = 48, processes: int = 1,
+                   short_share: float = 0.3, short_ms: tuple[float, float] = (1.0, 8.0),
+                   hangup_share: float = 0.05, sizes: tuple[tuple[int, int], ...] = SIZES,
+                   model: str = MODEL, pool_size: int = 1024, seed: int = 0) -> Report:
+    """Drive ``clients`` concurrent senders (spread over ``processes`` processes, so the load
+    generator is not the bottleneck on a large machine) for ``seconds``; every 200 answer is
+    checked against its own frame's colour."""
+    kw = dict(seconds=seconds, short_share=short_share, short_ms=tuple(short_ms),
+              hangup_share=hangup_share, model=model)
+    if processes <= 1:
+        return await _senders(url, frame_pool(pool_size, sizes), 0, 1, clients=clients, seed=seed, **kw)
+    import concurrent.futures
+    import multiprocessing
+
+    per = max(1, clients // processes)
+    jobs = [(url, pool_size, sizes, k, processes, {**kw, "clients": per, "seed": seed + k})
+            for k in range(processes)]
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(processes, mp_context=ctx) as ex:
+        parts = await asyncio.gather(*(asyncio.wrap_future(ex.submit(_process_main, j)) for j in jobs))
+    total = Report()
+    for d in parts:
+        total.sent += d["sent"]
+        total.answered_200 += d["answered_200"]
+        total.wrong += d["wrong"]
+        total.short_deadline += d["short_deadline"]
+        total.hung_up += d["hung_up"]
+        total.statuses.update(d["statuses"])
+        total.examples += d["wrong_examples"]
+        total.seconds = max(total.seconds, d["seconds"])
+    return total
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--seconds", type=float, default=30.0)
     p.add_argument("--clients", type=int, default=48)
+    p.add_argument("--processes", type=int, default=1, help="load-generator processes")
     p.add_argument("--short-ms", type=float, nargs=2, default=(1.0, 8.0))
     p.add_argument("--out", type=Path)
     p.add_argument("--make-repo", type=Path, help="write the model repository here and exit")
@@ -194,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         make_repo(args.make_repo, args.backend)
         return 0
     report = asyncio.run(run_load(args.url, seconds=args.seconds, clients=args.clients,
-                                  short_ms=tuple(args.short_ms)))
+                                  processes=args.processes, short_ms=tuple(args.short_ms)))
     text = json.dumps(report.as_dict(), indent=1)
     print(text)
     if args.out:

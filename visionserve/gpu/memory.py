@@ -445,6 +445,8 @@ class GpuReservation:
                                             channels_last=getattr(backend, "channels_last", False))
         prep.warmup(preferred)
         self.streams.append(backend.stream)
+        if prep.decode_stream is not None:  # the decoded images' blocks live in its pool
+            self.streams.append(prep.decode_stream)
         return prep
 
     def ready(self) -> None:

@@ -238,6 +238,9 @@ class ServerSettings(BaseSettings):
         None, description="Require 'Authorization: Bearer <token>' (HTTP) / 'authorization' metadata (gRPC).")
     auth_token_file: Path | None = Field(None, description="Read the bearer token from this file instead.")
     auth_health_open: bool = Field(True, description="Health endpoints stay open when auth is on.")
+    auth_metrics_open: bool = Field(
+        True, description="/metrics stays open when auth is on, for Prometheus scrapers that send no token "
+                          "(the Kubernetes scrape annotations). It shows model names and traffic, no frames.")
     tls_cert: Path | None = Field(None, description="PEM certificate: serve HTTPS and gRPC over TLS.")
     tls_key: Path | None = Field(None, description="PEM private key for --tls-cert.")
     switch_interval_ms: float = Field(
@@ -254,7 +257,9 @@ class ServerSettings(BaseSettings):
         64 * 1024**2, ge=1024**2,
         description="Shared memory per front-end process for frames in flight; a frame that does not fit "
                     "travels in the message instead (slower, never refused).")
-    guard: bool = Field(False, description="Also host the training-queue guard (and /v1/guard/jobs).")
+    guard: bool = Field(
+        False, description="Also host the training-queue guard (and /v1/guard/jobs, which runs commands: "
+                           "refused unless an auth token is set or --host is a loopback address).")
     guard_db: Path | None = Field(
         None, description="The guard's SQLite database (default: VISIONSERVE_GUARD_DB, else "
         "$XDG_DATA_HOME/visionserve/guard.sqlite, i.e. ~/.local/share/visionserve/guard.sqlite: "

@@ -1,13 +1,19 @@
 """Security basics shared by both front ends: bearer-token auth and request ids.
 
 Auth is off unless a token is configured (``--auth-token`` / ``VISIONSERVE_AUTH_TOKEN`` or
-``--auth-token-file``). Health endpoints stay open by default so load balancers and kubelets can
-probe without the secret (``--no-auth-health-open`` closes them too).
+``--auth-token-file``). Once it is on, every path needs it but these, which change nothing, run
+nothing and read no file: the health endpoints, so load balancers and kubelets can probe without
+the secret (``--no-auth-health-open`` closes them too), and ``/metrics``, so Prometheus can scrape
+it (``--no-auth-metrics-open`` closes it).
+
+The training-queue guard's job API (``/v1/guard``, ``serve --guard``) runs commands, so it is
+refused (403) unless a token is set, or the server listens on loopback only.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import uuid
 from pathlib import Path
@@ -19,6 +25,29 @@ HEALTH_PATHS = ("/v2/health/live", "/v2/health/ready")
 GRPC_HEALTH_METHODS = ("/inference.GRPCInferenceService/ServerLive",
                        "/inference.GRPCInferenceService/ServerReady",
                        "/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
+METRICS_PATH = "/metrics"
+GUARD_PREFIX = "/v1/guard"
+
+
+def is_loopback(host: str) -> bool:
+    """True when a server bound to ``host`` is reachable from this machine only."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name, or "" (all interfaces)
+        return False
+
+
+def guard_api_refusal(token: str | None, host: str) -> str | None:
+    """Why the guard's job API must stay shut, or None when it may be served (behind the token,
+    or to local clients only). A client's address is no test: behind a reverse proxy on the same
+    machine every client comes from 127.0.0.1."""
+    if token or is_loopback(host):
+        return None
+    return (f"the guard's job API ({GUARD_PREFIX}) is off: it runs commands, and this server listens "
+            f"on {host or 'all interfaces'} without an auth token. Set --auth-token or --auth-token-file, "
+            "or --host 127.0.0.1; on this machine `visionserve guard submit` still queues jobs")
 
 
 def load_token(token: str | None, token_file: Path | None) -> str | None:
@@ -41,13 +70,17 @@ def bearer_ok(header: str | None, token: str) -> bool:
 
 
 class HttpSecurity:
-    """ASGI middleware: a request id for every request (``X-Request-Id`` in and out) and, when a
-    token is set, ``Authorization: Bearer <token>`` on everything but the open paths."""
+    """ASGI middleware: a request id for every request (``X-Request-Id`` in and out); when a
+    token is set, ``Authorization: Bearer <token>`` on everything but the open paths; and 403 with
+    ``guard_refusal`` as the message under the guard's prefix when that is given."""
 
-    def __init__(self, app, token: str | None, health_open: bool = True) -> None:
+    def __init__(self, app, token: str | None, health_open: bool = True, metrics_open: bool = True,
+                 guard_refusal: str | None = None) -> None:
         self.app = app
         self.token = token
-        self.open_paths = set(HEALTH_PATHS) if health_open else set()
+        self.open_paths = (set(HEALTH_PATHS) if health_open else set()) | \
+            ({METRICS_PATH} if metrics_open else set())
+        self.guard_refusal = guard_refusal
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -57,10 +90,15 @@ class HttpSecurity:
         rid = headers.get(b"x-request-id", b"").decode("latin-1")[:64] or uuid.uuid4().hex[:16]
         reset = request_id.set(rid)
         try:
-            if self.token and scope["path"] not in self.open_paths:
+            path = scope["path"]
+            if self.guard_refusal and (path == GUARD_PREFIX or path.startswith(GUARD_PREFIX + "/")):
+                await _reply(send, rid, 403, self.guard_refusal)
+                return
+            if self.token and path not in self.open_paths:
                 auth = headers.get(b"authorization", b"").decode("latin-1")
                 if not bearer_ok(auth, self.token):
-                    await _deny(send, rid)
+                    await _reply(send, rid, 401, "missing or wrong bearer token (Authorization: Bearer <token>)",
+                                 (b"www-authenticate", b'Bearer realm="visionserve"'))
                     return
 
             async def send_with_id(message) -> None:
@@ -74,10 +112,10 @@ class HttpSecurity:
             request_id.reset(reset)
 
 
-async def _deny(send, rid: str) -> None:
-    body = json.dumps({"error": "missing or wrong bearer token (Authorization: Bearer <token>)"}).encode()
-    await send({"type": "http.response.start", "status": 401, "headers": [
-        (b"content-type", b"application/json"), (b"www-authenticate", b'Bearer realm="visionserve"'),
+async def _reply(send, rid: str, status: int, message: str, *headers: tuple[bytes, bytes]) -> None:
+    body = json.dumps({"error": message}).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), *headers,
         (b"x-request-id", rid.encode("latin-1")), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
 

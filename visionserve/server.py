@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         from .security import load_token
 
-        load_token(settings.auth_token, settings.auth_token_file)
+        token = load_token(settings.auth_token, settings.auth_token_file)
         resolved = pin_device(settings.device)
         apply_process_settings(settings)
         from .engine import Engine
@@ -133,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         if settings.guard:
             p99 = engine.latency_p99() if settings.guard_latency_budget_ms else None
             guard = HostedGuard(settings, resolved, latency=p99)
+            log_guard_access(settings.host, token)
     except VisionServeError as exc:
         print(f"visionserve serve: {exc.message}", file=sys.stderr)
         return 2
@@ -179,15 +180,30 @@ class HostedGuard:
             self._thread.join(timeout=30)
 
 
+def log_guard_access(host: str, token: str | None) -> None:
+    """Say at start-up who may use the guard's job API, which runs commands."""
+    from .security import GUARD_PREFIX, guard_api_refusal
+
+    refusal = guard_api_refusal(token, host)
+    if refusal:
+        log.warning("guard: %s", refusal)
+    elif token:
+        log.info("guard: the job API (%s) runs commands; it needs the bearer token", GUARD_PREFIX)
+    else:
+        log.info("guard: the job API (%s) runs commands; open without a token to this machine only "
+                 "(listening on %s)", GUARD_PREFIX, host)
+
+
 def http_app(engine, settings: ServerSettings, routers: tuple = ()):
     """The ASGI app a front end serves: the FastAPI app behind auth and request ids."""
     from .http.app import create_app
     from .http.inspect import InspectFastPath
-    from .security import HttpSecurity, load_token
+    from .security import HttpSecurity, guard_api_refusal, load_token
 
     token = load_token(settings.auth_token, settings.auth_token_file)
     return HttpSecurity(InspectFastPath(create_app(engine, settings, routers)), token,
-                        settings.auth_health_open)
+                        settings.auth_health_open, settings.auth_metrics_open,
+                        guard_api_refusal(token, settings.host) if settings.guard else None)
 
 
 def http_server(app, engine, settings: ServerSettings) -> DrainingServer:

@@ -232,8 +232,16 @@ class ServerSettings(BaseSettings):
     grpc_max_message_bytes: int = Field(64 * 1024**2, ge=1024, description="Largest gRPC message.")
     body_timeout_s: float = Field(
         30.0, gt=0, description="A request body must arrive within this (slow clients get 408).")
+    header_timeout_s: float = Field(
+        5.0, gt=0, le=300,
+        description="A request's head (request line and headers) must arrive within this, from the "
+                    "connection's start or the request's first byte; slower connections are closed "
+                    "(slowloris).")
     max_connections: int | None = Field(
-        1000, ge=1, description="Concurrent HTTP connections; past it new ones get 503.")
+        1000, ge=1, description="Open HTTP connections per process. When full, the one waiting longest "
+                                "for a request head (then the longest idle) is closed to make room; when "
+                                "every one has a request in progress, new requests get 503 with "
+                                "Retry-After (health checks are still answered).")
     auth_token: str | None = Field(
         None, description="Require 'Authorization: Bearer <token>' (HTTP) / 'authorization' metadata (gRPC).")
     auth_token_file: Path | None = Field(None, description="Read the bearer token from this file instead.")

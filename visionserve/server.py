@@ -72,6 +72,27 @@ def configure_logging(level: str, as_json: bool) -> None:
 def apply_process_settings(settings: ServerSettings) -> None:
     """Interpreter settings of the serving process (the one with the runner threads)."""
     sys.setswitchinterval(settings.switch_interval_ms / 1000)
+    raise_fd_limit(settings.max_connections or 0)
+
+
+def raise_fd_limit(connections: int) -> None:
+    """Every HTTP connection holds a file descriptor, and many systems start a process with 1,024:
+    raise the soft limit to the hard one (front-end processes inherit it), and say so when that is
+    still short of ``max_connections`` plus what the server itself keeps open."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+    if soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass
+    if soft < connections + 256:
+        log.warning("only %d file descriptors (RLIMIT_NOFILE) for max_connections %d: past about %d "
+                    "connections new ones fail; raise it (ulimit -n, systemd LimitNOFILE, docker --ulimit "
+                    "nofile) or lower --max-connections", soft, connections, soft - 256)
 
 
 def run_loop(main):
@@ -209,13 +230,18 @@ def http_app(engine, settings: ServerSettings, routers: tuple = ()):
 def http_server(app, engine, settings: ServerSettings) -> DrainingServer:
     import uvicorn
 
+    from .http.connections import protocol_class
+
     tls = {"ssl_certfile": str(settings.tls_cert), "ssl_keyfile": str(settings.tls_key)} \
         if settings.tls_cert else {}
+    # the connection limit and the header timeout live in the protocol (uvicorn has no header
+    # timeout, and its own limit let slow clients lock everyone out); no WebSocket routes here
     return DrainingServer(uvicorn.Config(
         app, host=settings.host, port=settings.http_port, log_level=settings.log_level,
         access_log=settings.log_level == "debug", timeout_keep_alive=30,
         timeout_graceful_shutdown=max(1.0, settings.drain_timeout_s),
-        limit_concurrency=settings.max_connections, log_config=None, **tls,
+        http=protocol_class(settings.header_timeout_s, settings.max_connections), ws="none",
+        log_config=None, **tls,
     ), engine, settings.drain_timeout_s)
 
 

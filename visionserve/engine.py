@@ -358,6 +358,8 @@ class Engine(ModelLookup):
                 p.future.cancel()
             raise
         served.series.queue_depth.set(batcher.queue_depth)
+        if self.latency is not None:
+            self.latency.track(pending)  # answered and LATE frames alike, whichever front end waits
         return pending
 
     def finish(self, served: Served, results: list[FrameResult], arrival: float) -> list[FrameResult]:
@@ -368,9 +370,6 @@ class Engine(ModelLookup):
         served.stats.last_inference_ms = int(time.time() * 1000)
         m = served.series
         m.success.inc()
-        if self.latency is not None:
-            for r in results:
-                self.latency.add(r.total_ms, now)
         for r in results:
             m.frames(r.verdict).inc()
             m.request_seconds.observe(r.total_ms / 1000)

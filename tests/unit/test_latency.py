@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
+from types import SimpleNamespace
 
+from visionserve.errors import DeadlineExceeded
+from visionserve.guard import watchdog
 from visionserve.latency import MIN_FRAMES, LatencyWindow
 
 
@@ -41,3 +46,48 @@ def test_adding_from_one_thread_while_another_reads():
     stop.set()
     t.join()
     assert w.p99() == 9.0
+
+
+def _frames(n: int, deadline_ms: float, arrival: float):
+    loop = asyncio.get_running_loop()
+    return [SimpleNamespace(future=loop.create_future(), arrival=arrival,
+                            deadline=arrival + deadline_ms / 1000) for _ in range(n)]
+
+
+def test_late_frames_count_at_least_at_their_deadline_and_keep_the_job_paused():
+    """Frames answered LATE (expired in the queue or during decode) are in the window at no less
+    than their deadline budget: a line that only misses deadlines reads a p99 over a budget under
+    the deadline, and a job paused for latency is not resumed."""
+    w = LatencyWindow()
+
+    async def main():
+        now = time.monotonic()
+        late = _frames(MIN_FRAMES, deadline_ms=40.0, arrival=now)  # deadline still ahead: a floor
+        gone = _frames(5, deadline_ms=40.0, arrival=now)
+        w.track(late + gone)
+        for f in late:
+            f.future.set_exception(DeadlineExceeded("deadline passed; the frame was not run"))
+        for f in gone:
+            f.future.cancel()  # the client left: not an answer
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
+    p99 = w.p99()
+    assert p99 is not None and p99 >= 40.0 - 1e-6  # (float rounding of arrival + 40 ms)
+    paused = watchdog.JobView(1, "pause", "paused", need=0, used=0)
+    assert watchdog.decide([paused], free=None, floor=0, hysteresis=0,
+                           latency=watchdog.Latency(p99, budget_ms=20.0)) == []
+
+
+def test_answered_frames_count_at_their_answer_time():
+    w = LatencyWindow()
+
+    async def main():
+        frames = _frames(MIN_FRAMES, deadline_ms=100.0, arrival=time.monotonic())
+        w.track(frames)
+        for i, f in enumerate(frames):
+            f.future.set_result(SimpleNamespace(total_ms=float(i + 1)))
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
+    assert w.p99() == float(MIN_FRAMES)

@@ -5,15 +5,18 @@
   GET  /v1/guard/jobs/{id}            one job
   POST /v1/guard/jobs/{id}/cancel     cancel (queued: at once; running: the supervisor stops it)
   GET  /v1/guard/jobs/{id}/logs       the log as text/plain (?tail_bytes=N for the end only)
+  GET  /v1/guard/health               200 when the queue is usable and a supervisor heartbeats
 
 Errors are ``{"error": "..."}``: 404 unknown id, 409 cancel of a finished job, 422 a body that is
-not a valid job request, 400 a request the queue refuses (command not found, bad cwd ...).
+not a valid job request, 400 a request the queue refuses (command not found, bad cwd ...), 503
+with Retry-After while the job database cannot be used (disk full, read-only, I/O error).
 Pydantic wire models live here only; the store speaks dataclasses.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from typing import Literal
 
 from fastapi import APIRouter, Query, Request
@@ -22,8 +25,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..config import parse_bytes
-from ..errors import NotFound, VisionServeError, http_status
-from .store import STATES, JobSpec, JobStateError, JobStore
+from ..errors import NotFound, Unavailable, VisionServeError
+from ..http.app import error_response
+from .store import STATES, JobSpec, JobStateError, JobStore, StoreFault
+
+#: the supervisor records a heartbeat every second; older than this, health says it is not working
+HEARTBEAT_STALE_S = 10.0
 
 
 class JobRequest(BaseModel):
@@ -88,11 +95,11 @@ def make_router(store: JobStore) -> APIRouter:
             return await run_in_threadpool(fn, *args)
         except JobStateError as exc:
             raise _Reply(_error(409, exc.message)) from None
-        except VisionServeError as exc:
-            raise _Reply(_error(http_status(exc), exc.message)) from None
+        except VisionServeError as exc:  # StoreFault: 503 with Retry-After
+            raise _Reply(error_response(exc)) from None
 
     @router.get("/jobs", response_model=list[JobResponse])
-    async def list_jobs(state: list[str] | None = Query(None)):
+    async def list_jobs(state: list[str] | None = Query(None)):  # noqa: B008 (FastAPI idiom)
         if state and any(s not in STATES for s in state):
             return _error(400, f"unknown state in {state}; states are {', '.join(STATES)}")
         try:
@@ -144,7 +151,31 @@ def make_router(store: JobStore) -> APIRouter:
             return r.response
         return PlainTextResponse(text)
 
+    @router.get("/health")
+    async def health():
+        """Whether queued jobs will run: the database answers and a supervisor heartbeats on it."""
+        try:
+            sup, counts = await call(_health_state, store)
+        except _Reply as r:
+            return r.response
+        body = {"ok": False, "supervisor": None, "jobs": counts}
+        if sup is None:
+            problem = "no guard supervisor runs on this job database; queued jobs wait"
+        else:
+            age = max(0.0, time.time() - sup["heartbeat"])
+            body["supervisor"] = {"pid": sup["pid"], "device": sup["device"],
+                                  "heartbeat_age_s": round(age, 3)}
+            if age <= HEARTBEAT_STALE_S:
+                return {**body, "ok": True}
+            problem = (f"the guard supervisor (pid {sup['pid']}) has recorded no heartbeat for "
+                       f"{age:.0f} s: it is stuck, gone, or cannot write the job database")
+        return error_response(Unavailable(problem, retry_after_s=StoreFault.RETRY_AFTER_S), body)
+
     return router
+
+
+def _health_state(store: JobStore):
+    return store.supervisor(), store.counts()
 
 
 class _Reply(Exception):

@@ -18,3 +18,8 @@ INFERENCE_FLOOR = Gauge("visionserve_guard_inference_floor_bytes",
 GPU_FREE = Gauge("visionserve_guard_gpu_free_bytes", "Free memory of the guarded GPU.")
 HEADROOM = Gauge("visionserve_guard_headroom_bytes",
                  "Free memory above the inference floor (negative: under the floor).")
+STORE_FAULT = Gauge("visionserve_guard_store_fault",
+                    "1 while the supervisor cannot use the job database (disk full, read-only, I/O "
+                    "error): running jobs stay watched, none starts, job records wait for it.")
+STORE_ERRORS = Counter("visionserve_guard_store_errors_total",
+                       "Failed accesses of the supervisor to the job database (retried with backoff).")

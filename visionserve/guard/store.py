@@ -5,6 +5,10 @@ HTTP router inside the server), so every write is one short ``BEGIN IMMEDIATE`` 
 every state change is conditional on the state it expects ("UPDATE ... WHERE state = 'queued'"):
 two writers can never both believe they moved the same job. A connection is opened per operation;
 that costs well under a millisecond and keeps the store safe to share between threads.
+
+A database that cannot be used now (disk full, read-only file system, I/O error, locked past the
+busy timeout) raises :class:`StoreFault` from any call: a 503 with Retry-After on the API, a retry
+with backoff in the supervisor. The same call may work later; nothing was changed by the failed one.
 """
 
 from __future__ import annotations
@@ -16,11 +20,11 @@ import shutil
 import sqlite3
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..errors import InvalidInput, NotFound, VisionServeError
+from ..errors import InvalidInput, NotFound, Unavailable, VisionServeError
 
 DB_ENV = "VISIONSERVE_GUARD_DB"
 DEFAULT_DB = "$XDG_DATA_HOME/visionserve/guard.sqlite"  # how help texts name the default
@@ -71,6 +75,23 @@ class JobStateError(VisionServeError):
     """The job exists but is in a state that does not allow the operation (HTTP 409)."""
 
     kind = "invalid_input"
+
+
+class StoreFault(Unavailable):
+    """The job database cannot be read or written now; transient (HTTP 503 with Retry-After)."""
+
+    RETRY_AFTER_S = 2.0
+
+    def __init__(self, path: str, cause: BaseException) -> None:
+        super().__init__(f"the guard's job database cannot be used now ({cause}): {path}; "
+                         "nothing was changed, retry later", retry_after_s=self.RETRY_AFTER_S)
+        self.cause = str(cause)
+
+
+def _fault(exc: BaseException) -> bool:
+    """SQLite's errors that are the file's or the disk's (full, read-only, I/O, cannot open,
+    locked, corrupt), not a wrong statement or a broken constraint (a bug: left to propagate)."""
+    return isinstance(exc, sqlite3.OperationalError) or type(exc) is sqlite3.DatabaseError
 
 
 class SupervisorRunning(VisionServeError):
@@ -210,18 +231,25 @@ class JobStore:
                 # WAL lets readers (list, show, the HTTP router) run while the supervisor writes.
                 c.execute("PRAGMA journal_mode=WAL")
                 c.executescript(_SCHEMA)
-        except sqlite3.DatabaseError as exc:
-            raise InvalidInput(f"cannot open guard database {self.path}: {exc}") from None
+        except StoreFault as exc:
+            raise InvalidInput(f"cannot open guard database {self.path}: {exc.cause}") from None
 
     # -- plumbing -------------------------------------------------------------------------------
     @contextmanager
     def _conn(self) -> Iterator[sqlite3.Connection]:
-        c = sqlite3.connect(self.path, timeout=self._timeout, isolation_level=None)
+        try:
+            c = sqlite3.connect(self.path, timeout=self._timeout, isolation_level=None)
+        except sqlite3.Error as exc:
+            raise StoreFault(self.path, exc) from exc
         try:
             c.row_factory = sqlite3.Row
             c.execute(f"PRAGMA busy_timeout={int(self._timeout * 1000)}")
             c.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across process crashes
             yield c
+        except sqlite3.DatabaseError as exc:
+            if not _fault(exc):
+                raise
+            raise StoreFault(self.path, exc) from exc
         finally:
             c.close()
 
@@ -234,7 +262,9 @@ class JobStore:
             try:
                 yield c
             except BaseException:
-                c.execute("ROLLBACK")
+                if c.in_transaction:  # SQLite may have rolled back itself (disk full, I/O error)
+                    with suppress(sqlite3.Error):
+                        c.execute("ROLLBACK")
                 raise
             c.execute("COMMIT")
 
@@ -248,7 +278,10 @@ class JobStore:
     # -- submitters -----------------------------------------------------------------------------
     def submit(self, spec: JobSpec, *, resolve_command: bool = True) -> Job:
         spec = spec.validated(resolve_command=resolve_command)
-        os.makedirs(self.log_dir, exist_ok=True)
+        try:
+            os.makedirs(self.log_dir, exist_ok=True)
+        except OSError as exc:
+            raise StoreFault(self.log_dir, exc) from exc
         with self._tx() as c:
             cur = c.execute(
                 "INSERT INTO jobs (name, command, cwd, env, gpu_mem, priority, policy, state,"

@@ -10,6 +10,13 @@ finds every ``running``/``paused`` job; if its (pid, start time) is still alive 
 and watched like any other, otherwise it is marked ``failed``/``killed`` ("guard restarted; job was
 running, not re-run") and never started again.
 
+Database faults (disk full, read-only file system, I/O errors: :class:`.store.StoreFault`): the
+watchdog goes on (it signals from what it holds in memory), the job-state changes the store refuses
+are kept, in order, and written once it works again; nothing is admitted meanwhile. The store is
+retried with backoff (``RETRY_MIN_S`` doubling to ``RETRY_MAX_S``); the fault is logged once when
+it starts and once when it ends, and ``visionserve_guard_store_fault`` reads 1 while it lasts.
+Any other error in a tick is logged (with its traceback, once) and the loop goes on.
+
 Shutdown (SIGTERM/SIGINT): no new job starts; running jobs are left running (they are re-adopted
 by the next supervisor) unless ``stop_jobs_on_exit``, which stops each one (SIGTERM, grace,
 SIGKILL) and records it ``killed``.
@@ -23,14 +30,19 @@ import os
 import signal
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from . import admission, metrics, proc, watchdog
 from .launcher import LaunchSettings, launch, write_site_dir
 from .memory import MemorySample, MemorySource
-from .store import ACTIVE, Job, JobStore
+from .store import ACTIVE, Job, JobStore, StoreFault
 
 log = logging.getLogger(__name__)
+
+#: after a database fault the store is retried after RETRY_MIN_S, doubling up to RETRY_MAX_S
+RETRY_MIN_S = 0.1
+RETRY_MAX_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -88,6 +100,12 @@ class Supervisor:
         self._last_wait_reason: dict[int, str] = {}
         self._last_heartbeat = 0.0
         self._sample_failed = False
+        self._pending: deque = deque()  # (store method, args, kwargs): job records not written yet
+        self._fault: StoreFault | None = None  # the store's refusal, while it lasts
+        self._fault_since = 0.0
+        self._backoff = 0.0
+        self._retry_at = 0.0
+        self._tick_error: str | None = None
         self._pid = os.getpid()
         total = None
         if source is not None:
@@ -99,10 +117,20 @@ class Supervisor:
             site_dir=write_site_dir(os.path.join(store.log_dir, "jobsite")))
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def start(self) -> None:
-        """Take the database's lease and recover jobs left by a previous supervisor."""
-        self.store.acquire_lease(self._pid, proc.starttime(self._pid) or 0,
-                                 self.source.uuid if self.source else None, proc.is_alive)
+    def start(self) -> bool:
+        """Take the database's lease and recover jobs left by a previous supervisor, retrying
+        while the database refuses; False if asked to stop before it worked."""
+        while True:
+            try:
+                self.store.acquire_lease(self._pid, proc.starttime(self._pid) or 0,
+                                         self.source.uuid if self.source else None, proc.is_alive)
+                self.recover()
+                break
+            except StoreFault as exc:
+                self._store_failed(exc)
+                if self.stopping.wait(self._retry_at - time.monotonic()):
+                    return False
+        self._store_ok()
         if self.source is None:
             log.warning("guard: no GPU visible; running as a serial job queue without memory "
                         "admission or watchdog")
@@ -116,20 +144,41 @@ class Supervisor:
         if self._latency_budget() is not None:
             log.info("guard: running jobs pause while the served p99 is over %g ms (resume under %g ms)",
                      self.cfg.latency_budget_ms, watchdog.RESUME_FRACTION * self.cfg.latency_budget_ms)
-        self.recover()
+        return True
 
     def run_forever(self) -> None:
         """Tick until :meth:`request_stop`; then shut down as configured."""
-        self.start()
         period = 1.0 / self.cfg.poll_hz
         try:
+            if not self.start():
+                return
             while not self.stopping.is_set():
                 t0 = time.monotonic()
-                self.tick()
+                self._guarded_tick()
                 self.stopping.wait(max(0.0, period - (time.monotonic() - t0)))
             self.shutdown()
         finally:
-            self.store.release_lease(self._pid)
+            try:
+                self._flush()
+                self.store.release_lease(self._pid)
+            except StoreFault as exc:
+                log.error("guard: exiting with %d job record(s) unwritten and the lease held: %s "
+                          "(the next guard settles the jobs when it recovers them)",
+                          len(self._pending), exc.cause)
+
+    def _guarded_tick(self) -> None:
+        """A tick whose unexpected error is logged (once, until a tick works again), not fatal:
+        a dead loop would leave running jobs unwatched and queued ones waiting for ever."""
+        try:
+            self.tick()
+        except Exception as exc:
+            if self._tick_error != repr(exc):
+                log.exception("guard: supervisor tick failed; retrying every tick")
+            self._tick_error = repr(exc)
+            return
+        if self._tick_error is not None:
+            log.info("guard: supervisor ticks work again")
+            self._tick_error = None
 
     def request_stop(self) -> None:
         self.stopping.set()
@@ -155,6 +204,8 @@ class Supervisor:
     # -- recovery -------------------------------------------------------------------------------
     def recover(self) -> None:
         for job in self.store.list(ACTIVE):
+            if job.id in self.active:  # re-adopted by an attempt the database cut short
+                continue
             if job.pid is None:
                 self.store.finish(job.id, "failed", exit_code=None,
                                   reason="guard restarted; job was starting, not re-run")
@@ -184,25 +235,76 @@ class Supervisor:
         if sample is not None or self._latency_budget() is not None:
             self._watch(sample)
         self._reap()
-        self._cancels()
         self._escalate()
-        if not self._draining and not self.stopping.is_set():
-            self._admit(sample)
+        if time.monotonic() < self._retry_at:
+            return  # the database refused: its retry is not due yet
+        try:
+            self._flush()
+            self._cancels()
+            if not self._draining and not self.stopping.is_set():
+                self._admit(sample)
+            self._flush()
+            self._heartbeat()
+        except StoreFault as exc:
+            self._store_failed(exc)
+        else:
+            self._store_ok()
+
+    def _heartbeat(self) -> None:
         now = time.monotonic()
         if now - self._last_heartbeat >= 1.0:
-            self._last_heartbeat = now
             self.store.heartbeat(self._pid)
             counts = self.store.counts()
             metrics.JOBS_QUEUED.set(counts["queued"])
             metrics.JOBS_RUNNING.set(counts["running"])
             metrics.JOBS_PAUSED.set(counts["paused"])
+            self._last_heartbeat = now
+
+    # -- the job database's faults --------------------------------------------------------------
+    def _record(self, method, *args, **kwargs) -> None:
+        """A job-state change for the store, written in order after those before it at the next
+        store access of this tick (or, while the store refuses, once it works again): signals
+        and process bookkeeping never wait for the database."""
+        self._pending.append((method, args, kwargs))
+
+    def _flush(self) -> None:
+        while self._pending:
+            method, args, kwargs = self._pending[0]
+            try:
+                method(*args, **kwargs)
+            except StoreFault:
+                raise
+            except Exception:  # not the disk's fault: retrying cannot help
+                log.exception("guard: dropped job record change %s%r", method.__name__, args)
+            self._pending.popleft()
+
+    def _store_failed(self, exc: StoreFault) -> None:
+        now = time.monotonic()
+        metrics.STORE_ERRORS.inc()
+        if self._fault is None:
+            self._fault_since, self._backoff = now, RETRY_MIN_S
+            metrics.STORE_FAULT.set(1)
+            log.error("guard: %s. Running jobs stay watched; no job starts, and job records wait "
+                      "for the database (retried every %g s at most)", exc.message, RETRY_MAX_S)
+        else:
+            self._backoff = min(RETRY_MAX_S, 2 * self._backoff)
+        self._fault = exc
+        self._retry_at = now + self._backoff
+
+    def _store_ok(self) -> None:
+        if self._fault is None:
+            return
+        log.warning("guard: the job database works again after %.1f s (%s); job records are up "
+                    "to date", time.monotonic() - self._fault_since, self._fault.cause)
+        self._fault, self._backoff, self._retry_at = None, 0.0, 0.0
+        metrics.STORE_FAULT.set(0)
 
     def _sample(self) -> MemorySample | None:
         if self.source is None:
             return None
         try:
             s = self.source.sample()
-        except Exception as exc:  # NVML hiccup: keep going, admit nothing until it answers
+        except Exception as exc:  # noqa: BLE001 NVML hiccup: go on, admit nothing until it answers
             if not self._sample_failed:
                 log.error("guard: cannot read GPU memory (%s); admitting no job until it works",
                           exc)
@@ -245,13 +347,13 @@ class Supervisor:
                 a.state = "paused"
                 metrics.INTERVENTIONS.labels("pause", act.trigger).inc()
                 log.warning("guard: job %d %s", a.job.id, act.reason)
-                self.store.set_paused(a.job.id, act.reason)
+                self._record(self.store.set_paused, a.job.id, act.reason)
             elif act.kind == "resume":
                 proc.signal_group(a.pgid, signal.SIGCONT)
                 a.state = "running"
                 metrics.INTERVENTIONS.labels("resume", act.trigger).inc()
                 log.info("guard: job %d %s", a.job.id, act.reason)
-                self.store.set_resumed(a.job.id, act.reason)
+                self._record(self.store.set_resumed, a.job.id, act.reason)
             else:
                 self._begin_stop(a, "killed", act.reason, act.trigger)
 
@@ -266,7 +368,7 @@ class Supervisor:
         metrics.INTERVENTIONS.labels("stop", trigger).inc()
         log.warning("guard: stopping job %d (SIGTERM, SIGKILL after %.1f s): %s", a.job.id,
                     self.cfg.grace_s, reason)
-        self.store.set_reason(a.job.id, f"stopping: {reason}")
+        self._record(self.store.set_reason, a.job.id, f"stopping: {reason}")
 
     def _escalate(self) -> None:
         now = time.monotonic()
@@ -311,12 +413,13 @@ class Supervisor:
                 state = "failed"
                 reason = status.get("error") if status and status.get("error") else \
                     f"exited with {_describe_rc(rc)}"
-            self.store.finish(job_id, state, exit_code=rc, reason=reason)
+            self._record(self.store.finish, job_id, state, exit_code=rc, reason=reason)
             log.info("guard: job %d ended: %s (%s)", job_id, state, _describe_rc(rc))
 
     # -- admission ------------------------------------------------------------------------------
     def _admit(self, sample: MemorySample | None) -> None:
         while len(self.active) < self.cfg.concurrency:
+            self._flush()  # claims come after the records before them
             job = self.store.next_queued()
             if job is None:
                 return
@@ -329,15 +432,15 @@ class Supervisor:
                                      floor=self.cfg.floor, promised=promised)
                 if d.impossible:
                     if self.store.claim(job.id):
-                        self.store.finish(job.id, "failed", exit_code=None,
-                                          reason=f"not admitted: {d.reason}")
+                        self._record(self.store.finish, job.id, "failed", exit_code=None,
+                                     reason=f"not admitted: {d.reason}")
                         log.error("guard: job %d can never fit: %s", job.id, d.reason)
                     continue
                 if not d.admit:
                     if self._last_wait_reason.get(job.id) != d.reason.split(":")[0]:
                         self._last_wait_reason[job.id] = d.reason.split(":")[0]
                         log.info("guard: job %d %s", job.id, d.reason)
-                        self.store.set_reason(job.id, d.reason)
+                        self._record(self.store.set_reason, job.id, d.reason)
                     return  # strict order: nothing overtakes the head of the queue
             self._start(job)
 
@@ -349,13 +452,15 @@ class Supervisor:
         try:
             launched = launch(claimed, self.launch_settings)
         except OSError as exc:
-            self.store.finish(job.id, "failed", exit_code=None, reason=f"cannot start: {exc}")
+            self._record(self.store.finish, job.id, "failed", exit_code=None,
+                         reason=f"cannot start: {exc}")
             log.error("guard: job %d cannot start: %s", job.id, exc)
             return
-        self.store.set_process(job.id, launched.pid, launched.starttime)
-        self.store.set_reason(job.id, None)
-        self.active[job.id] = Active(self.store.get(job.id), launched.popen, launched.pid,
-                                     launched.starttime, "running")
+        # watched from now on, whether or not the database takes the records at once
+        self.active[job.id] = Active(claimed, launched.popen, launched.pid, launched.starttime,
+                                     "running")
+        self._record(self.store.set_process, job.id, launched.pid, launched.starttime)
+        self._record(self.store.set_reason, job.id, None)
         log.info("guard: started job %d (%s) pid %d", job.id, job.name, launched.pid)
 
 

@@ -18,13 +18,14 @@ from pydantic import ValidationError
 
 from . import imaging, metrics
 from .backends import base as backends
+from .backends import checks
 from .batching import Batcher, CostModel
 from .config import BatchingSpec, ModelConfig, ServerSettings
 from .errors import ConfigError, InvalidInput, NotFound, Unavailable, VisionServeError
 from .imaging import Frame
 from .latency import LatencyWindow
 from .repository import ModelEntry, parse_version, scan
-from .runner import BatchRecord, FrameResult, Runner, padded_size
+from .runner import BatchRecord, FrameResult, Runner, device_fault, padded_size
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +219,7 @@ class Engine(ModelLookup):
             t0 = time.monotonic()
             load_config = self.gpu.instance_config(entry.name, config) if self.gpu else config
             await asyncio.to_thread(backend.load, path, load_config, self.device)
-            await asyncio.to_thread(self._warmup, backend, preferred, cost)
+            await asyncio.to_thread(self._warmup, backend, preferred, cost, path)
             prep = await asyncio.to_thread(self.gpu.preprocessor, backend, config, preferred) \
                 if self.gpu else None
             log.info("%s:%d instance %d loaded and warmed up in %.1f s (%s)", entry.name, version, i,
@@ -247,19 +248,34 @@ class Engine(ModelLookup):
         return served
 
     @staticmethod
-    def _warmup(backend: backends.Backend, preferred: tuple[int, ...], cost: CostModel) -> None:
-        backend.warmup(preferred)
-        # seed the cost model with backend-only times so early dispatch works from the first request
+    def _warmup(backend: backends.Backend, preferred: tuple[int, ...], cost: CostModel,
+                path: Path | None = None) -> None:
+        """Run every preferred size; a model that fails on the input model.toml describes, or
+        answers in another shape than its labels, is a ConfigError naming the field (``path``:
+        the model file) instead of a 500 on every frame."""
         import numpy as np
 
         cfg = getattr(backend, "_config", None)
-        if cfg is None:
-            return
-        for bs in preferred:
-            x = np.zeros(backends.input_shape(cfg, bs), dtype=backends.NP_DTYPES[cfg.input.dtype])
-            t0 = time.monotonic()
-            backend.run(x)
-            cost.observe(bs, time.monotonic() - t0)
+        subject = checks.Subject(path) if path is not None and cfg is not None else None
+        try:
+            backend.warmup(preferred)
+            if cfg is None:
+                return
+            # seed the cost model with backend-only times so early dispatch works from the first request
+            for bs in preferred:
+                x = np.zeros(backends.input_shape(cfg, bs), dtype=backends.NP_DTYPES[cfg.input.dtype])
+                t0 = time.monotonic()
+                out = backend.run(x)
+                cost.observe(bs, time.monotonic() - t0)
+                if subject is not None:
+                    checks.check_output(subject, cfg, bs, out.shape)
+        except Exception as exc:
+            # a device that fails or runs out of memory (torch, onnxruntime) is no model.toml mismatch
+            text = str(exc).lower()
+            if subject is None or isinstance(exc, (VisionServeError, MemoryError)) or device_fault(exc) \
+                    or "out of memory" in text or "failed to allocate" in text:
+                raise
+            raise checks.run_failed(subject, cfg, preferred, exc) from exc
 
     async def drain(self, timeout_s: float | None = None) -> bool:
         """Readiness false, refuse new work, let queued and running frames finish."""

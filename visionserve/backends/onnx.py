@@ -10,9 +10,21 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import ConfigError
+from . import checks
 from .base import NP_DTYPES, Backend, input_shape
 
 log = logging.getLogger(__name__)
+
+
+def _dims(shape) -> list[checks.Dim]:
+    """onnxruntime's declared shape: a number for a fixed axis, a name or None for a dynamic one."""
+    return [d if isinstance(d, int) and d > 0 else checks.ANY for d in shape]
+
+
+def _dtype(onnx_type: str) -> str:
+    """``tensor(float)`` -> ``float32``, ``tensor(uint8)`` -> ``uint8`` (numpy names)."""
+    name = onnx_type.removeprefix("tensor(").removesuffix(")")
+    return {"float": "float32", "double": "float64"}.get(name, name)
 
 
 class OnnxBackend(Backend):
@@ -47,7 +59,7 @@ class OnnxBackend(Backend):
             providers.insert(0, ("CUDAExecutionProvider", self._cuda_options(config, device)))
         try:
             self._session = ort.InferenceSession(str(path), sess_options=opts, providers=providers)
-        except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
+        except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own Fail/InvalidGraph types
             raise ConfigError(f"{path}: onnxruntime cannot load the model: {exc}") from None
         self.providers = self._session.get_providers()
         if device.startswith("cuda") and "CUDAExecutionProvider" not in self.providers:
@@ -60,6 +72,10 @@ class OnnxBackend(Backend):
             raise ConfigError(f"{path}: input.tensor_name {self._in_name!r} not in model inputs {list(inputs)}")
         if self._out_name not in outputs:
             raise ConfigError(f"{path}: output.tensor_name {self._out_name!r} not in model outputs {outputs}")
+        out = next(o for o in self._session.get_outputs() if o.name == self._out_name)
+        inp = inputs[self._in_name]
+        checks.check_declared(checks.Subject(Path(path)), config, _dims(inp.shape), _dims(out.shape),
+                              _dtype(inp.type), _dtype(out.type))
         log.info("onnxruntime loaded %s on %s (providers %s)", path, device, self.providers)
 
     def warmup(self, batch_sizes: tuple[int, ...]) -> None:

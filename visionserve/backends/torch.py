@@ -22,12 +22,44 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import ConfigError, InternalError
+from . import checks
 from .base import NP_DTYPES, Backend, input_shape
 
 log = logging.getLogger(__name__)
 
 _PRECISION = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 WARMUP_ITERS = 3  # eager runs before capture: cuDNN picks its kernels, lazy inits happen
+
+
+def _declared(program: Any) -> tuple[list[checks.Dim], list[checks.Dim]] | None:
+    """The first user input's and output's shapes as the exported program records them (a
+    dynamic axis with its range); None when the program does not say. Its dtypes are not
+    checked: the backend casts the input to the compute precision."""
+    try:
+        sig = program.graph_signature
+        nodes = list(program.graph.nodes)
+        inp = next(n for n in nodes if n.op == "placeholder" and n.name == sig.user_inputs[0])
+        outs = next(n for n in nodes if n.op == "output").args[0]
+        out = next(a for a in outs if getattr(a, "name", None) == sig.user_outputs[0])
+        return (_dims(inp.meta["val"].shape, program.range_constraints),
+                _dims(out.meta["val"].shape, program.range_constraints))
+    except (AttributeError, IndexError, KeyError, StopIteration, TypeError):
+        return None
+
+
+def _dims(shape: Any, ranges: dict) -> list[checks.Dim]:
+    dims: list[checks.Dim] = []
+    for d in shape:
+        if isinstance(d, int):
+            dims.append(d)
+            continue
+        vr = ranges.get(getattr(getattr(d, "node", None), "expr", None))
+        try:  # only the most: torch records 2 as the least of an axis that still takes 1
+            top = int(vr.upper) if vr is not None and vr.upper.is_finite else None
+        except (AttributeError, TypeError, ValueError):
+            top = None
+        dims.append((0, top))
+    return dims
 
 
 class TorchBackend(Backend):
@@ -58,6 +90,9 @@ class TorchBackend(Backend):
             program = torch.export.load(str(path))
         except Exception as exc:  # noqa: BLE001 - torch raises several types for a bad archive
             raise ConfigError(f"{path}: torch cannot load the exported program: {exc}") from None
+        declared = _declared(program)
+        if declared is not None:  # the program's own shapes, before anything moves to the device
+            checks.check_declared(checks.Subject(Path(path)), config, *declared)
         module = program.module()
         cuda = device.startswith("cuda")
         if cuda:

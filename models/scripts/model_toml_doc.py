@@ -12,9 +12,11 @@ import typing
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+import common
 
-from visionserve.config import ModelConfig  # noqa: E402
+from visionserve.backends import checks
+from visionserve.config import ModelConfig
+from visionserve.errors import ConfigError
 
 DOC = common.REPO / "docs" / "model-toml.md"
 EXAMPLE = common.REPO / "models" / "defect-classifier" / "model.toml"
@@ -24,8 +26,8 @@ CROSS_FIELD_RULES = {
     "input": ["`mean` and `std` need one value per channel; every `std` value must be > 0.",
               "`color_order = \"GRAY\"` goes with `channels = 1`; `RGB`/`BGR` with `channels = 3`."],
     "output": ["`labels` must be unique."],
-    "batching": ["`preferred_batch_sizes` must be increasing positive integers, the largest "
-                 "<= `max_batch_size`."],
+    "batching": [("`preferred_batch_sizes` must be increasing positive integers, the largest "
+                  "<= `max_batch_size`.")],
     "runtime": ["`gpu_memory_budget` takes sizes such as `512MiB`, `2GiB`, `800MB` or a byte count."],
     "": ["Every `verdict.ok_labels` entry must be one of `output.labels`.",
          "Unknown fields anywhere are refused (a typo must not be silently ignored)."],
@@ -78,6 +80,76 @@ def _table(model: type, skip: set[str]) -> list[str]:
         desc = (f.description or "").replace("|", "\\|")
         rows.append(f"| `{name}` | {_type_name(f.annotation)} | {_default(f)} | {_constraints(f)} | {desc} |")
     return rows
+
+
+def _start_up_error() -> str:
+    """What the server says of an ONNX model exported with a fixed batch of 1 (the real message)."""
+    config = ModelConfig.model_validate({"input": {"width": 224, "height": 224},
+                                         "output": {"labels": ["ok", "defect"]},
+                                         "batching": {"max_batch_size": 8, "preferred_batch_sizes": [1, 2, 4, 8]}})
+    try:
+        checks.check_declared(checks.Subject(Path("models/my-model/1/model.onnx")), config,
+                              [1, 3, 224, 224], [1, 2], "float32", "float32")
+    except ConfigError as exc:
+        return exc.message
+    raise AssertionError("a fixed batch of 1 with max_batch_size = 8 was not refused")
+
+
+def _exporting() -> list[str]:
+    return [
+        "## Exporting your model",
+        "",
+        "`torch.onnx.export` and `torch.export` need torch (and, for ONNX, `onnx` and `onnxscript`),",
+        "which the serving install does not bring: install the `[train]` extra,",
+        "`pip install -e '.[train]' -c requirements/constraints.txt`. Export the scores the classifier",
+        "gives, `[batch, classes]` in `output.labels` order (logits with `activation = \"softmax\"`,",
+        "probabilities with `\"none\"`), and give the batch axis a dynamic size, so that every",
+        "`preferred_batch_sizes` entry runs. Trace with a batch of 2 or more: torch.export refuses a",
+        "dynamic axis it sees with size 1.",
+        "",
+        "ONNX (`model.onnx`), opset 17 as the shipped model (`models/scripts/export.py`); an opset the",
+        "installed onnxruntime does not know is refused at load. `dynamo=False` picks the exporter that",
+        "takes `dynamic_axes` (the newer one, the default since torch 2.9, takes `dynamic_shapes` as",
+        "torch.export does):",
+        "",
+        "```python",
+        "torch.onnx.export(model.eval(), (torch.zeros(2, 3, 224, 224),), \"models/my-model/1/model.onnx\",",
+        "                  input_names=[\"input\"], output_names=[\"logits\"], opset_version=17, dynamo=False,",
+        "                  dynamic_axes={\"input\": {0: \"batch\"}, \"logits\": {0: \"batch\"}})",
+        "```",
+        "",
+        "torch.export (`model.pt2`, `runtime.backend = \"torch\"`); the axis' `max` must be at least",
+        "`batching.max_batch_size`:",
+        "",
+        "```python",
+        "batch = torch.export.Dim(\"batch\", min=1, max=4096)",
+        "program = torch.export.export(model.eval(), (torch.zeros(2, 3, 224, 224),), dynamic_shapes=({0: batch},))",
+        "torch.export.save(program, \"models/my-model/1/model.pt2\")",
+        "```",
+        "",
+        "A model that only takes a batch of 1 is served one frame at a time with `max_batch_size = 1`",
+        "and `preferred_batch_sizes = [1]` (no batching gain).",
+        "",
+        "What the server checks at start-up, before it reports ready:",
+        "",
+        "- At load, from what the file declares (the ONNX graph's input and output, the torch.export",
+        "  program's): the input has four axes in `input.layout` order, with `input.channels`,",
+        "  `input.height` and `input.width` (an NCHW/NHWC mix-up is named as such); for ONNX, the input",
+        "  dtype is `input.dtype`; the batch axis takes every batch up to `batching.max_batch_size` (a",
+        "  fixed batch serves only when `max_batch_size` and every preferred size equal it, and above 1",
+        "  with `pad_to_preferred = \"always\"`); the output is `[batch, labels]`, floating point, with one",
+        "  score per `output.labels` entry.",
+        "- At warm-up, which runs every preferred batch size: the model runs on the input described",
+        "  (sizes the file leaves open, such as a dynamic height a later layer does not take) and returns",
+        "  `[batch, len(output.labels)]`.",
+        "",
+        "A mismatch stops the start (exit code 3) with one line naming `model.toml`, the field, the",
+        "model file, the expected and the actual shape, and what to do, e.g.",
+        "",
+        "```",
+        _start_up_error(),
+        "```",
+    ]
 
 
 def render() -> str:
@@ -138,6 +210,8 @@ def render() -> str:
         "[output]",
         'labels = ["ok", "defect"]',
         "```",
+        "",
+        *_exporting(),
         "",
     ]
     return "\n".join(out)

@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("visionserve.ops.doctor", "diagnose GPU/driver/environment faults, with a fix each"),
     "stress": ("visionserve.ops.stress", "GPU health check: matmul throughput, memory pattern test"),
     "guard": ("visionserve.guard.cli", "training-queue guard: run, submit, list, show, cancel, logs"),
+    "plc-sim": ("visionserve.plc.sim", "a PLC for tests and demos: OPC UA/Modbus results, acks, latency"),
 }
 
 

@@ -276,6 +276,37 @@ class ServerSettings(BaseSettings):
         None, gt=0, description="With --guard: pause running training jobs while the served p99 of the last "
                                 "second is over this (ms); they resume under 80% of it. Default: off.")
     guard_margin: str = Field("1GiB", description="Safety margin the guard keeps above the server's budget.")
+    # --- results to the PLC (visionserve/plc, docs/plc.md) ---
+    opcua: str | None = Field(
+        None, description="Serve results to PLCs over OPC UA (OPC 40100 Machine Vision model) at this "
+                          "endpoint, e.g. opc.tcp://0.0.0.0:4840. Default: off.")
+    opcua_security: str = Field(
+        "Basic256Sha256,Aes128Sha256RsaOaep",
+        description="OPC UA security policies offered, comma-separated, each with Sign and SignAndEncrypt: "
+                    "Basic256Sha256, Aes128Sha256RsaOaep; None (no security) only when named.")
+    opcua_anonymous: bool = Field(False, description="Let OPC UA clients in without a user name.")
+    opcua_user: str | None = Field(None, description="The OPC UA user name PLCs log in with.")
+    opcua_password_file: Path | None = Field(None, description="File holding --opcua-user's password.")
+    modbus: str | None = Field(
+        None, description="Serve results to PLCs over Modbus TCP at host:port, e.g. 0.0.0.0:5020 "
+                          "(one unit id per station). Default: off.")
+    modbus_max_clients: int = Field(8, ge=1, le=256, description="Modbus TCP clients at once; more are "
+                                                                   "refused.")
+    plc_stations: str = Field(
+        "*", description="PLC stations, by camera id (X-Camera-Id, OIP parameter camera_id), "
+                         "comma-separated; station N is OPC UA Station<N> and Modbus unit id N. "
+                         "* takes every other camera and frames without one.")
+    plc_buffer: int = Field(16, ge=1, le=1000, description="Results a Modbus station keeps until the PLC "
+                                                            "acknowledges them; one more raises Fault.")
+    plc_heartbeat_ms: float = Field(500.0, ge=10, le=60_000, description="The PLC heartbeat bit toggles "
+                                                                         "at this period.")
+    plc_watchdog_ms: float = Field(
+        2000.0, ge=100, le=600_000,
+        description="The engine counts as stalled (heartbeat stops, Fault) when frames have waited this "
+                    "long with none computed, or its event loop has not run for this long.")
+    plc_data_dir: Path | None = Field(
+        None, description="Folder for the OPC UA server certificate (made on first start) and the trusted/ "
+                          "and rejected/ client certificates (default $XDG_DATA_HOME/visionserve/plc).")
 
     @field_validator("guard_margin")
     @classmethod

@@ -162,6 +162,9 @@ class Engine(ModelLookup):
         self.gpu = None  # gpu.memory.GpuReservation when the device is a GPU
         # the last second's answers, kept only when someone reads them (the guard's latency budget)
         self.latency: LatencyWindow | None = None
+        # the PLC result bus (visionserve.plc.bus.ResultBus) while a PLC server runs: every frame's
+        # final answer (verdict, LATE, error) is handed to it here, whichever front end asked
+        self.results = None
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -319,12 +322,13 @@ class Engine(ModelLookup):
 
     async def infer(self, name: str, version: str | int | None, frames: list[Frame], *,
                     deadline_ms: float | None = None, priority: int | None = None,
-                    arrival: float | None = None) -> tuple[Served, list[FrameResult]]:
+                    arrival: float | None = None, origin: tuple | None = None
+                    ) -> tuple[Served, list[FrameResult]]:
         """Answers for ``frames`` in order; raises a VisionServeError for the whole request."""
         arrival = time.monotonic() if arrival is None else arrival
         served = self.get(name, version)
         try:
-            pending = self.admit(served, frames, deadline_ms, priority, arrival)
+            pending = self.admit(served, frames, deadline_ms, priority, arrival, origin)
             try:
                 results = await asyncio.gather(*(p.future for p in pending))
             except BaseException:
@@ -337,7 +341,21 @@ class Engine(ModelLookup):
         return served, self.finish(served, results, arrival)
 
     def admit(self, served: Served, frames: list[Frame], deadline_ms: float | None, priority: int | None,
-              arrival: float) -> list:
+              arrival: float, origin: tuple | None = None) -> list:
+        """``_admit``, and each frame's final answer to the PLC result bus when one runs (refused
+        frames too: the PLC must hear "no decision"). ``origin``: (part id, camera id)."""
+        if self.results is None:
+            return self._admit(served, frames, deadline_ms, priority, arrival)
+        try:
+            pending = self._admit(served, frames, deadline_ms, priority, arrival)
+        except VisionServeError as exc:
+            self.results.refused(served, len(frames), origin, exc)
+            raise
+        self.results.watch(served, pending, origin)
+        return pending
+
+    def _admit(self, served: Served, frames: list[Frame], deadline_ms: float | None, priority: int | None,
+               arrival: float) -> list:
         """Check the request and queue its frames; the answers come on the returned items'
         futures (``finish`` records them). Raises a VisionServeError for the whole request."""
         b = served.config.batching

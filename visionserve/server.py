@@ -246,7 +246,15 @@ def http_server(app, engine, settings: ServerSettings) -> DrainingServer:
 
 
 async def serve(engine, settings: ServerSettings, guard: HostedGuard | None = None) -> int:
-    """Run HTTP (+ gRPC) until a signal, then drain; returns the exit code."""
+    """Run HTTP (+ gRPC) until a signal, then drain; returns the exit code. The PLC servers
+    (--opcua, --modbus) run alongside, in either front-end mode: the engine publishes to them."""
+    from .plc.service import plc_running
+
+    async with plc_running(engine, settings) as failed:
+        return failed or await _serve(engine, settings, guard)
+
+
+async def _serve(engine, settings: ServerSettings, guard: HostedGuard | None = None) -> int:
     if settings.frontends:
         from .frontends.procs import serve_with_frontends
 

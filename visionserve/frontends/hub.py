@@ -2,10 +2,11 @@
 per model); answers go back on the link they came from.
 
 Messages (tuples) a front end sends:
-  ``("infer", rid, model, version, frames, deadline_ms, priority, arrival, request_id)``: ``frames`` are
+  ``("infer", rid, model, version, frames, deadline_ms, priority, arrival, request_id, origin)``: ``frames`` are
   ``(kind, width, height, channels, shape, offset, length, inline)`` with the bytes in the arena at
   ``offset`` (or, when the arena was full, ``inline``); ``arrival`` is ``time.monotonic()``, which
-  is one clock for all processes of a machine; ``request_id`` is the client's (for log lines).
+  is one clock for all processes of a machine; ``request_id`` is the client's (for log lines);
+  ``origin`` is (part id, camera id) for the PLC result bus, or None.
   ``("cancel", rid)``: the client went away.
   ``("stats", rid, model, version)`` and ``("metrics", rid)``.
 and what the hub sends back:
@@ -67,7 +68,7 @@ class Link:
     def on_message(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "infer":
-            _, rid, name, version, descs, deadline_ms, priority, arrival, client_id = msg
+            _, rid, name, version, descs, deadline_ms, priority, arrival, client_id, origin = msg
             try:
                 frames = [self._frame(d) for d in descs]  # copied out now: the arena extent may be reused after the answer
             except Exception:  # answered all the same: the front end frees the extents on the answer
@@ -76,7 +77,7 @@ class Link:
                 return
             token = request_id.set(client_id)  # the frames' and the answer callback's log lines name it
             try:
-                self._infer(rid, name, version, frames, deadline_ms, priority, arrival)
+                self._infer(rid, name, version, frames, deadline_ms, priority, arrival, origin)
             finally:
                 request_id.reset(token)
         elif kind == "cancel":
@@ -104,14 +105,15 @@ class Link:
             data = np.frombuffer(data, dtype=np.uint8).reshape(shape)
         return Frame(kind, data, width, height, channels)
 
-    def _infer(self, rid, name, version, frames, deadline_ms, priority, arrival) -> None:
+    def _infer(self, rid, name, version, frames, deadline_ms, priority, arrival, origin=None) -> None:
         """Straight into the batcher, answered from the futures' callback: no task per request
         (the engine process is the one all front ends share, so its cost per request sets the
         ceiling). The same checks, statistics and errors as ``Engine.infer``."""
         engine = self.hub.engine
         try:
             served = engine.get(name, version)
-            futures = [p.future for p in engine.admit(served, frames, deadline_ms, priority, arrival)]
+            futures = [p.future for p in engine.admit(served, frames, deadline_ms, priority, arrival,
+                                                      origin)]
         except VisionServeError as exc:
             engine.count_error(name, exc)
             self._error(rid, exc)

@@ -201,7 +201,7 @@ class RemoteEngine(ModelLookup):
         return self._draining or self._engine_draining
 
     async def infer(self, name: str, version, frames: list[Frame], *, deadline_ms: float | None = None,
-                    priority: int | None = None, arrival: float | None = None):
+                    priority: int | None = None, arrival: float | None = None, origin: tuple | None = None):
         arrival = time.monotonic() if arrival is None else arrival
         served = self.get(name, version)
         if self._draining:
@@ -224,7 +224,7 @@ class RemoteEngine(ModelLookup):
         ms = served.config.batching.takt_ms if deadline_ms is None else deadline_ms
         expires = (arrival + ms / 1000.0 + DEADLINE_GRACE_S, ms) if 0 < ms < math.inf else None
         fut, rid = self._call("infer", name, version, descs, deadline_ms, priority, arrival, request_id.get(),
-                              extents=extents, expires=expires)
+                              origin, extents=extents, expires=expires)
         try:
             results = await asyncio.shield(fut)
         except asyncio.CancelledError:

@@ -89,11 +89,12 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         served = engine.get(request.model_name, request.model_version)
         frames = convert.frames(served, request, self.settings.max_image_pixels)
         names = oip.requested([o.name for o in request.outputs] or None)
-        param_ms, priority = oip.parameters(convert.parameters(request.parameters))
+        params = convert.parameters(request.parameters)
+        param_ms, priority = oip.parameters(params)
         served, results = await engine.infer(
             request.model_name, request.model_version, frames,
             deadline_ms=convert.deadline_ms(param_ms, time_remaining_s), priority=priority,
-            arrival=arrival)
+            arrival=arrival, origin=oip.origin(params, request.id))
         return convert.infer_response(served, results, names, request.id)
 
     async def ModelStreamInfer(self, request_iterator, context) -> AsyncIterator[Any]:

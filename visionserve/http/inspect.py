@@ -84,7 +84,7 @@ async def inspect(request: Request, model_name: str, model_version: str = "") ->
             frame = imaging.encoded_frame(body, max_pixels=settings.max_image_pixels, expected=kind)
         served, (r,) = await unless_disconnected(
             request, engine.infer(model_name, model_version, [frame], deadline_ms=deadline_ms,
-                                  priority=priority, arrival=arrival))
+                                  priority=priority, arrival=arrival, origin=(part_id, camera_id)))
     except DeadlineExceeded as exc:
         return error_response(exc, {"part_id": part_id, "model": model_name, "verdict": "LATE",
                                     "deadline_met": False})

@@ -138,7 +138,8 @@ async def infer(request: Request, model_name: str, model_version: str = "") -> R
     deadline_ms, priority = oip.parameters(req.parameters)
     served, results = await unless_disconnected(
         request, engine.infer(model_name, model_version, frames, deadline_ms=deadline_ms,
-                              priority=priority, arrival=arrival))
+                              priority=priority, arrival=arrival,
+                              origin=oip.origin(req.parameters, req.id)))
     return _response(req, served, results, names)
 
 

@@ -1,0 +1,245 @@
+"""The OPC UA server of a real ``visionserve serve`` (OPC 40100-style address space), with real
+asyncua clients over TCP on loopback: ResultReady events and LastResult variables in order with
+their part ids, per station; security (anonymous off, bad passwords, policies, read-only nodes,
+the server certificate); the state machine following readiness and drain; and ``visionserve
+plc-sim`` end to end on both protocols."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import stat
+import subprocess
+import sys
+import threading
+
+import pytest
+from conftest import REPO, wait_for
+from plc_support import PASSWORD, USER, Plc, opcua_client, read, start_plc_server, vision_system
+
+from visionserve.plc.handshake import Status
+
+pytest.importorskip("asyncua")
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def plc_server(tiny_repo, tmp_path_factory):
+    s = start_plc_server(tiny_repo, tmp_path_factory.mktemp("plc-opcua"), "--plc-stations", "cam1,cam2",
+                         opcua=True, modbus=True)
+    yield s
+    s.server.stop()
+
+
+@pytest.fixture
+def pki(tmp_path):
+    return tmp_path / "client-pki"
+
+
+class Events:
+    """A subscription handler collecting ResultReady events."""
+
+    def __init__(self) -> None:
+        self.items: list = []
+
+    def event_notification(self, event) -> None:
+        self.items.append(event)
+
+
+async def _subscribe(client, ns, node, publish_ms: float = 0):
+    etype = await client.nodes.base_event_type.get_child(f"{ns}:ResultReadyEventType")
+    events = Events()
+    sub = await client.create_subscription(publish_ms, events)
+    await sub.subscribe_events(node, etype)
+    return events
+
+
+async def _inspect(plc_server, *args, **kw):
+    return await asyncio.to_thread(plc_server.inspect, *args, **kw)
+
+
+async def test_results_arrive_as_events_and_variables_in_order(plc_server, pki, jpeg_bytes):
+    client = await opcua_client(plc_server.opcua_url, pki)
+    try:
+        ns, system = await vision_system(client)
+        stations = await system.get_child(f"{ns}:ResultManagement")
+        cam1, cam2 = [await stations.get_child(f"{ns}:Station{i}") for i in (1, 2)]
+        on_cam1, on_cam2, on_all = [await _subscribe(client, ns, n) for n in (cam1, cam2, system)]
+        assert (await (await cam1.get_child(f"{ns}:CameraId")).read_value()) == "cam1"
+        answers = []
+        for i in range(5):
+            r = await _inspect(plc_server, f"A-{i}", camera="cam1", jpeg=jpeg_bytes)
+            assert r.status_code == 200, r.text
+            answers.append(r.json())
+        await asyncio.to_thread(wait_for, lambda: len(on_cam1.items) == 5, 10, "5 events")
+        assert [e.PartId for e in on_cam1.items] == [f"A-{i}" for i in range(5)]
+        for e, a in zip(on_cam1.items, answers):
+            assert (e.Verdict, e.Label, e.Model, e.ModelVersion) == (a["verdict"], a["label"], "tiny", "1")
+            assert e.Score == pytest.approx(a["score"], abs=1e-5)
+            assert (e.ResultCode, e.ResultState, e.Station, e.CameraId) == (
+                1 if a["verdict"] == "OK" else 2, 1, "Station1", "cam1")
+            assert 0 < e.TotalDuration
+        assert len({e.ResultId for e in on_cam1.items}) == 5
+        assert [e.Sequence for e in on_cam1.items] == list(range(on_cam1.items[0].Sequence,
+                                                                 on_cam1.items[0].Sequence + 5))
+        await asyncio.to_thread(wait_for, lambda: len(on_all.items) == 5, 10, "VisionSystem events")
+        assert on_cam2.items == []
+        last = on_cam1.items[-1]
+        for name in ("ResultId", "PartId", "Verdict", "Label", "Score", "ResultCode", "Sequence"):
+            assert await read(stations, ns, "Station1", "LastResult", name) == getattr(last, name)
+        assert await read(stations, ns, "Station1", "ResultCount") == last.Sequence
+        start, end = [await read(stations, ns, "Station1", "LastResult", "ProcessingTimes", n)
+                      for n in ("StartTime", "EndTime")]
+        assert start <= end and last.Time == end
+        assert await read(stations, ns, "Station1", "LastResult", "ProcessingTimes",
+                          "TotalDuration") == pytest.approx(last.TotalDuration)
+        assert await read(stations, ns, "Station2", "LastResult", "ResultId") == ""
+    finally:
+        await client.disconnect()
+
+
+async def test_a_late_frame_is_no_decision_aborted(plc_server, pki, jpeg_bytes):
+    client = await opcua_client(plc_server.opcua_url, pki, policy="Aes128Sha256RsaOaep")
+    try:
+        ns, system = await vision_system(client)
+        station = await system.get_child([f"{ns}:ResultManagement", f"{ns}:Station2"])
+        events = await _subscribe(client, ns, station)
+        r = await _inspect(plc_server, "L-1", camera="cam2", jpeg=jpeg_bytes, deadline_ms=0.001)
+        assert r.status_code in (200, 504)
+        await asyncio.to_thread(wait_for, lambda: events.items, 10, "the event")
+        e = events.items[0]
+        assert (e.PartId, e.ResultCode, e.ResultState, e.Verdict, e.Reason) == ("L-1", 3, 3, "LATE", 1)
+        assert e.Severity == 800
+    finally:
+        await client.disconnect()
+
+
+async def test_the_state_machine_and_status_when_serving(plc_server, pki):
+    client = await opcua_client(plc_server.opcua_url, pki)
+    try:
+        ns, system = await vision_system(client)
+        assert (await read(system, ns, "VisionStateMachine", "CurrentState")).Text == "Operational"
+        assert (await read(system, ns, "VisionStateMachine", "AutomaticModeStateMachine",
+                           "CurrentState")).Text == "Ready"
+        assert await read(system, ns, "Status", "Ready") is True
+        assert await read(system, ns, "Status", "Fault") is False
+        assert await read(system, ns, "RecipeManagement", "Recipes") == ["tiny:1"]
+        first = await read(system, ns, "Status", "HeartbeatCount")
+        await asyncio.sleep(1.2)  # the default heartbeat period is 500 ms
+        assert await read(system, ns, "Status", "HeartbeatCount") >= first + 2
+    finally:
+        await client.disconnect()
+
+
+async def test_anonymous_and_bad_passwords_are_refused(plc_server, pki):
+    from asyncua.ua.uaerrors import UaError
+
+    for kw in ({"user": None}, {"password": "wrong"}, {"user": "intruder", "password": PASSWORD}):
+        with pytest.raises((UaError, asyncio.TimeoutError, OSError)):
+            client = await opcua_client(plc_server.opcua_url, pki, **kw)
+            await client.disconnect()
+    with pytest.raises((UaError, asyncio.TimeoutError, OSError)):  # no unsecured endpoint
+        client = await opcua_client(plc_server.opcua_url, pki, policy="None")
+        await client.disconnect()
+    log = plc_server.server.log()
+    assert log.count("refused user 'intruder'") == 1 and log.count("refused user 'plc'") == 1
+
+
+async def test_clients_cannot_write_results_or_status(plc_server, pki):
+    from asyncua.ua.uaerrors import BadNotWritable, BadUserAccessDenied
+
+    client = await opcua_client(plc_server.opcua_url, pki)
+    try:
+        ns, system = await vision_system(client)
+        for path in (("Status", "Ready"), ("ResultManagement", "Station1", "LastResult", "PartId")):
+            node = await system.get_child([f"{ns}:{p}" for p in path])
+            value = await node.read_value()
+            with pytest.raises((BadUserAccessDenied, BadNotWritable)):
+                await node.write_value(value)
+    finally:
+        await client.disconnect()
+
+
+async def test_the_server_certificate_is_made_once_and_kept_private(plc_server):
+    from asyncua import Client
+    from cryptography import x509
+
+    folder = plc_server.data_dir / "opcua"
+    cert = (folder / "server-cert.der").read_bytes()
+    assert stat.S_IMODE((folder / "server-key.pem").stat().st_mode) == 0o600
+    endpoints = await Client(plc_server.opcua_url).connect_and_get_server_endpoints()
+    policies = {e.SecurityPolicyUri.rsplit("#", 1)[1] for e in endpoints}
+    assert policies == {"Basic256Sha256", "Aes128_Sha256_RsaOaep"}
+    assert all(e.ServerCertificate == cert for e in endpoints)
+    san = x509.load_der_x509_certificate(cert).extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value
+    assert any(u.endswith(":visionserve") for u in san.get_values_for_type(x509.UniformResourceIdentifier))
+    assert all(not e.UserIdentityTokens or all(t.TokenType != 0 for t in e.UserIdentityTokens)
+               for e in endpoints)  # 0 = anonymous: not offered
+
+
+def test_plc_sim_end_to_end_on_both_protocols(plc_server, tmp_path):
+    out = tmp_path / "sim.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "visionserve", "plc-sim", "--modbus", f"127.0.0.1:{plc_server.modbus_port}",
+         "--opcua", plc_server.opcua_url, "--user", USER, "--password-file", str(plc_server.password_file),
+         "--cert-dir", str(tmp_path / "sim-pki"), "--url", plc_server.server.url, "--model", "tiny",
+         "--camera", "cam1", "--station", "1", "--rate", "20", "--count", "30",
+         "--images", "gen:64x48:n=3", "--json", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=str(REPO), check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rep = json.loads(out.read_text())
+    assert rep["line"]["answered_200"] == 30
+    for name in ("modbus", "opcua"):
+        p = rep["protocols"][name]
+        assert (p["results"], p["missing"], p["in_order"]) == (30, 0, True), p
+        assert p["rejects"] == p["codes"]["NG"] + p["codes"]["no decision"]
+        assert p["seen_ms"]["n"] == 30 and p["heartbeat_toggles"] >= 1
+    assert "sent -> seen on the PLC side" in proc.stdout
+
+
+# --- readiness and drain ---------------------------------------------------------------------
+
+
+def test_state_and_ready_follow_start_up_and_drain(tiny_repo, tmp_path, jpeg_bytes):
+    s = start_plc_server(tiny_repo, tmp_path, "--drain-timeout-s", "20", opcua=True, wait=False,
+                         hooks=("hold-load",))
+    try:
+        from plc_support import wait_listening
+
+        wait_listening(int(s.opcua_url.rsplit(":", 1)[1]))  # (Modbus starts first)
+        plc = Plc(s.modbus_port)
+        plc.reset()
+
+        async def state() -> tuple[str, bool, bool]:
+            client = await opcua_client(s.opcua_url, tmp_path / "pki")
+            try:
+                ns, system = await vision_system(client)
+                return ((await read(system, ns, "VisionStateMachine", "CurrentState")).Text,
+                        await read(system, ns, "Status", "Ready"), Status.READY in plc.status())
+            finally:
+                await client.disconnect()
+
+        assert asyncio.run(state()) == ("Preoperational", False, False)  # models still loading
+        s.unhook("hold-load")
+        s.server.wait_ready()
+        wait_for(lambda: Status.READY in plc.status(), 10, "Ready")
+        assert asyncio.run(state()) == ("Operational", True, True)
+        s.hook("slow", "3")  # the next frame takes 3 s: the drain has to wait for it
+        answer: dict = {}
+        sender = threading.Thread(target=lambda: answer.setdefault("r", s.inspect("7001", jpeg=jpeg_bytes,
+                                                                                  deadline_ms=30_000)))
+        sender.start()
+        wait_for(lambda: Status.BUSY in plc.status(), 10, "Busy")
+        s.server.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: Status.READY not in plc.status(), 10, "Ready to drop on drain")
+        assert asyncio.run(state()) == ("Halted", False, False)
+        regs = plc.take()  # the frame in flight is still answered, and published
+        assert regs[8] << 16 | regs[9] == 7001
+        sender.join(30)
+        assert answer["r"].status_code == 200
+        assert s.server.proc.wait(30) == 0
+        plc.close()
+    finally:
+        s.server.stop()

@@ -1,0 +1,178 @@
+"""One station's result handshake (Enable, ResultValid, ResultAck, overflow/Fault) and the Modbus
+register map over it, without a network."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from visionserve.plc.bus import Reason, ResultCode, ResultEvent, Stations
+from visionserve.plc.handshake import Control, Fault, Handshake, LineStatus, Status
+
+E, ACK, RESET = int(Control.ENABLE), int(Control.RESULT_ACK), int(Control.FAULT_RESET)
+
+
+def _event(part: str, code: ResultCode = ResultCode.OK, station: int = 0) -> ResultEvent:
+    verdict = code is not ResultCode.NO_DECISION
+    return ResultEvent(f"r-{part}", station, part, None, "tiny", "2", 0, code,
+                       Reason.NONE if verdict else Reason.LATE,
+                       {ResultCode.OK: "OK", ResultCode.NG: "NG"}.get(code, "LATE"),
+                       "ok" if verdict else "", 0 if verdict else -1, 0.9876 if verdict else math.nan,
+                       0.3, 1.2, 12.34, 0.0, 0.0, 0.0)
+
+
+def _presented(hs: Handshake) -> str | None:
+    return hs.current[1].part_id if hs.valid and hs.current else None
+
+
+def test_nothing_is_buffered_until_the_plc_enables_the_station():
+    hs = Handshake(depth=4)
+    assert not hs.offer(_event("1"))
+    assert not hs.valid and hs.seq == 0
+    hs.write_control(E)
+    assert hs.offer(_event("2"))
+    assert _presented(hs) == "2" and hs.seq == 1
+
+
+def test_four_edge_handshake_presents_one_result_per_acknowledge():
+    hs = Handshake(depth=8)
+    hs.write_control(E)
+    for p in "123":
+        hs.offer(_event(p))
+    assert _presented(hs) == "1" and hs.waiting == 2
+    hs.write_control(E | ACK)  # the PLC acknowledges result 1
+    assert not hs.valid  # ResultValid drops...
+    hs.write_control(E | ACK)  # (a level held high acknowledges nothing more)
+    assert not hs.valid and hs.waiting == 2
+    hs.write_control(E)  # ...and only when ResultAck drops is the next one presented
+    assert _presented(hs) == "2" and hs.current[0] == 2
+    hs.write_control(E | ACK)
+    hs.write_control(E)
+    assert _presented(hs) == "3"
+    hs.write_control(E | ACK)
+    hs.write_control(E)
+    assert not hs.valid and hs.current[1].part_id == "3"  # the words stay, ResultValid is off
+
+
+def test_an_ack_without_a_valid_result_does_nothing():
+    hs = Handshake(depth=2)
+    hs.write_control(E | ACK)
+    hs.offer(_event("1"))
+    assert not hs.valid  # presented only once ResultAck is low
+    hs.write_control(E)
+    assert _presented(hs) == "1"
+
+
+def test_a_plc_that_never_acknowledges_overflows_latches_fault_and_sees_the_gap():
+    hs = Handshake(depth=3)
+    hs.write_control(E)
+    kept = [hs.offer(_event(str(i))) for i in range(1, 6)]
+    assert kept == [True, True, True, False, False]  # the presented one counts toward depth
+    assert hs.overflow and hs.dropped == 2 and hs.seq == 5
+    line = LineStatus(ready=True)
+    assert Status.FAULT in hs.status(line, busy=False) and Status.OVERFLOW in hs.status(line, False)
+    assert hs.faults(line) == Fault.OVERFLOW
+    # catching up does not clear the latch: results were lost
+    for _ in range(3):
+        hs.write_control(E | ACK)
+        hs.write_control(E)
+    assert hs.overflow
+    assert hs.offer(_event("6")) and hs.current[0] == 6  # ids 4 and 5 were dropped: a gap
+    hs.write_control(E | RESET)
+    assert not hs.overflow and Status.FAULT not in hs.status(line, False)
+
+
+def test_dropping_enable_resets_the_station():
+    hs = Handshake(depth=1)
+    hs.write_control(E)
+    hs.offer(_event("1"))
+    hs.offer(_event("2"))
+    assert hs.overflow
+    hs.write_control(0)
+    assert not hs.valid and hs.waiting == 0 and not hs.overflow
+    hs.write_control(E)
+    assert hs.offer(_event("3")) and _presented(hs) == "3"
+
+
+def test_inspection_ids_wrap_past_65535_to_1_never_0():
+    hs = Handshake(depth=1)
+    hs.write_control(E)
+    hs.seq = 0xFFFE
+    ids = []
+    for p in "abc":
+        hs.offer(_event(p))
+        ids.append(hs.current[0])
+        hs.write_control(E | ACK)
+        hs.write_control(E)
+    assert ids == [0xFFFF, 1, 2]
+
+
+@pytest.mark.parametrize("code,bit", [(ResultCode.OK, Status.PASS), (ResultCode.NG, Status.FAIL),
+                                      (ResultCode.NO_DECISION, Status.FAIL)])
+def test_pass_only_for_ok_fail_for_ng_and_no_decision(code, bit):
+    hs = Handshake(depth=2)
+    hs.write_control(E)
+    hs.offer(_event("1", code))
+    s = hs.status(LineStatus(ready=True, heartbeat=True), busy=True)
+    assert bit in s and (Status.PASS | Status.FAIL) & ~bit not in s
+    assert Status.READY | Status.BUSY | Status.RESULT_VALID | Status.HEARTBEAT | Status.ENABLED in s
+
+
+def test_a_stalled_engine_is_fault_on_every_station():
+    hs = Handshake(depth=2)
+    line = LineStatus(ready=False, fault=Fault.STALLED)
+    assert Status.FAULT in hs.status(line, False) and Status.READY not in hs.status(line, False)
+    assert hs.faults(line) == Fault.STALLED
+
+
+# --- the Modbus register map (no server) ------------------------------------------------------
+
+modbus = pytest.importorskip("visionserve.plc.modbus")
+ExcCodes = pytest.importorskip("pymodbus.constants").ExcCodes
+
+
+def _map(stations="cam1,cam2", depth=4):
+    from visionserve.plc.bus import ResultBus
+
+    bus = ResultBus(Stations(stations))
+    return modbus.ModbusStations(bus.stations, bus, depth), bus
+
+
+def test_registers_show_the_presented_result():
+    m, bus = _map()
+    m.line = LineStatus(ready=True, heartbeat=True, heartbeat_count=7)
+    assert m.write(2, 6, 0, [E]) is None  # unit 2 = station 2, holding register 0
+    m.publish([_event("123456", ResultCode.NG, station=1)])
+    bus.inflight[1] = 1
+    regs = m.read(2, 4, 0, 16)
+    status = Status(regs[0])
+    assert Status.READY | Status.BUSY | Status.RESULT_VALID | Status.FAIL | Status.ENABLED | \
+        Status.HEARTBEAT == status
+    # fault, inspection id, code, reason, label index, score x 1000, latency in 0.1 ms
+    assert regs[1:8] == [0, 1, int(ResultCode.NG), 0, 0, 988, 123]
+    assert (regs[8] << 16 | regs[9], regs[10]) == (123456, 1)
+    assert (regs[13], regs[14], regs[15]) == (7, 0, 2)
+    assert m.read(2, 2, 0, 9) == [bool(int(status) >> i & 1) for i in range(9)]  # discrete inputs
+    assert m.read(1, 4, 0, 3) == [int(Status.READY | Status.HEARTBEAT), 0, 0]  # station 1: no result
+
+
+def test_control_bits_by_coil_and_by_register_are_the_same():
+    m, _ = _map("*")
+    assert m.write(1, 5, 0, [True]) is None  # coil Enable
+    assert m.read(1, 3, 0, 1) == [E]
+    assert m.write(1, 15, 1, [True, False]) is None  # coils ResultAck, FaultReset
+    assert m.read(1, 1, 0, 3) == [True, True, False]
+    assert m.read(0, 1, 0, 3) == m.read(255, 1, 0, 3)  # 0 and 255 address station 1 too
+
+
+def test_the_protocol_refuses_what_is_outside_the_map():
+    m, _ = _map("*")
+    assert m.write(1, 6, 1, [1]) == ExcCodes.ILLEGAL_ADDRESS  # only HR 0 is writable
+    assert m.write(1, 16, 0, [E, 0]) == ExcCodes.ILLEGAL_ADDRESS
+    assert m.write(1, 6, 0, [0x8001]) == ExcCodes.ILLEGAL_VALUE  # no such control bit
+    assert m.write(1, 5, 3, [True]) == ExcCodes.ILLEGAL_ADDRESS
+    assert m.read(1, 4, 10, 7) == ExcCodes.ILLEGAL_ADDRESS
+    assert m.read(1, 2, 0, 10) == ExcCodes.ILLEGAL_ADDRESS
+    assert m.read(7, 4, 0, 1) == ExcCodes.GATEWAY_PATH_UNAVIABLE
+    assert m.handshakes[0].control == 0  # nothing refused changed anything

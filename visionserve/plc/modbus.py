@@ -1,0 +1,305 @@
+"""Modbus TCP server (pymodbus, pinned): one station per unit id, the register map of docs/plc.md.
+
+Unit id N (1..stations) is station N; 0 and 255, what many clients send to a TCP device, are
+station 1. Addresses are protocol addresses (0-based; a PLC manual's 40001 is holding register 0).
+
+==================  =====  ==========================================================
+table               addr   meaning
+==================  =====  ==========================================================
+coils (rw)          0-2    Enable, ResultAck, FaultReset (= holding register 0, bits 0-2)
+holding reg. (rw)   0      control word: the same three bits
+discrete inp. (ro)  0-8    Ready, Busy, ResultValid, Pass, Fail, Fault, Heartbeat,
+                           Enabled, Overflow (= input register 0, bits 0-8)
+input reg. (ro)     0-15   see :data:`INPUT_REGISTERS`
+==================  =====  ==========================================================
+
+Anything else is answered with the protocol's own exception: ILLEGAL DATA ADDRESS (02) for an
+address outside the map (so for a write to a status register), ILLEGAL DATA VALUE (03) for
+control bits that do not exist, GATEWAY PATH UNAVAILABLE (0A) for an unknown unit id, and
+pymodbus answers ILLEGAL FUNCTION (01) for function codes it does not know.
+
+The datastore is a :class:`pymodbus.datastore.ModbusServerContext` subclass that computes every
+read from the stations' handshakes, so a read always shows one consistent result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+
+from pymodbus.constants import ExcCodes
+from pymodbus.datastore import ModbusServerContext
+from pymodbus.server import ModbusTcpServer
+from pymodbus.server.requesthandler import ServerRequestHandler
+
+from . import metrics
+from .bus import ResultBus, ResultCode, ResultEvent, Stations, part_number
+from .handshake import CONTROL_BITS, STATUS_BITS, Control, Handshake, LineStatus
+
+log = logging.getLogger(__name__)
+
+#: input registers, in order (one 16-bit word each)
+INPUT_REGISTERS = (
+    "status",  # 0: the status bits
+    "fault",  # 1: why Fault: 1 overflow, 2 engine stalled, 4 engine/model fault
+    "inspection_id",  # 2: 1..65535 per result of the station (wraps to 1); 0 before the first
+    "result_code",  # 3: 0 none, 1 OK, 2 NG, 3 no decision (reject)
+    "reason",  # 4: for no decision: 1 late, 2 unavailable, 3 invalid input, 4 internal, 5 cancelled
+    "label_index",  # 5: index into the model's labels; 65535 without a verdict
+    "score",  # 6: score x 1000 (0..1000)
+    "latency",  # 7: arrival to final answer, in 0.1 ms (65535 = 6.5535 s or more)
+    "part_id_high",  # 8: part id as a 32-bit number, high word
+    "part_id_low",  # 9: ... low word
+    "part_id_kind",  # 10: 0 none, 1 the decimal part id itself, 2 CRC-32 of its UTF-8 text
+    "waiting",  # 11: results buffered behind the presented one
+    "dropped",  # 12: results dropped on overflow since start (saturates at 65535)
+    "heartbeat_count",  # 13: counts heartbeat toggles (wraps); stops with the heartbeat
+    "frame_index",  # 14: the frame's place in its request (OIP batches), 0 for inspect
+    "model_version",  # 15: the model version that answered (0 without)
+)
+_IR = {name: i for i, name in enumerate(INPUT_REGISTERS)}
+
+_TABLE = {1: "coils", 5: "coils", 15: "coils", 2: "inputs", 3: "holding", 6: "holding",
+          16: "holding", 22: "holding", 23: "holding", 4: "registers"}
+#: function codes pymodbus answers for us; others are counted as malformed (and refused by it)
+_KNOWN_FC = frozenset((*_TABLE, 7, 8, 11, 12, 17, 20, 21, 24, 43))
+
+
+def result_words(seq: int, ev: ResultEvent) -> list[int]:
+    """Input registers 2..10 and 14..15 for one result."""
+    part, kind = part_number(ev.part_id)
+    verdict = ev.code is not ResultCode.NO_DECISION
+    return [seq, int(ev.code), int(ev.reason), ev.label_index if ev.label_index >= 0 else 0xFFFF,
+            max(0, min(1000, round(ev.score * 1000))) if verdict and not math.isnan(ev.score) else 0,
+            min(0xFFFF, round(ev.total_ms * 10)), part >> 16, part & 0xFFFF, kind]
+
+
+class ModbusStations:
+    """The stations' handshakes and the register map over them (the PLC servers' thread)."""
+
+    def __init__(self, stations: Stations, bus: ResultBus, depth: int) -> None:
+        self.stations = stations
+        self.bus = bus
+        self.handshakes = [Handshake(depth) for _ in stations.names]
+        self.line = LineStatus()
+        self._overflows = [metrics.OVERFLOWS.labels(n) for n in stations.names]
+
+    def publish(self, events: list[ResultEvent]) -> None:
+        for ev in events:
+            hs = self.handshakes[ev.station]
+            before = hs.dropped
+            hs.offer(ev)
+            if hs.dropped != before:
+                self._overflows[ev.station].inc()
+                if hs.dropped == 1 or hs.dropped % 1000 == 0:
+                    log.warning("Modbus station %d (%s): the PLC has not acknowledged %d results; "
+                                "result %s (part %s) dropped, Fault raised (%d dropped so far)",
+                                ev.station + 1, self.stations.names[ev.station], hs.depth,
+                                ev.result_id, ev.part_id, hs.dropped)
+
+    def _target(self, unit: int, fc: int) -> tuple[int, Handshake, str | None] | ExcCodes:
+        """(station index, its handshake, the table ``fc`` reads or writes), or the exception."""
+        if unit in (0, 255):
+            unit = 1
+        if not 1 <= unit <= len(self.handshakes):
+            return ExcCodes.GATEWAY_PATH_UNAVIABLE
+        return unit - 1, self.handshakes[unit - 1], _TABLE.get(fc)
+
+    def input_registers(self, station: int, hs: Handshake) -> list[int]:
+        line = self.line
+        words = [0] * len(INPUT_REGISTERS)
+        words[_IR["status"]] = int(hs.status(line, self.bus.inflight[station] > 0))
+        words[_IR["fault"]] = int(hs.faults(line))
+        if hs.current is not None:
+            seq, ev = hs.current
+            words[2:11] = result_words(seq, ev)
+            words[_IR["frame_index"]] = min(ev.index, 0xFFFF)
+            words[_IR["model_version"]] = int(ev.version) if ev.version.isdigit() else 0
+        words[_IR["waiting"]] = min(hs.waiting, 0xFFFF)
+        words[_IR["dropped"]] = min(hs.dropped, 0xFFFF)
+        words[_IR["heartbeat_count"]] = line.heartbeat_count & 0xFFFF
+        return words
+
+    def read(self, unit: int, fc: int, address: int, count: int) -> list | ExcCodes:
+        target = self._target(unit, fc)
+        if isinstance(target, ExcCodes):
+            return target
+        station, hs, table = target
+        if table == "registers":
+            values: list = self.input_registers(station, hs)
+        elif table == "inputs":
+            word = int(hs.status(self.line, self.bus.inflight[station] > 0))
+            values = [bool(word >> i & 1) for i in range(STATUS_BITS)]
+        elif table == "coils":
+            values = [bool(int(hs.control) >> i & 1) for i in range(CONTROL_BITS)]
+        elif table == "holding":
+            values = [int(hs.control)]
+        else:
+            return ExcCodes.ILLEGAL_FUNCTION
+        if address < 0 or count < 1 or address + count > len(values):
+            return ExcCodes.ILLEGAL_ADDRESS
+        return values[address:address + count]
+
+    def write(self, unit: int, fc: int, address: int, values: list) -> ExcCodes | None:
+        target = self._target(unit, fc)
+        if isinstance(target, ExcCodes):
+            return target
+        _, hs, table = target
+        if table == "coils":
+            if address < 0 or address + len(values) > CONTROL_BITS:
+                return ExcCodes.ILLEGAL_ADDRESS
+            word = int(hs.control)
+            for i, v in enumerate(values, start=address):
+                word = word | (1 << i) if v else word & ~(1 << i)
+        elif table == "holding":
+            if address != 0 or len(values) != 1:
+                return ExcCodes.ILLEGAL_ADDRESS
+            word = int(values[0])
+            if word & ~int(Control.ENABLE | Control.RESULT_ACK | Control.FAULT_RESET):
+                return ExcCodes.ILLEGAL_VALUE
+        else:
+            return ExcCodes.ILLEGAL_ADDRESS  # input registers and discrete inputs are read-only
+        hs.write_control(word)
+        return None
+
+
+class _Context(ModbusServerContext):
+    """pymodbus's datastore interface over :class:`ModbusStations` (its ``old_simulator`` path:
+    the server calls these two coroutines for every request and sends what they return)."""
+
+    def __init__(self, stations: ModbusStations) -> None:  # no super(): it wants register blocks
+        self.old_simulator = True
+        self.simdevices = []
+        self.stations = stations
+
+    def device_ids(self) -> list[int]:
+        return list(range(1, len(self.stations.handshakes) + 1))
+
+    async def async_getValues(self, device_id, func_code, address, count=1):
+        try:
+            return self.stations.read(device_id, func_code, address, count)
+        except Exception:
+            log.exception("Modbus read failed (unit %d, function %d)", device_id, func_code)
+            return ExcCodes.DEVICE_FAILURE
+
+    async def async_setValues(self, device_id, func_code, address, values):
+        try:
+            return self.stations.write(device_id, func_code, address, list(values))
+        except Exception:
+            log.exception("Modbus write failed (unit %d, function %d)", device_id, func_code)
+            return ExcCodes.DEVICE_FAILURE
+
+
+class _Handler(ServerRequestHandler):
+    """One client connection: enforces the client limit and says once per client what went
+    wrong (pymodbus itself would log every bad frame)."""
+
+    def __init__(self, owner: _Server) -> None:
+        super().__init__(owner, owner.trace_packet, owner.trace_pdu, owner.trace_connect)
+        self.owner = owner
+        self.peer = "?"
+        self.malformed = 0
+        self.refused = False
+
+    def callback_connected(self) -> None:
+        super().callback_connected()
+        peer = self.transport.get_extra_info("peername") if self.transport else None
+        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        if len(self.owner.active_connections) > self.owner.max_clients:
+            self.refused = True
+            host = self.peer.rpartition(":")[0]
+            if host not in self.owner.refused_hosts:
+                self.owner.refused_hosts.add(host)
+                log.warning("Modbus: refused a client from %s: %d clients connected already "
+                            "(--modbus-max-clients)", host, self.owner.max_clients)
+            self.close()
+            return
+        log.info("Modbus client %s connected", self.peer)
+        metrics.CLIENTS.labels("modbus").set(len(self.owner.active_connections))
+
+    def callback_disconnected(self, exc: Exception | None) -> None:
+        super().callback_disconnected(exc)
+        if self.refused:
+            return
+        self.owner.refused_hosts.clear()  # a slot is free: say again when someone is refused
+        metrics.CLIENTS.labels("modbus").set(len(self.owner.active_connections))  # we left it
+        log.info("Modbus client %s disconnected%s%s", self.peer,
+                 f" ({exc})" if exc else "",
+                 f"; {self.malformed} malformed frames" if self.malformed else "")
+
+    def callback_data(self, data: bytes, addr: tuple | None = None) -> int:
+        if self.refused:
+            return len(data)
+        if len(data) >= 8:
+            proto, length, fc = int.from_bytes(data[2:4], "big"), int.from_bytes(data[4:6], "big"), data[7]
+            if proto != 0 or not 2 <= length <= 254:
+                # not Modbus TCP framing: nothing after it can be trusted to be in step
+                self._malformed(f"MBAP header with protocol id {proto} and length {length}; "
+                                "connection closed")
+                self.close()
+                return len(data)
+            if fc & 0x7F not in _KNOWN_FC:
+                end = 6 + length
+                if len(data) < end:
+                    return 0  # the rest of the frame is still coming
+                self._malformed(f"function code {fc}, answered ILLEGAL FUNCTION")
+                # answered here: pymodbus would put function code 0 in the exception response
+                self.transport.write(data[:2] + b"\x00\x00\x00\x03" + data[6:7] + bytes((fc | 0x80, 1)))
+                return end
+        return super().callback_data(data, addr)
+
+    def _malformed(self, what: str) -> None:
+        self.malformed += 1
+        if self.malformed == 1:
+            log.warning("Modbus client %s sent a malformed request (%s); further ones from this "
+                        "client are counted, not logged", self.peer, what)
+
+
+class _Server(ModbusTcpServer):
+    def __init__(self, context: _Context, address: tuple[str, int], max_clients: int) -> None:
+        super().__init__(context, address=address)
+        self.max_clients = max_clients
+        self.refused_hosts: set[str] = set()
+
+    def callback_new_connection(self) -> _Handler:
+        return _Handler(self)
+
+
+class ModbusPublisher:
+    protocol = "modbus"
+
+    def __init__(self, address: tuple[str, int], stations: Stations, bus: ResultBus, depth: int,
+                 max_clients: int) -> None:
+        self.address = address
+        self.map = ModbusStations(stations, bus, depth)
+        self.max_clients = max_clients
+        self.server: _Server | None = None
+        self._delay = metrics.BUS_DELAY.labels(self.protocol)
+
+    async def start(self) -> None:
+        # pymodbus logs every odd frame and client at ERROR; we say it once per client instead
+        logging.getLogger("pymodbus").setLevel(logging.CRITICAL)
+        self.server = _Server(_Context(self.map), self.address, self.max_clients)
+        try:
+            await self.server.serve_forever(background=True)
+        except RuntimeError as exc:
+            raise OSError(f"Modbus TCP: cannot listen on {self.address[0]}:{self.address[1]} "
+                          "(in use, or not an address of this machine?)") from exc
+        log.info("Modbus TCP listening on %s:%d (%d stations, unit ids 1..%d)", *self.address,
+                 len(self.map.handshakes), len(self.map.handshakes))
+
+    async def publish(self, events: list[ResultEvent]) -> None:
+        self.map.publish(events)
+        now = time.monotonic()
+        for ev in events:
+            self._delay.observe(now - ev.final_mono)
+
+    async def update(self, line: LineStatus) -> None:
+        self.map.line = line
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.shutdown()
+            await asyncio.sleep(0)

@@ -472,6 +472,7 @@ class Batcher:
     def _late(self, item: Pending, now: float) -> None:
         self._learn(item, now, missed=True)
         self.on_drop(item, "late")
-        waited = (now - item.arrival) * 1000
+        waited, late_ms = (now - item.arrival) * 1000, (now - item.deadline) * 1000
         resolve(item.future, exc=DeadlineExceeded(
-            f"deadline passed after {waited:.1f} ms in the queue; the frame was not run"))
+            f"deadline passed after {waited:.1f} ms in the queue ({late_ms:.1f} ms ago); the frame was "
+            "not run", late_ms=late_ms))

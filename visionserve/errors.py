@@ -53,9 +53,16 @@ class Unavailable(VisionServeError):
 
 
 class DeadlineExceeded(VisionServeError):
-    """The request's deadline passed before an answer could be computed (verdict ``LATE``)."""
+    """The request's deadline passed before its answer was ready (verdict ``LATE``): in the
+    queue, during decode, or during compute (a verdict after the deadline is no decision for a
+    PLC, so it is not given). ``late_ms``: how long after the deadline that was found."""
 
     kind = "deadline"
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None,
+                 late_ms: float | None = None) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.late_ms = late_ms
 
 
 class RequestTimeout(VisionServeError):

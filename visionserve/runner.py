@@ -1,7 +1,9 @@
 """The per-instance worker: two threads, so batch k+1 is decoded while batch k computes.
 
 prep thread:    decode + resize + normalise (OpenCV releases the GIL) -> bounded hand-off queue
-compute thread: drop what expired meanwhile -> backend.run -> verdicts -> futures resolved
+compute thread: drop what expired meanwhile -> backend.run -> verdicts -> futures resolved; a
+                frame whose verdict is ready after its deadline gets DeadlineExceeded instead (a
+                late verdict is no decision for a PLC: it gets LATE, as a frame dropped unrun)
 
 Answers go back to the event loop with one ``call_soon_threadsafe`` per batch; every future is
 answered exactly once and only if nobody cancelled it.
@@ -32,6 +34,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class FrameResult:
+    """A frame's answer; always in time (``deadline_met`` is kept for the wire: always true)."""
+
     verdict: str
     label: str
     score: float
@@ -49,9 +53,9 @@ class BatchRecord:
 
     size: int
     padded: int
-    ok: int
-    failed: int
-    late: int
+    ok: int  # answered with a verdict
+    failed: int  # failed in preprocessing (bad image, fault)
+    late: int  # answered LATE: the deadline passed during decode, or before the verdict was ready
     queue_s: tuple[float, ...]
     prep_s: float
     infer_s: float
@@ -191,7 +195,8 @@ class Runner:
         late = [p for p in items if not p.future.done() and p.deadline <= now]
         if late:
             self._post(_fail_all, [(p, DeadlineExceeded(
-                "deadline passed while the frame was being decoded; it was not run")) for p in late])
+                f"deadline passed while the frame was being decoded ({(now - p.deadline) * 1000:.1f} ms "
+                "ago); it was not run", late_ms=(now - p.deadline) * 1000)) for p in late])
         if not keep:
             return
         out_rows: list[int] | None = None  # rows of the model's output that answer ``items``
@@ -227,20 +232,28 @@ class Runner:
         results = classify(raw[out_rows] if out_rows is not None else raw[:len(items)], self.config)
         t3 = time.monotonic()
         n = len(items)
-        answers = []
-        for p, c in zip(items, results):
+        answers, too_late = [], []
+        for p, c in zip(items, results):  # each frame with its own row's result, in order
+            if t3 > p.deadline:  # its verdict came after the deadline: LATE, no verdict
+                late_ms = (t3 - p.deadline) * 1000
+                too_late.append((p, DeadlineExceeded(
+                    f"deadline passed while the frame was computed: its answer was ready {late_ms:.1f} ms "
+                    f"after the deadline ({(t3 - p.arrival) * 1000:.1f} ms after arrival)", late_ms=late_ms)))
+                continue
             answers.append((p, FrameResult(
                 verdict=c.verdict, label=c.label, score=c.score, scores=c.scores, batch_size=n,
                 queue_ms=(p.dispatched - p.arrival) * 1000, compute_ms=(t3 - p.dispatched) * 1000,
-                total_ms=(t3 - p.arrival) * 1000, deadline_met=t3 <= p.deadline)))
+                total_ms=(t3 - p.arrival) * 1000, deadline_met=True)))
         self.cost.observe(n, t3 - min(p.dispatched for p in items))
         # the batch is recorded before its answers are released (the loop runs posts in order): a
         # client holding its answer must find it counted in /stats, even if this thread is slow
         # to get the GIL back after posting
         self._post(self.on_batch, BatchRecord(
-            size=n, padded=tensor.shape[0], ok=n, failed=failed, late=len(late),
+            size=n, padded=tensor.shape[0], ok=len(answers), failed=failed, late=len(late) + len(too_late),
             queue_s=tuple(p.dispatched - p.arrival for p in items),
             prep_s=prep_s, infer_s=t2 - t1, post_s=t3 - t2))
+        if too_late:
+            self._post(_fail_all, too_late)
         self._post(_answer_all, answers)
 
 

@@ -155,6 +155,7 @@ def test_tiny_deadline_is_answered_late(server, jpeg_bytes, reference):
                                                           "X-Part-Id": "late-1"})
     body = assert_error(r, 504, "deadline passed")
     assert body["verdict"] == "LATE" and body["deadline_met"] is False and body["part_id"] == "late-1"
+    assert body["model"] == "tiny" and body["late_ms"] >= 0  # how late: the deadline passed that long ago
 
 
 def test_late_frames_are_counted(server, jpeg_bytes):

@@ -336,6 +336,12 @@ def test_openapi_document(client):
     doc = client.get("/openapi.json").json()
     assert "/v1/models/{model_name}/inspect" in doc["paths"]
     assert "/v2/models/{model_name}/infer" in doc["paths"]
+    # a late frame: 504 with verdict LATE and how late, never a 200 with a verdict (issue 15)
+    late = doc["components"]["schemas"]["InspectError"]["properties"]
+    assert {"verdict", "deadline_met", "late_ms"} <= set(late)
+    assert "504" in doc["paths"]["/v1/models/{model_name}/inspect"]["post"]["responses"]
+    met = doc["components"]["schemas"]["InspectResult"]["properties"]["deadline_met"]
+    assert "Always true" in met["description"]
 
 
 # --- batching under concurrency ----------------------------------------------------------------

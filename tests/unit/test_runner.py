@@ -130,3 +130,41 @@ async def test_cpu_batches_are_still_trimmed_to_the_frames_that_remain():
     assert seen == [4]  # 3 frames left of 5: padded to 4, not 8
     for i in (0, 2, 4):
         np.testing.assert_allclose(batch[i].future.result().scores, colours[i])
+
+
+async def test_a_verdict_ready_after_the_deadline_is_answered_late_not_given():
+    """A frame whose answer is ready after its deadline gets DeadlineExceeded (504 LATE: no
+    decision for a PLC), not its verdict with deadline_met false; the other frames of the batch get
+    their own answers, and the batch's record counts it late."""
+    loop = asyncio.get_running_loop()
+    records: list = []
+
+    class Slow(MeansBackend):
+        def run(self, batch):
+            time.sleep(0.6)  # the deadline passes while the model runs
+            return super().run(batch)
+
+    prepare, _ = make_prepare(slow_s=0.0)
+    runner = Runner(name="means:1#0", backend=Slow(), config=CONFIG, preferred=PREFERRED,
+                    cost=CostModel(lambda n: padded_size(n, PREFERRED)), on_batch=records.append,
+                    prepare=prepare)
+    runner.start(loop)
+    try:
+        now = time.monotonic()
+        colours = [(10, 20, 30), (40, 50, 60), (70, 80, 90)]
+        deadlines = [now + 60, now + 0.3, now + 60]
+        batch = [Pending(frame(c), loop.create_future(), now, d, dispatched=now)
+                 for c, d in zip(colours, deadlines)]
+        await asyncio.wait_for(runner.execute(batch), 10)
+    finally:
+        await asyncio.to_thread(runner.stop)
+    exc = batch[1].future.exception()
+    assert isinstance(exc, DeadlineExceeded), batch[1].future.result()
+    assert "while the frame was computed" in exc.message and "ms after the deadline" in exc.message
+    assert exc.late_ms >= 200
+    for i in (0, 2):
+        r = batch[i].future.result()
+        assert r.deadline_met and r.batch_size == 3
+        np.testing.assert_allclose(r.scores, colours[i])  # its own row, not another frame's
+    (rec,) = records
+    assert (rec.size, rec.ok, rec.late, rec.failed) == (3, 2, 1, 0)

@@ -20,7 +20,10 @@ OK, LATE, LATE_ANSWER, REJECTED, HTTP_ERROR, CONN_ERROR, TIMEOUT, OVERFLOW, BAD_
 #: rejected: 503/429 (UNAVAILABLE/RESOURCE_EXHAUSTED) with Retry-After; rejected_no_retry_after: without
 OUTCOMES = ("ok", "late", "late_answer", "rejected", "http_error", "conn_error", "timeout",
             "generator_overflow", "bad_answer", "rejected_no_retry_after")
-#: outcomes that count as a deadline miss (the part got no usable verdict in time)
+#: outcomes that count as a deadline miss (the part got no usable verdict in time): ``late`` is a
+#: 504 / DEADLINE_EXCEEDED / verdict LATE, how visionserve answers every frame whose answer is not
+#: ready by its deadline (dropped in the queue, or computed too late); ``late_answer`` is a 200
+#: that says ``deadline_met: false``, which only other servers send
 MISS_OUTCOMES = (LATE, LATE_ANSWER)
 VERDICTS = {"OK": 0, "NG": 1, "LATE": 2}
 PROTOCOLS = ("inspect", "oip", "grpc", "json")
@@ -191,7 +194,8 @@ def _flat(v):
 
 
 def _status_answer(status: int, data: bytes, headers: dict[str, str] | None = None) -> Answer:
-    """``headers`` (lower-case names) given: a refusal without Retry-After is told apart."""
+    """``headers`` (lower-case names) given: a refusal without Retry-After is told apart. A 504
+    (the inspect API's says verdict LATE and how late) is a deadline miss, never an error."""
     text = data[:300].decode("utf-8", "replace")
     if status == 504 or b'"LATE"' in data[:400]:
         return Answer(LATE, VERDICTS["LATE"], detail=text)

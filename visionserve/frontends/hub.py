@@ -13,8 +13,8 @@ and what the hub sends back:
   ``("state", ready, draining, {(model, version): ready}, models)``: on connect and on every
   change; ``models`` (the repository entries and the served versions' configs) only when they
   change.
-  ``("result", rid, [FrameResult])``, ``("error", rid, error class name, message, retry_after_s)``
-  exactly once per ``infer``; ``("reply", rid, value)`` or an error for the others.
+  ``("result", rid, [FrameResult])``, ``("error", rid, error class name, message, retry_after_s,
+  late_ms)`` exactly once per ``infer``; ``("reply", rid, value)`` or an error for the others.
   ``("beat",)`` every ``HEARTBEAT_S``: a front end that hears nothing for a while stops taking work.
 """
 
@@ -144,7 +144,8 @@ class Link:
         done.add_done_callback(answered)
 
     def _error(self, rid: int, exc: VisionServeError) -> None:
-        self.channel.send(("error", rid, type(exc).__name__, exc.message, exc.retry_after_s))
+        self.channel.send(("error", rid, type(exc).__name__, exc.message, exc.retry_after_s,
+                           getattr(exc, "late_ms", None)))
 
     def on_lost(self) -> None:
         # the front end died or stopped: its clients are gone, so are their frames

@@ -108,14 +108,17 @@ class RemoteEngine(ModelLookup):
         if kind in ("result", "reply"):
             fut.set_result(msg[2])
         elif kind == "error":
-            _, _, name, message, retry_after = msg
+            _, _, name, message, retry_after, *rest = msg
             if name == "Cancelled":
                 fut.cancel()
             else:
                 cls = getattr(errors, name, None)
                 if not (isinstance(cls, type) and issubclass(cls, VisionServeError)):
                     cls = errors.InternalError
-                fut.set_exception(cls(message, retry_after_s=retry_after))
+                exc = cls(message, retry_after_s=retry_after)
+                if rest and rest[0] is not None:
+                    exc.late_ms = rest[0]
+                fut.set_exception(exc)
 
     def on_lost(self) -> None:
         if self.lost.is_set():
@@ -164,11 +167,17 @@ class RemoteEngine(ModelLookup):
         fut = loop.create_future()
         timer = None
         if expires is not None:
-            timer = loop.call_at(expires[0], self._abandon, rid, DeadlineExceeded(
-                f"deadline of {expires[1]:g} ms passed without an answer from the engine process"))
+            timer = loop.call_at(expires[0], self._expire, rid, *expires)
         self._pending[rid] = (fut, extents or [], timer)
         self.channel.send((msg_head, rid, *rest))
         return fut, rid
+
+    def _expire(self, rid: int, at: float, ms: float) -> None:
+        """Request ``rid``'s deadline timer (``at``: its deadline plus the grace): answer it LATE."""
+        late_ms = (time.monotonic() - at + DEADLINE_GRACE_S) * 1000
+        self._abandon(rid, DeadlineExceeded(
+            f"deadline of {ms:g} ms passed without an answer from the engine process ({late_ms:.1f} ms "
+            "ago)", late_ms=late_ms))
 
     def _abandon(self, rid: int, exc: BaseException | None = None) -> None:
         """Answer request ``rid`` now (``exc``, or cancelled) and tell the engine to drop its frames.

@@ -46,7 +46,8 @@ _BODY = {
     ],
 }
 _RESPONSES = {**ERRORS, 415: {"model": InspectError, "description": "Unsupported media type"},
-              504: {"model": InspectError, "description": "Deadline missed: verdict LATE"}}
+              504: {"model": InspectError, "description": "Deadline missed (in the queue, during decode, or "
+                    "before the verdict was ready): verdict LATE, no decision; late_ms says how late"}}
 
 
 def _header_number(request: Request, name: str, kind: type) -> float | int | None:
@@ -85,9 +86,10 @@ async def inspect(request: Request, model_name: str, model_version: str = "") ->
         served, (r,) = await unless_disconnected(
             request, engine.infer(model_name, model_version, [frame], deadline_ms=deadline_ms,
                                   priority=priority, arrival=arrival, origin=(part_id, camera_id)))
-    except DeadlineExceeded as exc:
+    except DeadlineExceeded as exc:  # no decision for the PLC, whenever the deadline passed
+        late_ms = None if exc.late_ms is None else round(exc.late_ms, 3)
         return error_response(exc, {"part_id": part_id, "model": model_name, "verdict": "LATE",
-                                    "deadline_met": False})
+                                    "deadline_met": False, "late_ms": late_ms})
     except VisionServeError as exc:
         return error_response(exc, {"part_id": part_id, "model": model_name})
     labels = served.config.output.labels

@@ -82,12 +82,14 @@ class InspectResult(BaseModel):
     camera_id: str | None = None
     model: str
     version: str
-    verdict: str = Field(..., description="OK, NG, or LATE (deadline missed; then status 504)")
+    verdict: str = Field(..., description="OK or NG. A frame whose answer is not ready by its deadline "
+                         "gets no verdict: status 504 with verdict LATE (InspectError)")
     label: str
     score: float
     scores: dict[str, float]
     batch_size: int
-    deadline_met: bool
+    deadline_met: bool = Field(..., description="Always true in a 200 answer (a late frame is answered 504 "
+                               "LATE); kept for clients that read it")
     timing: Timing
 
 
@@ -95,8 +97,11 @@ class InspectError(BaseModel):
     error: str
     part_id: str | None = None
     model: str | None = None
-    verdict: str | None = Field(None, description="LATE when the deadline passed (504)")
-    deadline_met: bool | None = None
+    verdict: str | None = Field(None, description="LATE when the deadline passed (504): in the queue, during "
+                                "decode, or before the verdict was ready. No decision for the part")
+    deadline_met: bool | None = Field(None, description="false with verdict LATE (504)")
+    late_ms: float | None = Field(None, description="With verdict LATE: how many ms after the deadline "
+                                  "the server found it passed")
 
 
 ERRORS = {
@@ -104,5 +109,6 @@ ERRORS = {
     404: {"model": ErrorResponse, "description": "Unknown model or version"},
     413: {"model": ErrorResponse, "description": "Body or image too large"},
     503: {"model": ErrorResponse, "description": "Not ready, shutting down, or overloaded (Retry-After)"},
-    504: {"model": ErrorResponse, "description": "Deadline exceeded"},
+    504: {"model": ErrorResponse, "description": "Deadline exceeded: the answer was not ready by the "
+                                                 "request's deadline (the message says how late)"},
 }

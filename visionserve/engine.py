@@ -246,6 +246,10 @@ class Engine(ModelLookup):
             r.on_batch = lambda rec, s=served: self._record_batch(s, rec)
             r.start(loop)
         batcher.on_drop = lambda item, reason, s=served: self._record_drop(s, reason)
+        # read when scraped, so never stale (the queue also drains by batches taken, frames
+        # dropped late and cancellations); all versions of the model, as the label has no version
+        served.series.queue_depth.set_function(lambda name=entry.name: self._waiting(name, "queue_depth"))
+        metrics.INFLIGHT.labels(entry.name).set_function(lambda name=entry.name: self._waiting(name, "inflight"))
         batcher.on_failure = lambda exc, s=served: metrics.READY.labels(s.name, str(s.version)).set(0)
         batcher.start()
         return served
@@ -313,6 +317,9 @@ class Engine(ModelLookup):
             self.latency = LatencyWindow()
         return self.latency.p99
 
+    def _waiting(self, name: str, what: str) -> int:
+        return sum(getattr(s.batcher, what) for (n, _), s in list(self.served.items()) if n == name)
+
     async def metrics_text(self) -> bytes:
         from prometheus_client import generate_latest
 
@@ -336,7 +343,10 @@ class Engine(ModelLookup):
                     p.future.cancel()
                 raise
         except VisionServeError as exc:
-            self.count_error(name, exc)
+            self.count_error(name, exc, len(frames))
+            raise
+        except Exception:  # a bug: the front end answers 500
+            self.count_error(name, "internal", len(frames))
             raise
         return served, self.finish(served, results, arrival)
 
@@ -377,11 +387,8 @@ class Engine(ModelLookup):
             raise InvalidInput(f"priority {priority!r} is out of range 0..{b.priority_levels - 1}")
         batcher = served.batcher
         deadline = arrival + deadline_ms / 1000.0
-        try:  # 503 at once for a full queue, or for frames the load ahead would answer too late
-            predicted = batcher.check_capacity(len(frames), deadline=deadline, priority=priority)
-        except Unavailable:
-            served.series.frames("rejected").inc(len(frames))
-            raise
+        # 503 at once for a full queue, or for frames the load ahead would answer too late
+        predicted = batcher.check_capacity(len(frames), deadline=deadline, priority=priority)
         pending = []
         try:
             for f in frames:
@@ -391,7 +398,6 @@ class Engine(ModelLookup):
             for p in pending:
                 p.future.cancel()
             raise
-        served.series.queue_depth.set(batcher.queue_depth)
         if self.latency is not None:
             self.latency.track(pending)  # answered and LATE frames alike, whichever front end waits
         return pending
@@ -410,9 +416,22 @@ class Engine(ModelLookup):
             m.request_seconds.observe(r.total_ms / 1000)
         return list(results)
 
-    @staticmethod
-    def count_error(model: str, exc: VisionServeError) -> None:
-        metrics.REQUESTS.labels(model, exc.kind).inc()
+    def count_error(self, model: str, exc: VisionServeError | str, frames: int = 0) -> None:
+        """Count a request answered with an error (``exc``, or its kind), once, wherever that was
+        decided: here for what the engine answers (``frames``: the request's frames, which it was
+        given), and for what a front end refused before the engine saw the request (``frames``
+        0), also from a front-end process (the hub forwards it). A LATE answer's frames are
+        deadline misses, whichever part of the server found the deadline passed."""
+        kind = exc if isinstance(exc, str) else exc.kind
+        if not isinstance(exc, str):
+            exc.counted = True
+        if model not in self.entries:
+            model = metrics.UNKNOWN_MODEL
+        metrics.REQUESTS.labels(model, kind).inc()
+        if frames > 0:
+            metrics.FRAMES.labels(model, metrics.FRAME_OUTCOMES.get(kind, "error")).inc(frames)
+            if kind == "deadline":
+                metrics.DEADLINE_MISSES.labels(model).inc(frames)
 
     # --- statistics (loop thread) ------------------------------------------------------------
 
@@ -429,13 +448,12 @@ class Engine(ModelLookup):
         bi.add(rec.prep_s)
         bf.add(rec.infer_s)
         bo.add(rec.post_s)
+        if rec.late:  # deadline passed during decode or compute (metrics: where the request is answered)
+            st.fail.add(0.0, rec.late)
         m = served.series
         m.batch_size.observe(rec.size)
         m.compute_seconds.observe(rec.prep_s + rec.infer_s + rec.post_s)
-        m.queue_depth.set(served.batcher.queue_depth)
 
     def _record_drop(self, served: Served, reason: str) -> None:
-        if reason == "late":
+        if reason == "late":  # metrics: where its request is answered (count_error)
             served.stats.fail.add(0.0)
-            served.series.frames("late").inc()
-            served.series.deadline_misses.inc()

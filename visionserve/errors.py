@@ -14,6 +14,10 @@ class VisionServeError(Exception):
     #: key into :data:`STATUS_TABLE`
     kind = "internal"
 
+    #: True once the request this error answers is in the metrics (``Engine.count_error``): the
+    #: engine counts what it answers; a front end counts the rest (its own parsing errors), once
+    counted = False
+
     def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.message = message

@@ -89,6 +89,12 @@ def raw(value: int = 128) -> imaging.Frame:
     return imaging.raw_frame(np.full((32, 32, 3), value, np.uint8), (32, 32, 3))
 
 
+def _sample(name: str, **labels) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
 async def test_engine_answers_frames_in_order(engine):
     assert engine.ready and engine.model_ready("tiny")
     frames = [raw(v) for v in (0, 128, 255)]
@@ -127,8 +133,10 @@ async def test_engine_no_frames_and_too_many(engine):
 
 
 async def test_engine_tiny_deadline_is_late(engine):
-    with pytest.raises(DeadlineExceeded):
+    with pytest.raises(DeadlineExceeded, match="in the queue"):
         await engine.infer("tiny", None, [raw()], deadline_ms=0.001)
+    # the gauge reads the queue when scraped: not left at 1, what admission saw (issue 15)
+    assert _sample("visionserve_queue_depth", model="tiny") == 0
     _, (r,) = await engine.infer("tiny", None, [raw()])  # and it keeps serving
     assert r.deadline_met
 
@@ -153,9 +161,11 @@ async def test_engine_cancelled_request_never_runs(tiny_repo):
     try:
         task = asyncio.ensure_future(eng.infer("tiny", None, [raw()]))
         await asyncio.sleep(0.1)
+        assert _sample("visionserve_queue_depth", model="tiny") == 1
         task.cancel()  # what the HTTP front end does when the client disconnects
         with pytest.raises(asyncio.CancelledError):
             await task
+        assert _sample("visionserve_queue_depth", model="tiny") == 0  # read when scraped
         await asyncio.sleep(1.2)  # past the queue delay
         s = eng.get("tiny")
         assert s.stats.execution_count == 0 and s.stats.inference_count == 0
@@ -276,3 +286,40 @@ async def test_engine_two_instances_both_get_batches(two_instance_repo):
         assert [r.inflight for r in s.runners] == [0, 0]
     finally:
         await eng.close()
+
+
+# --- issue 15: LATE verdicts, and metrics that count each answer once -----------------------------
+
+
+async def test_engine_a_verdict_ready_after_the_deadline_is_late_and_counted_once(engine, monkeypatch):
+    import time
+
+    backend = engine.get("tiny").runners[0].backend
+    run = backend.run
+
+    def slow(x):
+        time.sleep(0.4)  # the deadline passes while the model runs
+        return run(x)
+
+    monkeypatch.setattr(backend, "run", slow)
+    series = [("visionserve_requests_total", {"model": "tiny", "outcome": "deadline"}),
+              ("visionserve_frames_total", {"model": "tiny", "outcome": "late"}),
+              ("visionserve_deadline_misses_total", {"model": "tiny"}),
+              ("visionserve_requests_total", {"model": "tiny", "outcome": "success"})]
+    before = [_sample(n, **labels) for n, labels in series]
+    with pytest.raises(DeadlineExceeded, match="while the frame was computed") as info:
+        await engine.infer("tiny", None, [raw(), raw(7)], deadline_ms=200)
+    assert info.value.late_ms > 100
+    assert [_sample(n, **labels) - b for (n, labels), b in zip(series, before)] == [1, 2, 2, 0]
+    assert engine.get("tiny").stats.fail.count == 2
+
+
+async def test_engine_counts_an_unknown_models_request_under_one_placeholder(engine):
+    before = _sample("visionserve_requests_total", model="_unknown", outcome="not_found")
+    for name in ("nope-1", "nope-2"):
+        with pytest.raises(NotFound) as info:
+            engine.get(name)
+        engine.count_error(name, info.value)  # what a front end does with a refusal of its own
+        assert info.value.counted
+    assert _sample("visionserve_requests_total", model="_unknown", outcome="not_found") == before + 2
+    assert _sample("visionserve_requests_total", model="nope-1", outcome="not_found") == 0

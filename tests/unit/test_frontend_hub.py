@@ -397,3 +397,69 @@ async def test_unreadable_frames_are_answered_not_lost(pair):
     with pytest.raises(Exception, match="internal"):
         await asyncio.wait_for(remote.infer("tiny", None, [raw()], deadline_ms=60_000), 5)
     await _until(lambda: remote.arena.used == 0 and not remote._pending)
+
+
+# --- issue 15: every answer counted once, in the engine process --------------------------------
+
+
+def _sample(name: str, **labels) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+_LATE_SERIES = (("visionserve_requests_total", {"model": "tiny", "outcome": "deadline"}),
+                ("visionserve_frames_total", {"model": "tiny", "outcome": "late"}),
+                ("visionserve_deadline_misses_total", {"model": "tiny"}))
+
+
+def _late_counts() -> list[float]:
+    return [_sample(n, **labels) for n, labels in _LATE_SERIES]
+
+
+async def test_a_late_answer_of_the_front_ends_timer_is_counted_in_the_engine(pair):
+    _, hub, remote = pair
+    link = hub.links[0]
+    held = _freeze(link)
+    before = _late_counts()
+    with pytest.raises(DeadlineExceeded, match=r"deadline of 50 ms .*ms ago") as info:
+        await asyncio.wait_for(remote.infer("tiny", None, [raw(), raw(9)], deadline_ms=50), 5)
+    assert info.value.late_ms >= 15
+    await _until(lambda: len(held) == 2)  # the request, then its cancel (with what was answered)
+    assert held[1][0] == "cancel" and held[1][2] == "deadline"
+    link.channel.on_message = link.on_message
+    for msg in held:
+        link.on_message(msg)
+    await _until(lambda: remote.arena.used == 0 and not remote._pending and not link.tasks)
+    assert [a - b for a, b in zip(_late_counts(), before)] == [1, 2, 2]
+
+
+async def test_a_request_the_engine_answered_first_is_not_counted_again(pair):
+    """The engine's answer and the front end's timer crossed: the engine's answer is the one counted."""
+    _, hub, remote = pair
+    link = hub.links[0]
+    held = _freeze(link)
+    before = _late_counts()
+    with pytest.raises(DeadlineExceeded):
+        await asyncio.wait_for(remote.infer("tiny", None, [raw()], deadline_ms=50), 5)
+    await _until(lambda: len(held) == 2)
+    link.channel.on_message = link.on_message
+    link.on_message(held[0])  # the engine answers it (LATE from the queue) before the cancel comes
+    await _until(lambda: not link.tasks)
+    link.on_message(held[1])
+    await _until(lambda: remote.arena.used == 0 and not remote._pending)
+    assert [a - b for a, b in zip(_late_counts(), before)] == [1, 1, 1]
+
+
+async def test_a_front_ends_own_refusal_is_counted_in_the_engine(pair):
+    _, _, remote = pair
+    before = _sample("visionserve_requests_total", model="_unknown", outcome="not_found")
+    with pytest.raises(NotFound) as info:
+        await remote.infer("some-client-string", None, [raw()])
+    assert not info.value.counted  # refused here: the front end counts it
+    remote.count_error("some-client-string", info.value)
+    await _until(lambda: _sample("visionserve_requests_total", model="_unknown", outcome="not_found")
+                 == before + 1)
+    with pytest.raises(InvalidInput) as info:
+        await remote.infer("tiny", None, [raw()], priority=99)
+    assert info.value.counted  # the engine counted it when it answered

@@ -7,14 +7,19 @@ Messages (tuples) a front end sends:
   ``offset`` (or, when the arena was full, ``inline``); ``arrival`` is ``time.monotonic()``, which
   is one clock for all processes of a machine; ``request_id`` is the client's (for log lines);
   ``origin`` is (part id, camera id) for the PLC result bus, or None.
-  ``("cancel", rid)``: the client went away.
+  ``("cancel", rid)``: the client went away; ``("cancel", rid, kind)``: the front end answered the
+  request itself (``kind`` "deadline": its own deadline timer, "unavailable": this process was
+  silent), and the engine counts that answer unless it had answered first.
+  ``("count", model, kind)``: the front end answered a request with an error before sending it
+  here (bad body, unknown model, ...); counted in this process's metrics, as all answers are.
   ``("stats", rid, model, version)`` and ``("metrics", rid)``.
 and what the hub sends back:
   ``("state", ready, draining, {(model, version): ready}, models)``: on connect and on every
   change; ``models`` (the repository entries and the served versions' configs) only when they
   change.
   ``("result", rid, [FrameResult])``, ``("error", rid, error class name, message, retry_after_s,
-  late_ms)`` exactly once per ``infer``; ``("reply", rid, value)`` or an error for the others.
+  late_ms)`` exactly once per ``infer``, counted in the metrics here before it is sent;
+  ``("reply", rid, value)`` or an error for the others.
   ``("beat",)`` every ``HEARTBEAT_S``: a front end that hears nothing for a while stops taking work.
 """
 
@@ -62,7 +67,8 @@ class Link:
         self.arena = arena
         self.channel: Channel | None = None
         self.models_sent = -1  # how many served versions this front end has been told of
-        self.tasks: dict[int, asyncio.Future] = {}  # request id -> its frame's future (or their gather)
+        # request id -> its frame's future (or their gather), its model, its number of frames
+        self.tasks: dict[int, tuple[asyncio.Future, str, int]] = {}
         self.lost = asyncio.Event()
 
     def on_message(self, msg: tuple) -> None:
@@ -73,6 +79,7 @@ class Link:
                 frames = [self._frame(d) for d in descs]  # copied out now: the arena extent may be reused after the answer
             except Exception:  # answered all the same: the front end frees the extents on the answer
                 log.exception("front end %d sent frames that cannot be read", self.index)
+                self.hub.engine.count_error(name, "internal", len(descs))
                 self._error(rid, InternalError(INTERNAL_MESSAGE))
                 return
             token = request_id.set(client_id)  # the frames' and the answer callback's log lines name it
@@ -81,9 +88,13 @@ class Link:
             finally:
                 request_id.reset(token)
         elif kind == "cancel":
-            task = self.tasks.get(msg[1])
-            if task is not None:
-                task.cancel()
+            entry = self.tasks.get(msg[1])
+            if entry is not None and not entry[0].done():
+                if len(msg) > 2:  # the front end answered it (LATE, 503): not answered here, count that
+                    self.hub.engine.count_error(entry[1], msg[2], entry[2])
+                entry[0].cancel()
+        elif kind == "count":
+            self.hub.engine.count_error(msg[1], msg[2])
         elif kind == "stats":
             _, rid, name, version = msg
             try:
@@ -115,11 +126,11 @@ class Link:
             futures = [p.future for p in engine.admit(served, frames, deadline_ms, priority, arrival,
                                                       origin)]
         except VisionServeError as exc:
-            engine.count_error(name, exc)
+            engine.count_error(name, exc, len(frames))
             self._error(rid, exc)
             return
         done = futures[0] if len(futures) == 1 else asyncio.gather(*futures)
-        self.tasks[rid] = done  # "cancel" cancels it; the batcher drops cancelled frames
+        self.tasks[rid] = (done, name, len(futures))  # "cancel" cancels it; the batcher drops cancelled frames
 
         def answered(f: asyncio.Future) -> None:
             self.tasks.pop(rid, None)
@@ -132,10 +143,11 @@ class Link:
                 log.debug("request cancelled (front end %d): its frames are dropped", self.index)
                 self.channel.send(("error", rid, "Cancelled", "cancelled", None))
             elif isinstance(f.exception(), VisionServeError):
-                engine.count_error(name, f.exception())
+                engine.count_error(name, f.exception(), len(futures))
                 self._error(rid, f.exception())
             elif f.exception() is not None:
                 log.error("inference for front end %d failed", self.index, exc_info=f.exception())
+                engine.count_error(name, "internal", len(futures))
                 self._error(rid, InternalError(INTERNAL_MESSAGE))
             else:
                 results = [f.result()] if len(futures) == 1 else f.result()
@@ -149,7 +161,7 @@ class Link:
 
     def on_lost(self) -> None:
         # the front end died or stopped: its clients are gone, so are their frames
-        for task in list(self.tasks.values()):
+        for task, _, _ in list(self.tasks.values()):
             task.cancel()
         self.lost.set()
 

@@ -10,6 +10,11 @@ too (504 at the deadline, whatever the engine does), and an engine process that 
 ready, answers its requests in progress 503 and refuses new ones, until it is heard again.
 A request answered here keeps its arena extents until the engine's own answer to it comes: the
 engine reads a frame's bytes when it reads the request, which may be later than this answer.
+
+Every answer is counted in the engine process's metrics, once: the engine counts what it answers;
+a request answered here (LATE at the deadline, 503 for a silent engine) is counted there with the
+cancel that drops its frames, unless the engine had answered it first; a request this process
+refuses before sending it (bad body, unknown model, ...) is counted with a ``count`` message.
 """
 
 from __future__ import annotations
@@ -118,6 +123,7 @@ class RemoteEngine(ModelLookup):
                 exc = cls(message, retry_after_s=retry_after)
                 if rest and rest[0] is not None:
                     exc.late_ms = rest[0]
+                exc.counted = True  # the engine counted it when it answered
                 fut.set_exception(exc)
 
     def on_lost(self) -> None:
@@ -179,8 +185,9 @@ class RemoteEngine(ModelLookup):
             f"deadline of {ms:g} ms passed without an answer from the engine process ({late_ms:.1f} ms "
             "ago)", late_ms=late_ms))
 
-    def _abandon(self, rid: int, exc: BaseException | None = None) -> None:
-        """Answer request ``rid`` now (``exc``, or cancelled) and tell the engine to drop its frames.
+    def _abandon(self, rid: int, exc: VisionServeError | None = None) -> None:
+        """Answer request ``rid`` now (``exc``, or cancelled) and tell the engine to drop its frames
+        (and to count ``exc`` as the answer, unless it had answered first).
         Its entry and arena extents stay until the engine answers: the engine may not have read
         the frames yet, and bytes of another frame there would get that frame's verdict."""
         pending = self._pending.get(rid)
@@ -191,9 +198,11 @@ class RemoteEngine(ModelLookup):
             timer.cancel()
         if exc is None:
             fut.cancel()
+            self.channel.send(("cancel", rid))
         else:
+            exc.counted = True
             fut.set_exception(exc)
-        self.channel.send(("cancel", rid))
+            self.channel.send(("cancel", rid, exc.kind))
 
     # --- what the front ends call ------------------------------------------------------------
 
@@ -240,6 +249,13 @@ class RemoteEngine(ModelLookup):
             self._abandon(rid)  # the client went away: the engine drops its frames
             raise
         return served, results
+
+    def count_error(self, model: str, exc: VisionServeError, frames: int = 0) -> None:
+        """A request this front end answered with ``exc`` before sending it to the engine: counted
+        in the engine process, where /metrics is read (``frames``: none reached the engine)."""
+        exc.counted = True
+        if self.channel is not None:
+            self.channel.send(("count", model, exc.kind))
 
     async def statistics(self, name: str = "", version=None) -> list[ServedView]:
         self.select(name, version)  # unknown names fail here, as in the engine

@@ -85,6 +85,15 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def _infer(self, request: service_pb2.ModelInferRequest, arrival: float,
                      time_remaining_s: float | None) -> service_pb2.ModelInferResponse:
+        try:
+            return await self._answer(request, arrival, time_remaining_s)
+        except VisionServeError as exc:
+            if not exc.counted:  # refused here, before the engine (which counts what it answers)
+                self.engine.count_error(request.model_name, exc)
+            raise
+
+    async def _answer(self, request: service_pb2.ModelInferRequest, arrival: float,
+                      time_remaining_s: float | None) -> service_pb2.ModelInferResponse:
         engine = self.engine
         served = engine.get(request.model_name, request.model_version)
         frames = convert.frames(served, request, self.settings.max_image_pixels)

@@ -91,6 +91,8 @@ async def inspect(request: Request, model_name: str, model_version: str = "") ->
         return error_response(exc, {"part_id": part_id, "model": model_name, "verdict": "LATE",
                                     "deadline_met": False, "late_ms": late_ms})
     except VisionServeError as exc:
+        if not exc.counted:  # refused here, before the engine (which counts what it answers)
+            engine.count_error(model_name, exc)
         return error_response(exc, {"part_id": part_id, "model": model_name})
     labels = served.config.output.labels
     body = {

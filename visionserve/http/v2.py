@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from .. import oip
-from ..errors import InvalidInput
+from ..errors import InvalidInput, VisionServeError
 from .app import engine_of, read_body, settings_of, unless_disconnected
 from .schemas import ERRORS, InferenceRequest, InferenceResponse, ModelMetadata, ServerMetadata
 
@@ -122,6 +122,15 @@ async def model_stats(request: Request, model_name: str, model_version: str = ""
 @router.post("/v2/models/{model_name}/versions/{model_version}/infer", response_model=InferenceResponse,
              responses=ERRORS, openapi_extra=_INFER_BODY, summary="Inference on a version")
 async def infer(request: Request, model_name: str, model_version: str = "") -> Response:
+    try:
+        return await _infer(request, model_name, model_version)
+    except VisionServeError as exc:
+        if not exc.counted:  # refused here, before the engine (which counts what it answers)
+            engine_of(request).count_error(model_name, exc)
+        raise
+
+
+async def _infer(request: Request, model_name: str, model_version: str = "") -> Response:
     arrival = time.monotonic()
     engine, settings = engine_of(request), settings_of(request)
     served = engine.get(model_name, model_version)

@@ -290,8 +290,8 @@ class ServerSettings(BaseSettings):
     modbus: str | None = Field(
         None, description="Serve results to PLCs over Modbus TCP at host:port, e.g. 0.0.0.0:5020 "
                           "(one unit id per station). Default: off.")
-    modbus_max_clients: int = Field(8, ge=1, le=256, description="Modbus TCP clients at once; more are "
-                                                                   "refused.")
+    plc_max_clients: int = Field(8, ge=1, le=256, description="PLC connections at once, per protocol "
+                                                                "(Modbus TCP, OPC UA); more are refused.")
     plc_stations: str = Field(
         "*", description="PLC stations, by camera id (X-Camera-Id, OIP parameter camera_id), "
                          "comma-separated; station N is OPC UA Station<N> and Modbus unit id N. "

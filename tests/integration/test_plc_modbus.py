@@ -30,7 +30,7 @@ MAX_CLIENTS = 4
 def plc_server(tiny_repo, tmp_path_factory):
     s = start_plc_server(tiny_repo, tmp_path_factory.mktemp("plc-modbus"),
                          "--plc-stations", "cam1,*", "--plc-buffer", str(BUFFER),
-                         "--plc-heartbeat-ms", "100", "--modbus-max-clients", str(MAX_CLIENTS))
+                         "--plc-heartbeat-ms", "100", "--plc-max-clients", str(MAX_CLIENTS))
     yield s
     s.server.stop()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -22,12 +23,13 @@ from visionserve.plc.handshake import Status
 
 pytest.importorskip("asyncua")
 pytestmark = pytest.mark.timeout(240)
+MAX_CLIENTS = 4
 
 
 @pytest.fixture(scope="module")
 def plc_server(tiny_repo, tmp_path_factory):
     s = start_plc_server(tiny_repo, tmp_path_factory.mktemp("plc-opcua"), "--plc-stations", "cam1,cam2",
-                         opcua=True, modbus=True)
+                         "--plc-max-clients", str(MAX_CLIENTS), opcua=True, modbus=True)
     yield s
     s.server.stop()
 
@@ -159,6 +161,21 @@ async def test_clients_cannot_write_results_or_status(plc_server, pki):
                 await node.write_value(value)
     finally:
         await client.disconnect()
+
+
+def test_connections_past_the_limit_are_closed(plc_server):
+    port = int(plc_server.opcua_url.rsplit(":", 1)[1])
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(MAX_CLIENTS + 1)]
+    try:
+        socks[-1].settimeout(5)
+        assert socks[-1].recv(64) == b""  # closed by the server without a word
+        socks[0].sendall(b"HEL")  # the others are still open (a half hello: no answer yet)
+        socks[0].settimeout(0.3)
+        with pytest.raises(socket.timeout):
+            socks[0].recv(64)
+    finally:
+        for s in socks:
+            s.close()
 
 
 async def test_the_server_certificate_is_made_once_and_kept_private(plc_server):

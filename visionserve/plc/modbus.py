@@ -213,7 +213,7 @@ class _Handler(ServerRequestHandler):
             if host not in self.owner.refused_hosts:
                 self.owner.refused_hosts.add(host)
                 log.warning("Modbus: refused a client from %s: %d clients connected already "
-                            "(--modbus-max-clients)", host, self.owner.max_clients)
+                            "(--plc-max-clients)", host, self.owner.max_clients)
             self.close()
             return
         log.info("Modbus client %s connected", self.peer)

@@ -195,7 +195,7 @@ class OpcUaPublisher:
 
     def __init__(self, endpoint: str, stations: Stations, bus, *, policies: str, anonymous: bool,
                  user: str | None, password_file: Path | None, data_dir: Path,
-                 recipes: list[str]) -> None:
+                 recipes: list[str], max_clients: int = 8) -> None:
         self.endpoint = endpoint
         self.stations = stations
         self.bus = bus
@@ -210,6 +210,7 @@ class OpcUaPublisher:
         self.users = _Users(anonymous, user, password)
         self.data_dir = data_dir / "opcua"
         self.recipes = recipes
+        self.max_clients = max_clients
         self.server: Server | None = None
         self._nodes: dict[str, ua.NodeId] = {}
         self._station_nodes: list[dict[str, ua.NodeId]] = []
@@ -227,6 +228,7 @@ class OpcUaPublisher:
         logging.getLogger("asyncua").setLevel(logging.WARNING)
         server = Server(user_manager=self.users)
         await server.init()
+        server.iserver.max_connections = self.max_clients  # more are closed at once (asyncua)
         server.set_endpoint(self.endpoint)
         server.set_server_name("visionserve")
         await server.set_application_uri(app_uri)

@@ -63,7 +63,7 @@ def build_publishers(settings, stations: Stations, bus: ResultBus, recipes: list
         from .modbus import ModbusPublisher
 
         publishers.append(ModbusPublisher(address, stations, bus, settings.plc_buffer,
-                                          settings.modbus_max_clients))
+                                          settings.plc_max_clients))
     if settings.opcua:
         endpoint = parse_endpoint(settings.opcua)
         require("asyncua")
@@ -72,7 +72,7 @@ def build_publishers(settings, stations: Stations, bus: ResultBus, recipes: list
         publishers.append(OpcUaPublisher(
             endpoint, stations, bus, policies=settings.opcua_security,
             anonymous=settings.opcua_anonymous, user=settings.opcua_user,
-            password_file=settings.opcua_password_file,
+            password_file=settings.opcua_password_file, max_clients=settings.plc_max_clients,
             data_dir=Path(settings.plc_data_dir or default_data_dir()), recipes=recipes))
     return publishers
 

@@ -179,6 +179,8 @@ def test_malformed_frames_are_answered_or_cut_off_logged_once_per_client(plc_ser
 
 
 def test_too_many_clients_are_refused_and_the_others_keep_being_served(plc_server, plc):
+    wait_for(lambda: plc_server.metric('visionserve_plc_clients{protocol="modbus"}') == 1, 10,
+             "earlier tests' connections to be gone")
     socks = []
     try:
         for tid in range(MAX_CLIENTS + 2):  # the test's own PLC holds one slot already

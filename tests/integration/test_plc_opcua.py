@@ -128,7 +128,7 @@ async def test_the_state_machine_and_status_when_serving(plc_server, pki):
         assert await read(system, ns, "Status", "Fault") is False
         assert await read(system, ns, "RecipeManagement", "Recipes") == ["tiny:1"]
         first = await read(system, ns, "Status", "HeartbeatCount")
-        await asyncio.sleep(1.2)  # the default heartbeat period is 500 ms
+        await asyncio.sleep(1.6)  # the default heartbeat period is 500 ms
         assert await read(system, ns, "Status", "HeartbeatCount") >= first + 2
     finally:
         await client.disconnect()

@@ -176,3 +176,23 @@ def test_the_protocol_refuses_what_is_outside_the_map():
     assert m.read(1, 2, 0, 10) == ExcCodes.ILLEGAL_ADDRESS
     assert m.read(7, 4, 0, 1) == ExcCodes.GATEWAY_PATH_UNAVIABLE
     assert m.handshakes[0].control == 0  # nothing refused changed anything
+
+
+def test_results_offered_while_the_plc_side_holds_the_lock_wait_in_order():
+    """The engine's loop never waits for the PLC servers' thread: a result that finds the lock
+    taken is queued, and taken in, in order, before the next read."""
+    m, _ = _map("*", depth=8)
+    m.write(1, 6, 0, [E])
+    m.offer(_event("1"))  # lock free: straight into the station
+    assert m.handshakes[0].current[1].part_id == "1"
+    with m._lock:  # the PLC side is busy
+        m.offer(_event("2"))
+        m.offer(_event("3"))
+        assert [e.part_id for e in m._pending] == ["2", "3"]
+    m.offer(_event("4"))  # the lock is free, but "2" and "3" wait: "4" goes behind them
+    assert [e.part_id for e in m._pending] == []  # taken in, in order, by the offer itself
+    assert [p for _, p in ((s, e.part_id) for s, e in m.handshakes[0].buffer)] == ["2", "3", "4"]
+    with m._lock:
+        m.offer(_event("5"))
+    regs = m.read(1, 4, 0, 16)  # the read takes "5" in first
+    assert regs[11] == 4  # waiting behind the presented one: 2, 3, 4, 5

@@ -144,6 +144,9 @@ class ResultBus:
         self._prefix = uuid.uuid4().hex[:8]
         self._wake: Callable[[], None] | None = None
         self._signalled = False
+        #: called with each result on the engine's loop before it is queued: a PLC server whose
+        #: data can take it there without waiting (Modbus) shows it at once; it must never block
+        self.direct: Callable[[ResultEvent], None] | None = None
         #: frames admitted and not yet final, in all and per station (Busy)
         self.outstanding = 0
         self.inflight = [0] * len(stations)
@@ -246,6 +249,8 @@ class ResultBus:
     def publish(self, event: ResultEvent) -> None:
         """Queue ``event`` for the PLC servers; never waits (a full queue drops it, counted)."""
         self._results[event.station][event.code].inc()
+        if self.direct is not None:
+            self.direct(event)
         if len(self._queue) >= self.capacity:
             metrics.BUS_DROPPED.inc()
             return

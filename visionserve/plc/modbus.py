@@ -27,7 +27,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import time
+from collections import deque
 
 from pymodbus.constants import ExcCodes
 from pymodbus.datastore import ModbusServerContext
@@ -77,7 +79,14 @@ def result_words(seq: int, ev: ResultEvent) -> list[int]:
 
 
 class ModbusStations:
-    """The stations' handshakes and the register map over them (the PLC servers' thread)."""
+    """The stations' handshakes and the register map over them.
+
+    Results come in on the engine's event loop (:meth:`offer`, the bus's ``direct`` hook), so a
+    result is in the registers the moment its answer is final, without waiting for the PLC
+    servers' thread to be scheduled. Reads and writes come from that thread. The two share a
+    lock that the engine side only ever *tries*: when the PLC side holds it, the result waits in
+    a queue that the PLC side takes in, in order, before its next read or write.
+    """
 
     def __init__(self, stations: Stations, bus: ResultBus, depth: int) -> None:
         self.stations = stations
@@ -85,19 +94,43 @@ class ModbusStations:
         self.handshakes = [Handshake(depth) for _ in stations.names]
         self.line = LineStatus()
         self._overflows = [metrics.OVERFLOWS.labels(n) for n in stations.names]
+        self._delay = metrics.BUS_DELAY.labels("modbus")
+        self._lock = threading.Lock()
+        self._pending: deque[ResultEvent] = deque()
+
+    def offer(self, ev: ResultEvent) -> None:
+        """A result, from the engine's event loop; never waits."""
+        if not self._lock.acquire(blocking=False):
+            self._pending.append(ev)  # taken in before the PLC side's next read or write
+            return
+        try:
+            self._catch_up()  # (only this side adds to the queue: the order stays)
+            self._take(ev)
+        finally:
+            self._lock.release()
 
     def publish(self, events: list[ResultEvent]) -> None:
         for ev in events:
-            hs = self.handshakes[ev.station]
-            before = hs.dropped
-            hs.offer(ev)
-            if hs.dropped != before:
-                self._overflows[ev.station].inc()
-                if hs.dropped == 1 or hs.dropped % 1000 == 0:
-                    log.warning("Modbus station %d (%s): the PLC has not acknowledged %d results; "
-                                "result %s (part %s) dropped, Fault raised (%d dropped so far)",
-                                ev.station + 1, self.stations.names[ev.station], hs.depth,
-                                ev.result_id, ev.part_id, hs.dropped)
+            self.offer(ev)
+
+    def _catch_up(self) -> None:
+        """Under the lock: what waited while the other side held it."""
+        pending = self._pending
+        while pending:
+            self._take(pending.popleft())
+
+    def _take(self, ev: ResultEvent) -> None:
+        hs = self.handshakes[ev.station]
+        before = hs.dropped
+        hs.offer(ev)
+        self._delay.observe(time.monotonic() - ev.final_mono)
+        if hs.dropped != before:
+            self._overflows[ev.station].inc()
+            if hs.dropped == 1 or hs.dropped % 1000 == 0:
+                log.warning("Modbus station %d (%s): the PLC has not acknowledged %d results; "
+                            "result %s (part %s) dropped, Fault raised (%d dropped so far)",
+                            ev.station + 1, self.stations.names[ev.station], hs.depth,
+                            ev.result_id, ev.part_id, hs.dropped)
 
     def _target(self, unit: int, fc: int) -> tuple[int, Handshake, str | None] | ExcCodes:
         """(station index, its handshake, the table ``fc`` reads or writes), or the exception."""
@@ -123,6 +156,16 @@ class ModbusStations:
         return words
 
     def read(self, unit: int, fc: int, address: int, count: int) -> list | ExcCodes:
+        with self._lock:
+            self._catch_up()
+            return self._read(unit, fc, address, count)
+
+    def write(self, unit: int, fc: int, address: int, values: list) -> ExcCodes | None:
+        with self._lock:
+            self._catch_up()
+            return self._write(unit, fc, address, values)
+
+    def _read(self, unit: int, fc: int, address: int, count: int) -> list | ExcCodes:
         target = self._target(unit, fc)
         if isinstance(target, ExcCodes):
             return target
@@ -142,7 +185,7 @@ class ModbusStations:
             return ExcCodes.ILLEGAL_ADDRESS
         return values[address:address + count]
 
-    def write(self, unit: int, fc: int, address: int, values: list) -> ExcCodes | None:
+    def _write(self, unit: int, fc: int, address: int, values: list) -> ExcCodes | None:
         target = self._target(unit, fc)
         if isinstance(target, ExcCodes):
             return target
@@ -276,7 +319,7 @@ class ModbusPublisher:
         self.map = ModbusStations(stations, bus, depth)
         self.max_clients = max_clients
         self.server: _Server | None = None
-        self._delay = metrics.BUS_DELAY.labels(self.protocol)
+        bus.direct = self.map.offer  # results straight into the registers (see ModbusStations)
 
     async def start(self) -> None:
         # pymodbus logs every odd frame and client at ERROR; we say it once per client instead
@@ -291,10 +334,7 @@ class ModbusPublisher:
                  len(self.map.handshakes), len(self.map.handshakes))
 
     async def publish(self, events: list[ResultEvent]) -> None:
-        self.map.publish(events)
-        now = time.monotonic()
-        for ev in events:
-            self._delay.observe(now - ev.final_mono)
+        pass  # they came in through the bus's direct hook already
 
     async def update(self, line: LineStatus) -> None:
         self.map.line = line

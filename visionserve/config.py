@@ -228,6 +228,12 @@ class ServerSettings(BaseSettings):
     max_queue_size: int | None = Field(None, ge=1, description="Override batching.max_queue_size.")
     takt_ms: float | None = Field(None, gt=0, description="Override batching.takt_ms (default deadline).")
     drain_timeout_s: float = Field(20.0, ge=0, description="On SIGTERM: how long queued requests may finish.")
+    hold_on_error: bool = Field(
+        False, description="When start-up fails (no or unreadable model repository, a model that does "
+                           "not load): say why once, then stay up serving nothing until stopped (exit 2 "
+                           "or 3 then) instead of exiting at once. For containers under a restart "
+                           "policy, which would otherwise restart into the same error over and over; "
+                           "the image sets it, and its health check shows the container unhealthy.")
     gpu_memory_budget: str | None = Field(None, description="GPU memory the server reserves, e.g. 4GiB.")
     grpc_max_message_bytes: int = Field(64 * 1024**2, ge=1024, description="Largest gRPC message.")
     body_timeout_s: float = Field(

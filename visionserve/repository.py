@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,12 +32,17 @@ def scan(root: Path) -> dict[str, ModelEntry]:
     if not root.is_dir():
         raise ConfigError(f"model repository {root} is not a folder")
     entries: dict[str, ModelEntry] = {}
-    for folder in sorted(p for p in root.iterdir() if p.is_dir()):
-        toml = folder / "model.toml"
-        if not toml.is_file():
-            continue
-        entry = load_entry(folder)
-        entries[entry.name] = entry
+    try:
+        for folder in sorted(p for p in root.iterdir() if p.is_dir()):
+            toml = folder / "model.toml"
+            if not toml.is_file():
+                continue
+            entry = load_entry(folder)
+            entries[entry.name] = entry
+    except PermissionError as exc:
+        # typically a host folder mounted into a container that runs as another user
+        raise ConfigError(f"model repository {root}: {exc.filename or root} is not readable by this "
+                          f"process (uid {os.getuid()}, gid {os.getgid()}): {exc.strerror}") from None
     if not entries:
         raise ConfigError(f"model repository {root} holds no model (expected <name>/model.toml)")
     return entries

@@ -156,9 +156,32 @@ def run(args: argparse.Namespace) -> int:
             guard = HostedGuard(settings, resolved, latency=p99)
             log_guard_access(settings.host, token)
     except VisionServeError as exc:
-        print(f"visionserve serve: {exc.message}", file=sys.stderr)
-        return 2
-    return run_loop(serve(engine, settings, guard))
+        if not settings.hold_on_error:
+            print(f"visionserve serve: {exc.message}", file=sys.stderr)
+            return 2
+        print(f"visionserve serve: {exc.message} -- not serving; fix it, then restart "
+              f"(hold_on_error: waiting for SIGTERM)", file=sys.stderr)
+        return hold(2)
+    code = run_loop(serve(engine, settings, guard))
+    if code == 3 and settings.hold_on_error:   # start-up failed; the reason is logged
+        log.error("not serving; fix it, then restart (hold_on_error: waiting for SIGTERM)")
+        return hold(code)
+    return code
+
+
+def hold(code: int) -> int:
+    """Stay up, serving nothing, until SIGTERM/SIGINT; then ``code``. Under a restart policy an
+    exit would restart into the same error again and again (a crash loop that buries the reason);
+    held, the container shows unhealthy and its log holds the reason once."""
+    import signal
+    import threading
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(60):
+        pass
+    return code
 
 
 def open_guard_store(settings: ServerSettings):

@@ -1,8 +1,9 @@
 #
 # visionserve image for edge industrial PCs (docker compose) and Kubernetes (NVIDIA device plugin).
 #
-#   docker build -t visionserve:0.1.0 .                 # GPU image (default target "gpu")
-#   docker build -t visionserve:0.1.0-cpu --target cpu . # GPU-less IPCs: no torch, no CUDA (venv 0.7 GB, not 6.1)
+#   docker build -t visionserve:0.1.0 .                 # GPU image (default target "gpu"): 6.6 GB
+#   docker build -t visionserve:0.1.0-cpu --target cpu . # GPU-less IPCs: no torch, no CUDA: 0.6 GB
+#   deploy/build-image.sh [--target cpu|gpu|all]        # the same, also without a registry (below)
 #
 # Builds need PyPI: they happen at the vendor, with internet. The plant's IPC never builds; it gets
 # the image by `docker save` / `docker load` (deploy/README.md).
@@ -20,14 +21,22 @@
 #
 # The CPU image is the core install (pyproject.toml): onnxruntime on the CPU, without torch and its
 # CUDA wheels (extra "gpu"). It serves ONNX models; `runtime.backend = "torch"` needs the GPU image.
+#
+# Where no registry or plain PyPI is reachable, deploy/build-image.sh builds this same file: it
+# passes a base made from Debian packages as PYTHON_IMAGE (bookworm: Python 3.11, also tested), and
+# the build host's pip settings (CA bundle, index) as BuildKit secrets "pip.conf" and "pip-ca".
+# Secrets are mounted for one RUN only: they are in no layer and in no `docker history`. Without
+# them (any normal machine) pip uses PyPI and its own CA store.
 
 ARG PYTHON_IMAGE=python:3.12.12-slim-trixie
 
 # ---------------------------------------------------------------------------------------------
 # builder: a venv in /opt/venv with the project; the final stage copies only the venv.
 FROM ${PYTHON_IMAGE} AS builder-base
+# PIP_CONFIG_FILE: the "pip.conf" secret where the build was given one (a missing file is ignored).
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PIP_NO_INPUT=1
+    PIP_NO_INPUT=1 \
+    PIP_CONFIG_FILE=/run/secrets/pip.conf
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
@@ -37,6 +46,7 @@ FROM builder-base AS builder-gpu
 # torch first, in its own layer: ~4 GB of wheels that change far less often than our code.
 # PyPI's default torch wheel for x86-64 Linux is the CUDA (cu13x) build.
 RUN --mount=type=cache,target=/root/.cache/pip \
+    --mount=type=secret,id=pip.conf --mount=type=secret,id=pip-ca \
     pip install -c requirements/constraints.txt torch torchvision
 
 # The project on top, with the gpu extra; torch is already satisfied at the constrained version.
@@ -44,15 +54,23 @@ FROM builder-gpu AS project-gpu
 COPY pyproject.toml README.md ./
 COPY visionserve ./visionserve
 RUN --mount=type=cache,target=/root/.cache/pip \
+    --mount=type=secret,id=pip.conf --mount=type=secret,id=pip-ca \
     pip install -c requirements/constraints.txt ".[gpu]" \
     && python -c "import visionserve.cli, torch, onnxruntime"
 
 # The core only: no torch, no nvidia-* wheels.
+# onnxruntime-gpu (the core's onnxruntime on x86-64 Linux) carries its CUDA and TensorRT execution
+# providers as separate libraries: 272 MB (the CPU image is 604 MB without them). They load only
+# when a session asks for them, and without CUDA's libraries (torch's wheels) they cannot load here
+# anyway: so they go (tests/docker serves the shipped model from the built image).
 FROM builder-base AS project-cpu
 COPY pyproject.toml README.md ./
 COPY visionserve ./visionserve
 RUN --mount=type=cache,target=/root/.cache/pip \
+    --mount=type=secret,id=pip.conf --mount=type=secret,id=pip-ca \
     pip install -c requirements/constraints.txt . \
+    && rm -f /opt/venv/lib/python3*/site-packages/onnxruntime/capi/libonnxruntime_providers_cuda.so \
+        /opt/venv/lib/python3*/site-packages/onnxruntime/capi/libonnxruntime_providers_tensorrt.so \
     && python -c "import visionserve.cli, onnxruntime" \
     && ! python -c "import torch" 2>/dev/null
 
@@ -77,6 +95,9 @@ RUN groupadd --system --gid 10001 visionserve \
 # Caches go under /tmp so the root filesystem can be mounted read-only (Kubernetes).
 # The guard's job database: the folder made above (compose mounts a volume there), for the CLI
 # (`docker exec ... visionserve guard list`) and `serve --guard` alike, not under $HOME.
+# HOLD_ON_ERROR: a start-up that fails (a missing or unreadable mounted model repository, a model
+# that does not load) logs its reason once and the container stays up, unhealthy, instead of
+# exiting into `restart: unless-stopped` and crash-looping.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -87,7 +108,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     VISIONSERVE_HTTP_PORT=8000 \
     VISIONSERVE_GRPC_PORT=8001 \
     VISIONSERVE_MODELS=/opt/visionserve/models \
-    VISIONSERVE_GUARD_DB=/var/lib/visionserve/guard/guard.db
+    VISIONSERVE_GUARD_DB=/var/lib/visionserve/guard/guard.db \
+    VISIONSERVE_HOLD_ON_ERROR=true
 WORKDIR /opt/visionserve
 # The shipped models, owned by root and read-only to the server: it never writes to them.
 COPY models/ /opt/visionserve/models/

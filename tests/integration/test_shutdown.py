@@ -15,41 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import export_onnx, start_server
-
-SLOW_TOML = """\
-description = "slow test model: random weights, 256x256, one CPU thread"
-[input]
-width = 256
-height = 256
-[output]
-labels = ["ok", "dent", "scratch"]
-[batching]
-max_batch_size = 4
-preferred_batch_sizes = [4]
-max_queue_delay_ms = 5
-max_queue_size = 64
-takt_ms = 120000
-[runtime]
-intra_op_threads = 1
-"""
-
-
-def make_slow_model(folder: Path) -> Path:
-    import torch
-
-    class Slow(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.convs = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1),
-                                             *[torch.nn.Conv2d(16, 16, 3, padding=1) for _ in range(3)])
-            self.fc = torch.nn.Linear(16, 3)
-
-        def forward(self, x):
-            return self.fc(self.convs(x).mean(dim=(2, 3)))
-
-    torch.manual_seed(0)
-    return export_onnx(Slow(), folder, (1, 3, 256, 256), SLOW_TOML)
+from conftest import make_slow_model, start_server
 
 
 @pytest.fixture(scope="module")

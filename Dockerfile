@@ -60,7 +60,7 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 
 # The core only: no torch, no nvidia-* wheels.
 # onnxruntime-gpu (the core's onnxruntime on x86-64 Linux) carries its CUDA and TensorRT execution
-# providers as separate libraries: 272 MB (the CPU image is 604 MB without them). They load only
+# providers as separate libraries: 272 MiB (the CPU image is 604 MB without them). They load only
 # when a session asks for them, and without CUDA's libraries (torch's wheels) they cannot load here
 # anyway: so they go (tests/docker serves the shipped model from the built image).
 FROM builder-base AS project-cpu

@@ -38,8 +38,6 @@ start)
         echo "docker engine: not available: dockerd is installed but not running, and starting it needs root"
         exit 1
     fi
-    # the socket may be left over from an engine that died
-    [[ -S /var/run/docker.sock ]] && ! answers && rm -f /var/run/docker.sock
     setsid dockerd >"$DIR/dockerd.log" 2>&1 < /dev/null &
     echo $! >"$DIR/dockerd.pid"
     for _ in $(seq "$WAIT_S"); do
@@ -47,7 +45,11 @@ start)
             echo "docker engine: started dockerd (pid $(cat "$DIR/dockerd.pid"), log $DIR/dockerd.log)"
             exit 0
         fi
-        kill -0 "$(cat "$DIR/dockerd.pid")" 2>/dev/null || break
+        if ! kill -0 "$(cat "$DIR/dockerd.pid")" 2>/dev/null; then
+            echo "docker engine: not available: dockerd exited: $(tail -1 "$DIR/dockerd.log")"
+            rm -f "$DIR/dockerd.pid"
+            exit 1
+        fi
         sleep 1
     done
     echo "docker engine: not available: dockerd did not answer within ${WAIT_S} s: $(tail -1 "$DIR/dockerd.log")"

@@ -2,9 +2,12 @@
 while its kernels are still queued.
 
 torchvision decodes JPEGs on a stream of its own, into tensors allocated on the caller's current
-stream, without waiting for what is queued there. Before the fix, the next batch's decode reused
-the blocks of the previous batch's decoded images while that batch's resize was still queued, so
-batch k was built from batch k+1's pixels."""
+stream, without waiting for what is queued there, so the next batch's decode could reuse the blocks
+of the previous batch's decoded images while that batch's resize was still queued (batch k built
+from batch k+1's pixels). This test holds the stream busy so that every resize is queued behind the
+next decode, and checks each batch's pixels. On the H200 it did not reproduce the old race (the old
+code passed it too, 2026-12-03): it guards the ordering; the whole-path check that did catch the old
+code is tests/gpu/test_frame_integrity_gpu.py (1,241 of 20,425 answers wrong before, 0 after)."""
 
 from __future__ import annotations
 

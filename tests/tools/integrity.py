@@ -207,8 +207,8 @@ async def run_load(url: str, *, seconds: float = 30.0, clients: int = 48, proces
     """Drive ``clients`` concurrent senders (spread over ``processes`` processes, so the load
     generator is not the bottleneck on a large machine) for ``seconds``; every 200 answer is
     checked against its own frame's colour."""
-    kw = dict(seconds=seconds, short_share=short_share, short_ms=tuple(short_ms),
-              hangup_share=hangup_share, model=model)
+    kw = {"seconds": seconds, "short_share": short_share, "short_ms": tuple(short_ms),
+          "hangup_share": hangup_share, "model": model}
     if processes <= 1:
         return await _senders(url, frame_pool(pool_size, sizes), 0, 1, clients=clients, seed=seed, **kw)
     import concurrent.futures

@@ -65,6 +65,17 @@ def make_prepare(slow_s: float):
     return prepare, prepared
 
 
+COLOURS = [(10, 20, 30), (40, 50, 60), (70, 80, 90), (100, 110, 120), (130, 140, 150)]
+
+
+def start_runner(backend: Backend, prepare, loop) -> Runner:
+    runner = Runner(name="means:1#0", backend=backend, config=CONFIG, preferred=PREFERRED,
+                    cost=CostModel(lambda n: padded_size(n, PREFERRED)), on_batch=lambda r: None,
+                    prepare=prepare)
+    runner.start(loop)
+    return runner
+
+
 def frame(rgb) -> imaging.Frame:
     return imaging.raw_frame(np.full((8, 8, 3), rgb, np.uint8), (8, 8, 3))
 
@@ -73,13 +84,10 @@ async def test_frames_dropped_after_preprocessing_leave_the_device_batch_as_prep
     loop = asyncio.get_running_loop()
     backend = MeansBackend()
     prepare, prepared = make_prepare(slow_s=0.2)
-    runner = Runner(name="means:1#0", backend=backend, config=CONFIG, preferred=PREFERRED,
-                    cost=CostModel(lambda n: padded_size(n, PREFERRED)), on_batch=lambda r: None,
-                    prepare=prepare)
-    runner.start(loop)
+    runner = start_runner(backend, prepare, loop)
     try:
         now = time.monotonic()
-        colours = [(10, 20, 30), (40, 50, 60), (70, 80, 90), (100, 110, 120), (130, 140, 150)]
+        colours = COLOURS
         # frames 1 and 3 expire while the batch is prepared; frame 4 is cancelled meanwhile
         deadlines = [now + 60, now + 0.05, now + 60, now + 0.05, now + 60]
         batch = [Pending(frame(c), loop.create_future(), now, d, dispatched=now)
@@ -115,13 +123,10 @@ async def test_cpu_batches_are_still_trimmed_to_the_frames_that_remain():
         time.sleep(0.2)
         return x, list(range(len(frames))), []
 
-    runner = Runner(name="means:1#0", backend=Numpy(), config=CONFIG, preferred=PREFERRED,
-                    cost=CostModel(lambda n: padded_size(n, PREFERRED)), on_batch=lambda r: None,
-                    prepare=prepare)
-    runner.start(loop)
+    runner = start_runner(Numpy(), prepare, loop)
     try:
         now = time.monotonic()
-        colours = [(10, 20, 30), (40, 50, 60), (70, 80, 90), (100, 110, 120), (130, 140, 150)]
+        colours = COLOURS
         batch = [Pending(frame(c), loop.create_future(), now, now + (60 if i % 2 == 0 else 0.05),
                          dispatched=now) for i, c in enumerate(colours)]
         await asyncio.wait_for(runner.execute(batch), 10)
@@ -151,7 +156,7 @@ async def test_a_verdict_ready_after_the_deadline_is_answered_late_not_given():
     runner.start(loop)
     try:
         now = time.monotonic()
-        colours = [(10, 20, 30), (40, 50, 60), (70, 80, 90)]
+        colours = COLOURS[:3]
         deadlines = [now + 60, now + 0.3, now + 60]
         batch = [Pending(frame(c), loop.create_future(), now, d, dispatched=now)
                  for c, d in zip(colours, deadlines)]

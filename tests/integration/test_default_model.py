@@ -200,3 +200,34 @@ def test_bad_datasets_are_refused_by_name(tmp_path):
     missing = _script("train.py", "--data", str(tmp_path / "nope"), "--models-dir", str(tmp_path / "m"))
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     assert not (tmp_path / "m").exists() or not any((tmp_path / "m").rglob("*.onnx"))
+
+
+def test_the_readme_inspect_example_is_what_a_fresh_install_answers(tmp_path):
+    """The README's inspect example (its frame, its command, its answer) against a started server
+    on the shipped model: same verdict and label, scores within 0.001."""
+    import json
+    import re
+
+    import httpx
+
+    from conftest import start_server
+
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("### Inspect a frame"):]
+    assert "s.generate('scratch', seed=7)" in section  # the frame the example makes
+    shown = json.loads(re.search(r"```json\n(.*?)```", section, re.S)[1])
+    server = start_server(REPO / "models", tmp_path, grpc=False)
+    try:
+        r = httpx.post(server.url + "/v1/models/defect-classifier/inspect",
+                       content=synthetic.encode(synthetic.generate("scratch", seed=7)), timeout=30,
+                       headers={"Content-Type": "image/jpeg", "X-Part-Id": "A-0042",
+                                "X-Deadline-Ms": "150"})
+    finally:
+        server.stop()
+    assert r.status_code == 200, r.text
+    got = r.json()
+    for key in ("part_id", "model", "version", "verdict", "label", "batch_size", "deadline_met"):
+        assert got[key] == shown[key], key
+    assert got["scores"].keys() == shown["scores"].keys()
+    for label, score in shown["scores"].items():
+        assert abs(got["scores"][label] - score) <= 1e-3, (label, got["scores"][label], score)

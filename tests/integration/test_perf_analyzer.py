@@ -20,9 +20,25 @@ REPO = Path(__file__).resolve().parents[2]
 WRAPPER = REPO / "tests" / "tools" / "perf_analyzer"
 VENV = REPO / ".work" / "perf-venv"
 
-pytestmark = pytest.mark.skipif(
-    not (VENV / "bin" / "perf_analyzer").exists(),
-    reason=f"perf_analyzer is not set up ({VENV} is absent): run tests/tools/setup_perf_analyzer.sh")
+
+
+def _not_ready() -> str | None:
+    """Why perf_analyzer cannot run here (absent, or it does not start), or None."""
+    if not (VENV / "bin" / "perf_analyzer").exists():
+        return f"perf_analyzer is not set up ({VENV} is absent): run tests/tools/setup_perf_analyzer.sh"
+    try:
+        run = subprocess.run([str(WRAPPER), "--version"], capture_output=True, text=True, timeout=30,
+                             check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"perf_analyzer does not start: {exc}"
+    if run.returncode == 127 or "error while loading shared libraries" in run.stderr:
+        return (f"perf_analyzer does not start: {run.stderr.strip()[:200]} "
+                "(tests/tools/setup_perf_analyzer.sh says what to install)")
+    return None
+
+
+_WHY = _not_ready()
+pytestmark = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
 
 
 def perf_input(jpeg: bytes, folder: Path) -> Path:

@@ -159,7 +159,7 @@ class Engine(ModelLookup):
         self._ready = False
         self._draining = False
         self.startup_error: str | None = None
-        self.gpu = None  # gpu.memory.GpuReservation when the device is a GPU
+        self.gpu = None  # gpu.reservation.GpuReservation when the device is a GPU
         # the last second's answers, kept only when someone reads them (the guard's latency budget)
         self.latency: LatencyWindow | None = None
         # the PLC result bus (visionserve.plc.bus.ResultBus) while a PLC server runs: every frame's
@@ -193,7 +193,7 @@ class Engine(ModelLookup):
         loop = asyncio.get_running_loop()
         if self.device.startswith("cuda"):
             # budget: planned, checked free (else not ready, with the reason logged), allocators capped
-            from .gpu.memory import GpuReservation
+            from .gpu.reservation import GpuReservation
 
             self.gpu = GpuReservation(self.settings.gpu_memory_budget, self.device)
             await self.gpu.reserve([(e.name, effective_config(e.config, self.settings))

@@ -271,7 +271,7 @@ def test_serving_adds_no_device_memory_after_warm_up(repo):
 
 
 def test_budget_not_free_keeps_the_server_not_ready(repo, caplog):
-    from visionserve.gpu.memory import GpuReservation
+    from visionserve.gpu.reservation import GpuReservation
 
     async def scenario():
         engine = _engine(repo, "100TiB")

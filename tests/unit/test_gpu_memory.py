@@ -11,9 +11,9 @@ import pytest
 from visionserve.config import ModelConfig
 from visionserve.errors import ConfigError, InvalidInput
 from visionserve.gpu import memory, telemetry
-from visionserve.gpu.memory import (GpuReservation, PinnedPool, check_free, pinned_gpu, plan_budget,
-                                    prep_allowance)
+from visionserve.gpu.memory import PinnedPool, check_free, pinned_gpu, plan_budget, prep_allowance
 from visionserve.gpu.nvml import SimulatedNvml, simulated_gpu
+from visionserve.gpu.reservation import GpuReservation
 
 GIB = 1024**3
 
@@ -101,7 +101,7 @@ def test_reservation_waits_not_ready_until_the_budget_is_free(caplog):
         nv.remove_process(0, 777)
         await asyncio.wait_for(task, 5)
 
-    with caplog.at_level(logging.INFO, logger="visionserve.gpu.memory"):
+    with caplog.at_level(logging.INFO, logger="visionserve.gpu.reservation"):
         asyncio.run(scenario())
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1  # logged once, not every retry

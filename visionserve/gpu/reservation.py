@@ -1,0 +1,121 @@
+"""The engine's view of a GPU: reserve the memory budget, then serve.
+
+:class:`GpuReservation` is the one object the engine talks to: it plans and checks the budget
+(:mod:`.memory`) before the models load, gives each instance its share and a GPU preprocessor
+(:mod:`.preprocess`), marks the allocator when ready and publishes telemetry (:mod:`.telemetry`).
+It sits above those three, which never import it (nor each other, but for :mod:`.preprocess`
+using the staging pool of :mod:`.memory`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..config import ModelConfig
+from .memory import (
+    AllocationWatch,
+    BudgetPlan,
+    allocator_stats,
+    cap_torch_allocator,
+    check_free,
+    pinned_gpu,
+    plan_budget,
+    reserve_small_pool,
+)
+
+if TYPE_CHECKING:
+    from .nvml import GpuInfo, Nvml
+
+log = logging.getLogger(__name__)
+
+
+
+class GpuReservation:
+    """What the engine does on a GPU: plan and check the budget before loading, cap the
+    allocators, give each instance its share and a GPU preprocessor, mark the allocator when
+    ready, publish telemetry. One object, so ``engine.py`` needs only a few calls."""
+
+    RETRY_S = 5.0  # how often an unavailable budget is checked again
+    LOG_EVERY_S = 60.0
+
+    def __init__(self, server_budget: str | None, device: str, nvml: Nvml | None = None) -> None:
+        self.server_budget = server_budget
+        self.device = device
+        self._nvml = nvml
+        self.plan = BudgetPlan(total=None)
+        self.watch = AllocationWatch(device)
+        self.streams: list[Any] = []  # the runners' CUDA streams (each has its own block pool)
+        self.gpu: GpuInfo | None = None
+        self.telemetry: Any = None
+
+    @property
+    def nvml(self) -> Nvml:
+        if self._nvml is None:
+            from .nvml import real_nvml
+
+            self._nvml = real_nvml()
+        return self._nvml
+
+    async def reserve(self, models: Sequence[tuple[str, ModelConfig]]) -> None:
+        """Plan the budget; wait (not ready, saying why) until NVML shows it free; cap torch."""
+        import asyncio
+        import time
+
+        self.plan = plan_budget(self.server_budget, models)
+        self.gpu = pinned_gpu(self.nvml)
+        if self.plan.total is not None and self.gpu is not None:
+            last_log = -1e9
+            while True:
+                check = await asyncio.to_thread(check_free, self.nvml, self.gpu, self.plan.total)
+                if check.ok:
+                    log.info("%s", check.message(f"GPU {self.gpu.uuid}"))
+                    break
+                if time.monotonic() - last_log >= self.LOG_EVERY_S:
+                    log.error("%s", check.message(f"GPU {self.gpu.uuid}"))
+                    last_log = time.monotonic()
+                await asyncio.sleep(self.RETRY_S)
+        if self.plan.torch_cap is not None:
+            await asyncio.to_thread(cap_torch_allocator, self.plan.torch_cap, self.device)
+
+    def instance_config(self, name: str, config: ModelConfig) -> ModelConfig:
+        """The config one instance loads with: runtime.gpu_memory_budget = its onnxruntime share."""
+        share = self.plan.share_of(name)
+        if share is None or not share.ort_limit_per_instance:
+            return config
+        runtime = config.runtime.model_copy(update={"gpu_memory_budget": str(share.ort_limit_per_instance)})
+        return config.model_copy(update={"runtime": runtime})
+
+    def preprocessor(self, backend: Any, config: ModelConfig, preferred: tuple[int, ...]) -> Any:
+        """A warmed-up GPU preprocessor for ``backend``, or None where the backend cannot take
+        device tensors (no stream: e.g. onnxruntime without torch CUDA)."""
+        if getattr(backend, "stream", None) is None or getattr(backend, "input_dtype", None) is None:
+            return None
+        from .preprocess import TorchPreprocessor
+
+        prep = TorchPreprocessor.for_config(config, device=self.device, dtype=backend.input_dtype,
+                                            stream=backend.stream,
+                                            channels_last=getattr(backend, "channels_last", False))
+        prep.warmup(preferred)
+        self.streams.append(backend.stream)
+        if prep.decode_stream is not None:  # the decoded images' blocks live in its pool
+            self.streams.append(prep.decode_stream)
+        return prep
+
+    def ready(self) -> None:
+        """Call when every model is warm: the allocator's state now is the one to keep."""
+        from .telemetry import GpuTelemetry
+
+        reserve_small_pool(self.device, self.streams)
+        self.watch.mark()
+        self.telemetry = GpuTelemetry(self.nvml, self.gpu.index if self.gpu else None,
+                                      self.plan.total, allocator=lambda: allocator_stats(self.device),
+                                      baseline=lambda: self.watch.baseline)
+        self.telemetry.update()
+        self.telemetry.start()
+        log.info("GPU memory after warm-up: %s", self.watch.baseline.as_dict() if self.watch.baseline else {})
+
+    async def close(self) -> None:
+        if self.telemetry is not None:
+            await self.telemetry.stop()

@@ -364,19 +364,34 @@ class Engine(ModelLookup):
         self.results.watch(served, pending, origin)
         return pending
 
-    def _admit(self, served: Served, frames: list[Frame], deadline_ms: float | None, priority: int | None,
-               arrival: float) -> list:
-        """Check the request and queue its frames; the answers come on the returned items'
-        futures (``finish`` records them). Raises a VisionServeError for the whole request."""
+    def precheck(self, name: str, version: str | int | None, n: int, *, deadline_ms: float | None,
+                 priority: int | None, arrival: float, origin: tuple | None = None) -> None:
+        """Admission from a request's head, before its body is read: raise (counted, and told to
+        the PLC bus) what ``admit`` would raise for ``n`` frames now, the 503 of an overloaded
+        model above all. Under overload most requests end here, so a refusal costs the server
+        no body read, no image check and no copy; what passes is checked again by ``admit``."""
+        served = self.get(name, version)
+        try:
+            self._check(served, n, deadline_ms, priority, arrival)
+        except VisionServeError as exc:
+            self.count_error(name, exc, n)
+            if self.results is not None:
+                self.results.refused(served, n, origin, exc)
+            raise
+
+    def _check(self, served: Served, n: int, deadline_ms: float | None, priority: int | None,
+               arrival: float) -> tuple[float, int, float]:
+        """(deadline, priority, predicted seconds to the answer) of ``n`` frames that may be
+        queued now; raises a VisionServeError for a request that may not."""
         b = served.config.batching
         if self._draining:
             raise Unavailable.shutting_down()
         if not self._ready or not served.ready:
             raise Unavailable(f"model {served.name} is not ready")
-        if not frames:
+        if not n:
             raise InvalidInput("the request holds no frame")
-        if len(frames) > b.max_queue_size:
-            raise InvalidInput(f"{len(frames)} frames in one request; at most {b.max_queue_size}")
+        if n > b.max_queue_size:
+            raise InvalidInput(f"{n} frames in one request; at most {b.max_queue_size}")
         if deadline_ms is None:
             deadline_ms = b.takt_ms
         if not (0 < deadline_ms <= MAX_DEADLINE_MS):
@@ -385,10 +400,17 @@ class Engine(ModelLookup):
             priority = b.priority_levels // 2
         if not (0 <= priority < b.priority_levels):
             raise InvalidInput(f"priority {priority!r} is out of range 0..{b.priority_levels - 1}")
-        batcher = served.batcher
         deadline = arrival + deadline_ms / 1000.0
         # 503 at once for a full queue, or for frames the load ahead would answer too late
-        predicted = batcher.check_capacity(len(frames), deadline=deadline, priority=priority)
+        predicted = served.batcher.check_capacity(n, deadline=deadline, priority=priority)
+        return deadline, priority, predicted
+
+    def _admit(self, served: Served, frames: list[Frame], deadline_ms: float | None, priority: int | None,
+               arrival: float) -> list:
+        """Check the request and queue its frames; the answers come on the returned items'
+        futures (``finish`` records them). Raises a VisionServeError for the whole request."""
+        deadline, priority, predicted = self._check(served, len(frames), deadline_ms, priority, arrival)
+        batcher = served.batcher
         pending = []
         try:
             for f in frames:

@@ -7,6 +7,7 @@ import json
 import random
 import socket
 import struct
+import threading
 import time
 import zlib
 
@@ -200,6 +201,56 @@ def test_overload_sheds_with_503_and_recovers(tiny_repo, server_factory, jpeg_by
                    headers={"Content-Type": "image/jpeg", "X-Deadline-Ms": "1000"})
     assert r.status_code == 200 and r.json()["deadline_met"]
     assert rss_bytes(pid) - rss0 < 64 * 1024**2
+
+
+def _head_only(port: int, headers: str, timeout_s: float) -> bytes:
+    """An inspect request's head announcing a 100 kB body that is never sent; the answer."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    try:
+        sock.sendall(("POST /v1/models/tiny/inspect HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
+                      f"Content-Length: 100000\r\n{headers}\r\n").encode())
+        sock.settimeout(timeout_s)
+        return sock.recv(4096)
+    finally:
+        sock.close()
+
+
+def test_refused_from_the_head_without_reading_the_body(tiny_repo, server_factory, jpeg_bytes):
+    """Admission runs on the request's head: what would be refused is answered at once, before
+    the body is read (under overload a refusal must cost the server as little as possible), and
+    the engine's 503 under overload comes that way too."""
+    s = server_factory(tiny_repo, "--max-queue-size", "4", "--max-batch-size", "2",
+                       "--max-queue-delay-ms", "5", "--body-timeout-s", "30", grpc=False)
+    answer = _head_only(s.http_port, "X-Priority: 99\r\n", 10)
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+    assert b"priority 99 is out of range" in answer
+
+    stop = threading.Event()
+
+    def flood() -> None:
+        with httpx.Client(timeout=30) as client:
+            while not stop.is_set():
+                client.post(s.url + "/v1/models/tiny/inspect", content=jpeg_bytes,
+                            headers={"Content-Type": "image/jpeg", "X-Deadline-Ms": "1000"})
+
+    senders = [threading.Thread(target=flood, daemon=True) for _ in range(16)]
+    for t in senders:
+        t.start()
+    try:
+        answers = []
+        end = time.monotonic() + 20
+        while time.monotonic() < end and not any(a.startswith(b"HTTP/1.1 503") for a in answers):
+            try:
+                answers.append(_head_only(s.http_port, "X-Deadline-Ms: 1000\r\n", 2))
+            except TimeoutError:
+                answers.append(b"(waited for the body)")
+    finally:
+        stop.set()
+        for t in senders:
+            t.join(timeout=30)
+    shed = [a for a in answers if a.startswith(b"HTTP/1.1 503")]
+    assert shed, answers[:5]
+    assert b"overloaded" in shed[0] and b"retry-after" in shed[0].lower()
 
 
 # --- slow and idle clients -------------------------------------------------------------------

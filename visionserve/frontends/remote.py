@@ -218,6 +218,15 @@ class RemoteEngine(ModelLookup):
     def draining(self) -> bool:
         return self._draining or self._engine_draining
 
+    def precheck(self, name: str, version, n: int, *, deadline_ms: float | None,
+                 priority: int | None, arrival: float, origin: tuple | None = None) -> None:
+        """What this process can refuse from a request's head: an unknown model, draining, a
+        silent engine. The engine process admits the frames themselves (its queue is there)."""
+        self.get(name, version)
+        if self._draining:
+            raise Unavailable.shutting_down()
+        self._check_reachable()
+
     async def infer(self, name: str, version, frames: list[Frame], *, deadline_ms: float | None = None,
                     priority: int | None = None, arrival: float | None = None, origin: tuple | None = None):
         arrival = time.monotonic() if arrival is None else arrival

@@ -77,6 +77,9 @@ async def inspect(request: Request, model_name: str, model_version: str = "") ->
         kind = imaging.media_kind(request.headers.get("content-type"))
         deadline_ms = _header_number(request, "X-Deadline-Ms", float)
         priority = _header_number(request, "X-Priority", int)
+        # refused from the head (overload above all): the body is never read
+        engine.precheck(model_name, model_version, 1, deadline_ms=deadline_ms, priority=priority,
+                        arrival=arrival, origin=(part_id, camera_id))
         body = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
         if kind == "raw":
             frame = imaging.raw_frame(body, imaging.parse_shape(request.headers.get("x-image-shape")),

@@ -120,7 +120,7 @@ def _on_init(environment, **_kw) -> None:
     if opts.takt_ms <= 0 or _budget_ms(opts) <= 0:
         _fatal(environment, f"--takt-ms {opts.takt_ms} and --budget-ms {opts.budget_ms} must be > 0")
         return
-    from visionserve.benchclient import images
+    from visionserve_tools.benchclient import images
 
     try:
         _STATE["frames"] = images.load(opts.images)

@@ -15,7 +15,8 @@ from . import __version__
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("visionserve.server", "start the HTTP (and gRPC) server on a model repository"),
-    "bench": ("visionserve.bench", "measure served latency/throughput against the bare model"),
+    # tooling: another package of the same wheel, reached only through this table
+    "bench": ("visionserve_tools.bench", "measure served latency/throughput against the bare model"),
     "env": ("visionserve.ops.envrecord", "print the environment record (packages, CUDA, GPUs)"),
     "doctor": ("visionserve.ops.doctor", "diagnose GPU/driver/environment faults, with a fix each"),
     "stress": ("visionserve.ops.stress", "GPU health check: matmul throughput, memory pattern test"),

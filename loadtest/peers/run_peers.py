@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from visionserve.bench import http_status
+from visionserve_tools.bench import http_status
 
 ROOT = Path(__file__).resolve().parents[2]
 PEERS = Path(__file__).resolve().parent
@@ -111,7 +111,7 @@ class Target:
 
 def parse_rates(text: str) -> list[float]:
     sys.path.insert(0, str(ROOT))
-    from visionserve.bench import parse_rates as parse
+    from visionserve_tools.bench import parse_rates as parse
 
     return parse(text)
 
@@ -209,7 +209,7 @@ def main() -> int:
         f = fixed[name]["runs"][0]
         ok = [s for s in steps.get(name, []) if s["within_slo"]]
         if steps.get(name):
-            from visionserve.benchclient import report as rep
+            from visionserve_tools.benchclient import report as rep
 
             rep.plot_sweep(steps[name], str(args.out / f"{name}-sweep.png"), args.budget_ms, name)
         rows.append({

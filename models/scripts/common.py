@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # the scripts run from a checkout, not an installed package
     sys.path.insert(0, str(REPO))
 
-from visionserve import synthetic  # noqa: E402
+from visionserve_tools import synthetic  # noqa: E402
 from visionserve.config import InputSpec, ModelConfig  # noqa: E402
 
 LABELS = synthetic.LABELS

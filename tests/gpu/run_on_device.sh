@@ -7,7 +7,7 @@
 #   bench.json    benchmark results;  bench.txt  its progress log
 #   server.log    the benchmark servers' logs
 #   guard.json / guard.txt  with GUARD_ARGS set (e.g. GUARD_ARGS="--latency-budget-ms 20"): the
-#                 guard's acceptance run (python -m visionserve.benchguard), up to GUARD_T s (300)
+#                 guard's acceptance run (python -m visionserve_tools.benchguard), up to GUARD_T s (300)
 # SKIP_TESTS=1 / SKIP_BENCH=1 leave those parts out (one call may run 10 minutes at most: the
 # tests take up to 330 s with the frame-integrity test, the benchmark up to 270 s, so run them in
 # two calls: SKIP_BENCH=1 bash tests/gpu/run_on_device.sh, then SKIP_TESTS=1 ...).
@@ -46,14 +46,14 @@ if [ -z "${SKIP_TESTS:-}" ]; then
 fi
 
 if [ -z "${SKIP_BENCH:-}" ]; then
-  timeout ${BENCH_T:-270} python3 -m visionserve.benchgpu --out "$OUT/bench.json" --log-dir "$OUT" \
+  timeout ${BENCH_T:-270} python3 -m visionserve_tools.benchgpu --out "$OUT/bench.json" --log-dir "$OUT" \
     ${BENCH_ARGS:-} >"$OUT/bench.txt" 2>&1
   echo "benchgpu exit $?" >>"$OUT/bench.txt"
   tail -n 60 "$OUT/bench.txt"
 fi
 
 if [ -n "${GUARD_ARGS+x}" ]; then
-  timeout ${GUARD_T:-300} python3 -m visionserve.benchguard --device cuda --out "$OUT/guard.json" \
+  timeout ${GUARD_T:-300} python3 -m visionserve_tools.benchguard --device cuda --out "$OUT/guard.json" \
     --log-dir /tmp/benchguard-logs $GUARD_ARGS >"$OUT/guard.txt" 2>&1
   echo "benchguard exit $?" >>"$OUT/guard.txt"
   tail -n 40 "$OUT/guard.txt"

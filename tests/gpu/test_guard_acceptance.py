@@ -1,6 +1,6 @@
 """The guard's acceptance run (issue 8) on a real GPU, in quick form.
 
-``python -m visionserve.benchguard --device cuda --quick`` as a subprocess: the server with its
+``python -m visionserve_tools.benchguard --device cuda --quick`` as a subprocess: the server with its
 budget and the hosted guard serves an open-loop paced load at half its measured saturation; the
 project's own train.py runs through the guard on the same GPU, then a hostile job allocates GPU
 memory until it fails. Asserted: zero inference errors, zero OOM lines in the server log, the
@@ -41,14 +41,14 @@ def _brief(res: dict) -> str:
 
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_acceptance_run_core(cuda, tmp_path):
-    from visionserve.benchguard import kill_jobs
+    from visionserve_tools.benchguard import kill_jobs
 
     out = tmp_path / "result.json"
     old = os.environ.get("PYTHONPATH")
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": str(REPO) + (os.pathsep + old if old else "")}
     p = subprocess.Popen(
-        [sys.executable, "-m", "visionserve.benchguard", "--device", "cuda", "--quick",
+        [sys.executable, "-m", "visionserve_tools.benchguard", "--device", "cuda", "--quick",
          "--hostile-policy", "stop", "--out", str(out), "--log-dir", str(tmp_path)],
         cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)

@@ -1,4 +1,4 @@
-"""``python -m visionserve.benchguard --device cpu --quick``: the guard's acceptance run on this
+"""``python -m visionserve_tools.benchguard --device cpu --quick``: the guard's acceptance run on this
 machine, as a real subprocess (real server with ``--guard``, real client processes, the project's
 own train.py submitted through ``POST /v1/guard/jobs``). No timing assertions: the p99 ratio is
 reported, not asserted, on a CPU."""
@@ -26,7 +26,7 @@ def _env() -> dict[str, str]:
 
 
 def _run(args: list[str], timeout: float) -> tuple[int, str]:
-    p = subprocess.Popen([sys.executable, "-m", "visionserve.benchguard", *args], cwd=str(REPO),
+    p = subprocess.Popen([sys.executable, "-m", "visionserve_tools.benchguard", *args], cwd=str(REPO),
                          env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
     try:
@@ -39,7 +39,7 @@ def _run(args: list[str], timeout: float) -> tuple[int, str]:
 
 
 def test_cpu_quick_acceptance_run(tmp_path):
-    from visionserve.benchguard import kill_jobs
+    from visionserve_tools.benchguard import kill_jobs
 
     versions_before = sorted(p.name for p in (REPO / "models" / "defect-classifier").iterdir())
     out = tmp_path / "result.json"

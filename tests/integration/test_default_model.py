@@ -21,7 +21,7 @@ VERSION = MODEL_DIR / "1"
 sys.path.insert(0, str(SCRIPTS))
 import common  # noqa: E402
 
-from visionserve import synthetic  # noqa: E402
+from visionserve_tools import synthetic  # noqa: E402
 from visionserve.config import load_model_config  # noqa: E402
 
 ort = pytest.importorskip("onnxruntime")

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2_grpc
 
 from tests.conftest import start_server
-from visionserve.benchclient import wire
+from visionserve_tools.benchclient import wire
 
 MAX_BODY = 256 * 1024
 UNKNOWN = "no-such-model-from-a-client"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from visionserve.benchclient import report, wire
-from visionserve.benchclient.generator import Result
+from visionserve_tools.benchclient import report, wire
+from visionserve_tools.benchclient.generator import Result
 
 
 def test_a_503_without_retry_after_is_told_apart():

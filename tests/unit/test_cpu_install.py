@@ -81,7 +81,7 @@ def test_core_serves_the_default_model_on_cpu_without_torch(tmp_path):
     try:
         import httpx
 
-        from visionserve import synthetic
+        from visionserve_tools import synthetic
 
         frame = synthetic.encode(synthetic.generate("scratch", seed=7))
         r = httpx.post(f"{server.url}/v1/models/defect-classifier/inspect", content=frame,

@@ -9,8 +9,8 @@ import cv2
 import numpy as np
 import pytest
 
-from visionserve import synthetic
-from visionserve.synthetic import HELDOUT_PARAMS, LABELS, TRAIN_PARAMS, SurfaceParams
+from visionserve_tools import synthetic
+from visionserve_tools.synthetic import HELDOUT_PARAMS, LABELS, TRAIN_PARAMS, SurfaceParams
 
 SMALL = (160, 120)
 
@@ -105,7 +105,7 @@ def test_train_and_heldout_params_differ():
 
 
 def test_import_is_cheap():
-    code = ("import sys, visionserve.synthetic; "
+    code = ("import sys, visionserve_tools.synthetic; "
             "print(sorted(m for m in ('torch', 'onnxruntime') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -281,7 +281,7 @@ class Line:
         return head, frame.data
 
     async def run(self) -> None:
-        from ..benchclient.wire import HttpConnection
+        from visionserve_tools.benchclient.wire import HttpConnection
 
         pool: asyncio.Queue = asyncio.Queue()
         for _ in range(self.connections):
@@ -469,7 +469,7 @@ def run(args: argparse.Namespace) -> int:
                                  args.cert_dir or default_data_dir() / "plc-sim"))
         line = None
         if args.url:
-            from ..benchclient.images import ImageSetError, load
+            from visionserve_tools.benchclient.images import ImageSetError, load
 
             try:
                 frames = load(args.images)

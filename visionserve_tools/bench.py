@@ -202,8 +202,8 @@ def _check(args: argparse.Namespace) -> None:
 def _model_and_takt(args: argparse.Namespace) -> tuple[str, float | None, int | None]:
     if args.models is None:
         return args.model or DEFAULT_MODEL, None, None
-    from .errors import VisionServeError
-    from .repository import scan
+    from visionserve.errors import VisionServeError
+    from visionserve.repository import scan
 
     try:
         entries = scan(args.models)

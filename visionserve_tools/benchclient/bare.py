@@ -30,14 +30,14 @@ def _pct(a: np.ndarray, q: float) -> float:
 def measure(models: Path, model: str, frames: list, batch_sizes: list[int], seconds: float,
             min_iters: int = 5) -> dict:
     """Bare figures for ``batch_sizes`` plus single-frame answers for ``frames``."""
-    from .. import imaging
-    from ..backends import base as backends
-    from ..postprocess import classify
-    from ..repository import scan
+    from visionserve import imaging
+    from visionserve.backends import base as backends
+    from visionserve.postprocess import classify
+    from visionserve.repository import scan
 
     entries = scan(models)
     if model not in entries:
-        from ..errors import NotFound
+        from visionserve.errors import NotFound
 
         raise NotFound(f"model {model!r} is not in {models}; have {sorted(entries)}")
     entry = entries[model]

@@ -3,7 +3,7 @@
 Both the locustfile and ``visionserve bench`` take an image-set spec string:
 
 * ``gen:640x480`` (default), ``gen:640x480,1280x1024``, ``gen:640x480:n=40:q=90`` -- synthetic
-  surfaces from :mod:`visionserve.synthetic`, every label in turn, JPEG at quality ``q``;
+  surfaces from :mod:`visionserve_tools.synthetic`, every label in turn, JPEG at quality ``q``;
 * a folder path (or ``dir:PATH``) -- every .jpg/.jpeg/.png/.bmp file in it, sent as is.
 
 Frames are encoded once, up front, so the sender spends no time encoding during the run.
@@ -79,7 +79,7 @@ def generated(text: str, seed: int = 0) -> list[Frame]:
         raise ImageSetError(f"n={n} is out of range 1..10000")
     if not (1 <= quality <= 100):
         raise ImageSetError(f"q={quality} is out of range 1..100")
-    from visionserve import synthetic
+    from .. import synthetic
 
     cache = _cache_path(synthetic.__file__, sizes, n, quality, seed)
     if cache is not None and cache.is_file():

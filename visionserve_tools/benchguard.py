@@ -1,9 +1,9 @@
 """Acceptance run of the training-queue guard (issue 8) in one script.
 
-    python -m visionserve.benchguard --out result.json [--log-dir DIR] [--device cuda|cpu] [--quick]
+    python -m visionserve_tools.benchguard --out result.json [--log-dir DIR] [--device cuda|cpu] [--quick]
 
 1. Starts ``visionserve serve --guard`` (on cuda: the ResNet-50 bench model of
-   :mod:`visionserve.benchgpu`, torch fp16, with ``--gpu-memory-budget``; on cpu: the shipped
+   :mod:`visionserve_tools.benchgpu`, torch fp16, with ``--gpu-memory-budget``; on cpu: the shipped
    ``models/`` repository, no budget).
 2. Measures saturation (closed loop, several client processes), then drives an open-loop paced
    load at ``--load-fraction`` (default 50 %) of it from several processes for the whole run;
@@ -349,9 +349,9 @@ def kill_jobs(db: Path, grace_s: float = 5.0) -> list[int]:
     running when its server stops; a benchmark must not leave a GPU job behind."""
     if not Path(db).exists():
         return []
-    from .errors import VisionServeError
-    from .guard import proc
-    from .guard.store import ACTIVE, JobStore
+    from visionserve.errors import VisionServeError
+    from visionserve.guard import proc
+    from visionserve.guard.store import ACTIVE, JobStore
 
     store = JobStore(db)
     for j in store.list(("queued",)):
@@ -622,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--load-fraction must be in (0, 1], got {args.load_fraction}")
     if args.processes is not None and args.processes < 1:
         ap.error(f"--processes must be >= 1, got {args.processes}")
-    from .config import parse_bytes
+    from visionserve.config import parse_bytes
 
     for name in ("gpu_memory_budget", "train_gpu_mem", "hostile_gpu_mem"):
         try:

@@ -1,6 +1,6 @@
 """GPU benchmark in one run: bare model vs served, on a ResNet-50-class classifier.
 
-    python -m visionserve.benchgpu --out results.json [--log-dir DIR] [--quick]
+    python -m visionserve_tools.benchgpu --out results.json [--log-dir DIR] [--quick]
 
 1. Exports torchvision ``resnet50(weights=None, num_classes=5)`` (random weights) to ``.pt2`` and
    ``.onnx`` in a temporary model repository (224x224, fp16 for torch).

@@ -19,7 +19,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from .errors import ConfigError
+from .errors import ConfigError, describe_validation
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -193,19 +193,8 @@ def load_model_config(path: Path) -> ModelConfig:
     try:
         return ModelConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"{path}: {_describe(exc)}") from None
-
-
-def _describe(exc: ValidationError) -> str:
-    parts = []
-    for err in exc.errors():
-        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        msg = err["msg"]
-        if err["type"] == "extra_forbidden":
-            msg = "unknown field"
-        parts.append(f"field '{field}': {msg} (got {err.get('input')!r})" if err["type"] != "missing"
-                     else f"field '{field}': required")
-    return "; ".join(parts)
+        errs = "; ".join(describe_validation(exc, empty="(top level)", field=True, got=True))
+        raise ConfigError(f"{path}: {errs}") from None
 
 
 class ServerSettings(BaseSettings):

@@ -21,7 +21,14 @@ from .backends import base as backends
 from .backends import checks
 from .batching import Batcher, CostModel
 from .config import BatchingSpec, ModelConfig, ServerSettings
-from .errors import ConfigError, InvalidInput, NotFound, Unavailable, VisionServeError
+from .errors import (
+    ConfigError,
+    InvalidInput,
+    NotFound,
+    Unavailable,
+    VisionServeError,
+    describe_validation,
+)
 from .imaging import Frame
 from .latency import LatencyWindow
 from .repository import ModelEntry, parse_version, scan
@@ -101,8 +108,7 @@ def effective_config(config: ModelConfig, settings: ServerSettings) -> ModelConf
         batching = BatchingSpec.model_validate(data)
     except ValidationError as exc:
         # the server setting's own range is wider than model.toml's: name the option, not pydantic
-        errs = "; ".join(f"--{'.'.join(str(p) for p in e['loc']).replace('_', '-')}: {e['msg']} "
-                         f"(got {e.get('input')!r})" for e in exc.errors())
+        errs = "; ".join(describe_validation(exc, flag=True, got=True))
         raise ConfigError(f"server override does not fit model {config.name or 'config'}: {errs}") from None
     return config.model_copy(update={"batching": batching})
 

@@ -7,6 +7,9 @@ a traceback (the traceback goes to the log).
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 
 class VisionServeError(Exception):
     """Base class. ``message`` is safe to show to a client."""
@@ -118,3 +121,37 @@ def http_status(exc: VisionServeError) -> int:
 def grpc_code(exc: VisionServeError) -> str:
     """The ``grpc.StatusCode`` member name for ``exc`` (e.g. ``"INVALID_ARGUMENT"``)."""
     return STATUS_TABLE[exc.kind][1]
+
+
+def retry_after(exc: VisionServeError) -> str | None:
+    """When to try again, for the HTTP ``Retry-After`` header and gRPC's ``retry-after`` trailing
+    metadata: whole seconds, at least 1; None when the error names no time."""
+    if exc.retry_after_s is None:
+        return None
+    return str(max(1, math.ceil(exc.retry_after_s)))
+
+
+def describe_validation(exc: Any, *, empty: str = "", flag: bool = False, field: bool = False,
+                        got: bool = False) -> list[str]:
+    """One line per error of a pydantic ``ValidationError`` (or FastAPI's
+    ``RequestValidationError``): where, then what.
+
+    Where: the error's location, dotted (``input.width``), or ``empty`` when it has none; with
+    ``flag``, as the command-line option (``--max-batch-size``); with ``field``, quoted as a
+    model.toml field (``field 'input.width'``), and "unknown field" / "required" in place of
+    pydantic's words for those two. ``got`` adds the value given (not to a missing field).
+    """
+    lines = []
+    for err in exc.errors():
+        parts = [str(p) for p in err["loc"]]
+        where = "--" + "-".join(parts).replace("_", "-") if flag else ".".join(parts) or empty
+        msg = err["msg"]
+        if field:
+            where = f"field '{where}'"
+            if err["type"] == "missing":
+                lines.append(f"{where}: required")
+                continue
+            if err["type"] == "extra_forbidden":
+                msg = "unknown field"
+        lines.append(f"{where}: {msg} (got {err.get('input')!r})" if got else f"{where}: {msg}")
+    return lines

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import inspect
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -21,7 +20,7 @@ import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from .. import oip
-from ..errors import INTERNAL_MESSAGE, NotFound, VisionServeError, grpc_code
+from ..errors import INTERNAL_MESSAGE, NotFound, VisionServeError, grpc_code, retry_after
 from ..logs import request_id
 from . import convert
 
@@ -97,7 +96,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         engine = self.engine
         served = engine.get(request.model_name, request.model_version)
         frames = convert.frames(served, request, self.settings.max_image_pixels)
-        names = oip.requested([o.name for o in request.outputs] or None)
+        names = oip.requested(served, [o.name for o in request.outputs] or None)
         params = convert.parameters(request.parameters)
         param_ms, priority = oip.parameters(params)
         served, results = await engine.infer(
@@ -202,8 +201,9 @@ async def _call(context: grpc.aio.ServicerContext, work: Callable[[], Any], oip_
             result = await result
         return result
     except VisionServeError as exc:
-        if exc.retry_after_s is not None:
-            context.set_trailing_metadata((("retry-after", str(max(1, math.ceil(exc.retry_after_s)))),))
+        wait = retry_after(exc)
+        if wait is not None:
+            context.set_trailing_metadata((("retry-after", wait),))
         await context.abort(grpc.StatusCode[grpc_code(exc)], exc.message)
     except (asyncio.CancelledError, grpc.aio.AbortError):
         raise

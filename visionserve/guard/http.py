@@ -25,8 +25,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..config import parse_bytes
-from ..errors import NotFound, Unavailable, VisionServeError
-from ..http.app import error_response
+from ..errors import NotFound, Unavailable, VisionServeError, describe_validation
+from ..http.common import error_response
 from .store import STATES, JobSpec, JobStateError, JobStore, StoreFault
 
 #: the supervisor records a heartbeat every second; older than this, health says it is not working
@@ -75,11 +75,7 @@ def _error(status: int, message: str) -> JSONResponse:
 
 
 def _validation_message(exc: ValidationError) -> str:
-    parts = []
-    for e in exc.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "body"
-        parts.append(f"{loc}: {e['msg']}")
-    return "invalid job request: " + "; ".join(parts)
+    return "invalid job request: " + "; ".join(describe_validation(exc, empty="body"))
 
 
 def _job(job) -> dict:

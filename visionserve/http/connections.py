@@ -94,7 +94,7 @@ class OverLimit:
         if scope["type"] == "http" and scope["path"] in HEALTH_PATHS:
             await self.app(scope, receive, send)  # probes keep telling the truth
             return
-        from .app import error_response
+        from .common import error_response
 
         self.table.note("answered 503: every connection had a request in progress")
         response = error_response(Unavailable(

@@ -11,7 +11,7 @@ from fastapi.responses import Response
 
 from .. import imaging
 from ..errors import DeadlineExceeded, InvalidInput, VisionServeError
-from .app import (
+from .common import (
     ClientGone,
     client_gone_response,
     engine_of,

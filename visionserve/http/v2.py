@@ -12,8 +12,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from .. import oip
-from ..errors import InvalidInput, VisionServeError
-from .app import engine_of, read_body, settings_of, unless_disconnected
+from ..errors import InvalidInput, VisionServeError, describe_validation
+from .common import engine_of, read_body, settings_of, unless_disconnected
 from .schemas import ERRORS, InferenceRequest, InferenceResponse, ModelMetadata, ServerMetadata
 
 router = APIRouter(tags=["Open Inference Protocol v2"])
@@ -175,7 +175,7 @@ def _parse_request(header: bytes) -> InferenceRequest:
     try:
         return InferenceRequest.model_validate(data)
     except ValidationError as exc:
-        errs = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
+        errs = "; ".join(describe_validation(exc, empty="body"))
         raise InvalidInput(f"bad inference request: {errs}") from None
 
 

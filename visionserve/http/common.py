@@ -1,0 +1,115 @@
+"""What every route module of the HTTP front end shares: reading a body within its limits,
+dropping the work of a client that left, and turning errors into answers. The routes
+(:mod:`.v2`, :mod:`.inspect`) and the app (:mod:`.app`) import this; it imports none of them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from ..config import ServerSettings
+from ..errors import (
+    INTERNAL_MESSAGE,
+    InvalidInput,
+    PayloadTooLarge,
+    RequestTimeout,
+    VisionServeError,
+    http_status,
+    retry_after,
+)
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def error_response(exc: VisionServeError, extra: dict | None = None) -> JSONResponse:
+    wait = retry_after(exc)
+    headers = {"Retry-After": wait} if wait is not None else {}
+    return JSONResponse({"error": exc.message, **(extra or {})}, status_code=http_status(exc), headers=headers)
+
+
+async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """The whole body, refusing (413) as soon as it passes ``limit`` bytes, and (408) when it
+    does not arrive within ``timeout_s`` (a slow client must not hold a worker forever)."""
+    if timeout_s is not None:
+        try:
+            return await asyncio.wait_for(read_body(request, limit), timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            if int(declared) > limit:
+                raise PayloadTooLarge(f"body of {int(declared)} bytes is over the limit of {limit} "
+                                      "(setting max_body_bytes)")
+        except ValueError:
+            raise InvalidInput(f"bad Content-Length {declared!r}") from None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"body is over the limit of {limit} bytes (setting max_body_bytes)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer: nothing can be sent back.
+
+    Raised instead of ``CancelledError``, which escaped the app and made uvicorn log "Exception in
+    ASGI application" with a traceback for every line controller that timed out.
+    """
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; if the client goes away first, cancel it so its frames never run."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    log.info("client disconnected before its answer; request dropped")
+    raise ClientGone()
+
+
+def client_gone_response() -> Response:
+    # never reaches the client (uvicorn drops sends after a disconnect); 499 as nginx logs it
+    return Response(status_code=499)
+
+
+def internal_error_response(method: str, path: str) -> JSONResponse:
+    """Called from an ``except``: the traceback goes to the log, the client gets one line."""
+    log.exception("unhandled error on %s %s", method, path)
+    return JSONResponse({"error": INTERNAL_MESSAGE}, status_code=500)
+
+
+def engine_of(request: Request) -> Engine:
+    return request.app.state.engine
+
+
+def settings_of(request: Request) -> ServerSettings:
+    return request.app.state.settings
+

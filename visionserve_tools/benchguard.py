@@ -1,17 +1,19 @@
 """Acceptance run of the training-queue guard (issue 8) in one script.
 
-    python -m visionserve_tools.benchguard --out result.json [--log-dir DIR] [--device cuda|cpu] [--quick]
+    python -m visionserve_tools.benchguard --out result.json [--log-dir DIR] [--device cuda|cpu]
+        [--quick]
 
 1. Starts ``visionserve serve --guard`` (on cuda: the ResNet-50 bench model of
-   :mod:`visionserve_tools.benchgpu`, torch fp16, with ``--gpu-memory-budget``; on cpu: the shipped
-   ``models/`` repository, no budget).
+   :mod:`visionserve_tools.benchgpu`, torch fp16, with ``--gpu-memory-budget``; on cpu: the
+   shipped default model, no budget).
 2. Measures saturation (closed loop, several client processes), then drives an open-loop paced
    load at ``--load-fraction`` (default 50 %) of it from several processes for the whole run;
    every request's latency is measured from its *scheduled* send time (no coordinated omission)
    and any answer but 200 is an error. Phase ``baseline``: the load alone.
-3. Phase ``training``: the project's own ``models/scripts/train.py`` (small settings, its output in
-   a temporary ``--models-dir``) submitted through ``POST /v1/guard/jobs`` with a declared GPU
-   memory need; the phase is the time the job is ``running``.
+3. Phase ``training``: the project's own trainer, ``python -m visionserve_tools.training.train``
+   (small settings, its output in a temporary ``--models-dir``) submitted through
+   ``POST /v1/guard/jobs`` with a declared GPU memory need; the phase is the time the job is
+   ``running``.
 4. Phase ``hostile`` (cuda only): a job that allocates GPU memory in a loop until it fails, policy
    ``--hostile-policy``; the watchdog must stop (or pause) it; its recorded reason is read back.
 5. Writes ``--out`` (JSON, saved after every phase): saturation, rate, per phase count / errors /
@@ -48,8 +50,7 @@ from pathlib import Path
 
 from .benchgpu import Server, export_models, get, load, make_jpegs
 
-REPO = Path(__file__).resolve().parent.parent
-TRAIN_SCRIPT = REPO / "models" / "scripts" / "train.py"
+TRAIN_MODULE = "visionserve_tools.training.train"
 OOM = re.compile(r"out of memory|OutOfMemory|CUDA error", re.IGNORECASE)
 FINAL = ("succeeded", "failed", "cancelled", "killed")
 P99_RATIO_LIMIT = 1.5
@@ -458,7 +459,9 @@ def acceptance(args: argparse.Namespace, res: dict, save) -> None:
         if cuda:
             repo, model = export_models(tmp_path / "models", ("rn50",))["rn50"], "rn50"
         else:
-            repo, model = REPO / "models", "defect-classifier"
+            from visionserve.config import default_models_dir
+
+            repo, model = default_models_dir(), "defect-classifier"
         res["model"] = model
         jpegs = make_jpegs()
         server_log = log_dir / "server.log"
@@ -497,9 +500,9 @@ def acceptance(args: argparse.Namespace, res: dict, save) -> None:
             log(f"baseline done ({plan.baseline_s:g} s); submitting the training job")
 
             # training: the project's own script through the guard
-            train_cmd = [sys.executable, str(TRAIN_SCRIPT), "--models-dir", str(tmp_path / "train-models"),
+            train_cmd = [sys.executable, "-m", TRAIN_MODULE, "--models-dir", str(tmp_path / "train-models"),
                          "--device", plan.device, *plan.train_args]
-            job = submit(server, name="train-defect-classifier", command=train_cmd, cwd=str(REPO),
+            job = submit(server, name="train-defect-classifier", command=train_cmd, cwd=tmp,
                          env={"PYTHONUNBUFFERED": "1"}, gpu_mem=plan.train_gpu_mem, policy="pause")
             job_id, t_sub = job["id"], time.monotonic()
             job, seen, timed_out = follow(server, job_id, lambda j: j["state"] in FINAL,
@@ -518,7 +521,7 @@ def acceptance(args: argparse.Namespace, res: dict, save) -> None:
             if cuda:
                 want = "killed" if plan.hostile_policy == "stop" else "paused"
                 hjob = submit(server, name="hostile", command=[sys.executable, "-c", HOSTILE],
-                              cwd=str(REPO), gpu_mem=plan.hostile_gpu_mem, policy=plan.hostile_policy)
+                              cwd=tmp, gpu_mem=plan.hostile_gpu_mem, policy=plan.hostile_policy)
                 hjob_id, t_sub = hjob["id"], time.monotonic()
                 hjob, hseen, htimed = follow(server, hjob_id,
                                              lambda j: j["state"] in FINAL or j["state"] == want,

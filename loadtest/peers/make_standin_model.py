@@ -1,8 +1,8 @@
 """A stand-in for the shipped default model, for benchmarking before its trained weights exist.
 
-Same network (``models/scripts/common.py: build_model``), same ``model.toml`` (input size,
-normalisation, batching), random weights: the cost per frame is the trained model's, the verdicts
-are meaningless. Writes ``OUT/defect-classifier/{model.toml,1/model.onnx}``.
+Same network (``visionserve_tools.training.common.build_model``), same ``model.toml`` (input
+size, normalisation, batching), random weights: the cost per frame is the trained model's, the
+verdicts are meaningless. Writes ``OUT/defect-classifier/{model.toml,1/model.onnx}``.
 
     .venv/bin/python loadtest/peers/make_standin_model.py /tmp/bench-arch
 """
@@ -18,11 +18,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def main(out: Path) -> None:
-    sys.path.insert(0, str(ROOT / "models" / "scripts"))
     import torch
-    from common import DEFAULT_WIDTHS, build_model, count_macs
 
     from visionserve.config import load_model_config
+    from visionserve_tools.training.common import DEFAULT_WIDTHS, build_model, count_macs
 
     toml = ROOT / "models" / "defect-classifier" / "model.toml"
     cfg = load_model_config(toml)

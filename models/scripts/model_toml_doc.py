@@ -11,15 +11,13 @@ import sys
 import typing
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
-
 from visionserve.backends import checks
 from visionserve.config import ModelConfig
 from visionserve.errors import ConfigError
 
-DOC = common.REPO / "docs" / "model-toml.md"
-EXAMPLE = common.REPO / "models" / "defect-classifier" / "model.toml"
+REPO = Path(__file__).resolve().parents[2]  # a checkout tool: it rewrites the checkout's docs/
+DOC = REPO / "docs" / "model-toml.md"
+EXAMPLE = REPO / "models" / "defect-classifier" / "model.toml"
 
 # Rules that live in model validators rather than in single fields.
 CROSS_FIELD_RULES = {
@@ -107,10 +105,10 @@ def _exporting() -> list[str]:
         "`preferred_batch_sizes` entry runs. Trace with a batch of 2 or more: torch.export refuses a",
         "dynamic axis it sees with size 1.",
         "",
-        "ONNX (`model.onnx`), opset 17 as the shipped model (`models/scripts/export.py`); an opset the",
-        "installed onnxruntime does not know is refused at load. `dynamo=False` picks the exporter that",
-        "takes `dynamic_axes` (the newer one, the default since torch 2.9, takes `dynamic_shapes` as",
-        "torch.export does):",
+        "ONNX (`model.onnx`), opset 17 as the shipped model (`visionserve_tools/training/export.py`);",
+        "an opset the installed onnxruntime does not know is refused at load. `dynamo=False` picks the",
+        "exporter that takes `dynamic_axes` (the newer one, the default since torch 2.9, takes",
+        "`dynamic_shapes` as torch.export does):",
         "",
         "```python",
         "torch.onnx.export(model.eval(), (torch.zeros(2, 3, 224, 224),), \"models/my-model/1/model.onnx\",",

@@ -14,7 +14,7 @@ import model_toml_doc
 
 from visionserve.config import ENV_PREFIX, OTHER_VARIABLES, ServerSettings, setting_docs
 
-DOC = model_toml_doc.common.REPO / "docs" / "settings.md"
+DOC = model_toml_doc.REPO / "docs" / "settings.md"
 
 
 def _cell(text: str) -> str:

@@ -1,7 +1,7 @@
 """``python -m visionserve_tools.benchguard --device cpu --quick``: the guard's acceptance run on this
 machine, as a real subprocess (real server with ``--guard``, real client processes, the project's
-own train.py submitted through ``POST /v1/guard/jobs``). No timing assertions: the p99 ratio is
-reported, not asserted, on a CPU."""
+own trainer, ``visionserve_tools.training.train``, submitted through ``POST /v1/guard/jobs``). No
+timing assertions: the p99 ratio is reported, not asserted, on a CPU."""
 
 from __future__ import annotations
 

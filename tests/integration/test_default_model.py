@@ -1,7 +1,8 @@
 """The shipped default model works out of the box, and the scripts that made it still run.
 
-The scripts live in models/scripts/ (not in the package); they are run as subprocesses, as a
-user runs them, and ``common`` is imported from there for the server-identical preprocessing.
+The scripts live in visionserve_tools.training (the tooling package, not the server's); they are
+run as subprocesses, as a user runs them (``python -m``), and ``common`` is imported for its
+dataset helpers.
 """
 
 from __future__ import annotations
@@ -14,22 +15,19 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPTS = REPO / "models" / "scripts"
 MODEL_DIR = REPO / "models" / "defect-classifier"
 VERSION = MODEL_DIR / "1"
 
-sys.path.insert(0, str(SCRIPTS))
-import common  # noqa: E402
-
-from visionserve_tools import synthetic  # noqa: E402
-from visionserve.config import load_model_config  # noqa: E402
+from visionserve.config import load_model_config
+from visionserve_tools import synthetic
+from visionserve_tools.training import common
 
 ort = pytest.importorskip("onnxruntime")
 
 
 def _script(name: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPTS / name), *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO)
+    return subprocess.run([sys.executable, "-m", f"visionserve_tools.training.{name}", *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +112,7 @@ def smoke_version(tmp_path_factory) -> Path:
     """A tiny training run (20 frames, one epoch): the pipeline end to end, in seconds."""
     models = tmp_path_factory.mktemp("models")
     (models / "smoke" / "1").mkdir(parents=True)      # an existing version: the run must add 2
-    run = _script("train.py", "--models-dir", str(models), "--name", "smoke", "--n-per-label", "4",
+    run = _script("train", "--models-dir", str(models), "--name", "smoke", "--n-per-label", "4",
                   "--val-per-label", "1", "--epochs", "1", "--sizes", "320x240",
                   "--check-per-label", "1", "--workers", "1")
     assert run.returncode == 0, run.stderr[-2000:]
@@ -131,17 +129,17 @@ def test_smoke_training_writes_a_loadable_version(smoke_version):
     out = sess.run(None, {cfg.input.tensor_name: common.preprocess(frames, cfg.input)})[0]
     assert out.shape == (3, len(cfg.output.labels)) and np.isfinite(out).all()
     # An existing version is never overwritten.
-    again = _script("train.py", "--models-dir", str(smoke_version.parents[1]), "--name", "smoke",
+    again = _script("train", "--models-dir", str(smoke_version.parents[1]), "--name", "smoke",
                     "--version", "2")
     assert again.returncode == 2 and "must be >= 1 and not exist yet" in again.stderr
 
 
 @pytest.mark.slow
 def test_export_and_evaluate_scripts_run_on_a_trained_version(smoke_version, tmp_path):
-    exp = _script("export.py", str(smoke_version), "--check-per-label", "1")
+    exp = _script("export", str(smoke_version), "--check-per-label", "1")
     assert exp.returncode == 0, exp.stderr[-2000:]
     assert '"onnx_vs_pt2"' in exp.stdout
-    ev = _script("evaluate.py", str(smoke_version), "--n-per-label", "1", "--latency-runs", "5",
+    ev = _script("evaluate", str(smoke_version), "--n-per-label", "1", "--latency-runs", "5",
                  "--workers", "1", "--out", str(tmp_path))
     assert ev.returncode == 0, ev.stderr[-2000:]
     assert (tmp_path / "confusion_matrix.png").is_file() and (smoke_version / "eval.json").is_file()
@@ -151,7 +149,7 @@ def test_export_and_evaluate_scripts_run_on_a_trained_version(smoke_version, tmp
 @pytest.mark.slow
 def test_fine_tuning_on_a_photo_folder(smoke_version, tmp_path):
     photos = _photo_set(tmp_path / "photos", labels=("ok", "crack"), n=3)
-    run = _script("train.py", "--data", str(photos), "--init", str(smoke_version / "weights.pt"),
+    run = _script("train", "--data", str(photos), "--init", str(smoke_version / "weights.pt"),
                   "--models-dir", str(tmp_path / "m"), "--name", "line", "--epochs", "1")
     assert run.returncode == 0, run.stderr[-2000:]
     cfg = load_model_config(tmp_path / "m" / "line" / "model.toml")
@@ -173,31 +171,31 @@ def _photo_set(root: Path, labels=("ok", "scratch"), n=2) -> Path:
 def test_bad_datasets_are_refused_by_name(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    run = _script("train.py", "--data", str(empty), "--models-dir", str(tmp_path / "m"))
+    run = _script("train", "--data", str(empty), "--models-dir", str(tmp_path / "m"))
     assert run.returncode == 2 and "is empty" in run.stderr and "Traceback" not in run.stderr
 
     loose = _photo_set(tmp_path / "loose")
     (loose / "stray.png").write_bytes(b"x")
-    run = _script("train.py", "--data", str(loose), "--models-dir", str(tmp_path / "m"))
+    run = _script("train", "--data", str(loose), "--models-dir", str(tmp_path / "m"))
     assert run.returncode == 2 and "stray.png" in run.stderr
 
     broken = _photo_set(tmp_path / "broken")
     (broken / "ok" / "truncated.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
     (broken / "scratch" / "empty.png").write_bytes(b"")
-    run = _script("train.py", "--data", str(broken), "--models-dir", str(tmp_path / "m"))
+    run = _script("train", "--data", str(broken), "--models-dir", str(tmp_path / "m"))
     assert run.returncode == 2
     assert "ok/truncated.jpg" in run.stderr and "scratch/empty.png" in run.stderr
 
     odd = _photo_set(tmp_path / "odd")
     (odd / "scratch" / "notes.txt").write_text("hi")
-    run = _script("train.py", "--data", str(odd), "--models-dir", str(tmp_path / "m"))
+    run = _script("train", "--data", str(odd), "--models-dir", str(tmp_path / "m"))
     assert run.returncode == 2 and "notes.txt" in run.stderr
 
     unknown = _photo_set(tmp_path / "unknown", labels=("ok", "dent"))
-    run = _script("evaluate.py", str(VERSION), "--data", str(unknown), "--latency-runs", "1")
+    run = _script("evaluate", str(VERSION), "--data", str(unknown), "--latency-runs", "1")
     assert run.returncode == 2 and "dent" in run.stderr
 
-    missing = _script("train.py", "--data", str(tmp_path / "nope"), "--models-dir", str(tmp_path / "m"))
+    missing = _script("train", "--data", str(tmp_path / "nope"), "--models-dir", str(tmp_path / "m"))
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     assert not (tmp_path / "m").exists() or not any((tmp_path / "m").rglob("*.onnx"))
 

@@ -1,7 +1,7 @@
 """Evaluate a model version as served: its ``model.onnx`` in onnxruntime, on frames preprocessed
 as the server does.
 
-    python models/scripts/evaluate.py models/defect-classifier/1
+    python -m visionserve_tools.training.evaluate models/defect-classifier/1
 
 Default test set: held-out synthetic frames (seed and texture parameters unlike training, 640x480
 and 1280x1024). ``--data`` evaluates a folder-per-label set of real photos instead. Reports
@@ -23,9 +23,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-from common import ScriptError  # noqa: E402
+from . import common
+from .common import ScriptError
 
 NOISE_SIGMA = 15.0      # 8-bit levels, added to the camera frame
 JPEG_QUALITY = 60

@@ -18,12 +18,9 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # the scripts run from a checkout, not an installed package
-    sys.path.insert(0, str(REPO))
+from visionserve.config import InputSpec, ModelConfig
 
-from visionserve_tools import synthetic  # noqa: E402
-from visionserve.config import InputSpec, ModelConfig  # noqa: E402
+from .. import synthetic
 
 LABELS = synthetic.LABELS
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp")

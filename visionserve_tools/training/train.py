@@ -1,13 +1,14 @@
 """Train the compact defect classifier and write a new model version.
 
-    nice -n 10 python models/scripts/train.py                      # the shipped model
-    python models/scripts/train.py --data my_photos --name my-line --init \\
-        models/defect-classifier/1/weights.pt                       # fine-tune on real photos
+    nice -n 10 python -m visionserve_tools.training.train         # the shipped model
+    python -m visionserve_tools.training.train --data my_photos --name my-line --init \\
+        models/defect-classifier/1/weights.pt                      # fine-tune on real photos
 
-Writes ``<models-dir>/<name>/<N>/`` (N = highest existing + 1) with ``weights.pt``,
-``model.onnx``, ``model.pt2``, ``metrics.json`` and ``export.json``; writes
-``<models-dir>/<name>/model.toml`` too if the model has none yet. Training data is either the
-synthetic generator (default) or ``--data``: one sub-folder per label of PNG/JPEG/BMP photos.
+Writes ``<models-dir>/<name>/<N>/`` (N = highest existing + 1; ``--models-dir`` default
+``./models``) with ``weights.pt``, ``model.onnx``, ``model.pt2``, ``metrics.json`` and
+``export.json``; writes ``<models-dir>/<name>/model.toml`` too if the model has none yet.
+Training data is either the synthetic generator (default) or ``--data``: one sub-folder per
+label of PNG/JPEG/BMP photos.
 Seeded and single-process, so the same command on the same machine gives the same weights.
 """
 
@@ -24,10 +25,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-import export  # noqa: E402
-from common import ScriptError  # noqa: E402
+from . import common, export
+from .common import ScriptError
 
 
 def augment_geometry(batch: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -114,8 +113,8 @@ def split(ds: common.Dataset, val_fraction: float, seed: int) -> tuple[common.Da
 def write_model_toml(model_dir: Path, labels: tuple[str, ...], spec) -> None:
     ok = ["ok"] if "ok" in labels else [labels[0]]
     fmt = lambda t: "[" + ", ".join(f"{v:g}" if isinstance(v, float) else f'"{v}"' for v in t) + "]"  # noqa: E731
-    text = f"""# Written by models/scripts/train.py; see docs/model-toml.md for every field.
-description = "Surface defect classifier trained with models/scripts/train.py"
+    text = f"""# Written by visionserve_tools.training.train; see docs/model-toml.md for every field.
+description = "Surface defect classifier trained with visionserve_tools.training.train"
 task = "classification"
 
 [input]
@@ -149,7 +148,7 @@ ok_threshold = 0.5
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--name", default="defect-classifier", help="model name (folder under --models-dir)")
-    ap.add_argument("--models-dir", type=Path, default=common.REPO / "models")
+    ap.add_argument("--models-dir", type=Path, default=Path("models"))
     ap.add_argument("--data", type=Path, help="folder-per-label photos; default: synthetic images")
     ap.add_argument("--init", type=Path, help="weights.pt to start from (fine-tuning)")
     ap.add_argument("--n-per-label", type=int, default=800, help="synthetic training images per label")
@@ -285,7 +284,7 @@ def train(args: argparse.Namespace, argv: list[str]) -> int:
         write_model_toml(model_dir, labels, spec)
     report = export.export_version(version_dir, check_x)
     metrics = {
-        "command": "python models/scripts/train.py " + shlex.join(argv),
+        "command": "python -m visionserve_tools.training.train " + shlex.join(argv),
         "data": str(args.data) if args.data else "synthetic",
         "train_images": int(len(train_ds.targets)), "val_images": int(len(val_ds.targets)),
         "labels": list(labels), "input": meta["input"], "widths": list(widths),

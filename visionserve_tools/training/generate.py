@@ -1,7 +1,7 @@
 """Write a folder-per-label dataset of synthetic surface images (the layout train.py --data and
 evaluate.py --data read; also handy as camera frames for load tests).
 
-    python models/scripts/generate.py /tmp/surfaces --n-per-label 50 --params heldout --format jpeg
+    python -m visionserve_tools.training.generate /tmp/surfaces --n-per-label 50 --params heldout --format jpeg
 
 Result: ``OUT/ok/ok_00000.jpg``, ``OUT/scratch/scratch_00000.jpg``, ... Same arguments, same bytes.
 """
@@ -14,9 +14,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-from common import ScriptError  # noqa: E402
+from . import common
+from .common import ScriptError
 
 PARAMS = {"train": common.synthetic.TRAIN_PARAMS, "heldout": common.synthetic.HELDOUT_PARAMS}
 EXT = {"jpeg": ".jpg", "png": ".png", "bmp": ".bmp"}

@@ -1,7 +1,7 @@
 """Export a trained version's weights to ONNX (dynamic batch) and torch.export ``.pt2``, and
 check that both agree with the eager model (max abs logit difference <= --tolerance).
 
-    python models/scripts/export.py models/defect-classifier/1
+    python -m visionserve_tools.training.export models/defect-classifier/1
 
 Reads ``<version>/weights.pt``, writes ``<version>/model.onnx`` and ``<version>/model.pt2``.
 The agreement check runs on the held-out synthetic set (models with the synthetic labels) or on
@@ -18,9 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-from common import ScriptError  # noqa: E402
+from . import common
+from .common import ScriptError
 
 OPSET = 17
 

@@ -1,8 +1,11 @@
-"""What the model scripts share: the network, the preprocessing the server does, dataset loading.
+"""What the model scripts share: the network, dataset loading, and the way to the server's
+preprocessing.
 
-``preprocess`` follows ``model.toml`` exactly as the server does (decode to BGR uint8 -> colour
-order -> resize with the configured interpolation on the uint8 image -> float32 * scale, - mean,
-/ std -> layout), so that a model trained here sees at serving time the tensors it was trained on.
+Every frame becomes model pixels through the server's own functions in
+:mod:`visionserve.imaging` (decode -> resize by ``input.resize``/``input.interpolation`` on the
+uint8 image -> ``input.color_order``; then ``imaging.normalize``: float32 ``* scale/std -
+mean/std`` -> ``input.layout``), so a model trained here sees when served the tensors it was
+trained on.
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import cv2
 import numpy as np
 
+from visionserve import imaging
 from visionserve.config import InputSpec, ModelConfig
+from visionserve.errors import VisionServeError
 
 from .. import synthetic
 
@@ -47,57 +51,36 @@ def fail(exc: BaseException) -> int:
 
 
 # --------------------------------------------------------------------------- preprocessing
-
-_INTERP = {"area": cv2.INTER_AREA, "linear": cv2.INTER_LINEAR, "nearest": cv2.INTER_NEAREST,
-           "cubic": cv2.INTER_CUBIC}
-
-
-def to_model_pixels(img_bgr: np.ndarray, spec: InputSpec) -> np.ndarray:
-    """BGR uint8 frame -> uint8 HxWxC at model resolution, colour order and geometry of ``spec``."""
-    if img_bgr.ndim == 2:
-        img_bgr = cv2.cvtColor(img_bgr, cv2.COLOR_GRAY2BGR)
-    if spec.color_order == "RGB":
-        img = cv2.cvtColor(img_bgr, cv2.COLOR_BGR2RGB)
-    elif spec.color_order == "GRAY":
-        img = cv2.cvtColor(img_bgr, cv2.COLOR_BGR2GRAY)
-    else:
-        img = img_bgr
-    interp = _INTERP[spec.interpolation]
-    w, h = spec.width, spec.height
-    ih, iw = img.shape[:2]
-    if spec.resize == "stretch":
-        out = cv2.resize(img, (w, h), interpolation=interp)
-    elif spec.resize == "letterbox":
-        r = min(w / iw, h / ih)
-        nw, nh = max(1, round(iw * r)), max(1, round(ih * r))
-        small = cv2.resize(img, (nw, nh), interpolation=interp)
-        out = np.full((h, w) + img.shape[2:], spec.pad_value, np.uint8)
-        y0, x0 = (h - nh) // 2, (w - nw) // 2
-        out[y0:y0 + nh, x0:x0 + nw] = small
-    else:  # center_crop: scale the short side to fit, crop the centre
-        r = max(w / iw, h / ih)
-        nw, nh = max(w, round(iw * r)), max(h, round(ih * r))
-        big = cv2.resize(img, (nw, nh), interpolation=interp)
-        y0, x0 = (nh - h) // 2, (nw - w) // 2
-        out = big[y0:y0 + h, x0:x0 + w]
-    if out.ndim == 2:
-        out = out[..., None]
-    return np.ascontiguousarray(out)
+# No preprocessing code of its own: the server's functions (visionserve.imaging) make every tensor
+# a model sees here, so training, export checks and evaluation cannot drift from serving.
 
 
-def normalize(pixels: np.ndarray, spec: InputSpec) -> np.ndarray:
-    """NHWC (or HWC) uint8 model pixels -> float32 tensor in ``spec.layout``."""
-    x = pixels.astype(np.float32) * np.float32(spec.scale)
-    x -= np.asarray(spec.mean, np.float32)
-    x /= np.asarray(spec.std, np.float32)
-    if spec.layout == "NCHW":
-        x = np.moveaxis(x, -1, -3)
-    return np.ascontiguousarray(x)
+def camera_pixels(img_bgr: np.ndarray, spec: InputSpec) -> np.ndarray:
+    """A camera frame held as BGR uint8 pixels (a synthetic image, or one after evaluate.py's
+    brightness/rotation/noise) -> uint8 HxWxC at model size: the server's path for a raw frame
+    (:func:`visionserve.imaging.raw_frame`, RGB as clients send it, then
+    :func:`visionserve.imaging.preprocess`)."""
+    rgb = np.ascontiguousarray(img_bgr[..., ::-1]) if img_bgr.ndim == 3 else img_bgr[..., None]
+    return imaging.preprocess(imaging.raw_frame(rgb, rgb.shape), spec)
+
+
+def file_pixels(path: Path, spec: InputSpec) -> np.ndarray | str:
+    """An image file -> uint8 HxWxC at model size, as the server treats the same bytes uploaded
+    (:func:`visionserve.imaging.encoded_frame`, :func:`visionserve.imaging.preprocess`); or why
+    it cannot be read (the server's own reason for refusing it)."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    try:
+        return imaging.preprocess(imaging.encoded_frame(data), spec)
+    except VisionServeError as exc:
+        return exc.message
 
 
 def preprocess(images_bgr: Sequence[np.ndarray], spec: InputSpec) -> np.ndarray:
-    """BGR uint8 frames -> the batch tensor the server would build from them."""
-    return normalize(np.stack([to_model_pixels(im, spec) for im in images_bgr]), spec)
+    """BGR uint8 camera frames -> the batch tensor the server builds from them."""
+    return imaging.normalize(np.stack([camera_pixels(im, spec) for im in images_bgr]), spec)
 
 
 # --------------------------------------------------------------------------- network
@@ -169,18 +152,6 @@ class Dataset:
     names: list[str]           # file names (or synthetic ids) for error messages
 
 
-def read_image(path: Path) -> np.ndarray | None:
-    """BGR uint8 as the server decodes it (grey and alpha images become BGR), None if unreadable."""
-    try:
-        buf = np.fromfile(str(path), np.uint8)
-    except OSError:
-        return None
-    if buf.size == 0:
-        return None
-    img = cv2.imdecode(buf, cv2.IMREAD_COLOR)
-    return img
-
-
 def scan_folder(root: Path, labels: Sequence[str] | None = None) -> tuple[list[Path], list[int], tuple[str, ...]]:
     """Folder-per-label layout -> (files, label indices, labels). ``labels`` pins the label set
     and order (e.g. the shipped model's); otherwise the sorted folder names are the labels."""
@@ -233,11 +204,11 @@ def load_folder(root: Path, spec: InputSpec, labels: Sequence[str] | None = None
     files, targets, labels = scan_folder(root, labels)
     pixels, bad = [], []
     for p in files:
-        img = read_image(p)
-        if img is None:
-            bad.append(str(p.relative_to(root)))
+        px = file_pixels(p, spec)
+        if isinstance(px, str):
+            bad.append(f"{p.relative_to(root)} ({px})")
             continue
-        pixels.append(to_model_pixels(img, spec))
+        pixels.append(px)
     if bad:
         raise ScriptError(f"{root}: {len(bad)} unreadable image file(s): {', '.join(bad[:20])}"
                           + (" ..." if len(bad) > 20 else ""))
@@ -253,7 +224,7 @@ def _synthetic_chunk(args: tuple) -> tuple[list[np.ndarray], list[str]]:
         i, label = divmod(k, len(LABELS))
         img = synthetic.generate(LABELS[label], synthetic._item_seed(seed, i), sizes[i % len(sizes)],
                                  params)
-        out.append(img if keep_raw else to_model_pixels(img, spec))
+        out.append(img if keep_raw else camera_pixels(img, spec))
         labs.append(LABELS[label])
     return out, labs
 

@@ -23,6 +23,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 
+from visionserve import imaging
+
 from . import common
 from .common import ScriptError
 
@@ -70,7 +72,7 @@ def _frames_chunk(args: tuple) -> tuple[dict[str, list[np.ndarray]], list[str]]:
     for k, img in enumerate(imgs, start):
         for name, fn in CONDITIONS.items():
             if name == "clean" or robustness:
-                out[name].append(common.to_model_pixels(fn(img, k), spec))
+                out[name].append(common.camera_pixels(fn(img, k), spec))
     return out, labs
 
 
@@ -97,7 +99,7 @@ def heldout_sets(n_per_label: int, seed: int, spec, robustness: bool, workers: i
 
 def predict(sess, pixels: np.ndarray, spec) -> tuple[np.ndarray, np.ndarray]:
     logits = np.concatenate([
-        sess.run([common.ONNX_OUTPUT], {common.ONNX_INPUT: common.normalize(pixels[i:i + 32], spec)})[0]
+        sess.run([common.ONNX_OUTPUT], {common.ONNX_INPUT: imaging.normalize(pixels[i:i + 32], spec)})[0]
         for i in range(0, len(pixels), 32)])
     e = np.exp(logits - logits.max(1, keepdims=True))
     return logits.argmax(1), e / e.sum(1, keepdims=True)
@@ -129,8 +131,7 @@ def latency(onnx_path: Path, spec, runs: int) -> dict:
         pt = []
         for _ in range(30):
             t0 = time.perf_counter()
-            img = cv2.imdecode(np.frombuffer(jpg, np.uint8), cv2.IMREAD_COLOR)
-            common.normalize(common.to_model_pixels(img, spec)[None], spec)
+            imaging.normalize(imaging.preprocess(imaging.encoded_frame(jpg), spec)[None], spec)
             pt.append((time.perf_counter() - t0) * 1000)
         out[f"preprocess_jpeg_{size[0]}x{size[1]}_ms"] = round(float(np.median(pt)), 3)
     return out

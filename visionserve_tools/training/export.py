@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from visionserve import imaging
+
 from . import common
 from .common import ScriptError
 
@@ -120,13 +122,13 @@ def check_inputs(meta: dict, data: Path | None, n_per_label: int) -> np.ndarray:
     spec = common.InputSpec(**meta["input"])
     if data is not None:
         ds = common.load_folder(data, spec, meta["labels"])
-        return common.normalize(ds.pixels, spec)
+        return imaging.normalize(ds.pixels, spec)
     if tuple(meta["labels"]) != common.LABELS:
         raise ScriptError("this model's labels are not the synthetic ones; pass --data with a "
                           "folder-per-label set of its images for the agreement check")
     ds = common.synthetic_dataset(n_per_label, common.HELDOUT_SEED, ((640, 480), (1280, 1024)),
                                   common.synthetic.HELDOUT_PARAMS, spec)
-    return common.normalize(ds.pixels, spec)
+    return imaging.normalize(ds.pixels, spec)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 
+from visionserve import imaging
+
 from . import common, export
 from .common import ScriptError
 
@@ -71,15 +73,6 @@ def photometric(x, gen):
     return x.clamp_(0, 255)
 
 
-def to_tensor(pixels_float, spec):
-    """Same arithmetic as common.normalize, in torch (NHWC float 0..255 -> NCHW)."""
-    import torch
-
-    x = pixels_float * spec.scale
-    x = (x - torch.tensor(spec.mean)) / torch.tensor(spec.std)
-    return x.permute(0, 3, 1, 2).contiguous()
-
-
 def evaluate(model, pixels: np.ndarray, targets: np.ndarray, spec, device) -> tuple[float, np.ndarray]:
     import torch
 
@@ -87,7 +80,7 @@ def evaluate(model, pixels: np.ndarray, targets: np.ndarray, spec, device) -> tu
     preds = []
     with torch.no_grad():
         for i in range(0, len(pixels), 64):
-            x = torch.from_numpy(common.normalize(pixels[i:i + 64], spec)).to(device)
+            x = torch.from_numpy(imaging.normalize(pixels[i:i + 64], spec)).to(device)
             preds.append(model(x).argmax(1).cpu().numpy())
     p = np.concatenate(preds)
     return float((p == targets).mean()), p
@@ -211,7 +204,7 @@ def train(args: argparse.Namespace, argv: list[str]) -> int:
                 labels = init_meta["labels"]    # keep the head: same label order as the base model
         full = common.load_folder(args.data, spec, labels)
         train_ds, val_ds = split(full, 0.15, args.seed)
-        check_x = common.normalize(val_ds.pixels if len(val_ds.pixels) else train_ds.pixels, spec)
+        check_x = imaging.normalize(val_ds.pixels if len(val_ds.pixels) else train_ds.pixels, spec)
         print(f"data: {len(train_ds.targets)} training / {len(val_ds.targets)} validation photos "
               f"from {args.data}, labels {list(full.labels)}")
     else:
@@ -251,7 +244,9 @@ def train(args: argparse.Namespace, argv: list[str]) -> int:
         for b in range(steps_per_epoch):
             idx = np.sort(order[b * args.batch_size:(b + 1) * args.batch_size])
             px = augment_geometry(train_ds.pixels[idx], rng)
-            x = to_tensor(photometric(torch.from_numpy(px).float(), gen), spec).to(device)
+            # the server's normalisation, on the augmented (float) pixels
+            x = torch.from_numpy(imaging.normalize(photometric(torch.from_numpy(px).float(), gen)
+                                                   .numpy(), spec)).to(device)
             y = torch.from_numpy(train_ds.targets[idx]).to(device)
             logits = model(x)
             loss = loss_fn(logits, y)

@@ -1,8 +1,10 @@
 """Server settings (``VISIONSERVE_*`` environment variables) and the ``model.toml`` schema.
 
-Every field of ``model.toml`` is documented here, in ``Field(description=...)``; ``docs/model-toml.md``
-is the same reference for readers. Unknown fields and bad values are refused with the file and
-the field named (see :func:`load_model_config`).
+The sections every model has are here; a task's own sections (classification's ``[output]`` and
+``[verdict]``) are in its module under ``visionserve/tasks``. Every field is documented in
+``Field(description=...)``; ``docs/model-toml.md`` is the same reference for readers. Unknown
+fields and bad values are refused with the file and the field named (see
+:func:`load_model_config`).
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .errors import ConfigError, describe_validation
+from .plugins import BACKENDS, TASKS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -38,13 +42,13 @@ _UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
           "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
 
 
-def parse_bytes(value: str | int | float) -> int:
+def parse_bytes(value: str | float) -> int:
     """``"4GiB"`` -> 4294967296, ``"512MB"`` -> 512000000, ``1024`` -> 1024.
 
     Raises ``ValueError`` naming the bad value.
     """
-    if isinstance(value, bool):
-        raise ValueError(f"not a size: {value!r}")
+    if isinstance(value, bool):  # a ValueError, as for every bad size (pydantic reports those)
+        raise ValueError(f"not a size: {value!r}")  # noqa: TRY004
     if isinstance(value, (int, float)):
         if value < 0:
             raise ValueError(f"size must not be negative: {value!r}")
@@ -54,6 +58,10 @@ def parse_bytes(value: str | int | float) -> int:
         raise ValueError(f"not a size: {value!r} (use e.g. 4GiB, 512MiB, 800MB or a byte count)")
     unit = (m.group(2) or "").upper().rstrip("B") if (m.group(2) or "").upper() != "B" else "B"
     return int(float(m.group(1)) * _UNITS[unit])
+
+
+#: the task of a model.toml that names none
+DEFAULT_TASK = "classification"
 
 
 class _Strict(BaseModel):
@@ -91,28 +99,6 @@ class InputSpec(_Strict):
         return self
 
 
-class OutputSpec(_Strict):
-    labels: tuple[str, ...] = Field(..., min_length=1, description="Class labels in model output order.")
-    tensor_name: str | None = Field(None, description="Model graph output name; default: the first output.")
-    activation: Literal["softmax", "sigmoid", "none"] = Field(
-        "softmax", description="Applied to the model's output to get scores: softmax for logits, none if "
-        "the model already outputs probabilities.")
-
-    @field_validator("labels")
-    @classmethod
-    def _unique(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        if len(set(v)) != len(v):
-            raise ValueError("labels must be unique")
-        return v
-
-
-class VerdictSpec(_Strict):
-    ok_labels: tuple[str, ...] = Field(("ok",), min_length=1, description="Labels that mean a good part.")
-    ok_threshold: float = Field(
-        0.5, ge=0.0, le=1.0,
-        description="Verdict is OK only if the top label is in ok_labels with score >= this; else NG.")
-
-
 class BatchingSpec(_Strict):
     max_batch_size: int = Field(32, ge=1, le=4096, description="Largest micro-batch.")
     preferred_batch_sizes: tuple[int, ...] = Field(
@@ -146,7 +132,10 @@ class BatchingSpec(_Strict):
 
 
 class RuntimeSpec(_Strict):
-    backend: Literal["onnxruntime", "torch"] = Field("onnxruntime", description="Which model file serves.")
+    backend: str = Field(
+        "onnxruntime", description="What runs the model, and so which file of a version folder "
+        "serves: `onnxruntime` (`model.onnx`) or `torch` (`model.pt2`); more from installed "
+        "packages (entry point group `visionserve.backends`, docs/architecture.md).")
     precision: Literal["fp32", "fp16", "bf16"] = Field("fp32", description="Compute precision on the GPU.")
     instances: int = Field(1, ge=1, le=16, description="Runner threads (model instances) per device.")
     intra_op_threads: int = Field(0, ge=0, le=256, description="CPU threads per inference; 0 = library default.")
@@ -160,26 +149,59 @@ class RuntimeSpec(_Strict):
             parse_bytes(v)
         return v
 
+    @field_validator("backend")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in BACKENDS:
+            raise ValueError(BACKENDS.unknown(v))
+        return v
+
 
 class ModelConfig(_Strict):
-    """Schema of ``models/<name>/model.toml``."""
+    """Schema of ``models/<name>/model.toml``: the sections every task shares.
+
+    It is a union on ``task``: each task (``visionserve/tasks``) subclasses it with its own
+    sections (classification: ``[output]``, ``[verdict]``), and ``ModelConfig.model_validate``
+    validates a file by the schema its ``task`` names.
+    """
 
     name: str | None = Field(None, description="Model name; defaults to the folder name (must match if set).")
     description: str = Field("", description="Free text for humans.")
-    task: Literal["classification"] = Field("classification", description="What the outputs mean.")
+    task: str = Field(
+        DEFAULT_TASK, description="What the outputs mean: the task that turns them into answers "
+        "and verdicts, with its own sections below (`classification`: `[output]`, `[verdict]`); "
+        "more from installed packages (entry point group `visionserve.tasks`, docs/architecture.md).")
     default_version: int | None = Field(None, ge=1, description="Version served when none is asked; default: highest.")
     input: InputSpec
-    output: OutputSpec
-    verdict: VerdictSpec = VerdictSpec()
     batching: BatchingSpec = BatchingSpec()
     runtime: RuntimeSpec = RuntimeSpec()
 
-    @model_validator(mode="after")
-    def _check_verdict(self) -> ModelConfig:
-        missing = [x for x in self.verdict.ok_labels if x not in self.output.labels]
-        if missing:
-            raise ValueError(f"verdict.ok_labels {missing} are not in output.labels")
-        return self
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> ModelConfig:
+        """On ``ModelConfig`` itself, the union: ``obj`` validated by the schema of the task it
+        names; on a task's schema, as pydantic does."""
+        if cls is not ModelConfig or not isinstance(obj, Mapping):
+            return super().model_validate(obj, **kwargs)
+        return task_schema(obj.get("task", DEFAULT_TASK)).model_validate(obj, **kwargs)
+
+
+def task_schema(task: object) -> type[ModelConfig]:
+    """The ``model.toml`` schema of ``task``; a ValidationError on field ``task`` when no task of
+    that name is registered, or its plug-in cannot be imported."""
+    problem = TASKS.unknown(task) if task not in TASKS else None
+    if problem is None:
+        try:
+            schema = TASKS.load(task).schema
+        except Exception as exc:  # noqa: BLE001 - a plug-in's import may fail in any way
+            problem = f"task {task!r} cannot be loaded: {type(exc).__name__}: {exc}"
+        else:
+            if isinstance(schema, type) and issubclass(schema, ModelConfig) \
+                    and schema is not ModelConfig:
+                return schema
+            problem = f"task {task!r} has no model.toml schema (a ModelConfig subclass)"
+    raise ValidationError.from_exception_data("ModelConfig", [{
+        "type": PydanticCustomError("unknown_task", "{problem}", {"problem": problem}),
+        "loc": ("task",), "input": task}])
 
 
 def load_model_config(path: Path) -> ModelConfig:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from . import imaging, metrics
+from . import imaging, metrics, tasks
 from .backends import base as backends
 from .backends import checks
 from .batching import Batcher, CostModel
@@ -77,9 +77,13 @@ class Served:
     stats: ModelStats = field(default_factory=ModelStats)
     backend_info: dict[str, str] = field(default_factory=dict)
     series: metrics.ModelSeries | None = None
+    #: what the outputs mean: the front ends have it render answers (bound to the model at load)
+    task: tasks.Task | None = None
 
     def __post_init__(self) -> None:
         self.series = metrics.ModelSeries(self.entry.name)
+        if self.task is None:
+            self.task = tasks.create(self.config)
 
     @property
     def name(self) -> str:
@@ -219,23 +223,31 @@ class Engine(ModelLookup):
         config = effective_config(entry.config, self.settings)
         b = config.batching
         preferred = b.preferred_batch_sizes or (b.max_batch_size,)
-        pad = b.pad_to_preferred == "always" or (b.pad_to_preferred == "auto" and self.device != "cpu")
-        pad_to = preferred if pad else ()
-        cost = CostModel(lambda n: padded_size(n, pad_to))
+        task = tasks.create(config)
+        pad_to: tuple[int, ...] = ()
+        cost: CostModel | None = None
         runners = []
         for i in range(config.runtime.instances):
             backend = backends.create(config.runtime.backend)
             t0 = time.monotonic()
             load_config = self.gpu.instance_config(entry.name, config) if self.gpu else config
             await asyncio.to_thread(backend.load, path, load_config, self.device)
-            await asyncio.to_thread(self._warmup, backend, preferred, cost, path)
+            # the task checks the outputs the model file declares, and names those it reads
+            backend.select_outputs(task.bind(checks.Subject(path), backend.outputs),
+                                   on_device=task.on_device)
+            if cost is None:  # padded up to a preferred size: static shapes, or on a GPU (auto)
+                pad = b.pad_to_preferred == "always" or (b.pad_to_preferred == "auto" and (
+                    self.device != "cpu" or backend.static_shapes))
+                pad_to = preferred if pad else ()
+                cost = CostModel(lambda n, sizes=pad_to: padded_size(n, sizes))
+            await asyncio.to_thread(self._warmup, backend, preferred, cost, path, task)
             prep = await asyncio.to_thread(self.gpu.preprocessor, backend, config, preferred) \
                 if self.gpu else None
             log.info("%s:%d instance %d loaded and warmed up in %.1f s (%s)", entry.name, version, i,
                      time.monotonic() - t0, backend.describe())
             runners.append(Runner(name=f"{entry.name}:{version}#{i}", backend=backend, config=config,
                                   preferred=pad_to, cost=cost, on_batch=lambda r: None,
-                                  prepare=prep.prepare if prep is not None else None))
+                                  prepare=prep.prepare if prep is not None else None, task=task))
 
         async def execute(batch):
             # the instance with the fewest batches in flight (a batch a prep thread took is no
@@ -247,7 +259,8 @@ class Engine(ModelLookup):
                           max_batch_size=b.max_batch_size, max_queue_delay_s=b.max_queue_delay_ms / 1000,
                           max_queue_size=b.max_queue_size, cost=cost, max_inflight=2 * len(runners),
                           dispatch_when_idle=b.dispatch_when_idle)
-        served = Served(entry, version, config, batcher, runners, backend_info=runners[0].backend.describe())
+        served = Served(entry, version, config, batcher, runners,
+                        backend_info=runners[0].backend.describe(), task=task)
         for r in runners:
             r.on_batch = lambda rec, s=served: self._record_batch(s, rec)
             r.start(loop)
@@ -262,13 +275,13 @@ class Engine(ModelLookup):
 
     @staticmethod
     def _warmup(backend: backends.Backend, preferred: tuple[int, ...], cost: CostModel,
-                path: Path | None = None) -> None:
+                path: Path | None = None, task: tasks.Task | None = None) -> None:
         """Run every preferred size; a model that fails on the input model.toml describes, or
-        answers in another shape than its labels, is a ConfigError naming the field (``path``:
+        answers in other shapes than its task needs, is a ConfigError naming the field (``path``:
         the model file) instead of a 500 on every frame."""
         import numpy as np
 
-        cfg = getattr(backend, "_config", None)
+        cfg = backend.config
         subject = checks.Subject(path) if path is not None and cfg is not None else None
         try:
             backend.warmup(preferred)
@@ -280,8 +293,8 @@ class Engine(ModelLookup):
                 t0 = time.monotonic()
                 out = backend.run(x)
                 cost.observe(bs, time.monotonic() - t0)
-                if subject is not None:
-                    checks.check_output(subject, cfg, bs, out.shape)
+                if subject is not None and task is not None:
+                    task.check_warmup(subject, bs, out)
         except Exception as exc:
             # a device that fails or runs out of memory (torch, onnxruntime) is no model.toml mismatch
             text = str(exc).lower()

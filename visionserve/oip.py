@@ -1,41 +1,46 @@
 """Open Inference Protocol v2 semantics shared by the HTTP and gRPC front ends.
 
 Wire-format free: the front ends turn JSON / protobuf into the plain values taken here. Vision
-models expose one input and three outputs:
+models expose one input, and the outputs of their task:
 
 * input ``image``: ``BYTES`` of shape ``[N]`` (or ``[N, 1]``), each element one encoded image
   file (JPEG/PNG/BMP), or ``UINT8`` of shape ``[N, H, W, C]`` raw pixels (RGB, or grey if C=1);
-* outputs ``scores`` ``FP32 [N, num_labels]``, ``label`` ``BYTES [N]``, ``verdict`` ``BYTES [N]``.
+* outputs: those the model's task declares (:mod:`visionserve.tasks`; classification: ``scores``
+  ``FP32 [N, num_labels]``, ``label`` ``BYTES [N]``), then ``verdict`` ``BYTES [N]``.
 """
 
 from __future__ import annotations
 
 import itertools
-
 import struct
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import __version__, imaging
+from .backends.base import backend_class
 from .errors import InvalidInput
 from .imaging import Frame
+from .tasks import VERDICT, OipOutput
 
 if TYPE_CHECKING:
     from .engine import Served
     from .runner import FrameResult
 
-OUTPUTS = ("scores", "label", "verdict")
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "schedule_policy",
               "health", "metadata"]
 
 DTYPE_SIZES = {"BOOL": 1, "UINT8": 1, "UINT16": 2, "UINT32": 4, "UINT64": 8, "INT8": 1, "INT16": 2,
                "INT32": 4, "INT64": 8, "FP16": 2, "FP32": 4, "FP64": 8, "BF16": 2, "BYTES": -1}
-PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "torch": "pytorch_libtorch"}
 
 
 def server_metadata() -> dict[str, Any]:
     return {"name": "visionserve", "version": __version__, "extensions": list(EXTENSIONS)}
+
+
+def output_specs(served: Served) -> tuple[OipOutput, ...]:
+    """The model's OIP outputs: its task's, then ``verdict``."""
+    return (*served.task.oip_outputs(), VERDICT)
 
 
 def model_metadata(served: Served) -> dict[str, Any]:
@@ -43,16 +48,23 @@ def model_metadata(served: Served) -> dict[str, Any]:
     return {
         "name": served.name,
         "versions": [str(v) for v in sorted(served.entry.versions)],
-        "platform": PLATFORMS[cfg.runtime.backend],
+        "platform": backend_class(cfg.runtime.backend).platform,
         # Triton convention for a batching model: [-1] + the config's dims ([1]); perf_analyzer
         # drops the first dim as the batch and needs what remains to be non-empty.
         "inputs": [{"name": cfg.input.name, "datatype": "BYTES", "shape": [-1, 1]}],
-        "outputs": [
-            {"name": "scores", "datatype": "FP32", "shape": [-1, len(cfg.output.labels)]},
-            {"name": "label", "datatype": "BYTES", "shape": [-1]},
-            {"name": "verdict", "datatype": "BYTES", "shape": [-1]},
-        ],
+        "outputs": [{"name": o.name, "datatype": o.datatype, "shape": [-1, *o.dims]}
+                    for o in output_specs(served)],
     }
+
+
+def _config_output(o: OipOutput) -> dict[str, Any]:
+    """One output in Triton's model configuration: one value per frame is dims [1] reshaped
+    to [] (as Triton shows a batching model's scalar outputs)."""
+    kind = "STRING" if o.datatype == "BYTES" else o.datatype
+    out: dict[str, Any] = {"name": o.name, "data_type": f"TYPE_{kind}"}
+    if o.dims:
+        return {**out, "dims": list(o.dims), "label_filename": ""}
+    return {**out, "dims": [1], "reshape": {"shape": []}}
 
 
 def model_config(served: Served) -> dict[str, Any]:
@@ -61,18 +73,13 @@ def model_config(served: Served) -> dict[str, Any]:
     b = cfg.batching
     return {
         "name": served.name,
-        "platform": PLATFORMS[cfg.runtime.backend],
+        "platform": backend_class(cfg.runtime.backend).platform,
         "backend": cfg.runtime.backend,
         "version_policy": {"specific": {"versions": [str(v) for v in sorted(served.entry.versions)]}},
         "max_batch_size": b.max_batch_size,
         "input": [{"name": cfg.input.name, "data_type": "TYPE_STRING", "format": "FORMAT_NONE",
                    "dims": [1], "reshape": {"shape": []}}],
-        "output": [
-            {"name": "scores", "data_type": "TYPE_FP32", "dims": [len(cfg.output.labels)],
-             "label_filename": ""},
-            {"name": "label", "data_type": "TYPE_STRING", "dims": [1], "reshape": {"shape": []}},
-            {"name": "verdict", "data_type": "TYPE_STRING", "dims": [1], "reshape": {"shape": []}},
-        ],
+        "output": [_config_output(o) for o in output_specs(served)],
         "dynamic_batching": {
             "preferred_batch_size": list(b.preferred_batch_sizes),
             "max_queue_delay_microseconds": int(b.max_queue_delay_ms * 1000),
@@ -89,10 +96,8 @@ def model_config(served: Served) -> dict[str, Any]:
         "instance_group": [{"count": cfg.runtime.instances,
                             "kind": "KIND_GPU" if served.backend_info.get("device", "cpu").startswith("cuda")
                             else "KIND_CPU"}],
-        "parameters": {"labels": {"string_value": ",".join(cfg.output.labels)},
-                       "ok_labels": {"string_value": ",".join(cfg.verdict.ok_labels)},
-                       "ok_threshold": {"string_value": str(cfg.verdict.ok_threshold)},
-                       "takt_ms": {"string_value": str(b.takt_ms)}},
+        "parameters": {k: {"string_value": v} for k, v in
+                       {**served.task.oip_parameters(), "takt_ms": str(b.takt_ms)}.items()},
     }
 
 
@@ -255,22 +260,20 @@ def _flatten(data: Any) -> list[Any]:
 
 
 def outputs(served: Served, results: list[FrameResult]) -> dict[str, tuple[str, list[int], np.ndarray]]:
-    """name -> (datatype, shape, array) for all three outputs."""
-    n = len(results)
-    scores = np.stack([r.scores for r in results]).astype(np.float32) if n else np.zeros((0, 0), np.float32)
-    return {
-        "scores": ("FP32", [n, scores.shape[1]], scores),
-        "label": ("BYTES", [n], np.array([r.label.encode() for r in results], dtype=object)),
-        "verdict": ("BYTES", [n], np.array([r.verdict.encode() for r in results], dtype=object)),
-    }
+    """name -> (datatype, shape, array) for every output: the task renders its own."""
+    arrays = served.task.oip_tensors([r.result for r in results])
+    arrays[VERDICT.name] = np.array([r.verdict.encode() for r in results], dtype=object)
+    return {o.name: (o.datatype, list(arrays[o.name].shape), arrays[o.name])
+            for o in output_specs(served)}
 
 
-def requested(names: list[str] | None) -> list[str]:
+def requested(served: Served, names: list[str] | None) -> list[str]:
+    known = [o.name for o in output_specs(served)]
     if not names:
-        return list(OUTPUTS)
+        return known
     for name in names:
-        if name not in OUTPUTS:
-            raise InvalidInput(f"unknown output {name!r}; outputs are {list(OUTPUTS)}")
+        if name not in known:
+            raise InvalidInput(f"unknown output {name!r}; outputs are {known}")
     return names
 
 

@@ -1,7 +1,8 @@
 """The per-instance worker: two threads, so batch k+1 is decoded while batch k computes.
 
 prep thread:    decode + resize + normalise (OpenCV releases the GIL) -> bounded hand-off queue
-compute thread: drop what expired meanwhile -> backend.run -> verdicts -> futures resolved; a
+compute thread: drop what expired meanwhile -> backend.run -> the model's task (results and
+                verdicts, :mod:`visionserve.tasks`) -> futures resolved; a
                 frame whose verdict is ready after its deadline gets DeadlineExceeded instead (a
                 late verdict is no decision for a PLC: it gets LATE, as a frame dropped unrun)
 
@@ -18,28 +19,28 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from . import imaging
+from . import imaging, tasks
 from .backends.base import Backend
 from .batching import CostModel, Pending, resolve
 from .config import ModelConfig
 from .errors import DeadlineExceeded, InternalError, Unavailable, VisionServeError
 from .logs import batch_ids
-from .postprocess import classify
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
 class FrameResult:
-    """A frame's answer; always in time (``deadline_met`` is kept for the wire: always true)."""
+    """A frame's answer, the envelope every task shares; always in time (``deadline_met`` is
+    kept for the wire: always true). ``result`` is the task's own (``Task.postprocess``): the
+    front ends have the model's task render it."""
 
     verdict: str
-    label: str
-    score: float
-    scores: np.ndarray
+    result: Any
     batch_size: int
     queue_ms: float
     compute_ms: float
@@ -76,8 +77,13 @@ class Runner:
     def __init__(self, *, name: str, backend: Backend, config: ModelConfig,
                  preferred: tuple[int, ...], cost: CostModel,
                  on_batch: Callable[[BatchRecord], None],
-                 prepare: Callable | None = None) -> None:
+                 prepare: Callable | None = None, task: tasks.Task | None = None) -> None:
         self.name = name
+        # the model's outputs -> (verdict, result) per frame; the engine's is bound to the model
+        self.task = task if task is not None else tasks.create(config)
+        # a task that reads device outputs does so on the stream the backend wrote them on
+        self._task_stream = backend.stream if self.task.on_device and backend.device_outputs \
+            else None
         # prepare(frames, padded) -> (tensor, good, bad): None = imaging.prepare_batch (CPU); the
         # GPU preprocessor (gpu/preprocess.py) when the runner's device is a GPU
         self.prepare = prepare
@@ -215,7 +221,7 @@ class Runner:
             items = [items[i] for i in keep]
         t1 = time.monotonic()
         try:
-            raw = self.backend.run(tensor)
+            outputs = self.backend.run(tensor)
         except VisionServeError as exc:
             self._post(_fail_all, [(p, exc) for p in items])
             return
@@ -228,12 +234,20 @@ class Runner:
                 for p in items])
             return
         t2 = time.monotonic()
-        raw = np.asarray(raw)
-        results = classify(raw[out_rows] if out_rows is not None else raw[:len(items)], self.config)
+        rows = out_rows if out_rows is not None else slice(0, len(items))
+        if self._task_stream is None:
+            results = self.task.postprocess(outputs, rows)
+        else:
+            import torch
+
+            with torch.cuda.stream(self._task_stream):
+                results = self.task.postprocess(outputs, rows)
         t3 = time.monotonic()
         n = len(items)
+        if len(results) != n:
+            raise InternalError(f"task {self.task.name} answered {len(results)} frames of {n}")
         answers, too_late = [], []
-        for p, c in zip(items, results):  # each frame with its own row's result, in order
+        for p, (verdict, result) in zip(items, results):  # each frame with its own row's, in order
             if t3 > p.deadline:  # its verdict came after the deadline: LATE, no verdict
                 late_ms = (t3 - p.deadline) * 1000
                 too_late.append((p, DeadlineExceeded(
@@ -241,7 +255,7 @@ class Runner:
                     f"after the deadline ({(t3 - p.arrival) * 1000:.1f} ms after arrival)", late_ms=late_ms)))
                 continue
             answers.append((p, FrameResult(
-                verdict=c.verdict, label=c.label, score=c.score, scores=c.scores, batch_size=n,
+                verdict=verdict, result=result, batch_size=n,
                 queue_ms=(p.dispatched - p.arrival) * 1000, compute_ms=(t3 - p.dispatched) * 1000,
                 total_ms=(t3 - p.arrival) * 1000, deadline_met=True)))
         self.cost.observe(n, t3 - min(p.dispatched for p in items))

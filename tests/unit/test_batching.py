@@ -621,7 +621,8 @@ class FakeBackend(Backend):
             raise RuntimeError("fake device fault")
         m = batch.reshape(batch.shape[0], -1).mean(axis=1)
         # bright frames -> "ok", dark -> "scratch"
-        return np.stack([m * 10, np.zeros_like(m), (1 - m) * 10], axis=1).astype(np.float32)
+        scores = np.stack([m * 10, np.zeros_like(m), (1 - m) * 10], axis=1).astype(np.float32)
+        return {"logits": scores}
 
 
 def frame(value: int) -> imaging.Frame:
@@ -666,7 +667,7 @@ async def test_runner_pads_three_frames_to_four_rows(runner_env):
     assert backend.shapes == [(4, 3, 16, 16)]  # NCHW, padded to the preferred size 4
     results = [p.future.result() for p in batch]
     assert all(isinstance(r, FrameResult) for r in results)
-    assert [r.label for r in results] == ["ok", "scratch", "ok"]
+    assert [r.result.label for r in results] == ["ok", "scratch", "ok"]
     assert [r.verdict for r in results] == ["OK", "NG", "OK"]
     assert all(r.batch_size == 3 and r.deadline_met for r in results)
     await until(lambda: len(records) == 1)
@@ -682,8 +683,8 @@ async def test_runner_bad_frame_fails_alone(runner_env):
     await asyncio.wait_for(runner.execute(batch), WAIT)
     with pytest.raises(InvalidInput, match="cannot decode PNG"):
         batch[1].future.result()
-    assert batch[0].future.result().label == "ok"
-    assert batch[2].future.result().label == "scratch"
+    assert batch[0].future.result().result.label == "ok"
+    assert batch[2].future.result().result.label == "scratch"
     assert len(backend.shapes) == 1  # the good frames still ran, together
     await until(lambda: len(records) == 1)
     assert records[0].size == 2 and records[0].failed == 1
@@ -700,7 +701,7 @@ async def test_runner_skips_cancelled_and_expired_frames(runner_env):
     ok = pending(frame(5), loop)
     await asyncio.wait_for(runner.execute([gone, late, ok]), WAIT)
     assert isinstance(late.future.exception(), DeadlineExceeded)
-    assert ok.future.result().label == "scratch"
+    assert ok.future.result().result.label == "scratch"
     # only the one live frame reached the backend, padded to 1 row
     assert backend.shapes == [(1, 3, 16, 16)]
 
@@ -717,7 +718,7 @@ async def test_runner_backend_fault_fails_the_batch_and_the_runner_goes_on(runne
             p.future.result()
     second = [pending(frame(250), loop)]
     await asyncio.wait_for(runner.execute(second), WAIT)
-    assert second[0].future.result().label == "ok"
+    assert second[0].future.result().result.label == "ok"
 
 
 async def test_batcher_and_runner_together(runner_env):
@@ -729,7 +730,7 @@ async def test_batcher_and_runner_together(runner_env):
     items = [b.submit(frame(v), deadline=far()) for v in values]
     items.append(b.submit(broken_png(), deadline=far()))
     results = await asyncio.wait_for(asyncio.gather(*(p.future for p in items[:-1])), WAIT)
-    assert [r.label for r in results] == ["ok", "scratch", "ok", "scratch", "ok"]
+    assert [r.result.label for r in results] == ["ok", "scratch", "ok", "scratch", "ok"]
     with pytest.raises(InvalidInput):
         await asyncio.wait_for(items[-1].future, WAIT)
     assert sum(s[0] for s in backend.shapes) >= 5
@@ -747,7 +748,7 @@ async def test_runner_batch_of_only_bad_frames(runner_env):
     assert backend.shapes == []  # nothing left to run: the model is not called
     good = [pending(frame(250), loop)]
     await asyncio.wait_for(runner.execute(good), WAIT)
-    assert good[0].future.result().label == "ok"
+    assert good[0].future.result().result.label == "ok"
 
 
 async def test_dispatch_when_idle_sends_a_lone_request_at_once_and_batches_under_load():

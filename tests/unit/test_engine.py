@@ -103,8 +103,8 @@ async def test_engine_answers_frames_in_order(engine):
     assert len(results) == 3
     for f, r in zip(frames, results):
         _, (alone,) = await engine.infer("tiny", "1", [f])
-        assert alone.label == r.label
-        assert np.allclose(alone.scores, r.scores, atol=1e-5)
+        assert alone.result.label == r.result.label
+        assert np.allclose(alone.result.scores, r.result.scores, atol=1e-5)
     assert served.stats.inference_count == 6
 
 
@@ -244,7 +244,7 @@ async def test_engine_refuses_frames_the_queue_would_make_late(tiny_repo):
         assert metrics.REQUESTS.labels("tiny", "unavailable")._value.get() == refused + 1
         # a higher priority goes before the seven: its batch (of 2, 0.8 s) ends in time
         _, (r,) = await asyncio.wait_for(eng.infer("tiny", None, [raw()], priority=2), 10)
-        assert r.label
+        assert r.result.label
         results = await asyncio.wait_for(asyncio.gather(*queued), 10)
         assert len(results) == 7  # what was admitted is answered
     finally:

@@ -157,9 +157,9 @@ async def test_remote_answers_equal_the_engines(pair):
     served, results = await remote.infer("tiny", None, frames)
     assert served.name == "tiny" and served.version == 1 and served.ready
     _, direct = await eng.infer("tiny", None, frames)
-    assert [r.label for r in results] == [r.label for r in direct]
+    assert [r.result.label for r in results] == [r.result.label for r in direct]
     for a, b in zip(results, direct):
-        assert np.allclose(a.scores, b.scores, atol=1e-6)
+        assert np.allclose(a.result.scores, b.result.scores, atol=1e-6)
     assert remote.arena.used == 0  # every extent back once answered
 
 
@@ -210,7 +210,7 @@ async def test_cancelled_request_frees_its_extent_after_the_engine_answers(pair)
         await task
     await _until(lambda: remote.arena.used == 0 and not remote._pending)
     _, (r,) = await remote.infer("tiny", None, [raw()])  # and it goes on serving
-    assert r.label
+    assert r.result.label
 
 
 async def test_cancelled_request_of_many_frames_is_no_internal_error(pair, caplog):
@@ -264,7 +264,7 @@ async def test_frames_that_do_not_fit_the_arena_travel_inline(pair):
     _, results = await remote.infer("tiny", None, [big, raw()])
     _, (alone,) = await remote.infer("tiny", None, [imaging.raw_frame(
         np.full((600, 800, 3), 7, np.uint8), (600, 800, 3))])
-    assert results[0].label == alone.label and len(results) == 2
+    assert results[0].result.label == alone.result.label and len(results) == 2
     assert remote.arena.used == 0
 
 
@@ -341,7 +341,7 @@ async def test_a_deadline_is_answered_by_the_front_end_when_the_engine_does_not(
         link.on_message(msg)
     _, (r,) = await late
     _, (alone,) = await remote.infer("tiny", None, [raw(250)])
-    assert np.allclose(r.scores, alone.scores, atol=1e-6)  # its own frame's answer
+    assert np.allclose(r.result.scores, alone.result.scores, atol=1e-6)  # its own frame's answer
     await _until(lambda: remote.arena.used == 0 and not remote._pending)
 
 
@@ -378,7 +378,7 @@ async def test_a_silent_engine_turns_the_front_end_not_ready(pair, monkeypatch):
         await _until(lambda: remote.ready, timeout=2)
         await _until(lambda: remote.arena.used == 0 and not remote._pending)
         _, (r,) = await remote.infer("tiny", None, [raw()])
-        assert r.label
+        assert r.result.label
     finally:
         watch.cancel()
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import TINY_TOML, export_onnx, make_tiny_model, start_server
 
+from visionserve import tasks
 from visionserve.backends import checks
 from visionserve.config import ModelConfig, ServerSettings
 from visionserve.engine import Engine
@@ -203,19 +204,23 @@ async def test_torch_program_batch_range_input_size_and_labels(tmp_path):
 
 
 def test_checks_are_shape_arithmetic():
-    """The declared-shape rules without a model file (a fixed batch equal to every batch serves)."""
+    """The declared-shape rules without a model file (a fixed batch equal to every batch serves):
+    the input here, the outputs by the model's task."""
     cfg = ModelConfig.model_validate({
         "input": {"width": 32, "height": 32}, "output": {"labels": ["ok", "ng"]},
         "batching": {"max_batch_size": 8, "preferred_batch_sizes": [8], "pad_to_preferred": "always"}})
     s = checks.Subject(Path("/r/m/1/model.onnx"))
-    checks.check_declared(s, cfg, [8, 3, 32, 32], [8, 2], "float32", "float32")
-    checks.check_declared(s, cfg, [checks.ANY, 3, 32, 32], [checks.ANY, 2], "float32", "float16")
+    task = tasks.create(cfg)
+    checks.check_input(s, cfg, [8, 3, 32, 32], "float32")
+    assert task.bind(s, [checks.TensorSpec("logits", (8, 2), "float32")]) == ("logits",)
+    checks.check_input(s, cfg, [checks.ANY, 3, 32, 32], "float32")
+    task.bind(s, [checks.TensorSpec("logits", (checks.ANY, 2), "float16")])
     with pytest.raises(ConfigError, match="field 'output.tensor_name'.*scores must be floating point"):
-        checks.check_declared(s, cfg, [checks.ANY, 3, 32, 32], [checks.ANY, 2], "float32", "int64")
+        task.bind(s, [checks.TensorSpec("logits", (checks.ANY, 2), "int64")])
     with pytest.raises(ConfigError, match=r"field 'output.tensor_name'.*expected \[N, 2\], got \[N, 2, 7\]"):
-        checks.check_declared(s, cfg, [checks.ANY, 3, 32, 32], [checks.ANY, 2, 7])
+        task.bind(s, [checks.TensorSpec("logits", (checks.ANY, 2, 7))])
     with pytest.raises(ConfigError, match=r"field 'input.layout'.*has 3 dimensions"):
-        checks.check_declared(s, cfg, [checks.ANY, 32, 32], [checks.ANY, 2])
+        checks.check_input(s, cfg, [checks.ANY, 32, 32])
 
 
 def test_the_server_exits_with_one_line(tmp_path):
@@ -235,11 +240,12 @@ def test_a_device_failing_on_warm_up_is_no_model_toml_error(tmp_path, error):
     from visionserve.batching import CostModel
 
     class Failing:
-        _config = ModelConfig.model_validate({"input": {"width": 32, "height": 32},
+        config = ModelConfig.model_validate({"input": {"width": 32, "height": 32},
                                               "output": {"labels": ["ok", "ng"]}})
 
         def warmup(self, sizes):
             raise RuntimeError(error)
 
     with pytest.raises(RuntimeError, match=error[:10]):
-        Engine._warmup(Failing(), (1,), CostModel(lambda n: n), tmp_path / "m" / "1" / "model.onnx")
+        Engine._warmup(Failing(), (1,), CostModel(lambda n: n), tmp_path / "m" / "1" / "model.onnx",
+                       tasks.create(Failing.config))

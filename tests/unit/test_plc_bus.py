@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from visionserve.config import ModelConfig
 from visionserve.errors import (
     ConfigError,
     DeadlineExceeded,
@@ -21,13 +22,17 @@ from visionserve.plc import metrics
 from visionserve.plc.bus import Reason, ResultBus, ResultCode, Stations, part_number
 from visionserve.plc.watchdog import SystemState, Watchdog
 from visionserve.runner import FrameResult
+from visionserve.tasks.classification import Classification, Classified
 
-SERVED = SimpleNamespace(name="tiny", version=3,
-                         config=SimpleNamespace(output=SimpleNamespace(labels=("ok", "dent", "scratch"))))
+LABELS = ("ok", "dent", "scratch")
+TASK = Classification(ModelConfig.model_validate({"input": {"width": 8, "height": 8},
+                                                  "output": {"labels": LABELS}}))
+SERVED = SimpleNamespace(name="tiny", version=3, task=TASK)
 
 
 def _result(verdict="NG", label="dent", score=0.91, deadline_met=True) -> FrameResult:
-    return FrameResult(verdict, label, score, np.zeros(3), 1, 0.5, 2.0, 2.6, deadline_met)
+    return FrameResult(verdict, Classified(label, LABELS.index(label), score, np.zeros(3)), 1, 0.5,
+                       2.0, 2.6, deadline_met)
 
 
 def _pending(n: int, arrival: float = 0.0):

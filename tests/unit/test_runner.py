@@ -47,7 +47,7 @@ class MeansBackend(Backend):
 
     def run(self, batch):
         self.inputs.append(batch)
-        return batch.float().mean(dim=(2, 3)).numpy()
+        return {"scores": batch.float().mean(dim=(2, 3)).numpy()}
 
 
 def make_prepare(slow_s: float):
@@ -100,7 +100,7 @@ async def test_frames_dropped_after_preprocessing_leave_the_device_batch_as_prep
     for i in (0, 2):
         r = batch[i].future.result()
         assert isinstance(r, FrameResult) and r.batch_size == 2
-        np.testing.assert_allclose(r.scores, colours[i])  # its own row, not another frame's
+        np.testing.assert_allclose(r.result.scores, colours[i])  # its own row, not another frame's
     for i in (1, 3):
         assert isinstance(batch[i].future.exception(), DeadlineExceeded)
     assert batch[4].future.cancelled()
@@ -114,7 +114,7 @@ async def test_cpu_batches_are_still_trimmed_to_the_frames_that_remain():
     class Numpy(MeansBackend):
         def run(self, batch):
             seen.append(batch.shape[0])
-            return batch.reshape(batch.shape[0], 3, -1).mean(axis=2)
+            return {"scores": batch.reshape(batch.shape[0], 3, -1).mean(axis=2)}
 
     def prepare(frames, padded):
         x = np.zeros((padded, 3, 8, 8), np.float32)
@@ -134,7 +134,7 @@ async def test_cpu_batches_are_still_trimmed_to_the_frames_that_remain():
         await asyncio.to_thread(runner.stop)
     assert seen == [4]  # 3 frames left of 5: padded to 4, not 8
     for i in (0, 2, 4):
-        np.testing.assert_allclose(batch[i].future.result().scores, colours[i])
+        np.testing.assert_allclose(batch[i].future.result().result.scores, colours[i])
 
 
 async def test_a_verdict_ready_after_the_deadline_is_answered_late_not_given():
@@ -170,6 +170,6 @@ async def test_a_verdict_ready_after_the_deadline_is_answered_late_not_given():
     for i in (0, 2):
         r = batch[i].future.result()
         assert r.deadline_met and r.batch_size == 3
-        np.testing.assert_allclose(r.scores, colours[i])  # its own row, not another frame's
+        np.testing.assert_allclose(r.result.scores, colours[i])  # its own row, not another frame's
     (rec,) = records
     assert (rec.size, rec.ok, rec.late, rec.failed) == (3, 2, 1, 0)

@@ -88,9 +88,12 @@ def test_torch_matches_onnxruntime_on_cpu(model_dir, config):
     tb.load(model_dir / "1" / "model.pt2", config, "cpu")
     ob.load(model_dir / "1" / "model.onnx", config, "cpu")
     tb.warmup((1, 2, 4, 8))
+    # the ONNX graph names its output; the torch.export program returns an unnamed tensor
+    assert [(o.name, o.named) for o in ob.outputs] == [("logits", True)]
+    assert [(o.name, o.named) for o in tb.outputs] == [("output0", False)]
     x = np.random.default_rng(0).normal(size=(8, 3, 32, 32)).astype(np.float32)
     for n in (1, 3, 8):
-        a, b = tb.run(x[:n]), ob.run(x[:n])
+        a, b = tb.run(x[:n])["output0"], ob.run(x[:n])["logits"]
         assert a.shape == (n, 3) and a.dtype == np.float32
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     d = tb.describe()
@@ -105,7 +108,8 @@ def test_torch_takes_torch_tensors(model_dir, config):
     tb = TorchBackend()
     tb.load(model_dir / "1" / "model.pt2", config, "cpu")
     x = np.random.default_rng(1).normal(size=(4, 3, 32, 32)).astype(np.float32)
-    np.testing.assert_allclose(tb.run(torch.from_numpy(x)), tb.run(x), rtol=1e-6)
+    np.testing.assert_allclose(tb.run(torch.from_numpy(x))["output0"], tb.run(x)["output0"],
+                               rtol=1e-6)
 
 
 def test_bad_model_files_are_config_errors(tmp_path, config):
@@ -152,7 +156,7 @@ class FaultyBackend(Backend):
         if self.fail:
             raise RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel "
                                "errors might be asynchronously reported")
-        return np.zeros((batch.shape[0], 3), dtype=np.float32)
+        return {"output0": np.zeros((batch.shape[0], 3), dtype=np.float32)}
 
 
 def test_device_fault_marks_the_runner_unhealthy(config, jpeg_bytes, caplog):

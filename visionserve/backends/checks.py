@@ -1,10 +1,12 @@
 """Model file against ``model.toml``: mismatches stop the start instead of failing every frame.
 
-A backend hands :func:`check_declared` what its model file says it takes and gives (ONNX graph
-inputs and outputs, a torch.export program's placeholders) at load, before anything runs; the
-engine's warm-up holds what the model actually returned to :func:`check_output`. A failure is a
-:class:`ConfigError` naming model.toml, the field, the model and its file, the expected and the
-actual shape, and what to do. Shape arithmetic only: nothing here touches a device.
+A backend checks what its model file says it takes (ONNX graph inputs, a torch.export program's
+placeholders) with :func:`check_input` at load, before anything runs, and declares what the file
+says it gives as :class:`TensorSpec` values; the model's task checks those (it knows which
+outputs it needs, and their shapes), and at warm-up what the model actually returned. A failure
+is a :class:`ConfigError` naming model.toml, the field, the model and its file, the expected and
+the actual shape, and what to do (:meth:`Subject.error`). Shape arithmetic only: nothing here
+touches a device.
 """
 
 from __future__ import annotations
@@ -20,6 +22,21 @@ from ..errors import ConfigError
 Dim = int | tuple[int, int | None]
 
 ANY: Dim = (0, None)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A model input or output as the model file declares it."""
+
+    name: str
+    #: its axes (the batch axis first); None when the file does not say
+    dims: tuple[Dim, ...] | None = None
+    #: numpy name of its dtype (``float32``); None when the file does not say
+    dtype: str | None = None
+    #: False where the file gives no name and the backend numbered it (a torch.export program
+    #: that returns a tensor or a tuple: ``output0``, ``output1``, ...)
+    named: bool = True
+
 
 #: how to export a dynamic batch axis, by model file suffix
 _DYNAMIC_BATCH = {
@@ -66,9 +83,10 @@ def expected_input(config: ModelConfig) -> str:
            f"({config.input.layout})"
 
 
-def check_declared(subject: Subject, config: ModelConfig, inputs: list[Dim], outputs: list[Dim],
-                   input_dtype: str | None = None, output_dtype: str | None = None) -> None:
-    """What the model file declares against model.toml; dtypes are numpy names (None: not known)."""
+def check_input(subject: Subject, config: ModelConfig, inputs: list[Dim],
+                input_dtype: str | None = None) -> None:
+    """The model's declared input against ``[input]`` and ``[batching]``; ``input_dtype`` is a
+    numpy name (None: not known)."""
     _check_batch(subject, config, inputs)
     _check_geometry(subject, config, inputs)
     if input_dtype is not None and input_dtype != config.input.dtype:
@@ -76,18 +94,6 @@ def check_declared(subject: Subject, config: ModelConfig, inputs: list[Dim], out
             else "export the model with a float32, float16 or uint8 input"
         raise subject.error("input.dtype", "the model's input has another dtype",
                             expected_input(config), f"{fmt(inputs)} {input_dtype}", hint)
-    labels = len(config.output.labels)
-    if len(outputs) != 2:
-        raise subject.error("output.tensor_name", "a classification model gives one score per label "
-                            "for each frame", f"[N, {labels}]", fmt(outputs),
-                            "name the model output that holds the [batch, labels] scores")
-    if isinstance(outputs[1], int) and outputs[1] != labels:
-        raise subject.error("output.labels", f"{labels} labels, but the model gives {outputs[1]} "
-                            "scores per frame", f"[N, {labels}]", fmt(outputs),
-                            "list one label per model output, in the model's output order")
-    if output_dtype is not None and output_dtype not in ("float32", "float16", "float64", "bfloat16"):
-        raise subject.error("output.tensor_name", "scores must be floating point", f"[N, {labels}] float32",
-                            f"{fmt(outputs)} {output_dtype}", "name the output that holds the scores")
 
 
 def _check_batch(subject: Subject, config: ModelConfig, inputs: list[Dim]) -> None:
@@ -137,21 +143,6 @@ def _check_geometry(subject: Subject, config: ModelConfig, inputs: list[Dim]) ->
         f", or export the model for {size}"
     raise subject.error(field, f"the model's input takes {key} {got}", expected_input(config),
                         fmt(inputs), hint)
-
-
-def check_output(subject: Subject, config: ModelConfig, batch: int, shape: tuple[int, ...]) -> None:
-    """The shape the model returned for a warm-up batch of ``batch`` frames."""
-    labels = len(config.output.labels)
-    if tuple(shape) == (batch, labels):
-        return
-    expected, actual = f"[{batch}, {labels}] for a batch of {batch}", fmt(list(shape))
-    if len(shape) == 2 and shape[0] == batch:
-        raise subject.error("output.labels", f"{labels} labels, but the model gives {shape[1]} scores "
-                            "per frame", expected, actual,
-                            "list one label per model output, in the model's output order")
-    raise subject.error("output.tensor_name", "a classification model gives one row of scores per "
-                        "frame", expected, actual, "name the model output that holds the [batch, labels] "
-                        "scores")
 
 
 def run_failed(subject: Subject, config: ModelConfig, sizes: tuple[int, ...], exc: Exception) -> ConfigError:

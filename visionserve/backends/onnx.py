@@ -11,7 +11,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import ConfigError
 from . import checks
-from .base import NP_DTYPES, Backend, input_shape
+from .base import NP_DTYPES, Backend, Outputs, input_shape
 
 log = logging.getLogger(__name__)
 
@@ -28,17 +28,20 @@ def _dtype(onnx_type: str) -> str:
 
 
 class OnnxBackend(Backend):
+    model_file = "model.onnx"
+    platform = "onnxruntime_onnx"
+    device_memory = "arena"  # its CUDA arena, capped by gpu_mem_limit
+
     def __init__(self) -> None:
         self._session = None
         self._in_name = ""
-        self._out_name = ""
-        self._config: ModelConfig | None = None
+        self._out_names: list[str] = []
         self.providers: list[str] = []
 
     def load(self, path: Path, config: ModelConfig, device: str) -> None:
         import onnxruntime as ort
 
-        self._config = config
+        self.config = config
         self.device = device
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -65,35 +68,33 @@ class OnnxBackend(Backend):
         if device.startswith("cuda") and "CUDAExecutionProvider" not in self.providers:
             raise ConfigError(f"{path}: CUDA execution provider unavailable; providers: {self.providers}")
         inputs = {i.name: i for i in self._session.get_inputs()}
-        outputs = [o.name for o in self._session.get_outputs()]
         self._in_name = config.input.tensor_name or next(iter(inputs))
-        self._out_name = config.output.tensor_name or outputs[0]
         if self._in_name not in inputs:
             raise ConfigError(f"{path}: input.tensor_name {self._in_name!r} not in model inputs {list(inputs)}")
-        if self._out_name not in outputs:
-            raise ConfigError(f"{path}: output.tensor_name {self._out_name!r} not in model outputs {outputs}")
-        out = next(o for o in self._session.get_outputs() if o.name == self._out_name)
         inp = inputs[self._in_name]
-        checks.check_declared(checks.Subject(Path(path)), config, _dims(inp.shape), _dims(out.shape),
-                              _dtype(inp.type), _dtype(out.type))
+        checks.check_input(checks.Subject(Path(path)), config, _dims(inp.shape), _dtype(inp.type))
+        self.outputs = tuple(checks.TensorSpec(o.name, tuple(_dims(o.shape)), _dtype(o.type))
+                             for o in self._session.get_outputs())
+        self._out_names = [o.name for o in self.outputs]
         log.info("onnxruntime loaded %s on %s (providers %s)", path, device, self.providers)
 
-    def warmup(self, batch_sizes: tuple[int, ...]) -> None:
-        assert self._config is not None
-        dtype = NP_DTYPES[self._config.input.dtype]
-        for bs in batch_sizes:
-            self.run(np.zeros(input_shape(self._config, bs), dtype=dtype))
+    def select_outputs(self, names, on_device: bool = False) -> None:
+        self._out_names = list(names)
 
-    def run(self, batch: np.ndarray) -> np.ndarray:
+    def warmup(self, batch_sizes: tuple[int, ...]) -> None:
+        assert self.config is not None
+        dtype = NP_DTYPES[self.config.input.dtype]
+        for bs in batch_sizes:
+            self.run(np.zeros(input_shape(self.config, bs), dtype=dtype))
+
+    def run(self, batch: np.ndarray) -> Outputs:
         assert self._session is not None
         if not isinstance(batch, np.ndarray):  # a torch tensor from the GPU preprocessing
             return self._run_bound(batch)
-        return self._session.run([self._out_name], {self._in_name: batch})[0]
+        outs = self._session.run(self._out_names, {self._in_name: batch})
+        return dict(zip(self._out_names, outs))
 
     # -- CUDA: budget, the runner's stream, IOBinding (device buffers, no host round trip) ------
-
-    stream = None  # the runner's high-priority CUDA stream, when torch is there to make one
-    input_dtype = None  # torch dtype of the input, for the GPU preprocessing
 
     def _cuda_options(self, config: ModelConfig, device: str) -> dict:
         opts: dict = {"device_id": 0, "cudnn_conv_algo_search": "HEURISTIC",
@@ -106,7 +107,7 @@ class OnnxBackend(Backend):
         try:
             import torch
 
-            if torch.cuda.is_available():
+            if torch.cuda.is_available():  # then it takes device tensors, on the runner's stream
                 from ..gpu.memory import high_priority_stream
 
                 self.stream = high_priority_stream(device)
@@ -117,22 +118,21 @@ class OnnxBackend(Backend):
             pass
         return opts
 
-    def _run_bound(self, x) -> np.ndarray:
+    def _run_bound(self, x) -> Outputs:
         import torch
 
-        assert self._session is not None and self._config is not None
-        n = int(x.shape[0])
+        assert self._session is not None and self.config is not None
         with torch.cuda.stream(self.stream):
-            out = torch.empty((n, len(self._config.output.labels)), dtype=torch.float32, device=x.device)
             x = x.contiguous()
             # the input was written on this stream: wait for it (the stream only, not the device)
             self.stream.synchronize()
             binding = self._session.io_binding()
-            binding.bind_input(self._in_name, "cuda", 0, NP_DTYPES[self._config.input.dtype],
+            binding.bind_input(self._in_name, "cuda", 0, NP_DTYPES[self.config.input.dtype],
                                tuple(x.shape), x.data_ptr())
-            binding.bind_output(self._out_name, "cuda", 0, np.float32, tuple(out.shape), out.data_ptr())
-            self._session.run_with_iobinding(binding)
-            return out.cpu().numpy()
+            for name in self._out_names:  # in onnxruntime's arena, whatever their shapes
+                binding.bind_output(name, "cuda", 0)
+            self._session.run_with_iobinding(binding)  # returns when its stream is done
+            return dict(zip(self._out_names, binding.copy_outputs_to_cpu()))
 
     def close(self) -> None:
         self._session = None

@@ -8,8 +8,12 @@ preferred size) runs eagerly. The graphs share one memory pool: they are replaye
 on one stream and each output is copied out before the next replay, so sharing is safe.
 
 Inputs may be numpy arrays (the CPU preprocessing path, and the engine's warm-up) or torch
-tensors already on the device (the GPU preprocessing path). Outputs are numpy float32, copied
-through a pinned buffer and waited for with an event, never a device-wide synchronisation.
+tensors already on the device (the GPU preprocessing path). Outputs are named: a program that
+returns a dict of tensors names them by its keys; other outputs are numbered ``output0``,
+``output1``, ... in the order the program returns them. They come back as numpy arrays
+(floating point as float32), copied through pinned buffers and waited for with an event, never
+a device-wide synchronisation; or, when the task asks (``select_outputs(on_device=True)``), as
+the device tensors themselves, valid until the next ``run``.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import ConfigError, InternalError
 from . import checks
-from .base import NP_DTYPES, Backend, input_shape
+from .base import NP_DTYPES, Backend, Outputs, input_shape
 
 log = logging.getLogger(__name__)
 
@@ -31,20 +35,34 @@ _PRECISION = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 WARMUP_ITERS = 3  # eager runs before capture: cuDNN picks its kernels, lazy inits happen
 
 
-def _declared(program: Any) -> tuple[list[checks.Dim], list[checks.Dim]] | None:
-    """The first user input's and output's shapes as the exported program records them (a
-    dynamic axis with its range); None when the program does not say. Its dtypes are not
+def _declared(program: Any) -> tuple[list[checks.Dim], list[list[checks.Dim]]] | None:
+    """The first user input's and every user output's shapes as the exported program records
+    them (a dynamic axis with its range); None when the program does not say. Its dtypes are not
     checked: the backend casts the input to the compute precision."""
     try:
         sig = program.graph_signature
         nodes = list(program.graph.nodes)
         inp = next(n for n in nodes if n.op == "placeholder" and n.name == sig.user_inputs[0])
-        outs = next(n for n in nodes if n.op == "output").args[0]
-        out = next(a for a in outs if getattr(a, "name", None) == sig.user_outputs[0])
+        outs = {getattr(a, "name", None): a
+                for a in next(n for n in nodes if n.op == "output").args[0]}
         return (_dims(inp.meta["val"].shape, program.range_constraints),
-                _dims(out.meta["val"].shape, program.range_constraints))
+                [_dims(outs[name].meta["val"].shape, program.range_constraints)
+                 for name in sig.user_outputs])
     except (AttributeError, IndexError, KeyError, StopIteration, TypeError):
         return None
+
+
+def _output_names(program: Any) -> tuple[tuple[str, ...], bool]:
+    """(names of the program's outputs in the order it returns them, whether they are its own):
+    a dict of tensors' keys, else ``output0``, ``output1``, ..."""
+    try:
+        spec = program.call_spec.out_spec
+        kids = spec.children() if hasattr(spec, "children") else spec.children_specs
+        if spec.type is dict and all(k.is_leaf() for k in kids):
+            return tuple(str(k) for k in spec.context), True
+        return tuple(f"output{i}" for i in range(spec.num_leaves)), False
+    except (AttributeError, TypeError):
+        return ("output0",), False
 
 
 def _dims(shape: Any, ranges: dict) -> list[checks.Dim]:
@@ -63,18 +81,25 @@ def _dims(shape: Any, ranges: dict) -> list[checks.Dim]:
 
 
 class TorchBackend(Backend):
+    model_file = "model.pt2"
+    platform = "pytorch_libtorch"
+    device_memory = "torch"
+
     def __init__(self) -> None:
-        self._config: ModelConfig | None = None
         self._module: Any = None
         self.stream: Any = None  # the runner's CUDA stream (None on the CPU)
         self.compute_dtype: Any = None
         self.input_dtype: Any = None  # what the model's first layer takes on this device
         self.channels_last = False
-        self._graphs: dict[int, tuple[Any, Any, Any]] = {}  # bs -> (graph, static in, static out)
+        # bs -> (graph, static in, static outputs by name)
+        self._graphs: dict[int, tuple[Any, Any, dict[str, Any]]] = {}
         self._static_in: Any = None
         self._pool: Any = None
-        self._out_host: Any = None  # pinned output buffer
+        self._out_host: dict[str, Any] = {}  # pinned output buffers, by name
         self._done: Any = None  # event after the output copy
+        self._names: tuple[str, ...] = ()  # every output, in the order the program returns them
+        self._selected: tuple[str, ...] = ()  # what run returns
+        self._keep_on_device = False
         self.eager_runs = 0
         self.graph_runs = 0
 
@@ -84,7 +109,7 @@ class TorchBackend(Backend):
         from ..extras import require
 
         torch = require("torch", f"{path}: runtime.backend = \"torch\"")
-        self._config = config
+        self.config = config
         self.device = device
         try:
             program = torch.export.load(str(path))
@@ -92,7 +117,13 @@ class TorchBackend(Backend):
             raise ConfigError(f"{path}: torch cannot load the exported program: {exc}") from None
         declared = _declared(program)
         if declared is not None:  # the program's own shapes, before anything moves to the device
-            checks.check_declared(checks.Subject(Path(path)), config, *declared)
+            checks.check_input(checks.Subject(Path(path)), config, declared[0])
+        self._names, named = _output_names(program)
+        dims = declared[1] if declared is not None and len(declared[1]) == len(self._names) \
+            else [None] * len(self._names)
+        self.outputs = tuple(checks.TensorSpec(n, tuple(d) if d is not None else None, None, named)
+                             for n, d in zip(self._names, dims))
+        self._selected = self._names
         module = program.module()
         cuda = device.startswith("cuda")
         if cuda:
@@ -103,6 +134,8 @@ class TorchBackend(Backend):
             self.stream = high_priority_stream(device)
             self.compute_dtype = getattr(torch, _PRECISION[config.runtime.precision])
             self.channels_last = config.input.layout == "NCHW"
+            self.static_shapes = True  # CUDA graphs, one per preferred batch size
+            self.device_outputs = True
         else:
             self.compute_dtype = torch.float32  # CPU: half precision is slow and inexact there
             self.channels_last = False
@@ -120,24 +153,38 @@ class TorchBackend(Backend):
         log.info("torch loaded %s on %s (%s%s)", path, device, config.runtime.precision
                  if cuda else "fp32", ", channels_last" if self.channels_last else "")
 
+    def select_outputs(self, names, on_device: bool = False) -> None:
+        unknown = [n for n in names if n not in self._names]
+        if unknown:
+            raise ValueError(f"outputs {unknown} are not among the model's {list(self._names)}")
+        self._selected = tuple(names)
+        self._keep_on_device = on_device and self.device_outputs
+
+    def _named(self, out: Any) -> dict[str, Any]:
+        """The selected outputs of the module's return value, by name; floating point as float32."""
+        from torch.utils._pytree import tree_leaves
+
+        leaves = dict(zip(self._names, tree_leaves(out)))
+        return {n: (t.float() if t.is_floating_point() else t) for n, t in
+                ((n, leaves[n]) for n in self._selected)}
+
     # -- warm-up: CUDA graphs -----------------------------------------------------------------
 
     def warmup(self, batch_sizes: tuple[int, ...]) -> None:
         import torch
 
-        assert self._config is not None
+        assert self.config is not None
         if self.stream is None:
             for bs in batch_sizes:
-                self.run(np.zeros(input_shape(self._config, bs), dtype=NP_DTYPES[self._config.input.dtype]))
+                dtype = NP_DTYPES[self.config.input.dtype]
+                self.run(np.zeros(input_shape(self.config, bs), dtype=dtype))
             return
         top = max(batch_sizes)
-        shape = input_shape(self._config, top)
+        shape = input_shape(self.config, top)
         fmt = torch.channels_last if self.channels_last else torch.contiguous_format
         with torch.cuda.stream(self.stream), torch.inference_mode():
             self._static_in = torch.zeros(shape, dtype=self.input_dtype, device=self.device
                                           ).contiguous(memory_format=fmt)
-            self._out_host = torch.empty((top, len(self._config.output.labels)), dtype=torch.float32,
-                                         pin_memory=True)
             self._done = torch.cuda.Event()
             # Warm-up iterations on a side stream, as torch.cuda.graphs recommends: lazy
             # initialisation and cuDNN autotuning must not happen inside a capture.
@@ -155,10 +202,13 @@ class TorchBackend(Backend):
                 # thread_local: other runners' threads may touch CUDA while this one captures
                 with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                     # the float32 cast is part of the graph: no temporary at fetch time
-                    static_out = self._module(static_in).float()
+                    static_out = self._named(self._module(static_in))
                 if self._pool is None:
                     self._pool = graph.pool()
                 self._graphs[bs] = (graph, static_in, static_out)
+            # pinned host buffers, one per output, as large as the largest batch's
+            self._out_host = {n: torch.empty(tuple(t.shape), dtype=t.dtype, pin_memory=True)
+                              for n, t in self._graphs[top][2].items()}
             self.stream.synchronize()
             # replay each once so a broken capture fails here, not on the first request
             for bs in batch_sizes:
@@ -171,7 +221,7 @@ class TorchBackend(Backend):
 
     # -- run ----------------------------------------------------------------------------------
 
-    def run(self, batch: Any) -> np.ndarray:
+    def run(self, batch: Any) -> Outputs:
         import torch
 
         assert self._module is not None
@@ -181,7 +231,8 @@ class TorchBackend(Backend):
                 x = torch.from_numpy(np.ascontiguousarray(batch)) if isinstance(batch, np.ndarray) \
                     else batch
                 self.eager_runs += 1
-                return self._module(x.to(self.input_dtype)).float().numpy()
+                outs = self._named(self._module(x.to(self.input_dtype)))
+                return {k: t.numpy() for k, t in outs.items()}
         try:
             with torch.cuda.stream(self.stream), torch.inference_mode():
                 x = self._to_device(batch)
@@ -199,7 +250,7 @@ class TorchBackend(Backend):
             return torch.from_numpy(np.ascontiguousarray(batch)).to(self.device, non_blocking=False)
         return batch
 
-    def _replay(self, bs: int, x: Any) -> np.ndarray:
+    def _replay(self, bs: int, x: Any) -> Outputs:
         graph, static_in, static_out = self._graphs[bs]
         if x is not None:
             static_in.copy_(x)  # casts dtype and layout on the device
@@ -207,24 +258,28 @@ class TorchBackend(Backend):
         self.graph_runs += 1
         return self._fetch(static_out)
 
-    def _eager(self, x: Any) -> np.ndarray:
+    def _eager(self, x: Any) -> Outputs:
         import torch
 
         if self.channels_last and x.dim() == 4:
             x = x.contiguous(memory_format=torch.channels_last)
         self.eager_runs += 1
-        return self._fetch(self._module(x.to(self.input_dtype)).float())
+        return self._fetch(self._named(self._module(x.to(self.input_dtype))))
 
-    def _fetch(self, out: Any) -> np.ndarray:
-        n = int(out.shape[0])
-        host = self._out_host[:n] if self._out_host is not None and n <= self._out_host.shape[0] \
-            else None
-        if host is None:
-            return out.float().cpu().numpy()
-        host.copy_(out, non_blocking=True)
+    def _fetch(self, outs: dict[str, Any]) -> Outputs:
+        if self._keep_on_device:  # the task reads them on this stream, before the next run
+            return outs
+        hosts = {}
+        for name, out in outs.items():
+            host = self._out_host.get(name)
+            if host is None or out.shape[0] > host.shape[0] or out.shape[1:] != host.shape[1:]:
+                return {k: v.cpu().numpy() for k, v in outs.items()}  # eager: larger than any graph
+            host = host[:out.shape[0]]
+            host.copy_(out, non_blocking=True)
+            hosts[name] = host
         self._done.record(self.stream)
         self._done.synchronize()
-        return host.numpy().copy()
+        return {k: h.numpy().copy() for k, h in hosts.items()}
 
     def close(self) -> None:
         self._graphs.clear()
@@ -233,7 +288,7 @@ class TorchBackend(Backend):
         self._pool = None
 
     def describe(self) -> dict[str, str]:
-        cfg = self._config
+        cfg = self.config
         info = {"device": self.device, "backend": "torch"}
         if cfg is not None:
             info["precision"] = cfg.runtime.precision if self.stream is not None else "fp32"

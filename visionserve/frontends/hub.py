@@ -56,6 +56,7 @@ class ServedInfo:
     version: int
     config: object
     backend_info: dict
+    task: object  # the model's task (bound): it renders the answers there as here
 
 
 class Link:
@@ -204,8 +205,9 @@ class Hub:
         models = None
         served = self.engine.served
         if link.models_sent != len(served):
-            models = (self.engine.entries, {k: ServedInfo(s.entry, s.version, s.config, s.backend_info)
-                                            for k, s in served.items()})
+            models = (self.engine.entries, {
+                k: ServedInfo(s.entry, s.version, s.config, s.backend_info, s.task)
+                for k, s in served.items()})
             link.models_sent = len(served)
         link.channel.send(("state", ready, draining, per_model, models))
 

@@ -53,6 +53,7 @@ class ServedView:
     version: int
     config: object
     backend_info: dict
+    task: object = None  # the model's task: what the answers hold and how they are rendered
     ready: bool = False
     stats: ModelStats = field(default_factory=ModelStats)
 
@@ -91,7 +92,8 @@ class RemoteEngine(ModelLookup):
             if models is not None:
                 entries, infos = models
                 self.entries = entries
-                self.served = {k: self.served.get(k) or ServedView(i.entry, i.version, i.config, i.backend_info)
+                self.served = {k: self.served.get(k) or ServedView(i.entry, i.version, i.config,
+                                                                   i.backend_info, i.task)
                                for k, i in infos.items()}
             for k, r in per_model.items():
                 if k in self.served:

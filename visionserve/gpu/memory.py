@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import ModelConfig, parse_bytes
 from ..errors import ConfigError
+from ..plugins import BACKENDS
 
 if TYPE_CHECKING:
     from .nvml import GpuInfo, GpuProcess, Nvml
@@ -52,7 +53,8 @@ class SessionShare:
     instances: int
     share: int  # bytes for all instances of this model, backend + preprocessing
     prep_allowance: int  # of which the GPU preprocessing (torch allocator) may use
-    #: onnxruntime gpu_mem_limit per instance (0 for torch models: they use the torch allocator)
+    #: limit of its own arena per instance (onnxruntime's gpu_mem_limit; 0 for backends that use
+    #: the torch allocator)
     ort_limit_per_instance: int = 0
 
 
@@ -82,9 +84,11 @@ def plan_budget(server_budget: str | int | None,
     A model's ``runtime.gpu_memory_budget`` is its share (all instances together); models
     without one share what is left equally. The server setting caps the total; without it the
     total is the sum of the models' budgets, or no cap at all if any model has none.
-    onnxruntime sessions get their share minus the preprocessing allowance as ``gpu_mem_limit``;
-    the torch allocator (torch models and every model's GPU preprocessing) gets the rest.
+    Backends with an arena of their own (``Backend.device_memory == "arena"``: onnxruntime) get
+    their share minus the preprocessing allowance as its limit (``gpu_mem_limit``); the torch
+    allocator (torch models and every model's GPU preprocessing) gets the rest.
     """
+
     total = parse_bytes(server_budget) if server_budget is not None else None
     explicit = {name: parse_bytes(cfg.runtime.gpu_memory_budget)
                 for name, cfg in models if cfg.runtime.gpu_memory_budget is not None}
@@ -105,13 +109,14 @@ def plan_budget(server_budget: str | int | None,
         prep = prep_allowance(cfg)
         inst = cfg.runtime.instances
         ort = 0
-        if cfg.runtime.backend == "onnxruntime":
+        if BACKENDS.load(cfg.runtime.backend).device_memory == "arena":
             ort = (share - prep * inst) // inst
             if ort <= 0:
                 raise ConfigError(
                     f"gpu memory budget share of model {name} ({share / MIB:.0f} MiB) leaves nothing "
-                    f"for onnxruntime: GPU preprocessing of {cfg.batching.max_batch_size} frames needs "
-                    f"{prep / MIB:.0f} MiB per instance; raise the budget or lower max_batch_size")
+                    f"for {cfg.runtime.backend}: GPU preprocessing of "
+                    f"{cfg.batching.max_batch_size} frames needs {prep / MIB:.0f} MiB per "
+                    "instance; raise the budget or lower max_batch_size")
         elif share < prep * inst:
             raise ConfigError(f"gpu memory budget share of model {name} ({share / MIB:.0f} MiB) is "
                               f"below what preprocessing alone needs ({prep * inst / MIB:.0f} MiB)")

@@ -26,6 +26,7 @@ from .memory import (
 )
 
 if TYPE_CHECKING:
+    from ..backends.base import Backend
     from .nvml import GpuInfo, Nvml
 
 log = logging.getLogger(__name__)
@@ -80,23 +81,24 @@ class GpuReservation:
             await asyncio.to_thread(cap_torch_allocator, self.plan.torch_cap, self.device)
 
     def instance_config(self, name: str, config: ModelConfig) -> ModelConfig:
-        """The config one instance loads with: runtime.gpu_memory_budget = its onnxruntime share."""
+        """The config one instance loads with: runtime.gpu_memory_budget = its arena's share."""
         share = self.plan.share_of(name)
         if share is None or not share.ort_limit_per_instance:
             return config
         runtime = config.runtime.model_copy(update={"gpu_memory_budget": str(share.ort_limit_per_instance)})
         return config.model_copy(update={"runtime": runtime})
 
-    def preprocessor(self, backend: Any, config: ModelConfig, preferred: tuple[int, ...]) -> Any:
+    def preprocessor(self, backend: Backend, config: ModelConfig,
+                     preferred: tuple[int, ...]) -> Any:
         """A warmed-up GPU preprocessor for ``backend``, or None where the backend cannot take
         device tensors (no stream: e.g. onnxruntime without torch CUDA)."""
-        if getattr(backend, "stream", None) is None or getattr(backend, "input_dtype", None) is None:
+        if not backend.takes_device_input:
             return None
         from .preprocess import TorchPreprocessor
 
         prep = TorchPreprocessor.for_config(config, device=self.device, dtype=backend.input_dtype,
                                             stream=backend.stream,
-                                            channels_last=getattr(backend, "channels_last", False))
+                                            channels_last=backend.channels_last)
         prep.warmup(preferred)
         self.streams.append(backend.stream)
         if prep.decode_stream is not None:  # the decoded images' blocks live in its pool

@@ -143,7 +143,7 @@ async def _infer(request: Request, model_name: str, model_version: str = "") -> 
     inp = req.inputs[0]
     oip.check_input(served, inp.name, inp.datatype, inp.shape)
     frames = _frames(inp, binary, settings.max_image_pixels)
-    names = oip.requested([o.name for o in req.outputs] if req.outputs else None)
+    names = oip.requested(served, [o.name for o in req.outputs] if req.outputs else None)
     deadline_ms, priority = oip.parameters(req.parameters)
     served, results = await unless_disconnected(
         request, engine.infer(model_name, model_version, frames, deadline_ms=deadline_ms,

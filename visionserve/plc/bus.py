@@ -222,12 +222,12 @@ class ResultBus:
             return
         r = future.result()
         late = not r.deadline_met
-        labels = served.config.output.labels
+        label, label_index, score = served.task.summary(r.result)  # what the task says of it
         self.publish(ResultEvent(
             self._next_id(), station, part_id, camera_id, served.name, str(served.version), index,
             ResultCode.NO_DECISION if late else ResultCode.OK if r.verdict == "OK" else ResultCode.NG,
-            Reason.LATE if late else Reason.NONE, "LATE" if late else r.verdict, r.label,
-            labels.index(r.label) if r.label in labels else -1, float(r.score), r.queue_ms,
+            Reason.LATE if late else Reason.NONE, "LATE" if late else r.verdict, label,
+            label_index, float(score), r.queue_ms,
             r.compute_ms, (now - arrival) * 1000, *_wall(arrival, now), now,
             "answered after the deadline" if late else ""))
 

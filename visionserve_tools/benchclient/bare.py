@@ -6,7 +6,7 @@ batch size:
 
 * ``pipeline``: the same work per frame as the server does -- JPEG decode, resize, normalise,
   model, softmax + verdict -- sequentially in one thread (:func:`visionserve.imaging.prepare_batch`
-  and :func:`visionserve.postprocess.classify`, the server's own functions);
+  and the model's task, :meth:`visionserve.tasks.Task.postprocess`: the server's own functions);
 * ``model``: the backend's ``run`` alone on a ready tensor (the ceiling of the model itself).
 
 Also the single-frame answer for every image of the set, which served answers must equal.
@@ -30,9 +30,9 @@ def _pct(a: np.ndarray, q: float) -> float:
 def measure(models: Path, model: str, frames: list, batch_sizes: list[int], seconds: float,
             min_iters: int = 5) -> dict:
     """Bare figures for ``batch_sizes`` plus single-frame answers for ``frames``."""
-    from visionserve import imaging
+    from visionserve import imaging, tasks
     from visionserve.backends import base as backends
-    from visionserve.postprocess import classify
+    from visionserve.backends.checks import Subject
     from visionserve.repository import scan
 
     entries = scan(models)
@@ -46,14 +46,17 @@ def measure(models: Path, model: str, frames: list, batch_sizes: list[int], seco
     spec = config.input
     backend = backends.create(config.runtime.backend)
     backend.load(entry.versions[version], config, "cpu")
+    task = tasks.create(config)
+    backend.select_outputs(task.bind(Subject(entry.versions[version]), backend.outputs))
     backend.warmup(tuple(sorted(set(batch_sizes))))
     enc = [imaging.encoded_frame(f.data) for f in frames]
 
     answers = []
     for i, fr in enumerate(enc):
-        tensor, good, bad = imaging.prepare_batch([fr], spec, 1)
-        c = classify(np.asarray(backend.run(tensor))[:1], config)[0]
-        answers.append({"frame": i, "verdict": c.verdict, "label": c.label, "score": c.score})
+        tensor, _, _ = imaging.prepare_batch([fr], spec, 1)
+        verdict, result = task.postprocess(backend.run(tensor), slice(0, 1))[0]
+        label, _, score = task.summary(result)
+        answers.append({"frame": i, "verdict": verdict, "label": label, "score": score})
 
     out: dict = {"model": model, "version": version, "backend": backend.describe(),
                  "intra_op_threads": config.runtime.intra_op_threads, "batch_sizes": {}}
@@ -68,8 +71,7 @@ def measure(models: Path, model: str, frames: list, batch_sizes: list[int], seco
             i += bs
             t0 = time.perf_counter_ns()
             tensor, good, _ = imaging.prepare_batch(batch, spec, bs)
-            raw = np.asarray(backend.run(tensor))
-            classify(raw[:len(good)], config)
+            task.postprocess(backend.run(tensor), slice(0, len(good)))
             pipe.append(time.perf_counter_ns() - t0)
         # process CPU (all threads, onnxruntime's too) per frame: steadier than wall time on a
         # shared machine, where the CPU this process gets drifts with the neighbours' load

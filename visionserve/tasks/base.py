@@ -1,0 +1,107 @@
+"""What a task is: the one place that knows what a model's outputs mean.
+
+The server around a task knows none: the runner hands a batch's named model outputs to
+:meth:`Task.postprocess` and gets one ``(verdict, result)`` per frame; the front ends ask the
+task for the OIP outputs it declares and to render a result as OIP tensors or as the inspect
+answer's fields. A result is the task's own object (picklable: it travels to front-end
+processes), wrapped by the runner in the envelope every task shares (``runner.FrameResult``:
+verdict, batch size, timings).
+
+One task object serves one model version: it is made from the version's ``model.toml``, bound
+to the model's outputs at load, and called from every runner thread of the version at once, so
+``postprocess`` keeps no state between calls.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ..backends.checks import Subject, TensorSpec
+from ..config import ModelConfig
+
+#: rows of a batch's outputs that answer frames: the first n (``slice(0, n)``), or, when frames
+#: dropped out of a batch already on the device, the kept rows in frame order
+Rows = slice | list[int]
+
+
+@dataclass(frozen=True)
+class OipOutput:
+    """One OIP output tensor a task gives for each frame (``GET /v2/models/{m}`` lists them).
+
+    ``dims`` are per frame, without the batch axis (``()``: one value per frame). A variable
+    number of items per frame (detections) takes its fixed-capacity form: ``dims`` holds the
+    capacity K (``(K, 4)`` for boxes), rows past the frame's count are zeros, and ``count`` names
+    the output (INT32, ``()``) that holds how many rows are valid.
+    """
+
+    name: str
+    datatype: str  # OIP datatype: FP32, INT32, BYTES, ...
+    dims: tuple[int, ...] = ()
+    count: str | None = None
+
+
+#: the output every task ends with: the frame's verdict (OK / NG), from the envelope
+VERDICT = OipOutput("verdict", "BYTES")
+
+
+class Task(ABC):
+    """A kind of model (classification, detection, ...): its schema, outputs, verdict rule."""
+
+    #: ``task = "..."`` in model.toml
+    name: ClassVar[str]
+    #: the task's model.toml schema: a ModelConfig subclass with ``task: Literal[name]`` and the
+    #: task's own sections
+    schema: ClassVar[type[ModelConfig]]
+    #: postprocess takes device tensors where the backend can leave its outputs on the device
+    #: (torch on a GPU: ``Backend.device_outputs``); else it always gets numpy arrays
+    on_device: ClassVar[bool] = False
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+
+    # --- the model ----------------------------------------------------------------------------
+
+    @abstractmethod
+    def bind(self, subject: Subject, outputs: Sequence[TensorSpec]) -> tuple[str, ...]:
+        """Check the model's outputs, as its file declares them, against model.toml (a
+        ConfigError from ``subject.error`` naming the field); return the names of those
+        :meth:`postprocess` reads: the backend computes and fetches only these."""
+
+    def check_warmup(self, subject: Subject, batch: int, outputs: Mapping[str, Any]) -> None:
+        """What the model returned for a warm-up batch of ``batch`` frames (shapes a file may
+        leave open); a ConfigError naming the field if it does not fit."""
+
+    @abstractmethod
+    def postprocess(self, outputs: Mapping[str, Any], rows: Rows) -> list[tuple[str, Any]]:
+        """A batch's outputs (name -> array, batch axis first; device tensors only for an
+        ``on_device`` task) -> ``(verdict, result)`` for each of ``rows``, in order. Runs on the
+        runner's compute thread: whatever it returns must not alias the outputs, which the
+        backend reuses for the next batch."""
+
+    # --- the answer ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def oip_outputs(self) -> tuple[OipOutput, ...]:
+        """The task's OIP outputs, in order (the server adds ``verdict`` after them)."""
+
+    @abstractmethod
+    def oip_tensors(self, results: Sequence[Any]) -> dict[str, np.ndarray]:
+        """Frames' results -> every output of :meth:`oip_outputs`, shape ``[len(results), *dims]``
+        (BYTES: an object array of ``bytes``)."""
+
+    def oip_parameters(self) -> dict[str, str]:
+        """Model configuration parameters (``GET /v2/models/{m}/config``): the verdict rule."""
+        return {}
+
+    @abstractmethod
+    def inspect_fields(self, result: Any) -> dict[str, Any]:
+        """The task's part of the inspect answer (after ``verdict``); JSON values."""
+
+    def summary(self, result: Any) -> tuple[str, int, float]:
+        """(label, class index, score) for the PLC's result registers; ("", -1, nan) if none."""
+        return "", -1, float("nan")

@@ -153,7 +153,8 @@ class RuntimeSpec(_Strict):
     @classmethod
     def _known(cls, v: str) -> str:
         if v not in BACKENDS:
-            raise ValueError(BACKENDS.unknown(v))
+            raise PydanticCustomError("unknown_backend", "{problem}",
+                                      {"problem": BACKENDS.unknown(v)})
         return v
 
 

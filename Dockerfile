@@ -50,6 +50,8 @@ RUN --mount=type=cache,target=/root/.cache/pip \
     pip install -c requirements/constraints.txt torch torchvision
 
 # The project on top, with the gpu extra; torch is already satisfied at the constrained version.
+# Only the runtime package: the tooling (visionserve_tools: bench, training scripts) stays out of
+# the image, and so does setup.py's copy of the default model (the models come in below).
 FROM builder-gpu AS project-gpu
 COPY pyproject.toml README.md ./
 COPY visionserve ./visionserve

@@ -30,12 +30,15 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-REPO_MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+#: The shipped default model's repository inside an installed wheel (setup.py puts
+#: models/defect-classifier there). An editable install has none.
+SHIPPED_MODELS_DIR = Path(__file__).resolve().parent / "default_models"
 
 
 def default_models_dir() -> Path:
-    """The checkout's ``models/`` (editable installs, the Docker image), else ``./models``."""
-    return REPO_MODELS_DIR if REPO_MODELS_DIR.is_dir() else Path("models")
+    """The model repository shipped in the installed package, else ``./models`` (an editable
+    install run from its checkout). Never a path of the source checkout."""
+    return SHIPPED_MODELS_DIR if SHIPPED_MODELS_DIR.is_dir() else Path("models")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
@@ -229,7 +232,7 @@ class ServerSettings(BaseSettings):
     http_port: int = Field(8000, ge=0, le=65535, description="HTTP port (OIP v2, inspect API, /metrics).")
     grpc_port: int = Field(8001, ge=-1, le=65535, description="gRPC port; -1 disables gRPC.")
     models: Path = Field(default_factory=default_models_dir, description="Model repository folder.",
-                         json_schema_extra={"default_text": "the checkout's models/, else ./models"})
+                         json_schema_extra={"default_text": "shipped default model, else ./models"})
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N | GPU-<uuid> | PCI bus id.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     log_json: bool = Field(False, description="Structured JSON log lines.")

@@ -154,13 +154,15 @@ def test_cuda_graphs_on_a_high_priority_stream(repo, config):
     assert gpu.describe()["precision"] == "fp16" and gpu.describe()["memory_format"] == "channels_last"
     x = np.random.default_rng(0).normal(size=(16, 3, 96, 96)).astype(np.float32)
     for n in (1, 4, 16):
-        np.testing.assert_allclose(gpu.run(x[:n]), cpu.run(x[:n]), atol=0.05, rtol=0.02)  # fp16
+        np.testing.assert_allclose(gpu.run(x[:n])["output0"], cpu.run(x[:n])["output0"], atol=0.05,
+                                   rtol=0.02)  # fp16
     runs = gpu.graph_runs
     gpu.run(x[:16])
     assert gpu.graph_runs == runs + 1
     eager = gpu.eager_runs
     big = np.concatenate([x, x[:4]])  # 20 rows: no graph for that size -> eager fallback
-    np.testing.assert_allclose(gpu.run(big)[16:], cpu.run(x[:4]), atol=0.05, rtol=0.02)
+    np.testing.assert_allclose(gpu.run(big)["output0"][16:], cpu.run(x[:4])["output0"], atol=0.05,
+                               rtol=0.02)
     assert gpu.eager_runs == eager + 1
 
 
@@ -175,7 +177,7 @@ def test_gpu_and_cpu_paths_give_the_same_verdicts(repo, config, kinds):
 
     from visionserve import imaging
     from visionserve.gpu.preprocess import TorchPreprocessor
-    from visionserve.postprocess import classify
+    from visionserve import tasks
 
     gpu, cpu = _backends(repo, config)
     prep = TorchPreprocessor.for_config(config, device="cuda:0", dtype=gpu.input_dtype, stream=gpu.stream,
@@ -190,13 +192,14 @@ def test_gpu_and_cpu_paths_give_the_same_verdicts(repo, config, kinds):
     assert levels.mean() < 1.0 and np.percentile(levels, 99.9) < 8
     if "jpeg" in kinds:
         assert prep.counts["nvjpeg"] >= 1
-    s_gpu = classify(gpu.run(t_gpu), config)
-    s_cpu = classify(cpu.run(t_cpu), config)
-    for a, b in zip(s_gpu, s_cpu):
+    task = tasks.create(config)
+    s_gpu = task.postprocess(gpu.run(t_gpu), slice(0, 16))
+    s_cpu = task.postprocess(cpu.run(t_cpu), slice(0, 16))
+    for (va, a), (vb, b) in zip(s_gpu, s_cpu):
         assert np.abs(a.scores - b.scores).max() < 0.03
         top2 = np.sort(b.scores)[-2:]
         if top2[1] - top2[0] > 0.06:
-            assert (a.label, a.verdict) == (b.label, b.verdict)
+            assert (a.label, va) == (b.label, vb)
 
 
 def _corrupt_jpeg() -> bytes:
@@ -227,7 +230,7 @@ def test_corrupt_jpeg_fails_alone_on_the_gpu(repo, config):
     assert isinstance(bad[0][1], InvalidInput)
     _, good_c, bad_c = imaging.prepare_batch(frames, config.input, 8)
     assert good_c == good and [i for i, _ in bad_c] == [2]
-    assert np.isfinite(gpu.run(t)).all()
+    assert np.isfinite(gpu.run(t)["output0"]).all()
 
 
 def _engine(repo: Path, budget: str | None):
@@ -307,10 +310,10 @@ def test_onnxruntime_iobinding_on_device_tensors(repo, config):
     b.load(repo / "net" / "1" / "model.onnx", cfg, "cuda:0")
     assert b.providers[0] == "CUDAExecutionProvider" and b.stream is not None
     x = np.random.default_rng(0).normal(size=(8, 3, 96, 96)).astype(np.float32)
-    host = b.run(x)
+    host = b.run(x)["logits"]
     with torch.cuda.stream(b.stream):
         dev = torch.from_numpy(x).to("cuda:0")
-    np.testing.assert_allclose(b.run(dev), host, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(b.run(dev)["logits"], host, rtol=1e-4, atol=1e-4)
 
 
 FAULT_SCRIPT = textwrap.dedent("""

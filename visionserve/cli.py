@@ -14,7 +14,7 @@ from . import __version__
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("visionserve.server", "start the HTTP (and gRPC) server on a model repository"),
+    "serve": ("visionserve.runtime.serve", "start the HTTP (and gRPC) server on a model repository"),
     # tooling: another package of the same wheel, reached only through this table
     "bench": ("visionserve_tools.bench", "measure served latency/throughput against the bare model"),
     "env": ("visionserve.ops.envrecord", "print the environment record (packages, CUDA, GPUs)"),

@@ -1,12 +1,14 @@
 """Log lines that name their request: the request id in a context variable, set by the HTTP and
 gRPC front ends, added to every record by :class:`RequestIdFilter`; and structured JSON log lines
-(``--log-json``), one object per line, for log shippers."""
+(``--log-json``), one object per line, for log shippers. :func:`configure_logging` sets up a
+serving process (and each front-end process) that way."""
 
 from __future__ import annotations
 
 import contextvars
 import json
 import logging
+import sys
 import time
 from collections.abc import Iterable
 
@@ -16,7 +18,8 @@ request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", d
 
 class RequestIdFilter(logging.Filter):
     """Adds ``request_id`` to every log record: the current request's, unless the call named its
-    own (``extra=batch_ids(...)`` where one line is about several requests, in the runner threads)."""
+    own (``extra=batch_ids(...)`` where one line is about several requests, in the runner
+    threads)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, "request_id", None) is None:
@@ -33,7 +36,8 @@ def batch_ids(items: Iterable) -> dict[str, str]:
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         entry = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+                  + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
@@ -44,3 +48,18 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry, ensure_ascii=False)
+
+
+def configure_logging(level: str, as_json: bool) -> None:
+    """Every log line of the process to stderr, with its request id; one JSON object per line
+    with ``as_json``."""
+    handler = logging.StreamHandler(sys.stderr)
+    if as_json:
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter(
+            "%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"))
+    handler.addFilter(RequestIdFilter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())

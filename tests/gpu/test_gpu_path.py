@@ -428,7 +428,7 @@ def test_front_end_processes_hold_no_gpu_context_and_answer_like_the_engine(repo
 
         kids = [int(c) for t in Path(f"/proc/{proc.pid}/task").iterdir()
                 for c in (t / "children").read_text().split()]
-        fronts = [k for k in kids if b"frontends.child" in Path(f"/proc/{k}/cmdline").read_bytes()]
+        fronts = [k for k in kids if b"runtime.frontend" in Path(f"/proc/{k}/cmdline").read_bytes()]
         assert len(fronts) == 2
         nvml = real_nvml()
         holders = {p.pid for g in nvml.devices() for p in nvml.processes(g.index)}

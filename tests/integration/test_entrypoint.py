@@ -35,8 +35,8 @@ EXIT_SLACK_S = 5.0
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("visionserve.server") is None,
-                       reason="visionserve.server (the serve command) is not in the package yet"),
+    pytest.mark.skipif(importlib.util.find_spec("visionserve.runtime.serve") is None,
+                       reason="visionserve.runtime.serve (the serve command) is not in the package yet"),
 ]
 
 

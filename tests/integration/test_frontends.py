@@ -43,7 +43,7 @@ def test_two_front_end_processes_are_started(fe_server):
     kids = children(fe_server.proc.pid)
     assert len(kids) >= 2
     cmdlines = [Path(f"/proc/{k}/cmdline").read_bytes() for k in kids]
-    assert sum(b"visionserve.frontends.child" in c for c in cmdlines) == 2
+    assert sum(b"visionserve.runtime.frontend" in c for c in cmdlines) == 2
 
 
 def test_answers_equal_the_in_process_front_end(fe_server, tiny_server, jpeg_bytes):
@@ -205,7 +205,7 @@ def test_a_model_that_fails_to_load_exits_3_and_leaves_no_front_end(tmp_path):
     assert s.proc.wait(5) == 3, s.log()
     time.sleep(0.5)
     alive = [k for k in kids_seen if Path(f"/proc/{k}").exists()
-             and b"frontends.child" in Path(f"/proc/{k}/cmdline").read_bytes()]
+             and b"runtime.frontend" in Path(f"/proc/{k}/cmdline").read_bytes()]
     assert not alive
     assert "start-up failed" in s.log()
 
@@ -221,7 +221,7 @@ def _alive(pid: int) -> bool:
 
 
 def _front_ends(s) -> list[int]:
-    kids = [k for k in children(s.proc.pid) if b"frontends.child" in Path(f"/proc/{k}/cmdline").read_bytes()]
+    kids = [k for k in children(s.proc.pid) if b"runtime.frontend" in Path(f"/proc/{k}/cmdline").read_bytes()]
     assert kids, s.log()
     return kids
 

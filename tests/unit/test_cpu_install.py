@@ -121,7 +121,7 @@ def one_gpu_no_torch(monkeypatch):
 
 def test_named_gpu_without_torch_is_a_start_up_error_naming_the_extra(one_gpu_no_torch):
     from visionserve.errors import ConfigError
-    from visionserve.server import pin_device
+    from visionserve.runtime.startup import pin_device
 
     with pytest.raises(ConfigError) as err:
         pin_device("cuda:0")
@@ -130,7 +130,7 @@ def test_named_gpu_without_torch_is_a_start_up_error_naming_the_extra(one_gpu_no
 
 
 def test_auto_without_torch_takes_the_cpu_and_says_why(one_gpu_no_torch, caplog):
-    from visionserve.server import pin_device
+    from visionserve.runtime.startup import pin_device
 
     resolved = pin_device("auto")
     assert resolved.kind == "cpu" and one_gpu_no_torch == [resolved]

@@ -11,5 +11,8 @@ the frame bytes to the engine through a shared-memory arena and a small message 
 - :mod:`.channel`  length-prefixed messages over a socket pair, coalesced per loop turn
 - :mod:`.hub`      the engine side: takes requests from every front end, answers them
 - :mod:`.remote`   the front-end side: an engine look-alike the HTTP and gRPC front ends call
-- :mod:`.procs`    starting, watching and stopping the front-end processes
+
+The processes themselves (the serving process starting, watching and stopping the front ends;
+one front-end process) are assembly: :mod:`visionserve.runtime.procs` and
+:mod:`visionserve.runtime.frontend`.
 """

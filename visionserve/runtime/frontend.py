@@ -1,6 +1,6 @@
 """A front-end process (started by :mod:`.procs`, not by hand): the same HTTP app and gRPC
-servicer as the in-process front end, over a :class:`~.remote.RemoteEngine`. It never imports a
-model runtime or touches the GPU.
+servicer as the in-process front end, over a :class:`~visionserve.frontends.remote.RemoteEngine`.
+It never imports a model runtime or touches the GPU.
 
 It lives no longer than the serving process: when that one dies (end of file on the socket pair,
 or SIGHUP through ``PR_SET_PDEATHSIG``) the requests waiting for it are answered 503 at once, the
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -20,39 +19,28 @@ import sys
 
 from ..config import ServerSettings
 from ..errors import VisionServeError
-from .arena import Arena
-from .channel import connect
+from ..frontends.arena import Arena
+from ..frontends.channel import connect
+from ..frontends.remote import RemoteEngine
+from ..http.server import http_app, http_server
+from ..process import child_main
+from .hosted import open_guard_store
 from .procs import SETTINGS_ENV, SPEC_ENV
-from .remote import RemoteEngine
 
 log = logging.getLogger("visionserve.frontend")
 
 #: after the serving process died: the answers in flight (all 503 by then) may take this long
 #: to go out, then the process leaves
 EXIT_GRACE_S = 0.3
-PR_SET_PDEATHSIG = 1
-
-
-def die_with(parent: int) -> None:
-    """SIGHUP when the serving process dies, even where the end of file on the socket pair would
-    not come (its end inherited by some other process)."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGHUP), 0, 0, 0) != 0:
-        log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d); relying on the socket pair", ctypes.get_errno())
-    if os.getppid() != parent:  # it died before the request above took effect
-        os._exit(1)
 
 
 async def run(spec: dict, settings: ServerSettings) -> int:
-    from ..server import http_app, http_server, open_guard_store
-
     index = spec["index"]
     arena = Arena(spec["arena_fd"], spec["arena_bytes"])
     os.close(spec["arena_fd"])
     remote = RemoteEngine(arena)
-    remote.channel = await connect(socket.socket(fileno=spec["channel_fd"]), remote.on_message, remote.on_lost)
+    remote.channel = await connect(socket.socket(fileno=spec["channel_fd"]), remote.on_message,
+                                   remote.on_lost)
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, remote.channel.transport.abort)
     heartbeat = asyncio.ensure_future(remote.watch())
     routers = ()
@@ -75,7 +63,6 @@ async def run(spec: dict, settings: ServerSettings) -> int:
         except VisionServeError as exc:
             log.error("front end %d: %s", index, exc.message)
             return 2
-    server.grpc_server = grpc_server
 
     async def engine_gone() -> None:
         await remote.lost.wait()
@@ -110,13 +97,7 @@ async def run(spec: dict, settings: ServerSettings) -> int:
 
 
 def main() -> int:
-    spec = json.loads(os.environ.pop(SPEC_ENV))
-    settings = ServerSettings.model_validate_json(os.environ.pop(SETTINGS_ENV))
-    from ..server import configure_logging, run_loop
-
-    configure_logging(settings.log_level, settings.log_json)
-    die_with(spec["parent"])
-    return run_loop(run(spec, settings))
+    return child_main(run, SPEC_ENV, SETTINGS_ENV)
 
 
 if __name__ == "__main__":

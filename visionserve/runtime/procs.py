@@ -28,8 +28,9 @@ import time
 
 from ..config import ServerSettings
 from ..errors import ConfigError, VisionServeError
-from .arena import create_memfd
-from .hub import Hub
+from ..frontends.arena import create_memfd
+from ..frontends.hub import Hub
+from .startup import start_engine
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +39,11 @@ SETTINGS_ENV = "VSFRONTEND_SETTINGS"
 RESTART_BACKOFF_S = 1.0
 
 
-def listen_socket(host: str, port: int, *, reuse_port: bool = False, listen: bool = True) -> socket.socket:
+def listen_socket(host: str, port: int, *, reuse_port: bool = False,
+                  listen: bool = True) -> socket.socket:
     try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                                          flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if reuse_port:
@@ -55,7 +57,8 @@ def listen_socket(host: str, port: int, *, reuse_port: bool = False, listen: boo
 
 
 class FrontEnds:
-    def __init__(self, settings: ServerSettings, hub: Hub, http_sock: socket.socket, grpc_port: int) -> None:
+    def __init__(self, settings: ServerSettings, hub: Hub, http_sock: socket.socket,
+                 grpc_port: int) -> None:
         self.settings = settings
         self.hub = hub
         self.http_sock = http_sock
@@ -74,10 +77,12 @@ class FrontEnds:
         size = self.settings.frontend_arena_bytes
         arena_fd = create_memfd(size, f"visionserve-frontend-{index}")
         spec = {"index": index, "http_fd": self.http_sock.fileno(), "channel_fd": theirs.fileno(),
-                "arena_fd": arena_fd, "arena_bytes": size, "grpc_port": self.grpc_port, "parent": os.getpid()}
-        env = {**os.environ, SPEC_ENV: json.dumps(spec), SETTINGS_ENV: self.settings.model_dump_json()}
+                "arena_fd": arena_fd, "arena_bytes": size, "grpc_port": self.grpc_port,
+                "parent": os.getpid()}
+        env = {**os.environ, SPEC_ENV: json.dumps(spec),
+               SETTINGS_ENV: self.settings.model_dump_json()}
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "visionserve.frontends.child"], env=env,  # noqa: ASYNC220 - milliseconds
+            proc = subprocess.Popen([sys.executable, "-m", "visionserve.runtime.frontend"], env=env,  # noqa: ASYNC220 - milliseconds
                                     pass_fds=(self.http_sock.fileno(), theirs.fileno(), arena_fd))
             theirs.close()
             await self.hub.attach(index, ours, arena_fd, size)
@@ -93,8 +98,8 @@ class FrontEnds:
             for index, proc in list(self.procs.items()):
                 if proc.poll() is None or self.stopping:
                     continue
-                log.error("front end %d (pid %d) exited with %s; starting it again", index, proc.pid,
-                          proc.returncode)
+                log.error("front end %d (pid %d) exited with %s; starting it again", index,
+                          proc.pid, proc.returncode)
                 self.hub.detach(index)
                 # back off when it keeps dying (a bad setting would otherwise spin)
                 now = time.monotonic()
@@ -111,7 +116,8 @@ class FrontEnds:
                     proc.send_signal(sig)
 
     async def stop(self, timeout_s: float) -> None:
-        """SIGTERM every front end (each drains), wait up to ``timeout_s``, then SIGKILL the rest."""
+        """SIGTERM every front end (each drains), wait up to ``timeout_s``, then SIGKILL the
+        rest."""
         self.stopping = True
         if self._watcher is not None:
             self._watcher.cancel()
@@ -128,14 +134,13 @@ class FrontEnds:
 
 async def serve_with_frontends(engine, settings: ServerSettings, guard=None) -> int:
     """Run the engine here and ``settings.frontends`` front-end processes until a signal."""
-    from ..server import start_engine
-
     try:
         http_sock = listen_socket(settings.host, settings.http_port)
         grpc_hold = None
         grpc_port = -1
         if settings.grpc_port >= 0:
-            grpc_hold = listen_socket(settings.host, settings.grpc_port, reuse_port=True, listen=False)
+            grpc_hold = listen_socket(settings.host, settings.grpc_port, reuse_port=True,
+                                      listen=False)
             grpc_port = grpc_hold.getsockname()[1]
     except VisionServeError as exc:
         log.error("%s", exc.message)

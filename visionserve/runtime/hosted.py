@@ -1,0 +1,65 @@
+"""The training-queue guard hosted in the server (``--guard``): its supervisor in a thread of
+the serving process, its job API under /v1/guard on the server's HTTP port."""
+
+from __future__ import annotations
+
+import logging
+
+from ..config import ServerSettings
+
+log = logging.getLogger("visionserve")
+
+
+def open_guard_store(settings: ServerSettings):
+    from ..guard.store import JobStore, default_db_path
+
+    return JobStore(str(settings.guard_db or default_db_path()))
+
+
+class HostedGuard:
+    """The training-queue guard's supervisor in a thread of the server, its API under /v1/guard."""
+
+    def __init__(self, settings: ServerSettings, resolved, latency=None) -> None:
+        """``latency``: the engine's served-p99 function, for ``--guard-latency-budget-ms``."""
+        from ..config import parse_bytes
+        from ..guard.memory import open_nvml_source
+        from ..guard.supervisor import Supervisor, SupervisorConfig
+
+        self.store = open_guard_store(settings)
+        source = None if resolved.gpu is None else open_nvml_source(resolved.gpu.uuid)
+        budget = parse_bytes(settings.gpu_memory_budget) if settings.gpu_memory_budget else 0
+        self.supervisor = Supervisor(self.store, source, SupervisorConfig(
+            inference_floor=budget, margin=parse_bytes(settings.guard_margin),
+            latency_budget_ms=settings.guard_latency_budget_ms), latency=latency)
+        self._thread = None
+
+    def router(self):
+        from ..guard.http import make_router
+
+        return make_router(self.store)
+
+    def start(self) -> None:
+        import threading
+
+        self._thread = threading.Thread(target=self.supervisor.run_forever, name="guard",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.supervisor.request_stop()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+
+def log_guard_access(host: str, token: str | None) -> None:
+    """Say at start-up who may use the guard's job API, which runs commands."""
+    from ..security import GUARD_PREFIX, guard_api_refusal
+
+    refusal = guard_api_refusal(token, host)
+    if refusal:
+        log.warning("guard: %s", refusal)
+    elif token:
+        log.info("guard: the job API (%s) runs commands; it needs the bearer token", GUARD_PREFIX)
+    else:
+        log.info("guard: the job API (%s) runs commands; open without a token to this machine only "
+                 "(listening on %s)", GUARD_PREFIX, host)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class ErrorResponse(BaseModel):
@@ -78,15 +78,20 @@ class Timing(BaseModel):
 
 
 class InspectResult(BaseModel):
+    """These fields for every model, and after ``verdict`` those of the model's task
+    (classification: ``label``, ``score``, ``scores``; docs/architecture.md)."""
+
+    model_config = ConfigDict(extra="allow")
+
     part_id: str | None
     camera_id: str | None = None
     model: str
     version: str
     verdict: str = Field(..., description="OK or NG. A frame whose answer is not ready by its deadline "
                          "gets no verdict: status 504 with verdict LATE (InspectError)")
-    label: str
-    score: float
-    scores: dict[str, float]
+    label: str | None = Field(None, description="Classification: the top label")
+    score: float | None = Field(None, description="Classification: the top label's score")
+    scores: dict[str, float] | None = Field(None, description="Classification: every label's score")
     batch_size: int
     deadline_met: bool = Field(..., description="Always true in a 200 answer (a late frame is answered 504 "
                                "LATE); kept for clients that read it")

@@ -10,7 +10,7 @@ from visionserve.ops.envrecord import collect, render_text
 
 def test_env_json_runs_here_and_says_no_gpu():
     p = subprocess.run([sys.executable, "-m", "visionserve", "env", "--json"],
-                       capture_output=True, text=True, timeout=180,
+                       capture_output=True, text=True, timeout=180, check=False,
                        env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": "1"})
     assert p.returncode == 0, p.stderr
     rec = json.loads(p.stdout)
@@ -33,7 +33,7 @@ def test_env_json_runs_here_and_says_no_gpu():
 
 def test_env_text_says_no_gpu_here():
     p = subprocess.run([sys.executable, "-m", "visionserve", "env"], capture_output=True,
-                       text=True, timeout=180)
+                       text=True, timeout=180, check=False)
     assert p.returncode == 0, p.stderr
     assert "python" in p.stdout and "torch" in p.stdout
     if not real_nvml().available():
@@ -61,7 +61,8 @@ def test_gpu_providers_are_unusable_without_a_gpu(monkeypatch):
     built_in = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
     monkeypatch.setattr(envrecord, "torch_info", lambda: None)
     monkeypatch.setattr(envrecord, "onnxruntime_info", lambda: {
-        "version": "1.31.1", "providers": list(built_in), "package": "onnxruntime-gpu", "cuda_version": "13.0"})
+        "version": "1.31.1", "providers": list(built_in), "package": "onnxruntime-gpu",
+        "cuda_version": "13.0"})
     rec = collect(SimulatedNvml([]), {})
     assert rec["onnxruntime"]["providers"] == built_in  # what is built in, still recorded
     assert rec["onnxruntime"]["usable_providers"] == ["CPUExecutionProvider"]
@@ -70,3 +71,12 @@ def test_gpu_providers_are_unusable_without_a_gpu(monkeypatch):
     rec = collect(SimulatedNvml([simulated_gpu(0)]), {})
     assert rec["onnxruntime"]["usable_providers"] == built_in
     assert "unusable" not in render_text(rec)
+
+
+def test_a_framework_that_cannot_be_asked_is_a_line_of_the_record():
+    """torch and onnxruntime are asked in a child interpreter; when it fails, the record says
+    so instead of ``env`` or ``doctor`` failing with it."""
+    from visionserve.ops.frameworks import framework_info
+
+    info = framework_info("no-such-framework")  # the child exits 1 (KeyError)
+    assert info["error"].startswith("import failed: the interpreter exited with 1:"), info

@@ -6,8 +6,8 @@ working" stories are an environment that changed silently (driver, torch build, 
   visionserve env            human-readable
   visionserve env --json     the same as JSON (what ``bench`` embeds in its report)
 
-Works on a GPU-less machine (it then says "no GPU"). Importing torch here initialises no CUDA
-context: only ``torch.cuda.is_available()`` and build information are queried.
+Works on a GPU-less machine (it then says "no GPU"). torch and onnxruntime are asked in a child
+interpreter, so this process imports neither: a broken install is a line of the record.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..gpu.nvml import Nvml, real_nvml
+from .frameworks import framework_info
 
 ENV_VARS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "NVIDIA_VISIBLE_DEVICES",
             "PYTORCH_CUDA_ALLOC_CONF", "VISIONSERVE_DEVICE", "VISIONSERVE_GPU_MEMORY_BUDGET")
@@ -46,16 +47,6 @@ PACKAGES: dict[str, tuple[str, ...]] = {
     "pydantic": ("pydantic",),
     "nvidia-ml-py": ("nvidia-ml-py",),
 }
-
-
-def _version_tuple(text: str | None) -> tuple[int, int] | None:
-    if not text:
-        return None
-    parts = str(text).split(".")
-    try:
-        return int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
-    except ValueError:
-        return None
 
 
 def package_versions() -> dict[str, dict[str, str] | None]:
@@ -104,45 +95,15 @@ def host_info() -> dict[str, Any]:
 
 
 def torch_info() -> dict[str, Any] | None:
-    """torch build facts; None if torch is not installed. Initialises no CUDA context."""
-    try:
-        import torch
-    except Exception as exc:  # ImportError, or a broken install (missing libs)
-        return None if isinstance(exc, ModuleNotFoundError) else {"error": f"import failed: {exc}"}
-    info: dict[str, Any] = {"version": torch.__version__, "cuda_runtime": torch.version.cuda}
-    try:
-        info["cudnn"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    except Exception as exc:
-        info["cudnn"] = None
-        info["cudnn_error"] = str(exc)
-    try:
-        info["arch_list"] = list(torch.cuda.get_arch_list())
-    except Exception:
-        info["arch_list"] = []
-    try:
-        info["cuda_available"] = bool(torch.cuda.is_available())
-        info["device_count"] = int(torch.cuda.device_count()) if info["cuda_available"] else 0
-    except Exception as exc:
-        info["cuda_available"] = False
-        info["device_count"] = 0
-        info["cuda_error"] = str(exc)
-    return info
+    """torch build facts (version, CUDA runtime, cuDNN, arch list, CUDA available); None if torch
+    is not installed. Asked in a child interpreter (:mod:`.frameworks`)."""
+    return framework_info("torch")
 
 
 def onnxruntime_info() -> dict[str, Any] | None:
-    try:
-        import onnxruntime as ort
-    except Exception as exc:
-        return None if isinstance(exc, ModuleNotFoundError) else {"error": f"import failed: {exc}"}
-    info: dict[str, Any] = {"version": ort.__version__,
-                            "providers": list(ort.get_available_providers())}
-    try:
-        from onnxruntime.capi import build_and_package_info as b
-        info["package"] = getattr(b, "package_name", None)
-        info["cuda_version"] = getattr(b, "cuda_version", None)
-    except Exception:
-        info["package"] = info["cuda_version"] = None
-    return info
+    """onnxruntime's version, package and providers; None if not installed. Asked in a child
+    interpreter (:mod:`.frameworks`)."""
+    return framework_info("onnxruntime")
 
 
 def nvidia_info(nvml: Nvml) -> dict[str, Any]:
@@ -164,8 +125,8 @@ def collect(nvml: Nvml | None = None, environ: Mapping[str, str] | None = None,
             *, include_frameworks: bool = True) -> dict[str, Any]:
     """The environment record as a JSON-ready dict.
 
-    ``include_frameworks=False`` skips importing torch/onnxruntime (for a process that still has
-    to pin its GPU).
+    ``include_frameworks=False`` skips asking torch/onnxruntime (each costs an interpreter that
+    imports it).
     """
     env = os.environ if environ is None else environ
     record: dict[str, Any] = {
@@ -206,8 +167,10 @@ def render_text(record: Mapping[str, Any]) -> str:
     elif "error" in t:
         lines.append(f"torch     {t['error']}")
     else:
-        lines.append(f"torch     {t['version']}  CUDA runtime {t['cuda_runtime'] or '- (CPU build)'}"
-                     f"  cuDNN {t.get('cudnn') or '-'}  arch {' '.join(t.get('arch_list') or []) or '-'}"
+        arch = " ".join(t.get("arch_list") or []) or "-"
+        runtime = t["cuda_runtime"] or "- (CPU build)"
+        lines.append(f"torch     {t['version']}  CUDA runtime {runtime}"
+                     f"  cuDNN {t.get('cudnn') or '-'}  arch {arch}"
                      f"  cuda available: {t.get('cuda_available')}")
     o = record.get("onnxruntime")
     if o is not None and "error" not in o:
@@ -215,7 +178,8 @@ def render_text(record: Mapping[str, Any]) -> str:
         unusable = [p for p in o["providers"] if p not in usable]
         lines.append(f"onnxrt    {o['version']} ({o.get('package') or '?'}, CUDA "
                      f"{o.get('cuda_version') or '-'})  providers {', '.join(usable)}"
-                     + (f"  (built in, unusable without a GPU: {', '.join(unusable)})" if unusable else ""))
+                     + (f"  (built in, unusable without a GPU: {', '.join(unusable)})"
+                        if unusable else ""))
     elif o is not None:
         lines.append(f"onnxrt    {o['error']}")
     nv = record["nvidia"]
@@ -234,7 +198,8 @@ def render_text(record: Mapping[str, Any]) -> str:
                 f"          memory {_gib(g['memory_used'])} used / {_gib(g['memory_total'])}, "
                 f"{g['temperature_c'] if g['temperature_c'] is not None else '?'} C, "
                 f"{g['power_w'] if g['power_w'] is not None else '?'} W, {pcie}, "
-                f"ECC uncorrected {g['ecc_uncorrected'] if g['ecc_uncorrected'] is not None else '-'}, "
+                f"ECC uncorrected "
+                f"{g['ecc_uncorrected'] if g['ecc_uncorrected'] is not None else '-'}, "
                 f"throttle {','.join(g['throttle_reasons']) or 'none'}, "
                 f"{len(g['processes'])} compute process(es)")
     lines.append("env       " + "  ".join(

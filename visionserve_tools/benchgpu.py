@@ -117,7 +117,7 @@ def make_jpegs(n: int = 16, h: int = 480, w: int = 640) -> list[bytes]:
     for i in range(n):
         base = 100 + 60 * np.sin(x / (25 + i)) * np.cos(y / (33 + 2 * i))
         img = np.clip(np.dstack([base, base * 0.9 + 20, 230 - base]) + rng.normal(0, 3, (h, w, 3)), 0, 255)
-        ok, buf = cv2.imencode(".jpg", img.astype(np.uint8), [cv2.IMWRITE_JPEG_QUALITY, 90])
+        _, buf = cv2.imencode(".jpg", img.astype(np.uint8), [cv2.IMWRITE_JPEG_QUALITY, 90])
         out.append(buf.tobytes())
     return out
 
@@ -176,8 +176,8 @@ def bare(repos: dict[str, Path], jpegs: list[bytes], quick: bool) -> dict:
         with torch.cuda.stream(b.stream):
             xd = torch.zeros((bs, 3, 224, 224), dtype=torch.float16, device="cuda")
         graph[bs] = {"graph_replay_ms": round(ms, 3), "img_per_s": round(bs / ms * 1000),
-                     "run_device_input": wall_ms(lambda: b.run(xd), iters // 2),
-                     "run_host_fp32_input": wall_ms(lambda: b.run(x), iters // 4)}
+                     "run_device_input": wall_ms(lambda xd=xd: b.run(xd), iters // 2),
+                     "run_host_fp32_input": wall_ms(lambda x=x: b.run(x), iters // 4)}
     res["torch_fp16_cuda_graph"] = graph
     with torch.cuda.stream(b.stream), torch.inference_mode():
         x1 = torch.zeros((1, 3, 224, 224), dtype=torch.float16, device="cuda"
@@ -214,7 +214,7 @@ def bare(repos: dict[str, Path], jpegs: list[bytes], quick: bool) -> dict:
             for bs in (1, 8, 32):
                 with torch.cuda.stream(o.stream):
                     xd = torch.zeros((bs, 3, 224, 224), dtype=torch.float32, device="cuda")
-                w = wall_ms(lambda: o.run(xd), iters // 2)
+                w = wall_ms(lambda xd=xd: o.run(xd), iters // 2)
                 out[bs] = {**w, "img_per_s": round(bs / w["p50_ms"] * 1000)}
             res["onnxruntime_fp32_iobinding"] = out
             o.close()
@@ -252,7 +252,7 @@ class Server:
         args = [sys.executable, "-m", "visionserve", "serve", "--models", str(models), "--device", device,
                 "--host", "127.0.0.1", "--http-port", str(self.port), "--grpc-port", "-1",
                 "--log-level", "warning", *extra]
-        self._log = open(log_path, "ab")
+        self._log = open(log_path, "ab")  # noqa: SIM115 -- the server's log; closed in stop()
         self._log.write(f"\n=== {' '.join(args)}\n".encode())
         self._log.flush()
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
@@ -349,7 +349,9 @@ def load(server: Server, model: str, jpegs: list[bytes], processes: int, threads
     sizes = [x for p in parts for x in p["batch_sizes"]]
     if not lat:
         return {"errors": sum(p["errors"] for p in parts), "answers": 0}
-    q = lambda f: round(lat[min(len(lat) - 1, int(f * len(lat)))], 3)  # noqa: E731
+    def q(f: float) -> float:
+        return round(lat[min(len(lat) - 1, int(f * len(lat)))], 3)
+
     return {"clients": processes * threads, "answers": len(lat), "errors": sum(p["errors"] for p in parts),
             "throughput_per_s": round(len(lat) / duration, 1), "wall_s": round(wall, 1),
             "p50_ms": q(0.5), "p90_ms": q(0.9), "p99_ms": q(0.99), "max_ms": round(lat[-1], 3),
@@ -517,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         results["jpeg_bytes_mean"] = int(statistics.fmean(len(j) for j in jpegs))
         try:
             results["bare"] = bare(repos, jpegs, args.quick)
-        except Exception as exc:  # keep going: the served figures are still worth having
+        except Exception as exc:  # noqa: BLE001 -- keep going: the served figures are still worth having
             results["bare"] = {"error": repr(exc)}
         save()
         log(f"bare: {json.dumps(results['bare'])[:600]}")
@@ -527,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
                 fe = args.frontends if args.frontends is not None else min(8, max(2, (os.cpu_count() or 4) // 2))
                 served(repos, jpegs, log_dir, args.quick, results["bare"], results["served"], save,
                        frontends=fe, client_procs=args.client_procs, jpegs_1080=make_jpegs(16, 1080, 1920))
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 -- recorded in the results, which are saved
                 results["served_error"] = repr(exc)
             save()
     results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")

@@ -96,7 +96,8 @@ def generate(label: str, seed: int, size: tuple[int, int] = (640, 480),
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     if not isinstance(params, SurfaceParams):
-        raise ValueError(f"params must be a SurfaceParams, got {type(params).__name__}")
+        raise ValueError(  # noqa: TRY004 -- the callers (and tests) take ValueError for bad input
+            f"params must be a SurfaceParams, got {type(params).__name__}")
     # Params are part of the seed so that held-out images are not training images re-scaled.
     salt = zlib.crc32(repr(astuple(params)).encode())
     rng = np.random.default_rng([int(seed), LABELS.index(label), w, h, salt])
@@ -192,7 +193,7 @@ def _render(rng: np.random.Generator, label: str, w: int, h: int, p: SurfacePara
 def _noise_field(rng: np.random.Generator, w: int, h: int, cell: float) -> np.ndarray:
     """Smooth value noise with features about ``cell`` pixels wide, roughly N(0, 1)."""
     cell = max(cell, 1.0)
-    gw, gh = max(2, int(math.ceil(w / cell)) + 1), max(2, int(math.ceil(h / cell)) + 1)
+    gw, gh = max(2, math.ceil(w / cell) + 1), max(2, math.ceil(h / cell) + 1)
     small = rng.standard_normal((gh, gw)).astype(np.float32)
     if gw >= w and gh >= h:
         return small[:h, :w]
@@ -301,7 +302,7 @@ def _polyline_mask(h: int, w: int, pts: list[np.ndarray], thickness: float) -> n
     """Anti-aliased polyline of sub-pixel-accurate thickness (drawn at 4x, shift=2)."""
     mask = np.zeros((h, w), np.float32)
     arr = np.round(np.asarray(pts) * 4).astype(np.int32).reshape(-1, 1, 2)
-    cv2.polylines(mask, [arr], False, 1.0, thickness=max(1, int(round(thickness))),
+    cv2.polylines(mask, [arr], False, 1.0, thickness=max(1, round(thickness)),
                   lineType=cv2.LINE_AA, shift=2)
     return mask
 

@@ -56,7 +56,7 @@ def load(spec: str = DEFAULT_SPEC, seed: int = 0) -> list[Frame]:
     spec = (spec or DEFAULT_SPEC).strip()
     if spec.startswith("gen:"):
         return generated(spec[4:], seed)
-    folder = Path(spec[4:] if spec.startswith("dir:") else spec)
+    folder = Path(spec.removeprefix("dir:"))
     return from_folder(folder)
 
 

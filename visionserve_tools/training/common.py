@@ -90,7 +90,7 @@ def build_model(num_classes: int, widths: Sequence[int] = DEFAULT_WIDTHS, in_cha
     """Compact CNN: a stride-2 stem, then per stage a stride-2 conv and a stride-1 conv
     (conv-BN-ReLU), global average pooling, dropout, linear. Thin defects (scratches a pixel wide
     at model resolution) need the first stage at full stem resolution, hence stride 1 there."""
-    import torch.nn as nn
+    from torch import nn
 
     def cbr(cin: int, cout: int, stride: int) -> list:
         return [nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout),

@@ -49,7 +49,7 @@ def _noise(img: np.ndarray, seed: int) -> np.ndarray:
 
 
 def _jpeg(img: np.ndarray) -> np.ndarray:
-    ok, buf = cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, JPEG_QUALITY])
+    _, buf = cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, JPEG_QUALITY])
     return cv2.imdecode(buf, cv2.IMREAD_COLOR)
 
 
@@ -221,7 +221,7 @@ def evaluate(args: argparse.Namespace) -> int:
     ok_pred = np.isin(clean_preds, ok_idx) & (clean_probs.max(1) >= cfg.verdict.ok_threshold)
     verdict = {"escapes (NG part judged OK)": int((~is_ok_true & ok_pred).sum()),
                "false rejects (OK part judged NG)": int((is_ok_true & ~ok_pred).sum()),
-               "parts": int(len(targets))}
+               "parts": len(targets)}
     out_dir = args.out or args.version_dir.parent
     out_dir.mkdir(parents=True, exist_ok=True)
     png = out_dir / "confusion_matrix.png"

@@ -83,7 +83,7 @@ def export_version(version_dir: Path, check_x: np.ndarray, tolerance: float = 1e
     """Write model.onnx and model.pt2 next to weights.pt; raise ExportMismatch on disagreement."""
     import torch
 
-    model, meta = common.load_checkpoint(version_dir / "weights.pt")
+    model, _ = common.load_checkpoint(version_dir / "weights.pt")
     if len(check_x) < 2:  # torch.export specialises a batch of 1; trace with 2
         check_x = np.concatenate([check_x, check_x])
     example = torch.from_numpy(check_x[:2].copy())
@@ -105,7 +105,7 @@ def export_version(version_dir: Path, check_x: np.ndarray, tolerance: float = 1e
         "onnx_vs_pt2": float(np.abs(onnx_out - pt2_out).max()),
         "onnx_batch1_vs_batched": float(np.abs(single - onnx_out[:1]).max()),
     }
-    report = {"images_checked": int(len(check_x)), "tolerance": tolerance,
+    report = {"images_checked": len(check_x), "tolerance": tolerance,
               "max_abs_diff": diffs, "opset": OPSET, "export_seconds": round(seconds, 2),
               "onnx_bytes": (version_dir / "model.onnx").stat().st_size,
               "pt2_bytes": (version_dir / "model.pt2").stat().st_size}

@@ -49,7 +49,7 @@ def augment_geometry(batch: np.ndarray, rng: np.random.Generator) -> np.ndarray:
             img = cv2.warpAffine(np.ascontiguousarray(img), m, (w, h), flags=cv2.INTER_LINEAR,
                                  borderMode=border)
         if rng.random() < 0.3:
-            ok, buf = cv2.imencode(".jpg", np.ascontiguousarray(img),
+            _, buf = cv2.imencode(".jpg", np.ascontiguousarray(img),
                                    [cv2.IMWRITE_JPEG_QUALITY, int(rng.integers(40, 96))])
             img = cv2.imdecode(buf, cv2.IMREAD_UNCHANGED).reshape(img.shape)
         out[i] = img
@@ -93,7 +93,7 @@ def split(ds: common.Dataset, val_fraction: float, seed: int) -> tuple[common.Da
     for c in range(len(ds.labels)):
         idx = np.flatnonzero(ds.targets == c)
         rng.shuffle(idx)
-        k = max(1, int(round(len(idx) * val_fraction))) if len(idx) > 1 else 0
+        k = max(1, round(len(idx) * val_fraction)) if len(idx) > 1 else 0
         va += idx[:k].tolist()
         tr += idx[k:].tolist()
     tr, va = np.sort(tr), np.sort(va)
@@ -105,7 +105,10 @@ def split(ds: common.Dataset, val_fraction: float, seed: int) -> tuple[common.Da
 
 def write_model_toml(model_dir: Path, labels: tuple[str, ...], spec) -> None:
     ok = ["ok"] if "ok" in labels else [labels[0]]
-    fmt = lambda t: "[" + ", ".join(f"{v:g}" if isinstance(v, float) else f'"{v}"' for v in t) + "]"  # noqa: E731
+
+    def fmt(t) -> str:
+        return "[" + ", ".join(f"{v:g}" if isinstance(v, float) else f'"{v}"' for v in t) + "]"
+
     text = f"""# Written by visionserve_tools.training.train; see docs/model-toml.md for every field.
 description = "Surface defect classifier trained with visionserve_tools.training.train"
 task = "classification"
@@ -281,7 +284,7 @@ def train(args: argparse.Namespace, argv: list[str]) -> int:
     metrics = {
         "command": "python -m visionserve_tools.training.train " + shlex.join(argv),
         "data": str(args.data) if args.data else "synthetic",
-        "train_images": int(len(train_ds.targets)), "val_images": int(len(val_ds.targets)),
+        "train_images": len(train_ds.targets), "val_images": len(val_ds.targets),
         "labels": list(labels), "input": meta["input"], "widths": list(widths),
         "params": int(sum(p.numel() for p in model.parameters())),
         "macs": common.count_macs(widths, spec.width, spec.height, spec.channels),

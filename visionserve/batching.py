@@ -57,7 +57,6 @@ class Pending:
     admitted: float = 0.0
     predicted: float = 0.0  # seconds from ``admitted`` to the answer, as admission predicted (0: none)
     dispatched: float = 0.0
-    extra: dict = field(default_factory=dict)
     #: the id of the request it belongs to, for log lines about its batch (runner threads)
     request_id: str = field(default_factory=request_id.get)
 

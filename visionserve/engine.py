@@ -165,10 +165,8 @@ class Engine(ModelLookup):
         self.device = device
         self.entries: dict[str, ModelEntry] = {}
         self.served: dict[tuple[str, int], Served] = {}
-        self.started_at = time.time()
         self._ready = False
         self._draining = False
-        self.startup_error: str | None = None
         self.gpu = None  # gpu.reservation.GpuReservation when the device is a GPU
         # the last second's answers, kept only when someone reads them (the guard's latency budget)
         self.latency: LatencyWindow | None = None

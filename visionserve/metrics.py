@@ -55,7 +55,6 @@ class ModelSeries:
         self.compute_seconds = COMPUTE_SECONDS.labels(model)
         self.batch_size = BATCH_SIZE.labels(model)
         self.queue_depth = QUEUE_DEPTH.labels(model)
-        self.deadline_misses = DEADLINE_MISSES.labels(model)
         self._frames: dict[str, object] = {}
 
     def frames(self, outcome: str):

@@ -126,9 +126,6 @@ def grpc_auth_interceptor(token: str, health_open: bool = True):
 
     open_methods = set(GRPC_HEALTH_METHODS) if health_open else set()
 
-    def _deny_unary(request, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-
     async def _deny_async(request, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 

@@ -17,7 +17,7 @@ import os
 import re
 import sys
 from collections.abc import Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from ..errors import ConfigError, InternalError
@@ -164,7 +164,6 @@ class ResolvedDevice:
     cuda_visible_devices: str | None  # value to export; None = leave the variable alone
     spec: str = "auto"
     note: str = ""  # why cpu was chosen, for the log line
-    all_gpus: tuple[GpuInfo, ...] = field(default=(), repr=False)
 
     @property
     def torch_device(self) -> str:
@@ -186,11 +185,10 @@ def resolve(spec: str | DeviceSpec, nvml: Nvml,
 
     def cpu(note: str) -> ResolvedDevice:
         return ResolvedDevice(kind="cpu", gpu=None, cuda_visible_devices=cpu_mask, spec=ds.text,
-                              note=note, all_gpus=gpus)
+                              note=note)
 
     def cuda(g: GpuInfo) -> ResolvedDevice:
-        return ResolvedDevice(kind="cuda", gpu=g, cuda_visible_devices=g.uuid, spec=ds.text,
-                              all_gpus=gpus)
+        return ResolvedDevice(kind="cuda", gpu=g, cuda_visible_devices=g.uuid, spec=ds.text)
 
     def what_is_visible() -> str:
         if not gpus:

@@ -15,7 +15,7 @@ from . import __version__
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("visionserve.runtime.serve", "start the HTTP (and gRPC) server on a model repository"),
-    # tooling: another package of the same wheel, reached only through this table
+    # tooling: another package of the same wheel, imported only when the command runs
     "bench": ("visionserve_tools.bench", "measure served latency/throughput against the bare model"),
     "env": ("visionserve.ops.envrecord", "print the environment record (packages, CUDA, GPUs)"),
     "doctor": ("visionserve.ops.doctor", "diagnose GPU/driver/environment faults, with a fix each"),
@@ -25,7 +25,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Every command; with ``only``, the modules of the others are not imported (their names and
+    one-line help still list). A command whose top-level package is not installed (the tooling,
+    in a runtime-only image) is left out."""
     parser = argparse.ArgumentParser(
         prog="visionserve",
         description="Low-latency batched inference server for industrial vision.",
@@ -33,7 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"visionserve {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
-        if importlib.util.find_spec(module_name) is None:
+        if importlib.util.find_spec(module_name.partition(".")[0]) is None:
+            continue
+        if only is not None and name != only:
+            sub.add_parser(name, help=help_text)
             continue
         module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip(),
@@ -44,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in COMMANDS else None)
     args = parser.parse_args(argv)
     if not getattr(args, "_module", None):
         parser.print_help()

@@ -98,6 +98,7 @@ def test_postprocess_answers_the_rows_asked_for_from_the_bound_output():
 def test_bind_checks_the_declared_output():
     subject = Subject(Path("/r/m/1/model.onnx"))
     task = Classification(config())
+    assert task.bind(subject, ()) == ()  # a backend that declares none: the first it returns
     assert task.bind(subject, (TensorSpec("logits", (ANY, 3), "float16"),)) == ("logits",)
     with pytest.raises(ConfigError, match=r"'output.labels'.*expected \[N, 3\], got \[N, 4\]"):
         task.bind(subject, (TensorSpec("logits", (ANY, 4), "float32"),))

@@ -74,8 +74,9 @@ class Backend(ABC):
         model.toml (:func:`checks.check_input`) and declare its ``outputs``."""
 
     def select_outputs(self, names: Sequence[str], on_device: bool = False) -> None:
-        """From now on ``run`` returns only ``names`` (the outputs the task reads; default: all),
-        left on the device if ``on_device`` and ``device_outputs``. Called before ``warmup``."""
+        """From now on ``run`` returns only ``names`` (the outputs the task reads; none named, or
+        by default: all), left on the device if ``on_device`` and ``device_outputs``. Called
+        before ``warmup``."""
 
     @abstractmethod
     def warmup(self, batch_sizes: tuple[int, ...]) -> None:

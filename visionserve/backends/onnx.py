@@ -79,7 +79,7 @@ class OnnxBackend(Backend):
         log.info("onnxruntime loaded %s on %s (providers %s)", path, device, self.providers)
 
     def select_outputs(self, names, on_device: bool = False) -> None:
-        self._out_names = list(names)
+        self._out_names = list(names) or [o.name for o in self.outputs]
 
     def warmup(self, batch_sizes: tuple[int, ...]) -> None:
         assert self.config is not None

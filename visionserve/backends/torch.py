@@ -157,7 +157,7 @@ class TorchBackend(Backend):
         unknown = [n for n in names if n not in self._names]
         if unknown:
             raise ValueError(f"outputs {unknown} are not among the model's {list(self._names)}")
-        self._selected = tuple(names)
+        self._selected = tuple(names) or self._names
         self._keep_on_device = on_device and self.device_outputs
 
     def _named(self, out: Any) -> dict[str, Any]:

@@ -102,6 +102,8 @@ class Classification(Task):
 
     def bind(self, subject: Subject, outputs: Sequence[TensorSpec]) -> tuple[str, ...]:
         want = self.config.output.tensor_name
+        if not outputs:  # the backend declares none: the first it returns
+            return ()
         if want is None or not outputs[0].named:  # unnamed outputs: the first, as exported
             out = outputs[0]
         else:

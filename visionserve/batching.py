@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import DeadlineExceeded, InternalError, Unavailable, VisionServeError
+from .guard import share
 from .logs import batch_ids, request_id
 
 log = logging.getLogger(__name__)
@@ -410,6 +411,8 @@ class Batcher:
     async def _next_batch(self) -> list[Pending]:
         while True:
             self._purge()
+            # guard jobs yield the GPU while a batch runs (stores into shared memory on a change only)
+            share.note(self, share.RUNNING if self._tasks else share.QUEUED if self._heap else share.IDLE)
             if not self._heap:
                 if not self._accepting:
                     await asyncio.sleep(3600)  # drained: idle until closed

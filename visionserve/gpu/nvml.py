@@ -280,6 +280,28 @@ class _RealNvml:
         v = self._try(self._nv.nvmlDeviceGetClockInfo, h, self._nv.NVML_CLOCK_SM)
         return int(v) if v is not None else None
 
+    # -- extension: used by the guard for a job's share of the GPU ------------------------------
+    def process_sm_util(self, index: int, since_us: int) -> tuple[dict[int, float], int] | None:
+        """pid -> mean SM utilisation (percent) over the driver's per-process samples newer than
+        ``since_us`` (its clock, microseconds), and the newest sample's time; None where the driver
+        gives no per-process samples."""
+        try:
+            h = self._handle(index)
+            samples = self._nv.nvmlDeviceGetProcessUtilization(h, since_us)
+        except NvmlError:
+            return None
+        except Exception as exc:  # noqa: BLE001 NVMLError; NOT_FOUND = no sample since then
+            if getattr(exc, "value", None) == getattr(self._nv, "NVML_ERROR_NOT_FOUND", -1):
+                return {}, since_us
+            log.debug("NVML process utilisation: %s", exc)
+            return None
+        sums: dict[int, list[float]] = {}
+        newest = since_us
+        for smp in samples:
+            sums.setdefault(int(smp.pid), []).append(float(smp.smUtil))
+            newest = max(newest, int(smp.timeStamp))
+        return {pid: sum(v) / len(v) for pid, v in sums.items()}, newest
+
 
 _real: _RealNvml | None = None
 _real_lock = threading.Lock()

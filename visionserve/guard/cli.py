@@ -93,6 +93,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--nice", type=int, default=10, help="CPU nice increment for jobs")
     p.add_argument("--sched-idle", action=argparse.BooleanOptionalAction, default=True,
                    help="run jobs under SCHED_IDLE: CPU time the server does not want (default on)")
+    p.add_argument("--job-cpus", default="", metavar="LIST",
+                   help="CPUs jobs may run on, e.g. 4-15 (leaves the others to the server and its "
+                        "clients); default all")
+    p.add_argument("--yield", dest="cooperative", action=argparse.BooleanOptionalAction,
+                   default=True, help="PyTorch jobs yield the GPU while the server runs a batch "
+                   "(needs the server's busy word: VISIONSERVE_GUARD_SHARE set for both, or "
+                   "serve --guard); default on")
+    p.add_argument("--yield-max-wait-ms", type=float, default=50.0,
+                   help="longest single wait of a job's hook (default 50)")
+    p.add_argument("--yield-min-share", type=float, default=0.3,
+                   help="share of time a yielding job keeps however busy the line (default 0.3)")
+    p.add_argument("--yield-depth", type=int, default=4,
+                   help="hook intervals of GPU work a job may queue ahead (default 4)")
     p.add_argument("--stop-jobs-on-exit", action="store_true",
                    help="on SIGTERM/SIGINT stop running jobs instead of leaving them running")
     p.add_argument("--simulate-memory", metavar="FILE",
@@ -331,13 +344,25 @@ def _run(args: argparse.Namespace) -> int:
         raise _UsageError(f"--poll-hz must be between 10 and 1000, got {args.poll_hz:g}")
     if args.grace < 0:
         raise _UsageError(f"--grace must be >= 0, got {args.grace:g}")
+    if args.job_cpus:
+        from .jobwrap import parse_cpus
+
+        try:
+            parse_cpus(args.job_cpus)
+        except ValueError as exc:
+            raise _UsageError(f"--job-cpus {args.job_cpus}: {exc}") from None
+    if args.yield_max_wait_ms < 0 or not 0 <= args.yield_min_share <= 1 or args.yield_depth < 1:
+        raise _UsageError("--yield-max-wait-ms must be >= 0, --yield-min-share in 0..1 and "
+                          "--yield-depth >= 1")
     cfg = SupervisorConfig(
         concurrency=args.concurrency,
         inference_floor=_size(args.inference_floor, "--inference-floor"),
         margin=_size(args.margin, "--margin"), hysteresis=_size(args.hysteresis, "--hysteresis"),
         poll_hz=args.poll_hz, grace_s=args.grace, nice=args.nice, sched_idle=args.sched_idle,
         context_reserve=_size(args.context_reserve, "--context-reserve"),
-        stop_jobs_on_exit=args.stop_jobs_on_exit)
+        stop_jobs_on_exit=args.stop_jobs_on_exit, job_cpus=args.job_cpus,
+        cooperative=args.cooperative, yield_max_wait_ms=args.yield_max_wait_ms,
+        yield_min_share=args.yield_min_share, yield_depth=args.yield_depth)
     store = _store(args)
     log.info("guard job database: %s", store.path)
     if args.simulate_memory:

@@ -1,10 +1,11 @@
 """The job's wrapper: the process group leader the guard starts, stdlib only, run as a script.
 
-    python -I jobwrap.py --status FILE --nice N [--sched-idle] -- CMD ARGS...
+    python -I jobwrap.py --status FILE --nice N [--sched-idle] [--cpus LIST] -- CMD ARGS...
 
 It lowers its CPU priority (inherited by the job and every process it starts: nice N, and with
 ``--sched-idle`` the SCHED_IDLE policy, so the job only gets CPU time the server does not want:
-a training job's data-loading workers must not slow the line's inference), makes itself the host OOM killer's preferred
+a training job's data-loading workers must not slow the line's inference), with ``--cpus`` (e.g.
+``4-15``) keeps it and its children on those CPUs, makes itself the host OOM killer's preferred
 victim, starts the job, and waits for it while ignoring SIGTERM/SIGINT/SIGHUP (those reach the job
 directly: the guard signals the whole process group). When the job ends it writes its exit status
 to FILE. That file is what lets a *restarted* guard, which is not the job's parent and cannot
@@ -27,9 +28,27 @@ def _write_status(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def parse_cpus(text: str) -> set[int]:
+    """``0-3,8,10-11`` -> {0, 1, 2, 3, 8, 10, 11}."""
+    out: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        a, b = int(lo), int(hi or lo)
+        if a < 0 or b < a:
+            raise ValueError(f"bad CPU range {part!r}")
+        out.update(range(a, b + 1))
+    if not out:
+        raise ValueError("empty CPU list")
+    return out
+
+
 def main(argv: list[str]) -> int:
     if "--" not in argv:
-        sys.stderr.write("usage: jobwrap.py --status FILE --nice N [--sched-idle] -- CMD ARGS...\n")
+        sys.stderr.write("usage: jobwrap.py --status FILE --nice N [--sched-idle] [--cpus LIST] -- "
+                         "CMD ARGS...\n")
         return 2
     sep = argv.index("--")
     opts, cmd = argv[:sep], argv[sep + 1:]
@@ -42,6 +61,11 @@ def main(argv: list[str]) -> int:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except OSError as exc:
             sys.stderr.write(f"visionserve guard: SCHED_IDLE refused ({exc}); running at nice {nice}\n")
+    if "--cpus" in opts:
+        try:
+            os.sched_setaffinity(0, parse_cpus(opts[opts.index("--cpus") + 1]))
+        except (ValueError, OSError) as exc:
+            sys.stderr.write(f"visionserve guard: CPU set not applied ({exc}); running on all CPUs\n")
     try:  # raising one's own oom_score_adj needs no privilege
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("500")

@@ -9,13 +9,20 @@ What the job sees is documented in ``docs/guard.md``; in short:
   ``VISIONSERVE_GUARD_ALLOCATOR_CAP`` (bytes) and ``VISIONSERVE_GPU_MEM_FRACTION`` (cap / total);
 - a ``sitecustomize.py`` directory first on ``PYTHONPATH``: when the job imports torch it queues
   ``torch.cuda.set_per_process_memory_fraction(fraction)`` to run at CUDA initialisation
-  (PyTorch has no environment variable for it). It chains to any other ``sitecustomize``.
+  (PyTorch has no environment variable for it), and, when the guard publishes the server's busy
+  word (``VISIONSERVE_GUARD_SHARE``), installs cooperative yielding (:mod:`.yieldhook`, copied
+  there as ``visionserve_guard_yield.py``). It chains to any other ``sitecustomize``;
+- with a busy word: ``VISIONSERVE_GUARD_SHARE``, ``VISIONSERVE_GUARD_YIELD_STATS`` (the job's
+  ``<log>.yield``) and the hook's settings ``VISIONSERVE_GUARD_YIELD_MAX_WAIT_MS`` / ``_MIN_SHARE``
+  / ``_DEPTH`` (the job's own values win). A job that sets ``VISIONSERVE_GUARD_YIELD=0`` gets none
+  of them and is handled by the process-level policies only.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -27,11 +34,14 @@ from .store import Job
 log = logging.getLogger(__name__)
 
 JOBWRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobwrap.py")
+YIELDHOOK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "yieldhook.py")
+YIELD_MODULE = "visionserve_guard_yield"
 
 SITECUSTOMIZE = '''\
 # Written by `visionserve guard`: caps PyTorch's CUDA caching allocator for guard jobs.
 # PyTorch has no environment variable for set_per_process_memory_fraction, so this hook runs
 # it when torch is imported, queued to CUDA's lazy initialisation (no context is created here).
+# With VISIONSERVE_GUARD_SHARE it also installs cooperative yielding (visionserve_guard_yield.py).
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -61,6 +71,21 @@ def _cap(torch):
         sys.stderr.write("visionserve guard: could not cap the CUDA allocator: %s\\n" % exc)
 
 
+def _yield(torch):
+    if not os.environ.get("VISIONSERVE_GUARD_SHARE"):
+        return
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        spec = importlib.util.spec_from_file_location(
+            "visionserve_guard_yield", os.path.join(here, "visionserve_guard_yield.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["visionserve_guard_yield"] = module
+        spec.loader.exec_module(module)
+        module.install(torch)
+    except Exception as exc:
+        sys.stderr.write("visionserve guard: cooperative yielding not installed: %s\\n" % exc)
+
+
 class _TorchHook(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name != "torch":
@@ -81,6 +106,7 @@ class _TorchHook(importlib.abc.MetaPathFinder):
         def exec_module(module):
             original(module)
             _cap(module)
+            _yield(module)
 
         loader.exec_module = exec_module
         return spec
@@ -88,6 +114,7 @@ class _TorchHook(importlib.abc.MetaPathFinder):
 
 if "torch" in sys.modules:
     _cap(sys.modules["torch"])
+    _yield(sys.modules["torch"])
 else:
     sys.meta_path.insert(0, _TorchHook())
 
@@ -120,6 +147,13 @@ class LaunchSettings:
     #: SCHED_IDLE for the job: it runs on CPU time nothing else wants
     sched_idle: bool = True
     site_dir: str = ""
+    #: CPUs the job may run on (``sched_setaffinity``), e.g. "4-15"; "": all
+    cpus: str = ""
+    #: the server's busy word (:mod:`.share`); "": no cooperative yielding
+    share_path: str = ""
+    yield_max_wait_ms: float = 50.0
+    yield_min_share: float = 0.3
+    yield_depth: int = 4
 
 
 def write_site_dir(path: str) -> str:
@@ -129,7 +163,15 @@ def write_site_dir(path: str) -> str:
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(SITECUSTOMIZE)
     os.replace(tmp, target)
+    hook = os.path.join(path, YIELD_MODULE + ".py")
+    shutil.copyfile(YIELDHOOK, hook + ".tmp")
+    os.replace(hook + ".tmp", hook)
     return path
+
+
+def yield_stats_path(job: Job) -> str:
+    """Where the job's yield hook writes its statistics (:func:`.share.read_stats`)."""
+    return f"{job.log_path}.yield"
 
 
 def allocator_cap(need: int, reserve: int) -> int:
@@ -154,6 +196,16 @@ def job_env(job: Job, s: LaunchSettings, base: dict[str, str] | None = None) -> 
             env["VISIONSERVE_GUARD_ALLOCATOR_CAP"] = str(cap)
             env["VISIONSERVE_GPU_MEM_FRACTION"] = f"{cap / s.gpu_total:.6f}"
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    for key in ("VISIONSERVE_GUARD_SHARE", "VISIONSERVE_GUARD_YIELD_STATS"):
+        if key not in job.env:  # the guard's to give, not inherited from the supervisor's environment
+            env.pop(key, None)
+    if s.share_path and env.get("VISIONSERVE_GUARD_YIELD") != "0":
+        env["VISIONSERVE_GUARD_SHARE"] = s.share_path
+        if job.log_path:
+            env["VISIONSERVE_GUARD_YIELD_STATS"] = yield_stats_path(job)
+        env.setdefault("VISIONSERVE_GUARD_YIELD_MAX_WAIT_MS", f"{s.yield_max_wait_ms:g}")
+        env.setdefault("VISIONSERVE_GUARD_YIELD_MIN_SHARE", f"{s.yield_min_share:g}")
+        env.setdefault("VISIONSERVE_GUARD_YIELD_DEPTH", str(s.yield_depth))
     if s.site_dir:
         old = env.get("PYTHONPATH")
         env["PYTHONPATH"] = s.site_dir + (os.pathsep + old if old else "")
@@ -184,7 +236,8 @@ def launch(job: Job, s: LaunchSettings) -> Launched:
         logf.flush()
         popen = subprocess.Popen(
             [sys.executable, "-I", JOBWRAP, "--status", job.status_path, "--nice", str(s.nice),
-             *(["--sched-idle"] if s.sched_idle else []), "--", *job.command],
+             *(["--sched-idle"] if s.sched_idle else []), *(["--cpus", s.cpus] if s.cpus else []),
+             "--", *job.command],
             cwd=job.cwd, env=env, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
             start_new_session=True, close_fds=True)
     return Launched(popen, popen.pid, proc.starttime(popen.pid))

@@ -72,6 +72,11 @@ class NvmlMemorySource:
         total, free = self.device_memory()
         return MemorySample(total=total, free=free, used_by_pid=self.pid_usage())
 
+    def process_sm_util(self, since_us: int) -> tuple[dict[int, float], int] | None:
+        """pid -> mean SM utilisation (percent) since ``since_us``; None where not available."""
+        fn = getattr(self._nvml, "process_sm_util", None)
+        return fn(self.index, since_us) if fn is not None else None
+
 
 
 

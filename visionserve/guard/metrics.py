@@ -23,3 +23,31 @@ STORE_FAULT = Gauge("visionserve_guard_store_fault",
                     "error): running jobs stay watched, none starts, job records wait for it.")
 STORE_ERRORS = Counter("visionserve_guard_store_errors_total",
                        "Failed accesses of the supervisor to the job database (retried with backoff).")
+
+# -- sharing the GPU (cooperative yielding and the process-level policies) -----------------------
+JOBS_BY_MECHANISM = Gauge("visionserve_guard_jobs_by_mechanism",
+                          "Running jobs by how they share the GPU: yield (their hook yields while "
+                          "a batch runs) or process (pause/resume only).", ["mechanism"])
+YIELDS = Counter("visionserve_guard_yields_total",
+                 "Times a job's hook waited for a running batch (cooperative yielding).")
+YIELD_FORCED = Counter("visionserve_guard_yield_forced_total",
+                       "Yields cut short (max wait, or the job's minimum share of time).")
+YIELD_WAIT = Counter("visionserve_guard_yield_wait_seconds_total",
+                     "Time jobs spent waiting in their hook for the server's batches.")
+YIELD_THROTTLE = Counter("visionserve_guard_yield_throttle_seconds_total",
+                         "Time jobs slept in their hook to hold the duty cycle (rate limiting).")
+PAUSED = Counter("visionserve_guard_paused_seconds_total",
+                 "Time jobs spent stopped (SIGSTOP) by the process-level policies.")
+JOB_TIME_SHARE = Gauge("visionserve_guard_job_time_share",
+                       "Share of the last seconds the running job(s) could run: not waiting, "
+                       "throttled or paused (1: not held back).")
+JOB_GPU_UTIL = Gauge("visionserve_guard_job_gpu_utilization",
+                     "SM utilisation of the jobs' processes, percent, from NVML's per-process "
+                     "samples (absent where the driver does not give them).")
+INFERENCE_WAIT = Counter("visionserve_guard_inference_wait_seconds_total",
+                         "Estimated time the server's batches waited on jobs: their compute time "
+                         "over its level without a job (from the stage timers; an estimate).")
+DUTY = Gauge("visionserve_guard_duty", "Duty cycle the latency budget allows cooperative jobs "
+             "(1: no rate limit).")
+SCHED_FIXED = Counter("visionserve_guard_sched_fixed_total",
+                      "Job threads found outside SCHED_IDLE and put back (should stay 0).")

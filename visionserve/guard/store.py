@@ -57,7 +57,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     exit_code        INTEGER,                       -- negative: killed by that signal
     log_path         TEXT,
     cancel_requested INTEGER NOT NULL DEFAULT 0,
-    starts           INTEGER NOT NULL DEFAULT 0     -- times launched; the guard never makes it 2
+    starts           INTEGER NOT NULL DEFAULT 0,    -- times launched; the guard never makes it 2
+    mechanism        TEXT,                          -- how it shares the GPU: yield | process
+    sharing          TEXT                           -- JSON: yields, pauses, waits, shares
 );
 CREATE INDEX IF NOT EXISTS jobs_queue ON jobs (state, priority DESC, id);
 CREATE TABLE IF NOT EXISTS supervisor (
@@ -179,6 +181,11 @@ class Job:
     log_path: str | None
     cancel_requested: bool
     starts: int
+    #: how the job shares the GPU with the server: "yield" (its hook yields at module boundaries)
+    #: or "process" (no hook: pause/resume by the process-level policies); None before it runs
+    mechanism: str | None = None
+    #: figures of that sharing (yields, forced passes, waits, pauses, shares), see guard.md
+    sharing: dict | None = None
 
     @property
     def status_path(self) -> str | None:
@@ -194,6 +201,7 @@ class Job:
         d["command"] = json.loads(d["command"])
         d["env"] = json.loads(d["env"])
         d["cancel_requested"] = bool(d["cancel_requested"])
+        d["sharing"] = json.loads(d["sharing"]) if d.get("sharing") else None
         return cls(**d)
 
 
@@ -231,6 +239,14 @@ class JobStore:
                 # WAL lets readers (list, show, the HTTP router) run while the supervisor writes.
                 c.execute("PRAGMA journal_mode=WAL")
                 c.executescript(_SCHEMA)
+                have = {r[1] for r in c.execute("PRAGMA table_info(jobs)")}
+                for column in ("mechanism", "sharing"):  # databases made before these columns
+                    if column not in have:
+                        try:
+                            c.execute(f"ALTER TABLE jobs ADD COLUMN {column} TEXT")
+                        except sqlite3.OperationalError as exc:  # another process added it first
+                            if "duplicate column" not in str(exc):
+                                raise
         except StoreFault as exc:
             raise InvalidInput(f"cannot open guard database {self.path}: {exc.cause}") from None
 
@@ -357,6 +373,11 @@ class JobStore:
         with self._tx() as c:
             return c.execute("UPDATE jobs SET state = 'running', reason = ? WHERE id = ? AND"
                              " state = 'paused'", (note, job_id)).rowcount == 1
+
+    def set_sharing(self, job_id: int, mechanism: str | None, sharing: dict | None) -> None:
+        with self._tx() as c:
+            c.execute("UPDATE jobs SET mechanism = ?, sharing = ? WHERE id = ?",
+                      (mechanism, json.dumps(sharing) if sharing is not None else None, job_id))
 
     def set_reason(self, job_id: int, reason: str | None) -> None:
         with self._tx() as c:

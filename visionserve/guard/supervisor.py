@@ -17,6 +17,13 @@ retried with backoff (``RETRY_MIN_S`` doubling to ``RETRY_MAX_S``); the fault is
 it starts and once when it ends, and ``visionserve_guard_store_fault`` reads 1 while it lasts.
 Any other error in a tick is logged (with its traceback, once) and the loop goes on.
 
+Sharing the GPU (once a second, :mod:`.sharing`): each job's yield statistics are read, its
+mechanism recorded (``yield`` while its hook reports, else ``process``), the metrics updated, the
+threads of its tree checked for SCHED_IDLE, and, with a latency budget, the duty cycle of
+cooperative jobs moved after the served p99 (down 30 % when over the budget, up 0.1 when under
+80 % of it, never under their minimum share). A job gets the server's busy word when this process
+serves (the guard hosted by ``serve --guard``) or ``VISIONSERVE_GUARD_SHARE`` names one.
+
 Shutdown (SIGTERM/SIGINT): no new job starts; running jobs are left running (they are re-adopted
 by the next supervisor) unless ``stop_jobs_on_exit``, which stops each one (SIGTERM, grace,
 SIGKILL) and records it ``killed``.
@@ -24,6 +31,7 @@ SIGKILL) and records it ``killed``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -33,9 +41,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from . import admission, metrics, proc, watchdog
-from .launcher import LaunchSettings, launch, write_site_dir
+from . import admission, metrics, proc, share, watchdog
+from .launcher import LaunchSettings, launch, write_site_dir, yield_stats_path
 from .memory import MemorySample, MemorySource
+from .sharing import JobSharing, WaitEstimate, audit_sched
 from .store import ACTIVE, Job, JobStore, StoreFault
 
 log = logging.getLogger(__name__)
@@ -43,6 +52,12 @@ log = logging.getLogger(__name__)
 #: after a database fault the store is retried after RETRY_MIN_S, doubling up to RETRY_MAX_S
 RETRY_MIN_S = 0.1
 RETRY_MAX_S = 5.0
+#: sharing figures are read every SHARING_S, written to the store every SHARING_RECORD_S, the
+#: jobs' threads checked for SCHED_IDLE every AUDIT_S; the duty cycle moves every DUTY_S
+SHARING_S = 1.0
+SHARING_RECORD_S = 5.0
+AUDIT_S = 5.0
+DUTY_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -59,6 +74,13 @@ class SupervisorConfig:
     stop_jobs_on_exit: bool = False
     #: pause running jobs while the served p99 (``latency`` below) is over this; None: off
     latency_budget_ms: float | None = None
+    #: CPUs jobs may run on, e.g. "4-15" (leaves 0-3 to the server and its clients); "": all
+    job_cpus: str = ""
+    #: give PyTorch jobs the server's busy word, so they yield while it runs a batch
+    cooperative: bool = True
+    yield_max_wait_ms: float = 50.0
+    yield_min_share: float = 0.3
+    yield_depth: int = 4
 
     @property
     def floor(self) -> int:
@@ -77,6 +99,8 @@ class Active:
     kill_at: float | None = None
     killed: bool = False
     notes: list[str] = field(default_factory=list)
+    sharing: JobSharing | None = None
+    recorded_at: float = 0.0  # when its sharing figures were last written to the store
 
     @property
     def pgid(self) -> int:
@@ -106,6 +130,11 @@ class Supervisor:
         self._backoff = 0.0
         self._retry_at = 0.0
         self._tick_error: str | None = None
+        self._sharing_at = self._audit_at = self._duty_at = 0.0
+        self._wait_estimate = WaitEstimate()
+        self.duty = 1.0
+        self._sm_since = 0
+        self._published = False  # this supervisor published the busy word (hosted guard)
         self._pid = os.getpid()
         total = None
         if source is not None:
@@ -114,7 +143,9 @@ class Supervisor:
         self.launch_settings = LaunchSettings(
             gpu_uuid=source.uuid if source is not None else None, gpu_total=total,
             context_reserve=self.cfg.context_reserve, nice=self.cfg.nice, sched_idle=self.cfg.sched_idle,
-            site_dir=write_site_dir(os.path.join(store.log_dir, "jobsite")))
+            site_dir=write_site_dir(os.path.join(store.log_dir, "jobsite")), cpus=self.cfg.job_cpus,
+            yield_max_wait_ms=self.cfg.yield_max_wait_ms, yield_min_share=self.cfg.yield_min_share,
+            yield_depth=self.cfg.yield_depth)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> bool:
@@ -141,6 +172,7 @@ class Supervisor:
                      admission.fmt_bytes(self.cfg.inference_floor),
                      admission.fmt_bytes(self.cfg.margin), self.cfg.concurrency, self.cfg.poll_hz)
         metrics.INFERENCE_FLOOR.set(self.cfg.floor)
+        share.remove_stale()  # busy words of servers that died
         if self._latency_budget() is not None:
             log.info("guard: running jobs pause while the served p99 is over %g ms (resume under %g ms)",
                      self.cfg.latency_budget_ms, watchdog.RESUME_FRACTION * self.cfg.latency_budget_ms)
@@ -158,6 +190,8 @@ class Supervisor:
                 self.stopping.wait(max(0.0, period - (time.monotonic() - t0)))
             self.shutdown()
         finally:
+            if self._published:  # jobs left running read the word of a dead server as idle
+                share.unpublish()
             try:
                 self._flush()
                 self.store.release_lease(self._pid)
@@ -212,7 +246,8 @@ class Supervisor:
                 log.warning("guard: job %d was being started when the guard died; marked failed",
                             job.id)
             elif proc.is_alive(job.pid, job.pid_starttime):
-                self.active[job.id] = Active(job, None, job.pid, job.pid_starttime, job.state)
+                self.active[job.id] = Active(job, None, job.pid, job.pid_starttime, job.state,
+                                             sharing=JobSharing(yield_stats_path(job)))
                 log.warning("guard: re-adopted job %d (pid %d, %s) left by a previous guard",
                             job.id, job.pid, job.state)
             else:
@@ -234,6 +269,7 @@ class Supervisor:
         sample = self._sample()
         if sample is not None or self._latency_budget() is not None:
             self._watch(sample)
+        self._share_tick()
         self._reap()
         self._escalate()
         if time.monotonic() < self._retry_at:
@@ -332,7 +368,8 @@ class Supervisor:
 
     def _watch(self, sample: MemorySample | None) -> None:
         usage = self.job_usage(sample) if sample is not None else dict.fromkeys(self.active, 0)
-        views = [watchdog.JobView(a.job.id, a.job.policy, a.state, a.job.gpu_mem, usage[i])
+        views = [watchdog.JobView(a.job.id, a.job.policy, a.state, a.job.gpu_mem, usage[i],
+                                  cooperative=a.sharing is not None and a.sharing.cooperative)
                  for i, a in self.active.items() if a.stop_state is None]
         latency = None
         budget = self._latency_budget()
@@ -345,12 +382,16 @@ class Supervisor:
             if act.kind == "pause":
                 proc.signal_group(a.pgid, signal.SIGSTOP)
                 a.state = "paused"
+                if a.sharing is not None:
+                    a.sharing.paused(time.monotonic())
                 metrics.INTERVENTIONS.labels("pause", act.trigger).inc()
                 log.warning("guard: job %d %s", a.job.id, act.reason)
                 self._record(self.store.set_paused, a.job.id, act.reason)
             elif act.kind == "resume":
                 proc.signal_group(a.pgid, signal.SIGCONT)
                 a.state = "running"
+                if a.sharing is not None:
+                    a.sharing.resumed(time.monotonic())
                 metrics.INTERVENTIONS.labels("resume", act.trigger).inc()
                 log.info("guard: job %d %s", a.job.id, act.reason)
                 self._record(self.store.set_resumed, a.job.id, act.reason)
@@ -401,6 +442,12 @@ class Supervisor:
             # whatever the job left in its process group (workers, daemons) goes with it
             if proc.session_members(a.pid):
                 proc.signal_group(a.pgid, signal.SIGKILL)
+            if a.sharing is not None:  # its last figures; the hook's file goes with the job
+                a.sharing.resumed(time.monotonic())
+                a.sharing.read()
+                self._record(self.store.set_sharing, job_id,
+                             "yield" if a.sharing.hook_seen else "process", a.sharing.summary())
+                a.sharing.remove_stats()
             status = _read_status(a.job)
             rc = status["returncode"] if status and "returncode" in status else wrapper_rc
             if a.stop_state is not None:
@@ -449,8 +496,9 @@ class Supervisor:
         if claimed is None:  # cancelled between the read and the claim
             return
         self._last_wait_reason.pop(job.id, None)
+        settings = dataclasses.replace(self.launch_settings, share_path=self._share_path())
         try:
-            launched = launch(claimed, self.launch_settings)
+            launched = launch(claimed, settings)
         except OSError as exc:
             self._record(self.store.finish, job.id, "failed", exit_code=None,
                          reason=f"cannot start: {exc}")
@@ -458,10 +506,111 @@ class Supervisor:
             return
         # watched from now on, whether or not the database takes the records at once
         self.active[job.id] = Active(claimed, launched.popen, launched.pid, launched.starttime,
-                                     "running")
+                                     "running", sharing=JobSharing(yield_stats_path(claimed)))
         self._record(self.store.set_process, job.id, launched.pid, launched.starttime)
         self._record(self.store.set_reason, job.id, None)
         log.info("guard: started job %d (%s) pid %d", job.id, job.name, launched.pid)
+
+
+    # -- sharing the GPU ------------------------------------------------------------------------
+    def _share_path(self) -> str:
+        """The busy word a new job gets: the one named by VISIONSERVE_GUARD_SHARE, or one this
+        process publishes when batchers serve here (the hosted guard); "" for none."""
+        if not self.cfg.cooperative:
+            return ""
+        named = os.environ.get(share.SHARE_ENV)
+        if named:
+            return named
+        if share.serving():
+            try:
+                path = share.publish()
+                self._published = True
+                return path
+            except OSError as exc:
+                log.warning("guard: cannot publish the server's busy word (%s); jobs will not "
+                            "yield", exc)
+        return ""
+
+    def _share_tick(self) -> None:
+        """Once a second: every job's sharing figures; the duty cycle twice a second."""
+        now = time.monotonic()
+        if now - self._duty_at >= DUTY_S:
+            self._duty_at = now
+            self._steer_duty()
+        if now - self._sharing_at < SHARING_S:
+            return
+        self._sharing_at = now
+        running = [a for a in self.active.values() if a.state == "running" and a.sharing]
+        self._wait_estimate.update(bool(running))
+        util = self._sm_util()
+        audit = now - self._audit_at >= AUDIT_S
+        if audit:
+            self._audit_at = now
+        by_mechanism = {"yield": 0, "process": 0}
+        shares = []
+        for a in self.active.values():
+            sh = a.sharing
+            if sh is None:
+                continue
+            changed = sh.read(now)
+            if a.state == "running":
+                by_mechanism[sh.mechanism] += 1
+                if sh.time_share is not None:
+                    shares.append(sh.time_share)
+            if util is not None:
+                if audit or not sh.pids:  # the job's processes, refreshed with the audit
+                    sh.pids = {m.pid for m in proc.session_members(a.pid)}
+                sh.sm_util = sum(v for p, v in util.items() if p in sh.pids)
+            if audit:
+                sh.sched = audit_sched(a.pid, self.cfg.sched_idle)
+            if changed:
+                log.info("guard: job %d shares the GPU by %s", a.job.id,
+                         "yielding at module boundaries" if sh.cooperative else
+                         "the process-level policies (no active hook)")
+            if changed or now - a.recorded_at >= SHARING_RECORD_S:
+                a.recorded_at = now
+                self._record(self.store.set_sharing, a.job.id,
+                             "yield" if sh.hook_seen else "process", sh.summary(now))
+        for mech, n in by_mechanism.items():
+            metrics.JOBS_BY_MECHANISM.labels(mech).set(n)
+        if shares:
+            metrics.JOB_TIME_SHARE.set(min(shares))
+        if util is not None:
+            metrics.JOB_GPU_UTIL.set(sum(a.sharing.sm_util or 0.0 for a in self.active.values()
+                                         if a.sharing is not None))
+
+    def _sm_util(self) -> dict[int, float] | None:
+        fn = getattr(self.source, "process_sm_util", None)
+        if fn is None or not self.active:
+            return None
+        try:
+            got = fn(self._sm_since)
+        except Exception:  # noqa: BLE001 a figure, never a reason to fail the tick
+            return None
+        if got is None:
+            return None
+        util, self._sm_since = got
+        return util
+
+    def _steer_duty(self) -> None:
+        """With a latency budget, cooperative jobs run at a duty cycle that follows the served
+        p99 (rate limiting through their hook); without one, or without cooperative jobs, none."""
+        budget = self._latency_budget()
+        coop = any(a.sharing is not None and a.sharing.cooperative and a.state == "running"
+                   for a in self.active.values())
+        duty = self.duty
+        if budget is None or not coop:
+            duty = 1.0
+        else:
+            p99 = self.latency()
+            if p99 is not None and p99 > budget:
+                duty = max(self.cfg.yield_min_share, duty * 0.7)
+            elif p99 is None or p99 <= watchdog.RESUME_FRACTION * budget:
+                duty = min(1.0, duty + 0.1)
+        if duty != self.duty or duty < 1.0:
+            share.set_duty(duty)
+        self.duty = duty
+        metrics.DUTY.set(duty)
 
 
 def _read_status(job: Job) -> dict | None:

@@ -9,6 +9,8 @@ on its own. Memory triggers, either one enough, act by the job's policy (pause o
 And, when the server hosts the guard with a latency budget, ``latency``: the served p99 of the
 last second is over the budget. That one always pauses (the job is not at fault, it only
 shares the card); the job resumes once the p99 is back under ``RESUME_FRACTION`` of the budget.
+A *cooperative* job (its hook yields while the server runs a batch, see :mod:`.yieldhook`) is not
+paused for latency: the budget drives its duty cycle instead (the supervisor's).
 
 A paused job is resumed when free memory is back above ``floor + hysteresis`` and the job is not
 over its own declaration. Note that a stopped (SIGSTOP) process keeps its GPU memory: pausing halts
@@ -21,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .admission import fmt_bytes
-
 
 #: a job paused for latency resumes when the p99 is under this fraction of the budget
 RESUME_FRACTION = 0.8
@@ -48,6 +49,8 @@ class JobView:
     state: str  # running | paused
     need: int
     used: int
+    #: its hook yields the GPU at module boundaries: the latency rule leaves it to the hook
+    cooperative: bool = False
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,7 @@ def decide(jobs: list[JobView], *, free: int | None, floor: int, hysteresis: int
     for j in jobs:
         over = free is not None and j.used > j.need
         if j.state == "running":
-            if not over and not low and slow:
+            if not over and not low and slow and not j.cooperative:
                 actions.append(Action(j.job_id, "pause", "latency",
                                       f"paused: served p99 {latency.p99_ms:.1f} ms is over the latency "
                                       f"budget {latency.budget_ms:g} ms"))

@@ -39,6 +39,9 @@ MODULE_LAYERS = {
     # the engine's view of the GPU: it builds a backend's GPU preprocessor, so it sits above the
     # backends (which use gpu.memory's streams) and below the engine, its one user
     "gpu.reservation": "data plane",
+    # the guard's shared-memory "busy word": the batchers write it, guard jobs read it; it imports
+    # nothing of the server (the guard owns its layout, so it lives there)
+    "guard.share": "foundation",
 }
 #: Packages of one layer that never import one another: each front end translates on its own
 #: (security is the middleware they share); the guard, the PLC servers and ops are independent.

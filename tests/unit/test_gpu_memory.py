@@ -176,10 +176,10 @@ def _frames():
     frames = []
     for i, (h, w) in enumerate([(480, 640), (300, 500), (100, 150), (64, 64), (57, 301)]):
         bgr = _scene(h, w, i)
-        ok, png = cv2.imencode(".png", bgr)
+        _, png = cv2.imencode(".png", bgr)
         frames.append(imaging.encoded_frame(png.tobytes()))
         frames.append(imaging.raw_frame(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB), (h, w, 3)))
-    ok, bmp = cv2.imencode(".bmp", _scene(90, 120, 9))
+    _, bmp = cv2.imencode(".bmp", _scene(90, 120, 9))
     frames.append(imaging.encoded_frame(bmp.tobytes()))
     grey = _scene(60, 80, 7)[:, :, 0]
     frames.append(imaging.raw_frame(grey[:, :, None], (60, 80, 1)))
@@ -201,8 +201,8 @@ def test_torch_preprocessing_matches_opencv(resize, interp, colour):
     from visionserve.config import InputSpec
     from visionserve.gpu.preprocess import TorchPreprocessor
 
-    extra = dict(channels=1, mean=(0.5,), std=(0.25,)) if colour == "GRAY" else \
-        dict(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+    extra = {"channels": 1, "mean": (0.5,), "std": (0.25,)} if colour == "GRAY" else \
+        {"mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)}
     spec = InputSpec(width=96, height=80, resize=resize, interpolation=interp, color_order=colour, **extra)
     frames = _frames()
     ref, good, bad = imaging.prepare_batch(frames, spec, 16)
@@ -235,7 +235,7 @@ def _corrupt_jpeg() -> bytes:
     (libjpeg, nvJPEG) refuses it."""
     import cv2
 
-    ok, buf = cv2.imencode(".jpg", _scene(64, 64, 3))
+    _, buf = cv2.imencode(".jpg", _scene(64, 64, 3))
     b = bytearray(buf.tobytes())
     i = 2
     while b[i + 1] != 0xC0:

@@ -5,6 +5,8 @@ hangs (docs/plc.md)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import struct
 import threading
@@ -295,6 +297,65 @@ def test_frames_through_front_end_processes_are_published_too(tiny_repo, tmp_pat
         for part in ("8001", "8002"):
             assert s.inspect(part, jpeg=jpeg_bytes).status_code == 200
         assert [part_of(plc.take()), part_of(plc.take())] == [8001, 8002]
+    finally:
+        plc.close()
+        s.server.stop()
+
+
+def _children(pid: int) -> list[int]:
+    """Live child processes of ``pid`` (from /proc)."""
+    out = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+        except OSError:
+            continue
+        if int(ppid) == pid and state != "Z":
+            out.append(int(d))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_plc_servers_run_apart_judge_a_frozen_server_and_die_with_it(tiny_repo, tmp_path, jpeg_bytes):
+    """Each protocol's server runs in a process of its own: it still answers the PLC while the
+    serving process is frozen (SIGSTOP), stops the heartbeat and raises Fault because no probe
+    of the engine comes, resumes after SIGCONT, and exits when the serving process is killed."""
+    s = start_plc_server(tiny_repo, tmp_path, "--plc-heartbeat-ms", "100", "--plc-watchdog-ms", "500",
+                         opcua=True)
+    pid = s.server.proc.pid
+    plc = Plc(s.modbus_port)
+    try:
+        plc.reset()
+        kids = []
+        for k in _children(pid):
+            with open(f"/proc/{k}/cmdline", "rb") as f:
+                if b"visionserve.plc.child" in f.read():
+                    kids.append(k)
+        assert len(kids) == 2  # Modbus and OPC UA
+        assert s.inspect("9001", jpeg=jpeg_bytes).status_code == 200
+        assert part_of(plc.take()) == 9001
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            regs = wait_for(lambda: (r := plc.regs()) and Fault.STALLED & r[1] and r, 10, "a stall")
+            assert Status.READY not in Status(regs[0]) and Status.FAULT in Status(regs[0])
+            assert plc.heartbeat_toggles(0.5) == 0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: Status.READY in plc.status(), 10, "Ready again")
+        assert plc.heartbeat_toggles(1.0) >= 4 and plc.regs()[1] == 0
+        s.server.proc.kill()
+        s.server.proc.wait()
+        wait_for(lambda: not any(_alive(k) for k in kids), 10, "the PLC server processes to exit")
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", s.modbus_port), timeout=2).close()
     finally:
         plc.close()
         s.server.stop()

@@ -2,10 +2,13 @@
 
 The engine hands each admitted frame to :meth:`ResultBus.watch` (and each refused one to
 :meth:`ResultBus.refused`); when the frame's answer is final (a verdict, LATE, or an error) a
-:class:`ResultEvent` goes into a bounded queue that the PLC servers' thread drains. Publishing
-costs the engine's event loop a few microseconds and never waits: when the queue is full the
-result is dropped and counted (``visionserve_plc_bus_dropped_total``); the PLC sees the gap in
-the sequence numbers and, with no result in its window, rejects the part.
+:class:`ResultEvent` goes into a bounded queue, and whoever :meth:`~ResultBus.bind` s to the bus is
+woken to drain it: in the server, the link to the PLC server processes
+(:mod:`visionserve.plc.service`), which sends each result as a compact tuple
+(:meth:`ResultEvent.wire`) over a socket pair. Publishing costs the engine's event loop a few
+microseconds and never waits: when the queue is full the result is dropped and counted
+(``visionserve_plc_bus_dropped_total``); the PLC sees the gap in the sequence numbers and, with no
+result in its window, rejects the part.
 
 Fail-safe: anything but a verdict reached inside the deadline is published as
 ``ResultCode.NO_DECISION`` (LATE, refused, errors, and frames whose client hung up), which the
@@ -103,6 +106,17 @@ class ResultEvent:
     final_mono: float  #: monotonic clock at the final answer (bus delay metric)
     message: str = ""  #: the error's message for NO_DECISION
 
+    def wire(self) -> tuple:
+        """The event as a tuple of plain values (pickled small and fast, for the PLC processes)."""
+        return (self.result_id, self.station, self.part_id, self.camera_id, self.model,
+                self.version, self.index, int(self.code), int(self.reason), self.verdict,
+                self.label, self.label_index, self.score, self.queue_ms, self.compute_ms,
+                self.total_ms, self.arrival_time, self.final_time, self.final_mono, self.message)
+
+    @classmethod
+    def from_wire(cls, t: tuple) -> ResultEvent:
+        return cls(*t[:7], ResultCode(t[7]), Reason(t[8]), *t[9:])
+
 
 class Stations:
     """Which station (OPC UA object, Modbus unit id) a frame's camera id goes to.
@@ -134,7 +148,7 @@ class Stations:
 
 
 class ResultBus:
-    """Engine side: :meth:`watch`, :meth:`refused`. PLC side: :meth:`bind`, :meth:`drain`."""
+    """Engine side: :meth:`watch`, :meth:`refused`. Consumer side: :meth:`bind`, :meth:`drain`."""
 
     def __init__(self, stations: Stations, capacity: int = 4096) -> None:
         self.stations = stations
@@ -144,23 +158,24 @@ class ResultBus:
         self._prefix = uuid.uuid4().hex[:8]
         self._wake: Callable[[], None] | None = None
         self._signalled = False
-        #: called with each result on the engine's loop before it is queued: a PLC server whose
-        #: data can take it there without waiting (Modbus) shows it at once; it must never block
-        self.direct: Callable[[ResultEvent], None] | None = None
         #: frames admitted and not yet final, in all and per station (Busy)
         self.outstanding = 0
         self.inflight = [0] * len(stations)
+        #: called on the engine's loop with (station, busy) when a station's frames in flight go
+        #: from 0 to some (True) or back to 0 (False); it must never block
+        self.on_busy: Callable[[int, bool], None] | None = None
         #: monotonic times: the engine last computed a frame; outstanding went from 0 to 1
         self.last_progress = time.monotonic()
         self.busy_since = self.last_progress
         self._results = [{code: metrics.RESULTS.labels(name, label) for code, label in _LABELS.items()}
                          for name in stations.names]
 
-    # --- PLC side (its own thread) -----------------------------------------------------------
+    # --- consumer side ---------------------------------------------------------------------
 
-    def bind(self, loop: asyncio.AbstractEventLoop, ready: asyncio.Event) -> None:
-        """Results wake ``ready`` on ``loop`` (the PLC servers' thread)."""
-        self._wake = partial(loop.call_soon_threadsafe, ready.set)
+    def bind(self, wake: Callable[[], None]) -> None:
+        """``wake()`` is called when results are queued (once until the next :meth:`drain`), on
+        the engine's loop; it must never block."""
+        self._wake = wake
 
     def unbind(self) -> None:
         self._wake = None
@@ -184,6 +199,8 @@ class ResultBus:
             self.busy_since = time.monotonic()
         self.outstanding += len(pending)
         if station is not None:
+            if self.inflight[station] == 0 and self.on_busy is not None:
+                self.on_busy(station, True)
             self.inflight[station] += len(pending)
         for i, item in enumerate(pending):
             item.future.add_done_callback(partial(
@@ -206,6 +223,8 @@ class ResultBus:
         self.outstanding -= 1
         if station is not None:
             self.inflight[station] -= 1
+            if self.inflight[station] == 0 and self.on_busy is not None:
+                self.on_busy(station, False)
         if future.cancelled():
             if station is not None:
                 self.publish(self._failed(served, station, part_id, camera_id, index, arrival, now,
@@ -249,8 +268,6 @@ class ResultBus:
     def publish(self, event: ResultEvent) -> None:
         """Queue ``event`` for the PLC servers; never waits (a full queue drops it, counted)."""
         self._results[event.station][event.code].inc()
-        if self.direct is not None:
-            self.direct(event)
         if len(self._queue) >= self.capacity:
             metrics.BUS_DROPPED.inc()
             return
@@ -260,8 +277,19 @@ class ResultBus:
             self._signalled = True
             try:
                 wake()
-            except RuntimeError:  # the PLC servers' loop closed (shutdown): nobody to wake
+            except RuntimeError:  # the consumer's loop closed (shutdown): nobody to wake
                 self._wake = None
+
+
+class BusMirror:
+    """What a PLC server process knows of the engine's result bus, as the serving process reports
+    it (:mod:`visionserve.plc.child`): frames outstanding, the last progress, and which stations
+    are busy; the servers and the watchdog read it as they would the bus."""
+
+    def __init__(self, stations: int) -> None:
+        self.outstanding = 0
+        self.last_progress = self.busy_since = time.monotonic()
+        self.inflight = [0] * stations
 
 
 def _wall(arrival: float, now: float) -> tuple[float, float]:

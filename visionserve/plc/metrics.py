@@ -20,3 +20,43 @@ OVERFLOWS = Counter("visionserve_plc_buffer_overflows", "Modbus results dropped 
 STALLED = Gauge("visionserve_plc_engine_stalled", "1 while the watchdog finds the engine making no "
                 "progress (the heartbeat stops)")
 CLIENTS = Gauge("visionserve_plc_clients", "Connected PLC clients", ["protocol"])
+
+#: the series the PLC server processes update; their updates reach this process's /metrics
+RELAYED = ("RESULTS", "BUS_DROPPED", "UNROUTED", "BUS_DELAY", "OVERFLOWS", "STALLED", "CLIENTS")
+_METHODS = frozenset(("inc", "set", "observe"))
+
+
+class Recorder:
+    """Stands in for one of the series above in a PLC server process: each update is handed to
+    ``sink(series, label values, method, value)``, and :func:`apply` repeats it in the serving
+    process, whose ``/metrics`` is the one scraped."""
+
+    def __init__(self, name: str, sink, labels: tuple = ()) -> None:
+        self._name, self._sink, self._labels = name, sink, labels
+
+    def labels(self, *values) -> Recorder:
+        return Recorder(self._name, self._sink, tuple(str(v) for v in values))
+
+    def inc(self, amount: float = 1) -> None:
+        self._sink(self._name, self._labels, "inc", amount)
+
+    def set(self, value: float) -> None:
+        self._sink(self._name, self._labels, "set", value)
+
+    def observe(self, value: float) -> None:
+        self._sink(self._name, self._labels, "observe", value)
+
+
+def record_into(sink) -> None:
+    """In a PLC server process: every relayed series records into ``sink`` from now on."""
+    for name in RELAYED:
+        globals()[name] = Recorder(name, sink)
+
+
+def apply(ops) -> None:
+    """In the serving process: the updates a PLC server process recorded."""
+    for name, labels, method, value in ops:
+        if name not in RELAYED or method not in _METHODS:
+            continue
+        series = globals()[name]
+        getattr(series.labels(*labels) if labels else series, method)(value)

@@ -37,7 +37,7 @@ from pymodbus.server import ModbusTcpServer
 from pymodbus.server.requesthandler import ServerRequestHandler
 
 from . import metrics
-from .bus import ResultBus, ResultCode, ResultEvent, Stations, part_number
+from .bus import BusMirror, ResultBus, ResultCode, ResultEvent, Stations, part_number
 from .handshake import CONTROL_BITS, STATUS_BITS, Control, Handshake, LineStatus
 
 log = logging.getLogger(__name__)
@@ -81,14 +81,17 @@ def result_words(seq: int, ev: ResultEvent) -> list[int]:
 class ModbusStations:
     """The stations' handshakes and the register map over them.
 
-    Results come in on the engine's event loop (:meth:`offer`, the bus's ``direct`` hook), so a
-    result is in the registers the moment its answer is final, without waiting for the PLC
-    servers' thread to be scheduled. Reads and writes come from that thread. The two share a
-    lock that the engine side only ever *tries*: when the PLC side holds it, the result waits in
-    a queue that the PLC side takes in, in order, before its next read or write.
+    ``bus``: what the server knows of the engine's result bus (its ``inflight`` per station
+    makes Busy): in the PLC server process, a :class:`~visionserve.plc.bus.BusMirror`.
+
+    Results come in through :meth:`offer` the moment they arrive from the serving process, and
+    reads and writes come from the PLC's requests. The two share a lock that the result side
+    only ever *tries*: when another thread holds it, the result waits in a queue taken in, in
+    order, before the next read or write. (In the PLC server process both run on its one event
+    loop, so the lock is always free; the map stays safe to feed from another thread.)
     """
 
-    def __init__(self, stations: Stations, bus: ResultBus, depth: int) -> None:
+    def __init__(self, stations: Stations, bus: ResultBus | BusMirror, depth: int) -> None:
         self.stations = stations
         self.bus = bus
         self.handshakes = [Handshake(depth) for _ in stations.names]
@@ -99,7 +102,7 @@ class ModbusStations:
         self._pending: deque[ResultEvent] = deque()
 
     def offer(self, ev: ResultEvent) -> None:
-        """A result, from the engine's event loop; never waits."""
+        """A result; never waits."""
         if not self._lock.acquire(blocking=False):
             self._pending.append(ev)  # taken in before the PLC side's next read or write
             return
@@ -313,13 +316,12 @@ class _Server(ModbusTcpServer):
 class ModbusPublisher:
     protocol = "modbus"
 
-    def __init__(self, address: tuple[str, int], stations: Stations, bus: ResultBus, depth: int,
-                 max_clients: int) -> None:
+    def __init__(self, address: tuple[str, int], stations: Stations, bus: ResultBus | BusMirror,
+                 depth: int, max_clients: int) -> None:
         self.address = address
         self.map = ModbusStations(stations, bus, depth)
         self.max_clients = max_clients
         self.server: _Server | None = None
-        bus.direct = self.map.offer  # results straight into the registers (see ModbusStations)
 
     async def start(self) -> None:
         # pymodbus logs every odd frame and client at ERROR; we say it once per client instead
@@ -333,8 +335,9 @@ class ModbusPublisher:
         log.info("Modbus TCP listening on %s:%d (%d stations, unit ids 1..%d)", *self.address,
                  len(self.map.handshakes), len(self.map.handshakes))
 
-    async def publish(self, events: list[ResultEvent]) -> None:
-        pass  # they came in through the bus's direct hook already
+    def accept(self, events: list[ResultEvent]) -> None:
+        """Results, as they arrive: in the registers before the next request is answered."""
+        self.map.publish(events)
 
     async def update(self, line: LineStatus) -> None:
         self.map.line = line

@@ -31,6 +31,7 @@ so).
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import hmac
 import logging
@@ -38,6 +39,7 @@ import math
 import os
 import socket
 import time
+from collections import deque
 from pathlib import Path
 
 from asyncua import Server, ua
@@ -219,6 +221,9 @@ class OpcUaPublisher:
         self._last: dict[ua.NodeId, object] = {}
         self._counts = [0] * len(stations)
         self._delay = metrics.BUS_DELAY.labels(self.protocol)
+        self._queue: deque[ResultEvent] = deque()
+        self._ready = asyncio.Event()
+        self._forwarder: asyncio.Task | None = None
 
     async def start(self) -> None:
         hostname = socket.gethostname()
@@ -261,6 +266,7 @@ class OpcUaPublisher:
             await server.start()
         except OSError as exc:
             raise OSError(f"OPC UA: cannot listen on {self.endpoint}: {exc.strerror or exc}") from exc
+        self._forwarder = asyncio.create_task(self._forward())
         log.info("OPC UA listening on %s (security %s; anonymous %s; user %s)", self.endpoint,
                  ", ".join(sorted({p.name.split("_")[0] for p in self.policies})),
                  "allowed" if self.users.anonymous else "refused", self.users.user or "none")
@@ -305,6 +311,24 @@ class OpcUaPublisher:
             self._station_nodes.append(nodes)
             self._station_events.append(await server.get_event_generator(etype, station))
         self._system_events = await server.get_event_generator(etype, system)
+
+    def accept(self, events: list[ResultEvent]) -> None:
+        """Results, as they arrive: published in order by :meth:`_forward`."""
+        self._queue.extend(events)
+        self._ready.set()
+
+    async def _forward(self) -> None:
+        queue = self._queue
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            while queue:
+                events = list(queue)
+                queue.clear()
+                try:
+                    await self.publish(events)
+                except Exception:
+                    log.exception("OPC UA: could not publish %d results", len(events))
 
     async def publish(self, events: list[ResultEvent]) -> None:
         for ev in events:
@@ -367,6 +391,9 @@ class OpcUaPublisher:
         return True
 
     async def stop(self) -> None:
+        if self._forwarder is not None:
+            self._forwarder.cancel()
+            await asyncio.gather(self._forwarder, return_exceptions=True)
         if self.server is not None:
             await self.server.stop()
 

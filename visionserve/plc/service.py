@@ -1,9 +1,21 @@
-"""The PLC servers' thread: OPC UA and Modbus TCP beside the engine, fed by the result bus.
+"""The PLC servers beside the engine: each protocol's server (OPC UA, Modbus TCP) in its own
+process, fed from the result bus over a Unix socket pair.
 
-They run on their own event loop in their own thread, so a PLC's traffic, OPC UA's encryption
-and a slow or hostile client cost the engine's event loop nothing but the bus's few
-microseconds per frame, and so the watchdog can still speak (heartbeat stopped, Fault raised)
-when the engine's loop is stuck.
+Why processes: asyncua encodes, signs and encrypts every event in Python (2-3 ms each), and
+pymodbus parses every PLC request in Python (a PLC polling every few milliseconds sends hundreds
+a second). In the serving process that work competes with the engine's event loop and the
+decode/compute threads for the one interpreter lock, so it lengthens the inspect answer, and a
+result waits for the lock before a PLC can see it. In a process of its own, the engine's loop
+only puts a compact tuple per result on a socket (:class:`PlcLink`, a few microseconds), and each
+server's process has its own interpreter: a PLC's traffic, OPC UA's encryption or a hostile client
+cost the serving process nothing more. One process per protocol, so OPC UA's encoding does not
+hold up a Modbus PLC's reads either.
+
+The watchdog's probe runs on the engine's loop and goes to the processes with the bus's
+counters every period; each process judges the engine's health on its own (the heartbeat stops
+when the probes stop coming: a stuck engine loop, not only a dead process). When the serving
+process dies, the processes see the end of the socket pair (or SIGHUP) and exit, closing their
+ports: the PLC sees the connection drop.
 
 :func:`plc_running` is what ``serve`` wraps itself in: it does nothing unless ``--opcua`` or
 ``--modbus`` is set.
@@ -13,22 +25,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import logging
 import os
-import threading
-import time
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 from ..errors import ConfigError, VisionServeError
-from . import require
+from ..frontends.channel import Channel, connect
+from . import metrics
 from .bus import ResultBus, Stations
-from .handshake import Fault, LineStatus
-from .watchdog import SystemState, Watchdog
+from .watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
-#: how often Ready, Busy, Fault and the heartbeat are brought up to date
-TICK_S = 0.02
+SPEC_ENV = "VSPLC_SPEC"
+SETTINGS_ENV = "VSPLC_SETTINGS"
+#: a PLC server process that has this much unsent on its socket has fallen behind: results for
+#: it are dropped (and counted) rather than held
+MAX_BACKLOG_BYTES = 4 << 20
+START_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 10.0
 
 
 def default_data_dir() -> Path:
@@ -54,138 +74,136 @@ def parse_endpoint(url: str) -> str:
     return url
 
 
-def build_publishers(settings, stations: Stations, bus: ResultBus, recipes: list[str]) -> list:
-    """The configured servers, their settings checked (ConfigError names the bad one)."""
-    publishers = []
+def protocols(settings) -> list[str]:
+    """The configured servers, their addresses checked (ConfigError names the bad one)."""
+    out = []
     if settings.modbus:
-        address = parse_address(settings.modbus)
-        require("pymodbus")
-        from .modbus import ModbusPublisher
-
-        publishers.append(ModbusPublisher(address, stations, bus, settings.plc_buffer,
-                                          settings.plc_max_clients))
+        parse_address(settings.modbus)
+        out.append("modbus")
     if settings.opcua:
-        endpoint = parse_endpoint(settings.opcua)
-        require("asyncua")
-        from .opcua import OpcUaPublisher
-
-        publishers.append(OpcUaPublisher(
-            endpoint, stations, bus, policies=settings.opcua_security,
-            anonymous=settings.opcua_anonymous, user=settings.opcua_user,
-            password_file=settings.opcua_password_file, max_clients=settings.plc_max_clients,
-            data_dir=Path(settings.plc_data_dir or default_data_dir()), recipes=recipes))
-    return publishers
+        parse_endpoint(settings.opcua)
+        out.append("opcua")
+    return out
 
 
-class PlcService:
-    """Runs ``publishers`` in a thread; feeds them the bus's results and the line status."""
+class PlcProcess:
+    """One protocol's server in a child process (:mod:`.child`), and the socket pair to it."""
 
-    def __init__(self, publishers: list, bus: ResultBus, watchdog: Watchdog,
-                 heartbeat_s: float) -> None:
-        self.publishers = publishers
+    def __init__(self, protocol: str, settings, recipes: list[str]) -> None:
+        self.protocol = protocol
+        self.settings = settings
+        self.recipes = recipes
+        self.proc: subprocess.Popen | None = None
+        self.channel: Channel | None = None
+        self.stopping = False
+        self._started: asyncio.Future | None = None
+
+    async def start(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Start the process and wait until its server listens; raises ConfigError saying why
+        it could not (bad settings, port in use, the process died)."""
+        loop = asyncio.get_running_loop()
+        self._started = loop.create_future()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        spec = {"protocol": self.protocol, "channel_fd": theirs.fileno(), "parent": os.getpid(),
+                "recipes": self.recipes}
+        env = {**os.environ, SPEC_ENV: json.dumps(spec),
+               SETTINGS_ENV: self.settings.model_dump_json()}
+        try:
+            self.proc = subprocess.Popen(  # noqa: ASYNC220 - a fork/exec, milliseconds
+                [sys.executable, "-m", "visionserve.plc.child"], env=env,
+                pass_fds=(theirs.fileno(),))
+        finally:
+            theirs.close()
+        self.channel = await connect(ours, self._on_message, self._on_lost)
+        try:
+            failure = await asyncio.wait_for(asyncio.shield(self._started), timeout)
+        except asyncio.TimeoutError:
+            failure = f"the {self.protocol} server did not start within {timeout:.0f} s"
+        if failure:
+            await self.stop()
+            raise ConfigError(failure)
+
+    def send(self, msg: tuple) -> bool:
+        """Queue ``msg`` for the process; False (nothing sent) when it is gone or behind."""
+        channel = self.channel
+        if channel is None or channel.closed or channel.transport is None \
+                or channel.transport.get_write_buffer_size() > MAX_BACKLOG_BYTES:
+            return False
+        channel.send(msg)
+        return True
+
+    def _on_message(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "m":
+            metrics.apply(msg[1])
+        elif kind in ("listening", "failed") and self._started is not None \
+                and not self._started.done():
+            self._started.set_result(msg[1] if kind == "failed" else None)
+
+    def _on_lost(self) -> None:
+        code = self.proc.poll() if self.proc is not None else None
+        if self._started is not None and not self._started.done():
+            self._started.set_result(f"the {self.protocol} server process exited (code {code}) "
+                                     "before it listened; see the lines above")
+        elif not self.stopping:
+            log.error("the %s PLC server process (pid %s) exited (code %s): the PLC sees its "
+                      "connection closed and no heartbeat", self.protocol,
+                      self.proc.pid if self.proc else "?", code)
+
+    async def stop(self) -> None:
+        self.stopping = True
+        if self.channel is not None and not self.channel.closed:
+            self.channel.send(("stop",))
+            self.channel.close()
+        proc = self.proc
+        if proc is None:
+            return
+        for _ in range(int(STOP_TIMEOUT_S / 0.05)):
+            if proc.poll() is not None:
+                return
+            await asyncio.sleep(0.05)
+        log.warning("the %s PLC server process (pid %d) did not stop; killing it", self.protocol,
+                    proc.pid)
+        proc.kill()
+        await asyncio.to_thread(proc.wait)
+
+
+class PlcLink:
+    """The engine's side of the PLC processes: results from the bus, busy edges and the
+    watchdog's probes, each sent to every process; all on the engine's event loop, none waits."""
+
+    def __init__(self, bus: ResultBus, procs: list[PlcProcess]) -> None:
         self.bus = bus
-        self.watchdog = watchdog
-        self.heartbeat_s = heartbeat_s
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._started = threading.Event()
-        self._error: BaseException | None = None
+        self.procs = procs
+        bus.bind(self._flush)
+        bus.on_busy = self._busy
 
-    def start(self, timeout: float = 120.0) -> None:
-        """Start the thread and wait until every server listens; raises what stopped one."""
-        self._thread = threading.Thread(target=self._run, name="plc", daemon=True)
-        self._thread.start()
-        if not self._started.wait(timeout):
-            raise OSError(f"the PLC servers did not start within {timeout:.0f} s")
-        if self._error is not None:
-            raise self._error
+    def _flush(self) -> None:
+        """Called by the bus for each result: it goes out at the end of this loop turn, with the
+        others of the turn, in one write per process (frontends.channel)."""
+        events = self.bus.drain()
+        if not events:
+            return
+        msg = ("r", [e.wire() for e in events])
+        for p in self.procs:
+            if not p.send(msg):
+                metrics.BUS_DROPPED.inc(len(events))
 
-    def stop(self) -> None:
-        loop, stop = self._loop, self._stop
-        if loop is not None and stop is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(stop.set)
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+    def _busy(self, station: int, busy: bool) -> None:
+        msg = ("b", station, busy)
+        for p in self.procs:
+            p.send(msg)
 
-    def _run(self) -> None:
-        try:
-            asyncio.run(self._main())
-        except BaseException as exc:
-            if not self._started.is_set():
-                self._error = exc
-            else:
-                log.exception("the PLC servers stopped")
-        finally:
-            self._started.set()
+    def probe(self, probe) -> None:
+        bus = self.bus
+        msg = ("p", dataclasses.astuple(probe), bus.outstanding, bus.last_progress,
+               bus.busy_since, tuple(n > 0 for n in bus.inflight))
+        for p in self.procs:
+            p.send(msg)
 
-    async def _main(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
-        results = asyncio.Event()
-        started = []
-        try:
-            for p in self.publishers:
-                await p.start()
-                started.append(p)
-            await self._update(time.monotonic(), False, 0)
-            self.bus.bind(self._loop, results)
-            self._started.set()
-            tasks = [asyncio.create_task(self._forward(results)), asyncio.create_task(self._tick())]
-            await self._stop.wait()
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        finally:
-            self.bus.unbind()
-            for p in reversed(started):
-                try:
-                    await p.stop()
-                except Exception:
-                    log.exception("stopping the %s server failed", p.protocol)
-
-    async def _forward(self, ready: asyncio.Event) -> None:
-        """Results to every server as soon as the bus has them."""
-        while True:
-            await ready.wait()
-            ready.clear()
-            events = self.bus.drain()
-            for p in self.publishers:
-                try:
-                    await p.publish(events)
-                except Exception:
-                    log.exception("the %s server could not publish %d results", p.protocol,
-                                  len(events))
-
-    async def _tick(self) -> None:
-        """Ready, Fault and Busy follow the engine; the heartbeat toggles while it makes progress."""
-        beat, count = False, 0
-        next_beat = time.monotonic() + self.heartbeat_s
-        while True:
-            await asyncio.sleep(TICK_S)
-            now = time.monotonic()
-            health = self.watchdog.health(now)
-            if health.stalled:
-                next_beat = now + self.heartbeat_s  # stopped; resumes a full period after
-            elif now >= next_beat:
-                beat, count = not beat, count + 1
-                next_beat = max(next_beat + self.heartbeat_s, now)
-            await self._update(now, beat, count, health)
-
-    async def _update(self, now: float, beat: bool, count: int, health=None) -> None:
-        health = health or self.watchdog.health(now)
-        fault = Fault(0)
-        if health.stalled:
-            fault |= Fault.STALLED
-        elif health.state is SystemState.ERROR:
-            fault |= Fault.ENGINE
-        line = LineStatus(health.ready, beat, count, fault, int(health.state), health.reason)
-        for p in self.publishers:
-            try:
-                await p.update(line)
-            except Exception:
-                log.exception("the %s server could not update its status", p.protocol)
+    def close(self) -> None:
+        self.bus.unbind()
+        self.bus.on_busy = None
 
 
 @contextlib.asynccontextmanager
@@ -195,29 +213,30 @@ async def plc_running(engine, settings):
     if not (getattr(settings, "opcua", None) or getattr(settings, "modbus", None)):
         yield 0
         return
-    service = watchdog = None
+    procs: list[PlcProcess] = []
     try:
-        stations = Stations(settings.plc_stations)
-        bus = ResultBus(stations)
+        bus = ResultBus(Stations(settings.plc_stations))
         recipes = [f"{e.name}:{v}" for e in engine.entries.values() for v in sorted(e.versions)]
-        publishers = build_publishers(settings, stations, bus, recipes)
-        watchdog = Watchdog(engine, bus, settings.plc_watchdog_ms / 1000,
-                            min(0.1, settings.plc_watchdog_ms / 4000))
-        watchdog.start()
-        service = PlcService(publishers, bus, watchdog, settings.plc_heartbeat_ms / 1000)
-        await asyncio.to_thread(service.start)
+        for protocol in protocols(settings):
+            p = PlcProcess(protocol, settings, recipes)
+            procs.append(p)
+            await p.start()
     except (VisionServeError, OSError) as exc:
         log.error("PLC servers: %s", exc.message if isinstance(exc, VisionServeError) else exc)
-        if watchdog is not None:
-            watchdog.stop()
-        service = None
-    if service is None:
+        for p in procs:
+            await p.stop()
         yield 2
         return
+    link = PlcLink(bus, procs)
+    watchdog = Watchdog(engine, bus, settings.plc_watchdog_ms / 1000,
+                        min(0.1, settings.plc_watchdog_ms / 4000), on_probe=link.probe)
+    watchdog.start()
     engine.results = bus  # from here every answered frame is published
     try:
         yield 0
     finally:
         engine.results = None
         watchdog.stop()
-        await asyncio.to_thread(service.stop)
+        link.close()
+        for p in procs:
+            await p.stop()

@@ -1,10 +1,12 @@
 """Is the engine making progress? The PLC's heartbeat says so, and stops when it is not.
 
 A process that is alive is not enough: a hung model call or a blocked event loop leaves the
-process (and the PLC servers' own thread) running while no part gets a verdict. So a probe on the
-engine's event loop records, every ``period``, that the loop runs, what readiness says and
-whether a batch was executed since (the models' ``execution_count``); the result bus records when
-a frame was last answered with a verdict. The PLC servers' thread then judges:
+process running while no part gets a verdict. So a probe on the engine's event loop records,
+every ``period``, that the loop runs, what readiness says and whether a batch was executed since
+(the models' ``execution_count``); the result bus records when a frame was last answered with a
+verdict. The probe and those counters go to the PLC server processes (``on_probe``), whose own
+:class:`Watchdog` (without an engine: :meth:`Watchdog.observe`) then judges, on their own clock
+(the monotonic clock is the machine's, the same in every process):
 
 - the engine loop has not run the probe for ``stall_s`` (once it has been ready), or frames
   have waited ``stall_s`` with none computed: **stalled** (state Error, Fault, heartbeat stops);
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -62,11 +65,16 @@ class _Probe:
 
 
 class Watchdog:
-    def __init__(self, engine, bus: ResultBus, stall_s: float, period_s: float = 0.1) -> None:
+    """Engine side: :meth:`start` probes the engine's loop, and hands each probe to ``on_probe``.
+    Judging side: :meth:`health` (after :meth:`observe` where the probes come from elsewhere)."""
+
+    def __init__(self, engine, bus: ResultBus, stall_s: float, period_s: float = 0.1,
+                 on_probe: Callable[[_Probe], None] | None = None) -> None:
         self.engine = engine
         self.bus = bus
         self.stall_s = stall_s
         self.period_s = period_s
+        self.on_probe = on_probe
         self._probe = _Probe(time.monotonic(), False, False, False, None, 0.0)
         self._executed = -1
         self._handle: asyncio.TimerHandle | None = None
@@ -93,8 +101,14 @@ class Watchdog:
         self._probe = _Probe(now, ready, bool(e.draining), self._probe.was_ready or ready,
                              getattr(e, "startup_error", None), executed_at)
         self._handle = asyncio.get_running_loop().call_later(self.period_s, self._tick)
+        if self.on_probe is not None:
+            self.on_probe(self._probe)
 
-    # --- the PLC servers' thread -------------------------------------------------------------
+    # --- the judging side (a PLC server process) ---------------------------------------------
+
+    def observe(self, probe: _Probe) -> None:
+        """A probe made on the engine's loop (in another process)."""
+        self._probe = probe
 
     def health(self, now: float | None = None) -> Health:
         now = time.monotonic() if now is None else now

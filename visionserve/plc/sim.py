@@ -5,7 +5,10 @@ the heartbeat and Fault.
 With --url it is also the line: it sends --count frames at --rate to the inspect API (part ids
 1, 2, 3, ...; --camera sets X-Camera-Id) and reports, per protocol, each frame's time from
 sending it to its result seen on the PLC side, against the inspect answer's own latency, and
-whether every part's result came, in order.
+whether every part's result came, in order. The PLC side then runs in a process of its own (a
+PLC is a machine of its own), so that its decoding and the line's answers do not wait for each
+other. With --url and neither protocol it is only the line: the inspect answer's latency, the
+baseline to compare a server without PLC servers against.
 
 Examples:
   visionserve plc-sim --modbus 127.0.0.1:5020                        # Ctrl-C (or --duration-s) ends
@@ -411,7 +414,82 @@ def _print(rep: dict) -> None:
                   f"{'in order' if e['in_order'] else 'OUT OF ORDER'}")
 
 
+def _plc_process(conn, args: argparse.Namespace) -> None:
+    """With --url, the PLC side runs here, in a process of its own, as a PLC is a machine of its
+    own: the line's HTTP answers and the PLC clients' decoding (asyncua decrypts and decodes
+    each event in Python) do not queue behind each other on one event loop. Times are
+    ``time.perf_counter()``, the machine's monotonic clock, the same in both processes."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        conn.send(("done", asyncio.run(_plc_side(conn, make_plcs(args)))))
+    except Exception as exc:  # noqa: BLE001 - any failure: the line's process says it, exits 3
+        conn.send(("error", str(exc) or type(exc).__name__))
+
+
+async def _plc_side(conn, plcs: list) -> list[Tally]:
+    stop = asyncio.Event()
+    for plc in plcs:
+        await plc.connect()
+    runners = [asyncio.create_task(plc.run(stop)) for plc in plcs]
+    try:
+        conn.send(("ready", None))
+        want, settle_s = await asyncio.to_thread(conn.recv)  # the line has sent every frame
+        deadline = time.perf_counter() + settle_s
+        while time.perf_counter() < deadline and not all(want <= set(p.tally.seen) for p in plcs):
+            for r in runners:
+                if r.done() and r.exception() is not None:
+                    raise r.exception()
+            await asyncio.sleep(0.02)
+    finally:
+        stop.set()
+        await asyncio.gather(*runners, return_exceptions=True)
+        for plc in plcs:
+            await plc.close()
+    return [p.tally for p in plcs]
+
+
+async def _simulate_apart(args: argparse.Namespace, plcs: list, line: Line) -> dict:
+    """The line here, the PLC side in a process of its own (:func:`_plc_process`)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    picklable = argparse.Namespace(**{k: v for k, v in vars(args).items()
+                                      if not k.startswith("_") and not callable(v)})
+    proc = ctx.Process(target=_plc_process, args=(theirs, picklable), daemon=True)
+    proc.start()
+    theirs.close()
+
+    async def receive() -> object:
+        try:
+            kind, value = await asyncio.to_thread(ours.recv)
+        except EOFError:
+            raise ConnectionError("the PLC side's process exited") from None
+        if kind == "error":
+            raise ConnectionError(value)
+        return value
+
+    try:
+        await receive()  # connected
+        before = await asyncio.to_thread(bus_delays, args.url)
+        start = time.perf_counter()
+        await line.run()
+        ours.send((set(line.answered), args.settle_s))
+        tallies = await receive()
+        elapsed = time.perf_counter() - start
+    finally:
+        await asyncio.to_thread(proc.join, 30)
+        if proc.is_alive():
+            proc.kill()
+    for plc, tally in zip(plcs, tallies):
+        plc.tally = tally
+    after = await asyncio.to_thread(bus_delays, args.url)
+    return report(line, plcs, elapsed, (before, after))
+
+
 async def simulate(args: argparse.Namespace, plcs: list, line: Line | None) -> dict:
+    if line is not None and plcs:
+        return await _simulate_apart(args, plcs, line)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -449,24 +527,31 @@ async def simulate(args: argparse.Namespace, plcs: list, line: Line | None) -> d
     return report(line, plcs, elapsed, (before, after))
 
 
+def make_plcs(args: argparse.Namespace) -> list:
+    """The PLC clients asked for, not connected yet (ConfigError for bad arguments)."""
+    plcs: list = []
+    if args.modbus:
+        require("pymodbus")
+        plcs.append(ModbusPlc(args.modbus, args.station, args.poll_ms / 1000, not args.no_ack))
+    if args.opcua:
+        require("asyncua")
+        from .opcua import read_password
+        from .service import default_data_dir
+
+        plcs.append(OpcUaPlc(args.opcua, args.station, args.publish_ms, args.user,
+                             read_password(args.password_file), args.security,
+                             args.cert_dir or default_data_dir() / "plc-sim"))
+    return plcs
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if not (args.modbus or args.opcua):
-        print("visionserve plc-sim: give --modbus HOST:PORT and/or --opcua URL", file=sys.stderr)
+    if not (args.modbus or args.opcua or args.url):
+        print("visionserve plc-sim: give --modbus HOST:PORT and/or --opcua URL (or only --url: "
+              "the line alone, the baseline without a PLC)", file=sys.stderr)
         return 2
     try:
-        plcs: list = []
-        if args.modbus:
-            require("pymodbus")
-            plcs.append(ModbusPlc(args.modbus, args.station, args.poll_ms / 1000, not args.no_ack))
-        if args.opcua:
-            require("asyncua")
-            from .opcua import read_password
-            from .service import default_data_dir
-
-            plcs.append(OpcUaPlc(args.opcua, args.station, args.publish_ms, args.user,
-                                 read_password(args.password_file), args.security,
-                                 args.cert_dir or default_data_dir() / "plc-sim"))
+        plcs = make_plcs(args)
         line = None
         if args.url:
             from visionserve_tools.benchclient.images import ImageSetError, load

@@ -37,14 +37,9 @@ def error_response(exc: VisionServeError, extra: dict | None = None) -> JSONResp
     return JSONResponse({"error": exc.message, **(extra or {})}, status_code=http_status(exc), headers=headers)
 
 
-async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
-    """The whole body, refusing (413) as soon as it passes ``limit`` bytes, and (408) when it
-    does not arrive within ``timeout_s`` (a slow client must not hold a worker forever)."""
-    if timeout_s is not None:
-        try:
-            return await asyncio.wait_for(read_body(request, limit), timeout_s)
-        except (asyncio.TimeoutError, TimeoutError):
-            raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
+def check_declared_length(request: Request, limit: int) -> None:
+    """413 for a body whose Content-Length is over ``limit``, from the head alone (a request
+    that can never be taken is told so before it would be told to retry later)."""
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -53,6 +48,17 @@ async def read_body(request: Request, limit: int, timeout_s: float | None = None
                                       "(setting max_body_bytes)")
         except ValueError:
             raise InvalidInput(f"bad Content-Length {declared!r}") from None
+
+
+async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """The whole body, refusing (413) as soon as it passes ``limit`` bytes, and (408) when it
+    does not arrive within ``timeout_s`` (a slow client must not hold a worker forever)."""
+    if timeout_s is not None:
+        try:
+            return await asyncio.wait_for(read_body(request, limit), timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
+    check_declared_length(request, limit)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)

@@ -14,6 +14,7 @@ from .. import imaging
 from ..errors import DeadlineExceeded, InvalidInput, VisionServeError
 from .common import (
     ClientGone,
+    check_declared_length,
     client_gone_response,
     engine_of,
     error_response,
@@ -78,7 +79,9 @@ async def inspect(request: Request, model_name: str, model_version: str = "") ->
         kind = imaging.media_kind(request.headers.get("content-type"))
         deadline_ms = _header_number(request, "X-Deadline-Ms", float)
         priority = _header_number(request, "X-Priority", int)
-        # refused from the head (overload above all): the body is never read
+        # refused from the head (overload above all): the body is never read; what is wrong
+        # with the request itself is said first (it never succeeds; a 503 says "try again")
+        check_declared_length(request, settings.max_body_bytes)
         engine.precheck(model_name, model_version, 1, deadline_ms=deadline_ms, priority=priority,
                         arrival=arrival, origin=(part_id, camera_id))
         body = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)

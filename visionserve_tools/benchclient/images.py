@@ -85,7 +85,8 @@ def generated(text: str, seed: int = 0) -> list[Frame]:
     if cache is not None and cache.is_file():
         try:
             return pickle.loads(cache.read_bytes())
-        except (OSError, pickle.UnpicklingError, EOFError, AttributeError):
+        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError):
+            # unreadable, or written by another layout of the package (a class moved): made anew
             pass
     frames = []
     for w, h in sizes:

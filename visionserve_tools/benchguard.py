@@ -124,52 +124,61 @@ def make_plan(args: argparse.Namespace) -> Plan:
         # errors; the bench model on cuda keeps its own (5 s)
         deadline_ms=args.deadline_ms if args.deadline_ms is not None else (None if cuda else 1000.0),
         processes=args.processes or min(8, max(2, (os.cpu_count() or 8) // 2)),
-        threads=16 if cuda else 4)
+        # senders per client process: enough that a second-long stall does not run out of them
+        # (then the send lag is the client's, not a queue behind slow answers)
+        threads=64 if cuda else 8)
 
 
 # --- open-loop paced load --------------------------------------------------------------------
 
+#: columns of a request record: scheduled time (monotonic s), latency from the schedule (ms),
+#: send lag (ms: sent - scheduled), HTTP status (0: no answer), the server's own time (ms, its
+#: answer's timing.total_ms; -1 when absent), round trip from the actual send (ms), and the
+#: scheduler's wake-up lateness (ms: this client process's own CPU and timers)
+RECORD = (("sched", "d"), ("latency", "d"), ("lag", "d"), ("status", "H"), ("server", "d"),
+          ("rtt", "d"), ("wake", "d"))
+_TOTAL_MS = re.compile(rb'"total_ms":\s*([0-9.]+)')
+
+
 def _paced_client(idx: int, procs: int, threads: int, port: int, model: str, jpegs: list[bytes],
                   rate: float, deadline_ms: float | None, max_s: float, t0_value, go, stop,
                   out_q) -> None:
-    """One client process. The run's global schedule is request n at ``t0 + n / rate``; slot
-    ``idx + j * procs`` of ``procs * threads`` is thread j here, so sends interleave evenly."""
+    """One client process. The run's global schedule is request n at ``t0 + n / rate``; this
+    process owns slots ``idx, idx + procs, ...``. A scheduler thread wakes at each slot's time and
+    hands it to a pool of ``threads`` senders (a keep-alive connection each), so a slow answer does
+    not delay the sends behind it unless every sender is busy (then the send lag says so). The
+    scheduler's own lateness is recorded apart: it is this process's CPU, not the server."""
     out_q.put(("ready", idx))
     if not go.wait(120):
-        out_q.put(("result", idx, b"", b"", b"", b""))
+        out_q.put(("result", idx, *(b"" for _ in RECORD)))
         return
     t0 = t0_value.value
     t_end = t0 + max_s
-    slots = procs * threads
     path = f"/v1/models/{model}/inspect"
     headers = {"Content-Type": "image/jpeg"}
     if deadline_ms is not None:
         headers["X-Deadline-Ms"] = str(deadline_ms)
     local_stop = threading.Event()
     lock = threading.Lock()
-    sched, lat, lag = array.array("d"), array.array("d"), array.array("d")
-    status = array.array("H")
+    cols = [array.array(code) for _, code in RECORD]
+    work: queue.SimpleQueue = queue.SimpleQueue()
 
-    def sender(j: int) -> None:
-        slot = idx + j * procs
+    def sender() -> None:
         conn = None
-        mine: list[tuple[float, float, float, int]] = []
-        n = 0
+        mine: list[tuple] = []
         while True:
-            t_s = t0 + (slot + n * slots) / rate
-            n += 1
-            if t_s > t_end or local_stop.is_set():
+            item = work.get()
+            if item is None:
                 break
-            delay = t_s - time.monotonic()
-            if delay > 0 and local_stop.wait(delay):
-                break
+            t_s, woke, n = item
             sent = time.monotonic()
+            body = b""
             try:
                 if conn is None:
                     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-                conn.request("POST", path, body=jpegs[(slot + n) % len(jpegs)], headers=headers)
+                conn.request("POST", path, body=jpegs[n % len(jpegs)], headers=headers)
                 r = conn.getresponse()
-                r.read()
+                body = r.read()
                 code = r.status
             except (OSError, http.client.HTTPException):
                 code = 0
@@ -177,25 +186,45 @@ def _paced_client(idx: int, procs: int, threads: int, port: int, model: str, jpe
                     conn.close()
                 conn = None
             done = time.monotonic()
-            mine.append((t_s, (done - t_s) * 1000, (sent - t_s) * 1000, code))
+            m = _TOTAL_MS.search(body) if code == 200 else None
+            mine.append((t_s, (done - t_s) * 1000, (sent - t_s) * 1000, code,
+                         float(m.group(1)) if m else -1.0, (done - sent) * 1000,
+                         (woke - t_s) * 1000))
         if conn is not None:
             conn.close()
         with lock:
-            for s_, l_, g_, c_ in mine:
-                sched.append(s_)
-                lat.append(l_)
-                lag.append(g_)
-                status.append(c_)
+            for row in mine:
+                for col, v in zip(cols, row):
+                    col.append(v)
 
-    ts = [threading.Thread(target=sender, args=(j,), daemon=True) for j in range(threads)]
+    ts = [threading.Thread(target=sender, daemon=True) for _ in range(threads)]
     for t in ts:
         t.start()
-    while any(t.is_alive() for t in ts):
-        if stop.wait(0.2):
-            local_stop.set()
+
+    def watch() -> None:  # the run's stop (a multiprocessing event) -> this process's
+        while not local_stop.is_set():
+            if stop.wait(0.2):
+                local_stop.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    n = 0
+    while True:
+        t_s = t0 + (idx + n * procs) / rate
+        n += 1
+        if t_s > t_end:
+            break
+        delay = t_s - time.monotonic()
+        if delay > 0 and local_stop.wait(delay):
+            break
+        if local_stop.is_set():
+            break
+        work.put((t_s, time.monotonic(), idx + n))
+    local_stop.set()
+    for _ in ts:
+        work.put(None)
     for t in ts:
         t.join()
-    out_q.put(("result", idx, sched.tobytes(), lat.tobytes(), lag.tobytes(), status.tobytes()))
+    out_q.put(("result", idx, *(c.tobytes() for c in cols)))
 
 
 class PacedLoad:
@@ -207,7 +236,7 @@ class PacedLoad:
         self._stop, self._go = ctx.Event(), ctx.Event()
         self._t0 = ctx.Value("d", 0.0)
         self._q = ctx.Queue()
-        self.records: list[tuple[float, float, float, int]] = []
+        self.records: list[tuple] = []
         self.missing = 0
         self._stopped = False
         self.procs = [ctx.Process(target=_paced_client, daemon=True, args=(
@@ -231,8 +260,8 @@ class PacedLoad:
         self._t0.value = self.t0
         self._go.set()
 
-    def stop(self) -> list[tuple[float, float, float, int]]:
-        """Stop the senders and return (scheduled time, latency ms, send lag ms, status) rows."""
+    def stop(self) -> list[tuple]:
+        """Stop the senders and return their rows (:data:`RECORD`), by scheduled time."""
         if self._stopped:
             return self.records
         self._stopped = True
@@ -246,7 +275,7 @@ class PacedLoad:
                     continue
                 got += 1
                 cols = []
-                for raw, code in zip(msg[2:], "dddH"):
+                for raw, (_, code) in zip(msg[2:], RECORD):
                     a = array.array(code)
                     a.frombytes(raw)
                     cols.append(a)
@@ -267,8 +296,11 @@ def _q(sorted_values: list[float], f: float) -> float:
     return round(sorted_values[min(len(sorted_values) - 1, int(f * len(sorted_values)))], 3)
 
 
-def phase_stats(records: list[tuple[float, float, float, int]], a: float, b: float) -> dict:
-    """Requests *scheduled* in [a, b): count, errors (any answer but 200), latency percentiles."""
+def phase_stats(records: list[tuple], a: float, b: float) -> dict:
+    """Requests *scheduled* in [a, b): count, errors (any answer but 200), latency percentiles from
+    the schedule (what a line sees), and apart from it: the server's own time (``server_*``), the
+    round trip from the actual send (``rtt_p99_ms``), the send lag and the client scheduler's own
+    lateness (``client_wake_lag_p99_ms``: the load generator's CPU, not the server)."""
     rows = [r for r in records if a <= r[0] < b]
     ok = sorted(r[1] for r in rows if r[3] == 200)
     errors: dict[str, int] = {}
@@ -285,6 +317,17 @@ def phase_stats(records: list[tuple[float, float, float, int]], a: float, b: flo
                    max_ms=round(ok[-1], 3))
     if lags:
         out["send_lag_p99_ms"] = _q(lags, 0.99)
+    if rows and len(rows[0]) >= len(RECORD):
+        srv = sorted(r[4] for r in rows if r[3] == 200 and r[4] >= 0)
+        if srv:
+            out.update(server_p50_ms=_q(srv, 0.5), server_p90_ms=_q(srv, 0.9),
+                       server_p99_ms=_q(srv, 0.99), server_max_ms=round(srv[-1], 3))
+            outside = sorted(r[5] - r[4] for r in rows if r[3] == 200 and r[4] >= 0)
+            out["outside_server_p99_ms"] = _q(outside, 0.99)  # HTTP, network, both event loops
+        rtt = sorted(r[5] for r in rows if r[3] == 200)
+        if rtt:
+            out["rtt_p99_ms"] = _q(rtt, 0.99)
+        out["client_wake_lag_p99_ms"] = _q(sorted(r[6] for r in rows), 0.99)
     return out
 
 
@@ -418,6 +461,83 @@ class MetricsSampler(threading.Thread):
         return out
 
 
+class CpuSampler(threading.Thread):
+    """Once a second, per task (thread) of the server, the client processes and the guard's jobs:
+    time on a CPU and time runnable but waiting for one (``/proc/<pid>/task/<tid>/schedstat``).
+    :meth:`window` gives both per second of a phase: a process starved of CPU shows as run-queue
+    wait. Also counts the jobs' threads that are not under SCHED_IDLE (the guard's claim).
+    Jobs are found as the server's children that lead their own session (the guard's wrappers)."""
+
+    def __init__(self, server_pid: int, client_pids: list[int], interval_s: float = 1.0) -> None:
+        super().__init__(daemon=True, name="cpu")
+        self.server_pid, self.client_pids, self.interval = server_pid, client_pids, interval_s
+        self.samples: list[tuple[float, dict[str, dict[int, tuple[int, int]]], int]] = []
+        self.done = threading.Event()
+
+    @staticmethod
+    def _tasks(pids) -> dict[int, tuple[int, int]]:
+        out = {}
+        for pid in pids:
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue
+            for tid in tids:
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                        on_cpu, wait = f.read().split()[:2]
+                except (OSError, ValueError):
+                    continue
+                out[int(tid)] = (int(on_cpu), int(wait))
+        return out
+
+    def _job_pids(self) -> list[int]:
+        from visionserve.guard import proc
+
+        leaders = []
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                st = proc.stat(int(name))
+                if st is not None and st.ppid == self.server_pid and st.sid == st.pid:
+                    leaders.append(st.pid)
+        return [m.pid for pid in leaders for m in proc.session_members(pid)]
+
+    def run(self) -> None:
+        idle = getattr(os, "SCHED_IDLE", None)
+        while not self.done.wait(self.interval):
+            jobs = self._job_pids()
+            tasks = {"server": self._tasks([self.server_pid]), "clients": self._tasks(self.client_pids),
+                     "jobs": self._tasks(jobs)}
+            not_idle = 0
+            for tid in tasks["jobs"]:
+                try:
+                    not_idle += os.sched_getscheduler(tid) != idle
+                except OSError:
+                    pass
+            self.samples.append((time.monotonic(), tasks, not_idle))
+
+    def window(self, a: float, b: float) -> dict:
+        inside = [x for x in self.samples if a <= x[0] <= b]
+        if len(inside) < 2:
+            return {}
+        (t0, s0, _), (t1, s1, _) = inside[0], inside[-1]
+        out: dict = {}
+        for group, tasks in s1.items():
+            cpu = wait = 0
+            for tid, (c, w) in tasks.items():
+                c0, w0 = s0[group].get(tid, (0, 0))
+                cpu, wait = cpu + c - c0, wait + w - w0
+            out[group] = {"cpu_per_s": round(cpu / 1e9 / (t1 - t0), 3),
+                          "runq_wait_per_s": round(wait / 1e9 / (t1 - t0), 4),
+                          "threads": len(tasks)}
+        out["jobs"]["threads_not_sched_idle_max"] = max(x[2] for x in inside)
+        return out
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join(5)
+
+
 # --- the run ---------------------------------------------------------------------------------
 
 def oom_lines(path: Path, offset: int) -> list[str]:
@@ -472,7 +592,7 @@ def acceptance(args: argparse.Namespace, res: dict, save) -> None:
         if args.latency_budget_ms:
             extra += ["--guard-latency-budget-ms", f"{args.latency_budget_ms:g}"]
         res["server_args"] = extra
-        server = paced = sampler = None
+        server = paced = sampler = cpu = None
         windows: dict[str, tuple[float, float]] = {}
         try:
             server = Server(repo, server_log, *extra, device=plan.device)
@@ -494,6 +614,8 @@ def acceptance(args: argparse.Namespace, res: dict, save) -> None:
                      + plan.settle_s + 120)
             paced = PacedLoad(server.port, model, jpegs, rate, plan.processes, plan.threads,
                               plan.deadline_ms, max_s)
+            cpu = CpuSampler(server.proc.pid, [p.pid for p in paced.procs])
+            cpu.start()
             b0 = paced.t0 + plan.warmup_s
             time.sleep(max(0.0, b0 + plan.baseline_s - time.monotonic()))
             windows["baseline"] = (b0, b0 + plan.baseline_s)
@@ -552,6 +674,9 @@ def acceptance(args: argparse.Namespace, res: dict, save) -> None:
                 res["phases"]["all"] = phase_stats(records, paced.t0, t_end)
                 if paced.missing:
                     res["phases"]["all"]["clients_missing"] = paced.missing
+            if cpu is not None:
+                cpu.stop()
+                res["cpu"] = {name: cpu.window(a, b) for name, (a, b) in windows.items()}
             if sampler is not None:
                 res["gpu_memory"] = sampler.report()
             res["jobs_killed_at_cleanup"] = kill_jobs(db)  # before the server: jobs outlive it
@@ -578,6 +703,8 @@ def verdict(res: dict, cuda: bool) -> None:
     base, train = ph.get("baseline", {}).get("p99_ms"), ph.get("training", {}).get("p99_ms")
     ratio = round(train / base, 3) if base and train else None
     res["p99_ratio_training_over_baseline"] = ratio
+    sb, st = ph.get("baseline", {}).get("server_p99_ms"), ph.get("training", {}).get("server_p99_ms")
+    res["server_p99_ratio_training_over_baseline"] = round(st / sb, 3) if sb and st else None
     cond = {
         "zero_inference_errors": ph.get("all", {}).get("count", 0) > 0
         and ph["all"].get("errors") == 0,
@@ -657,8 +784,11 @@ def main(argv: list[str] | None = None) -> int:
     results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     save()
     summary = {k: results.get(k) for k in ("rate_per_s", "p99_ratio_training_over_baseline",
+                                           "server_p99_ratio_training_over_baseline",
                                            "conditions", "pass", "error") if k in results}
-    summary["phases"] = {k: {f: v.get(f) for f in ("count", "errors", "p50_ms", "p99_ms")}
+    summary["phases"] = {k: {f: v.get(f) for f in ("count", "errors", "p50_ms", "p99_ms",
+                                                   "server_p99_ms", "send_lag_p99_ms",
+                                                   "client_wake_lag_p99_ms")}
                          for k, v in results.get("phases", {}).items()}
     print(json.dumps(summary, indent=2, default=str))
     return rc

@@ -204,13 +204,14 @@ def test_environment_injects_the_hook_and_a_job_may_opt_out(tmp_path):
     assert os.path.exists(os.path.join(site, "visionserve_guard_yield.py"))
     s = LaunchSettings(gpu_uuid="GPU-abc", gpu_total=80 * 2**30, site_dir=site,
                        share_path="/dev/shm/w.share", yield_max_wait_ms=30, yield_min_share=0.4,
-                       yield_depth=2)
+                       yield_depth=2, yield_queue_ms=3)
     env = job_env(_job(), s, base={"VISIONSERVE_GUARD_YIELD_STATS": "/elsewhere"})
     assert env["VISIONSERVE_GUARD_SHARE"] == "/dev/shm/w.share"
     assert env["VISIONSERVE_GUARD_YIELD_STATS"] == "/logs/job-7.log.yield"
     assert env["VISIONSERVE_GUARD_YIELD_MAX_WAIT_MS"] == "30"
     assert env["VISIONSERVE_GUARD_YIELD_MIN_SHARE"] == "0.4"
     assert env["VISIONSERVE_GUARD_YIELD_DEPTH"] == "2"
+    assert env["VISIONSERVE_GUARD_YIELD_QUEUE_MS"] == "3"
     assert env["PYTHONPATH"].split(os.pathsep)[0] == site
     mine = job_env(_job({"VISIONSERVE_GUARD_YIELD_MAX_WAIT_MS": "5"}), s, base={})
     assert mine["VISIONSERVE_GUARD_YIELD_MAX_WAIT_MS"] == "5"  # the job's own value wins
@@ -246,3 +247,63 @@ def _job(env=None) -> Job:
                priority=0, policy="pause", state="running", reason=None, submitted_at=0.0,
                started_at=None, ended_at=None, pid=None, pid_starttime=None, exit_code=None,
                log_path="/logs/job-7.log", cancel_requested=False, starts=1)
+
+
+class FakeCuda:
+    """Just enough of torch.cuda for the hook's run-ahead bound: a GPU that takes ``work_s`` per
+    interval between marks, in order, on the real clock."""
+
+    def __init__(self, work_s: float) -> None:
+        self.work_s, self.free_at = work_s, 0.0
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing=False, blocking=False):
+                assert enable_timing and blocking
+                self.done_at = None
+
+            def record(self):
+                gpu.free_at = max(gpu.free_at, time.monotonic()) + gpu.work_s
+                self.done_at = gpu.free_at
+
+            def query(self):
+                return time.monotonic() >= self.done_at
+
+            def synchronize(self):
+                time.sleep(max(0.0, self.done_at - time.monotonic()))
+
+            def elapsed_time(self, other):
+                assert self.query() and other.query()
+                return (other.done_at - self.done_at) * 1000
+
+        self.Event = Event
+
+    @staticmethod
+    def is_initialized():
+        return True
+
+    def queued_s(self) -> float:
+        return max(0.0, self.free_at - time.monotonic())
+
+
+class FakeTorch:
+    def __init__(self, work_s: float) -> None:
+        self.cuda = FakeCuda(work_s)
+
+
+def test_hook_bounds_the_gpu_work_queued_ahead(word, tmp_path):
+    """The job may queue about queue_ms of GPU work (learnt per point from its events), one point
+    while frames wait for their batch: that bounds how long an arriving batch waits for it."""
+    fake = FakeTorch(work_s=0.001)
+    y = yieldhook.Yielder(fake, word, None, queue_ms=4.0, depth=16, max_wait_s=0.0)
+    queued = []
+    for _ in range(400):  # the CPU runs far ahead of the GPU: only the bound holds it back
+        y.point()
+        queued.append(fake.cuda.queued_s())
+    assert 0.0007 < y.point_ms / 1000 < 0.0015  # learnt: 1 ms per point
+    assert max(queued[100:]) < 0.0065, max(queued[100:])  # ~4 ms (+ the interval just queued)
+    assert y.syncs > 300
+    share.note(Batcher(), share.QUEUED)  # frames wait for their batch: drain to one point
+    for _ in range(20):
+        y.point()
+        assert fake.cuda.queued_s() < 0.0025

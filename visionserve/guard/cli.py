@@ -104,8 +104,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="longest single wait of a job's hook (default 50)")
     p.add_argument("--yield-min-share", type=float, default=0.3,
                    help="share of time a yielding job keeps however busy the line (default 0.3)")
-    p.add_argument("--yield-depth", type=int, default=4,
-                   help="hook intervals of GPU work a job may queue ahead (default 4)")
+    p.add_argument("--yield-queue-ms", type=float, default=2.0,
+                   help="GPU work (ms) a yielding job may keep queued ahead (default 2)")
+    p.add_argument("--yield-depth", type=int, default=16,
+                   help="at most this many hook intervals queued ahead (default 16)")
     p.add_argument("--stop-jobs-on-exit", action="store_true",
                    help="on SIGTERM/SIGINT stop running jobs instead of leaving them running")
     p.add_argument("--simulate-memory", metavar="FILE",
@@ -351,9 +353,10 @@ def _run(args: argparse.Namespace) -> int:
             parse_cpus(args.job_cpus)
         except ValueError as exc:
             raise _UsageError(f"--job-cpus {args.job_cpus}: {exc}") from None
-    if args.yield_max_wait_ms < 0 or not 0 <= args.yield_min_share <= 1 or args.yield_depth < 1:
-        raise _UsageError("--yield-max-wait-ms must be >= 0, --yield-min-share in 0..1 and "
-                          "--yield-depth >= 1")
+    if args.yield_max_wait_ms < 0 or not 0 <= args.yield_min_share <= 1 or args.yield_depth < 1 \
+            or args.yield_queue_ms < 0:
+        raise _UsageError("--yield-max-wait-ms and --yield-queue-ms must be >= 0, "
+                          "--yield-min-share in 0..1 and --yield-depth >= 1")
     cfg = SupervisorConfig(
         concurrency=args.concurrency,
         inference_floor=_size(args.inference_floor, "--inference-floor"),
@@ -362,7 +365,8 @@ def _run(args: argparse.Namespace) -> int:
         context_reserve=_size(args.context_reserve, "--context-reserve"),
         stop_jobs_on_exit=args.stop_jobs_on_exit, job_cpus=args.job_cpus,
         cooperative=args.cooperative, yield_max_wait_ms=args.yield_max_wait_ms,
-        yield_min_share=args.yield_min_share, yield_depth=args.yield_depth)
+        yield_min_share=args.yield_min_share, yield_depth=args.yield_depth,
+        yield_queue_ms=args.yield_queue_ms)
     store = _store(args)
     log.info("guard job database: %s", store.path)
     if args.simulate_memory:

@@ -14,7 +14,7 @@ What the job sees is documented in ``docs/guard.md``; in short:
   there as ``visionserve_guard_yield.py``). It chains to any other ``sitecustomize``;
 - with a busy word: ``VISIONSERVE_GUARD_SHARE``, ``VISIONSERVE_GUARD_YIELD_STATS`` (the job's
   ``<log>.yield``) and the hook's settings ``VISIONSERVE_GUARD_YIELD_MAX_WAIT_MS`` / ``_MIN_SHARE``
-  / ``_DEPTH`` (the job's own values win). A job that sets ``VISIONSERVE_GUARD_YIELD=0`` gets none
+  / ``_QUEUE_MS`` / ``_DEPTH`` (the job's own values win). A job that sets ``VISIONSERVE_GUARD_YIELD=0`` gets none
   of them and is handled by the process-level policies only.
 """
 
@@ -153,7 +153,8 @@ class LaunchSettings:
     share_path: str = ""
     yield_max_wait_ms: float = 50.0
     yield_min_share: float = 0.3
-    yield_depth: int = 4
+    yield_depth: int = 16
+    yield_queue_ms: float = 2.0
 
 
 def write_site_dir(path: str) -> str:
@@ -206,6 +207,7 @@ def job_env(job: Job, s: LaunchSettings, base: dict[str, str] | None = None) -> 
         env.setdefault("VISIONSERVE_GUARD_YIELD_MAX_WAIT_MS", f"{s.yield_max_wait_ms:g}")
         env.setdefault("VISIONSERVE_GUARD_YIELD_MIN_SHARE", f"{s.yield_min_share:g}")
         env.setdefault("VISIONSERVE_GUARD_YIELD_DEPTH", str(s.yield_depth))
+        env.setdefault("VISIONSERVE_GUARD_YIELD_QUEUE_MS", f"{s.yield_queue_ms:g}")
     if s.site_dir:
         old = env.get("PYTHONPATH")
         env["PYTHONPATH"] = s.site_dir + (os.pathsep + old if old else "")

@@ -80,7 +80,8 @@ class SupervisorConfig:
     cooperative: bool = True
     yield_max_wait_ms: float = 50.0
     yield_min_share: float = 0.3
-    yield_depth: int = 4
+    yield_depth: int = 16
+    yield_queue_ms: float = 2.0
 
     @property
     def floor(self) -> int:
@@ -145,7 +146,7 @@ class Supervisor:
             context_reserve=self.cfg.context_reserve, nice=self.cfg.nice, sched_idle=self.cfg.sched_idle,
             site_dir=write_site_dir(os.path.join(store.log_dir, "jobsite")), cpus=self.cfg.job_cpus,
             yield_max_wait_ms=self.cfg.yield_max_wait_ms, yield_min_share=self.cfg.yield_min_share,
-            yield_depth=self.cfg.yield_depth)
+            yield_depth=self.cfg.yield_depth, yield_queue_ms=self.cfg.yield_queue_ms)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> bool:

@@ -18,11 +18,15 @@ the hook
    wall time (decaying window of about 2 s), so a line that is always busy slows the job to that
    share but never stops it. A wait cut short by either limit is a *forced pass*;
 2. **bounds the GPU work it has queued ahead** (once CUDA is initialised): every point records a
-   CUDA event on the current stream, and the point ``VISIONSERVE_GUARD_YIELD_DEPTH`` (default 4)
-   points back is waited for (blocking sync, no spinning). Waiting in step 1 stops new work from
-   being queued, but what is already queued still runs; this bound is what limits how long a
-   batch that arrives can wait for the job. While frames wait for their batch (the word's
-   ``busy``), the bound tightens to one point;
+   CUDA event on the current stream; the hook learns the GPU time per point from those events and
+   waits (blocking sync, no spinning) for the oldest outstanding one while more than
+   ``VISIONSERVE_GUARD_YIELD_QUEUE_MS`` (default 2) of GPU work, and never more than
+   ``VISIONSERVE_GUARD_YIELD_DEPTH`` (default 16) points, are queued. Waiting in step 1 stops new
+   work from being queued, but what is already queued still runs: this bound is what limits how
+   long a batch that arrives can wait for the job. While frames wait for their batch (the word's
+   ``busy``), it tightens to one point, so the job drains before the batch runs;
+3. **holds a duty cycle** when the word carries one (the guard's latency budget, hosted in the
+   server): it sleeps at its points so that it runs at most that share of the time;
 
 and counts what it did into ``VISIONSERVE_GUARD_YIELD_STATS`` (a small file the guard reads).
 Points inside ``torch.compile`` regions are skipped (no graph breaks), as are forked children
@@ -60,7 +64,8 @@ def _env_float(name: str, default: float) -> float:
 
 class Yielder:
     def __init__(self, torch, share_path: str, stats_path: str | None = None, *,
-                 max_wait_s: float = 0.05, min_share: float = 0.3, depth: int = 4) -> None:
+                 max_wait_s: float = 0.05, min_share: float = 0.3, depth: int = 16,
+                 queue_ms: float = 2.0) -> None:
         self.torch = torch
         fd = os.open(share_path, os.O_RDONLY)
         try:
@@ -76,12 +81,15 @@ class Yielder:
         self.max_wait = max(0.0, max_wait_s)
         self.min_share = min(1.0, max(0.0, min_share))
         self.depth = max(1, int(depth))
+        self.queue_ms = max(0.0, queue_ms)
+        self.point_ms = 0.25  # GPU time per point, learnt from the events (a guess to start)
         self.pid = os.getpid()
         self.hooks = self.yields = self.forced = self.waited_ns = self.syncs = self.slept_ns = 0
         # decayed wall time, and time waited and slept in it (min share, duty cycle)
         self._span, self._waited, self._slept = TAU_S, 0.0, 0.0
         self._last = time.monotonic()
         self._ring: list | None = None  # CUDA events, created once CUDA is up
+        self._done = 0  # marks the GPU is known to have passed (the oldest outstanding one next)
         self._n = 0
         self._off = False  # after an error, and in forked children (data-loader workers)
         self._flushed = 0
@@ -109,7 +117,7 @@ class Yielder:
             if word[1] and self._live():
                 self._wait()
             if self._ring is not None or self.torch.cuda.is_initialized():
-                self._bound(1 if word[4] else self.depth)
+                self._bound(bool(word[4]))
             duty = word[5]
             if duty and self._live():
                 self._throttle(duty / 1000.0)
@@ -178,22 +186,30 @@ class Yielder:
         self.waited_ns += int(waited * 1e9)
         self.flush()
 
-    def _bound(self, depth: int) -> None:
-        """At most ``depth`` intervals between points of this job's GPU work queued: mark this
-        point with an event, then wait (blocking sync) for the one ``depth - 1`` points back
-        (depth 1: all work so far)."""
+    def _bound(self, busy: bool) -> None:
+        """Mark this point with a CUDA event; then, oldest first, note which marks the GPU has
+        passed (learning its time per point from the events' timing), and wait (blocking sync) for
+        the oldest while more points are outstanding than ``queue_ms`` of GPU time allows (at most
+        ``depth``; one while frames wait for their batch: the job drains before it runs)."""
         ring = self._ring
         if ring is None:
-            ring = self._ring = [self.torch.cuda.Event(blocking=True) for _ in range(self.depth)]
+            ring = self._ring = [self.torch.cuda.Event(enable_timing=True, blocking=True)
+                                 for _ in range(self.depth + 2)]  # + the last passed mark
         n = len(ring)
-        i = self._n % n
+        ring[self._n % n].record()
         self._n += 1
-        ring[i].record()
-        if self._n >= depth:
-            ev = ring[(i - depth + 1) % n]
+        allowed = 1 if busy else max(1, min(self.depth, int(self.queue_ms / self.point_ms)))
+        while self._done < self._n:
+            ev = ring[self._done % n]
             if not ev.query():
+                if self._n - self._done <= allowed:
+                    break
                 ev.synchronize()
                 self.syncs += 1
+            if self._done:  # the GPU time between the previous mark and this one
+                ms = ring[(self._done - 1) % n].elapsed_time(ev)
+                self.point_ms += 0.1 * (max(0.001, ms) - self.point_ms)
+            self._done += 1
 
     def disable(self) -> None:
         self._off = True
@@ -220,7 +236,8 @@ def install(torch, env=None) -> Yielder | None:
         y = Yielder(torch, share, env.get("VISIONSERVE_GUARD_YIELD_STATS"),
                     max_wait_s=_env_float("VISIONSERVE_GUARD_YIELD_MAX_WAIT_MS", 50.0) / 1000,
                     min_share=_env_float("VISIONSERVE_GUARD_YIELD_MIN_SHARE", 0.3),
-                    depth=int(_env_float("VISIONSERVE_GUARD_YIELD_DEPTH", 4)))
+                    depth=int(_env_float("VISIONSERVE_GUARD_YIELD_DEPTH", 16)),
+                    queue_ms=_env_float("VISIONSERVE_GUARD_YIELD_QUEUE_MS", 2.0))
         from torch.nn.modules import module as nn_module
 
         def forward_post(_module, _args, output):

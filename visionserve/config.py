@@ -365,6 +365,14 @@ OTHER_VARIABLES: dict[str, str] = {
     "GPU_MEM_LIMIT": "set by the training-queue guard for its jobs (docs/guard.md)",
     "GUARD_ALLOCATOR_CAP": "set by the training-queue guard for its jobs (docs/guard.md)",
     "GPU_MEM_FRACTION": "set by the training-queue guard for its jobs (docs/guard.md)",
+    "GUARD_SHARE": "the server's busy word for cooperative yielding (docs/guard.md): set for a "
+                   "server and a `guard run` that are separate processes; the guard sets it for jobs",
+    "GUARD_YIELD": "a guard job's `0` turns cooperative yielding off for it (docs/guard.md)",
+    "GUARD_YIELD_STATS": "set by the training-queue guard for its jobs (docs/guard.md)",
+    "GUARD_YIELD_MAX_WAIT_MS": "set by the guard for its jobs; a job may set its own (docs/guard.md)",
+    "GUARD_YIELD_MIN_SHARE": "set by the guard for its jobs; a job may set its own (docs/guard.md)",
+    "GUARD_YIELD_QUEUE_MS": "set by the guard for its jobs; a job may set its own (docs/guard.md)",
+    "GUARD_YIELD_DEPTH": "set by the guard for its jobs; a job may set its own (docs/guard.md)",
 }
 
 

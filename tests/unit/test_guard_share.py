@@ -282,6 +282,10 @@ class FakeCuda:
     def is_initialized():
         return True
 
+    @staticmethod
+    def is_current_stream_capturing():
+        return False
+
     def queued_s(self) -> float:
         return max(0.0, self.free_at - time.monotonic())
 

@@ -191,6 +191,8 @@ class Yielder:
         passed (learning its time per point from the events' timing), and wait (blocking sync) for
         the oldest while more points are outstanding than ``queue_ms`` of GPU time allows (at most
         ``depth``; one while frames wait for their batch: the job drains before it runs)."""
+        if self.torch.cuda.is_current_stream_capturing():
+            return  # inside a CUDA graph capture: no event may be queried
         ring = self._ring
         if ring is None:
             ring = self._ring = [self.torch.cuda.Event(enable_timing=True, blocking=True)

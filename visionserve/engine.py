@@ -1,9 +1,13 @@
-"""The data plane: one object both front ends (HTTP, gRPC) call. No wire formats here.
+"""The data plane in the serving process: the engine every front end calls (see
+:class:`visionserve.dataplane.DataPlane`, which it implements). No wire formats here.
 
 ``Engine.start()`` scans the model repository, loads and warms up every model version on the
 device (in worker threads, so the loop stays responsive and ``/v2/health/live`` answers), then
-reports ready. ``infer()`` checks limits, queues each frame in the model's batcher and awaits the
-answers. ``drain()`` is the shutdown path: readiness goes false first, queued work finishes.
+reports ready. ``submit()`` is the one way frames go in: checks, admission, one batcher queue per
+model, and the answer counted and recorded once, from the frames' futures (no task per request);
+``infer()`` awaits it for the front ends of this process, the hub of the front-end processes
+calls it directly. ``drain()`` is the shutdown path: readiness goes false first, queued work
+finishes.
 """
 
 from __future__ import annotations
@@ -21,48 +25,22 @@ from .backends import base as backends
 from .backends import checks
 from .batching import Batcher, CostModel
 from .config import BatchingSpec, ModelConfig, ServerSettings
+from .dataplane import Duration, ModelLookup, ModelStats
 from .errors import (
     ConfigError,
     InvalidInput,
-    NotFound,
     Unavailable,
     VisionServeError,
     describe_validation,
 )
 from .imaging import Frame
 from .latency import LatencyWindow
-from .repository import ModelEntry, parse_version, scan
+from .repository import ModelEntry, scan
 from .runner import BatchRecord, FrameResult, Runner, device_fault, padded_size
 
 log = logging.getLogger(__name__)
 
 MAX_DEADLINE_MS = 3_600_000.0
-
-
-@dataclass
-class Duration:
-    count: int = 0
-    ns: int = 0
-
-    def add(self, seconds: float, count: int = 1) -> None:
-        self.count += count
-        self.ns += int(seconds * 1e9)
-
-
-@dataclass
-class ModelStats:
-    """Counters in the shape of the OIP / Triton statistics extension."""
-
-    inference_count: int = 0
-    execution_count: int = 0
-    last_inference_ms: int = 0
-    success: Duration = field(default_factory=Duration)
-    fail: Duration = field(default_factory=Duration)
-    queue: Duration = field(default_factory=Duration)
-    compute_input: Duration = field(default_factory=Duration)
-    compute_infer: Duration = field(default_factory=Duration)
-    compute_output: Duration = field(default_factory=Duration)
-    batch: dict[int, tuple[Duration, Duration, Duration]] = field(default_factory=dict)
 
 
 @dataclass
@@ -115,48 +93,6 @@ def effective_config(config: ModelConfig, settings: ServerSettings) -> ModelConf
         errs = "; ".join(describe_validation(exc, flag=True, got=True))
         raise ConfigError(f"server override does not fit model {config.name or 'config'}: {errs}") from None
     return config.model_copy(update={"batching": batching})
-
-
-class ModelLookup:
-    """Finding a served model version by name and version: the same answers (and errors) from
-    the engine and from a front end in another process (:mod:`visionserve.frontends.remote`).
-
-    Needs ``entries`` (name -> ModelEntry), ``served`` ((name, version) -> a Served-like object
-    with ``ready``) and ``ready``.
-    """
-
-    entries: dict[str, ModelEntry]
-    served: dict
-
-    def entry(self, name: str) -> ModelEntry:
-        try:
-            return self.entries[name]
-        except KeyError:
-            raise NotFound(f"unknown model {name!r}; served: {sorted(self.entries)}") from None
-
-    def get(self, name: str, version: str | int | None = None):
-        entry = self.entry(name)
-        v = parse_version(entry, version)
-        served = self.served.get((name, v))
-        if served is None:
-            raise Unavailable(f"model {name} version {v} is not loaded yet")
-        return served
-
-    def model_ready(self, name: str, version: str | int | None = None) -> bool:
-        try:
-            s = self.get(name, version)
-        except Unavailable:
-            return False
-        return self.ready and s.ready
-
-    def select(self, name: str = "", version: str | int | None = None) -> list:
-        """The versions a statistics request names: all models, all versions of one, or one."""
-        if not name:
-            return list(self.served.values())
-        if version:
-            return [self.get(name, version)]
-        entry = self.entry(name)
-        return [s for (n, _), s in self.served.items() if n == entry.name]
 
 
 class Engine(ModelLookup):
@@ -349,23 +285,65 @@ class Engine(ModelLookup):
                     arrival: float | None = None, origin: tuple | None = None
                     ) -> tuple[Served, list[FrameResult]]:
         """Answers for ``frames`` in order; raises a VisionServeError for the whole request."""
+        answer = self.submit(name, version, frames, deadline_ms=deadline_ms, priority=priority,
+                             arrival=arrival, origin=origin)
+        try:
+            return await answer
+        except asyncio.CancelledError:
+            answer.cancel()  # the client went away: its frames not yet run are dropped
+            raise
+
+    def submit(self, name: str, version: str | int | None, frames: list[Frame], *,
+               deadline_ms: float | None = None, priority: int | None = None,
+               arrival: float | None = None, origin: tuple | None = None) -> asyncio.Future:
+        """Queue a request's frames: a future of ``(served, results in frame order)``, or of the
+        request's VisionServeError (any other error: a bug, the front end answers 500).
+
+        The answer is counted and recorded here, once, whoever waits for it. Cancelling the
+        future drops the frames not yet run, uncounted (the one who cancelled answers, and
+        counts, the request). An unknown model or version raises at once, uncounted: the front
+        end that asked counts it as one it refused."""
         arrival = time.monotonic() if arrival is None else arrival
         served = self.get(name, version)
+        answer = asyncio.get_running_loop().create_future()
         try:
             pending = self.admit(served, frames, deadline_ms, priority, arrival, origin)
-            try:
-                results = await asyncio.gather(*(p.future for p in pending))
-            except BaseException:
-                for p in pending:
-                    p.future.cancel()
-                raise
         except VisionServeError as exc:
             self.count_error(name, exc, len(frames))
-            raise
+            answer.set_exception(exc)
+            return answer
         except Exception:  # a bug: the front end answers 500
             self.count_error(name, "internal", len(frames))
             raise
-        return served, self.finish(served, results, arrival)
+        futures = [p.future for p in pending]
+        done = futures[0] if len(futures) == 1 else asyncio.gather(*futures)
+
+        def answered(f: asyncio.Future) -> None:
+            # a gather whose frames were cancelled holds a CancelledError as its exception
+            cancelled = f.cancelled() or isinstance(f.exception(), asyncio.CancelledError)
+            exc = None if cancelled else f.exception()
+            if cancelled or exc is not None:
+                for other in futures:  # one frame failed: the request failed, drop the rest
+                    other.cancel()
+            if answer.done():  # cancelled by the one waiting
+                return
+            if cancelled:
+                answer.cancel()
+            elif exc is not None:
+                self.count_error(name, exc if isinstance(exc, VisionServeError) else "internal",
+                                 len(futures))
+                answer.set_exception(exc)
+            else:
+                results = [f.result()] if len(futures) == 1 else f.result()
+                answer.set_result((served, self.finish(served, results, arrival)))
+
+        def abandoned(a: asyncio.Future) -> None:
+            if a.cancelled():
+                done.cancel()
+
+        done.add_done_callback(answered)
+        answer.add_done_callback(abandoned)
+        return answer
 
     def admit(self, served: Served, frames: list[Frame], deadline_ms: float | None, priority: int | None,
               arrival: float, origin: tuple | None = None) -> list:

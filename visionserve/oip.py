@@ -24,7 +24,7 @@ from .imaging import Frame
 from .tasks import VERDICT, OipOutput
 
 if TYPE_CHECKING:
-    from .engine import Served
+    from .dataplane import ServedModel
     from .runner import FrameResult
 
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "schedule_policy",
@@ -38,12 +38,12 @@ def server_metadata() -> dict[str, Any]:
     return {"name": "visionserve", "version": __version__, "extensions": list(EXTENSIONS)}
 
 
-def output_specs(served: Served) -> tuple[OipOutput, ...]:
+def output_specs(served: ServedModel) -> tuple[OipOutput, ...]:
     """The model's OIP outputs: its task's, then ``verdict``."""
     return (*served.task.oip_outputs(), VERDICT)
 
 
-def model_metadata(served: Served) -> dict[str, Any]:
+def model_metadata(served: ServedModel) -> dict[str, Any]:
     cfg = served.config
     return {
         "name": served.name,
@@ -67,7 +67,7 @@ def _config_output(o: OipOutput) -> dict[str, Any]:
     return {**out, "dims": [1], "reshape": {"shape": []}}
 
 
-def model_config(served: Served) -> dict[str, Any]:
+def model_config(served: ServedModel) -> dict[str, Any]:
     """Triton's model configuration shape (what perf_analyzer and Triton tools read)."""
     cfg = served.config
     b = cfg.batching
@@ -105,7 +105,7 @@ def _duration(d) -> dict[str, int]:
     return {"count": d.count, "ns": d.ns}
 
 
-def model_statistics(served: Served) -> dict[str, Any]:
+def model_statistics(served: ServedModel) -> dict[str, Any]:
     st = served.stats
     return {
         "name": served.name,
@@ -153,7 +153,7 @@ def origin(params: dict[str, Any] | None, request_id: str | None) -> tuple[str |
     return part, (str(camera) if camera not in (None, "") else None)
 
 
-def check_input(served: Served, name: str, datatype: str, shape: list[int]) -> None:
+def check_input(served: ServedModel, name: str, datatype: str, shape: list[int]) -> None:
     want = served.config.input.name
     if name != want:
         raise InvalidInput(f"unknown input {name!r}; model {served.name} takes one input named {want!r}")
@@ -259,7 +259,7 @@ def _flatten(data: Any) -> list[Any]:
     return out
 
 
-def outputs(served: Served, results: list[FrameResult]) -> dict[str, tuple[str, list[int], np.ndarray]]:
+def outputs(served: ServedModel, results: list[FrameResult]) -> dict[str, tuple[str, list[int], np.ndarray]]:
     """name -> (datatype, shape, array) for every output: the task renders its own."""
     arrays = served.task.oip_tensors([r.result for r in results])
     arrays[VERDICT.name] = np.array([r.verdict.encode() for r in results], dtype=object)
@@ -267,7 +267,7 @@ def outputs(served: Served, results: list[FrameResult]) -> dict[str, tuple[str, 
             for o in output_specs(served)}
 
 
-def requested(served: Served, names: list[str] | None) -> list[str]:
+def requested(served: ServedModel, names: list[str] | None) -> list[str]:
     known = [o.name for o in output_specs(served)]
     if not names:
         return known

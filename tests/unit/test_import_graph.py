@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                               "extras", "process"})),
     ("frames and devices", frozenset({"imaging", "gpu"})),
     ("models", frozenset({"backends", "tasks", "repository"})),
-    ("data plane", frozenset({"batching", "runner", "engine", "oip"})),
+    ("data plane", frozenset({"dataplane", "batching", "runner", "engine", "oip"})),
     ("front ends", frozenset({"http", "grpc", "frontends", "security"})),
     ("services", frozenset({"guard", "plc", "ops"})),
     ("assembly", frozenset({"runtime", "cli", "__main__"})),
@@ -221,7 +221,7 @@ def test_the_walk_sees_the_package():
     """The walk itself: it finds the modules and resolves what they import."""
     assert {"visionserve.engine", "visionserve.http.app", "visionserve.cli"} <= set(MODULES)
     app = {e.target for e in GRAPH["visionserve.http.app"]}
-    assert {"visionserve.engine", "visionserve.http.common", "visionserve.http.v2"} <= app
+    assert {"visionserve.dataplane", "visionserve.http.common", "visionserve.http.v2"} <= app
     assert "visionserve" in app  # from .. import __version__: the package's __init__
 
 

@@ -30,10 +30,10 @@ import contextlib
 import logging
 import socket
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
+from ..dataplane import ModelView
 from ..errors import INTERNAL_MESSAGE, InternalError, VisionServeError
 from ..imaging import Frame
 from ..logs import request_id
@@ -46,17 +46,6 @@ log = logging.getLogger(__name__)
 STATE_POLL_S = 0.05
 #: how often every front end is told that this process is alive (see remote.HEARTBEAT_TIMEOUT_S)
 HEARTBEAT_S = 0.2
-
-
-@dataclass(frozen=True)
-class ServedInfo:
-    """What a front end needs to know of a served version (no batcher, no runners)."""
-
-    entry: object
-    version: int
-    config: object
-    backend_info: dict
-    task: object  # the model's task (bound): it renders the answers there as here
 
 
 class Link:
@@ -118,43 +107,33 @@ class Link:
         return Frame(kind, data, width, height, channels)
 
     def _infer(self, rid, name, version, frames, deadline_ms, priority, arrival, origin=None) -> None:
-        """Straight into the batcher, answered from the futures' callback: no task per request
-        (the engine process is the one all front ends share, so its cost per request sets the
-        ceiling). The same checks, statistics and errors as ``Engine.infer``."""
+        """Into the engine's one submit path, answered from its future's callback: no task per
+        request (the engine process is the one all front ends share, so its cost per request
+        sets the ceiling); the engine counts and records the answer."""
         engine = self.hub.engine
         try:
-            served = engine.get(name, version)
-            futures = [p.future for p in engine.admit(served, frames, deadline_ms, priority, arrival,
-                                                      origin)]
-        except VisionServeError as exc:
+            answer = engine.submit(name, version, frames, deadline_ms=deadline_ms,
+                                   priority=priority, arrival=arrival, origin=origin)
+        except VisionServeError as exc:  # unknown model or version: refused, and counted here
             engine.count_error(name, exc, len(frames))
             self._error(rid, exc)
             return
-        done = futures[0] if len(futures) == 1 else asyncio.gather(*futures)
-        self.tasks[rid] = (done, name, len(futures))  # "cancel" cancels it; the batcher drops cancelled frames
+        self.tasks[rid] = (answer, name, len(frames))  # "cancel" cancels it: its frames are dropped
 
         def answered(f: asyncio.Future) -> None:
             self.tasks.pop(rid, None)
-            # a gather whose frames were cancelled holds a CancelledError as its exception
-            cancelled = f.cancelled() or isinstance(f.exception(), asyncio.CancelledError)
-            if cancelled or f.exception() is not None:
-                for other in futures:  # one frame failed: the request failed, drop the rest
-                    other.cancel()
-            if cancelled:
+            if f.cancelled():
                 log.debug("request cancelled (front end %d): its frames are dropped", self.index)
                 self.channel.send(("error", rid, "Cancelled", "cancelled", None))
             elif isinstance(f.exception(), VisionServeError):
-                engine.count_error(name, f.exception(), len(futures))
                 self._error(rid, f.exception())
             elif f.exception() is not None:
                 log.error("inference for front end %d failed", self.index, exc_info=f.exception())
-                engine.count_error(name, "internal", len(futures))
                 self._error(rid, InternalError(INTERNAL_MESSAGE))
             else:
-                results = [f.result()] if len(futures) == 1 else f.result()
-                self.channel.send(("result", rid, engine.finish(served, results, arrival)))
+                self.channel.send(("result", rid, f.result()[1]))
 
-        done.add_done_callback(answered)
+        answer.add_done_callback(answered)
 
     def _error(self, rid: int, exc: VisionServeError) -> None:
         self.channel.send(("error", rid, type(exc).__name__, exc.message, exc.retry_after_s,
@@ -206,7 +185,7 @@ class Hub:
         served = self.engine.served
         if link.models_sent != len(served):
             models = (self.engine.entries, {
-                k: ServedInfo(s.entry, s.version, s.config, s.backend_info, s.task)
+                k: ModelView.of(s)
                 for k, s in served.items()})
             link.models_sent = len(served)
         link.channel.send(("state", ready, draining, per_model, models))

@@ -24,12 +24,11 @@ import itertools
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from .. import errors
-from ..engine import ModelLookup, ModelStats
+from ..dataplane import ModelLookup, ModelView
 from ..errors import DeadlineExceeded, Unavailable, VisionServeError
 from ..imaging import Frame
 from ..logs import request_id
@@ -45,29 +44,14 @@ HEARTBEAT_TIMEOUT_S = 1.0
 DEADLINE_GRACE_S = 0.02
 
 
-@dataclass
-class ServedView:
-    """A served version as a front end sees it: what the OIP/inspect answers need."""
-
-    entry: object
-    version: int
-    config: object
-    backend_info: dict
-    task: object = None  # the model's task: what the answers hold and how they are rendered
-    ready: bool = False
-    stats: ModelStats = field(default_factory=ModelStats)
-
-    @property
-    def name(self) -> str:
-        return self.entry.name
-
-
 class RemoteEngine(ModelLookup):
+    """The data plane (:class:`visionserve.dataplane.DataPlane`) in a front-end process."""
+
     def __init__(self, arena: Arena) -> None:
         self.arena = arena
         self.channel: Channel | None = None
         self.entries: dict = {}
-        self.served: dict[tuple[str, int], ServedView] = {}
+        self.served: dict[tuple[str, int], ModelView] = {}
         self._ready = False
         self._engine_draining = False
         self._draining = False
@@ -92,9 +76,7 @@ class RemoteEngine(ModelLookup):
             if models is not None:
                 entries, infos = models
                 self.entries = entries
-                self.served = {k: self.served.get(k) or ServedView(i.entry, i.version, i.config,
-                                                                   i.backend_info, i.task)
-                               for k, i in infos.items()}
+                self.served = {k: self.served.get(k) or view for k, view in infos.items()}
             for k, r in per_model.items():
                 if k in self.served:
                     self.served[k].ready = r
@@ -268,7 +250,7 @@ class RemoteEngine(ModelLookup):
         if self.channel is not None:
             self.channel.send(("count", model, exc.kind))
 
-    async def statistics(self, name: str = "", version=None) -> list[ServedView]:
+    async def statistics(self, name: str = "", version=None) -> list[ModelView]:
         self.select(name, version)  # unknown names fail here, as in the engine
         fut, _ = self._call("stats", name, version)
         out = []

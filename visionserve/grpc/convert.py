@@ -17,7 +17,7 @@ from .. import oip
 from ..errors import InvalidInput
 
 if TYPE_CHECKING:
-    from ..engine import Served
+    from ..dataplane import ServedModel
     from ..imaging import Frame
     from ..runner import FrameResult
 
@@ -48,7 +48,7 @@ def deadline_ms(param_ms: float | None, time_remaining_s: float | None) -> float
     return param_ms
 
 
-def frames(served: Served, request: service_pb2.ModelInferRequest, max_pixels: int) -> list[Frame]:
+def frames(served: ServedModel, request: service_pb2.ModelInferRequest, max_pixels: int) -> list[Frame]:
     """The frames of a ModelInferRequest: inputs in ``raw_input_contents`` or typed ``contents``."""
     if len(request.inputs) != 1:
         raise InvalidInput(f"model {served.name} takes exactly one input ({served.config.input.name!r}), "
@@ -83,7 +83,7 @@ def _has_contents(inp: service_pb2.ModelInferRequest.InferInputTensor) -> bool:
     return inp.HasField("contents") and inp.contents.ByteSize() > 0
 
 
-def infer_response(served: Served, results: list[FrameResult], names: list[str],
+def infer_response(served: ServedModel, results: list[FrameResult], names: list[str],
                    request_id: str) -> service_pb2.ModelInferResponse:
     """All requested outputs in ``raw_output_contents`` (what Triton does over gRPC)."""
     tensors = oip.outputs(served, results)
@@ -101,15 +101,15 @@ def server_metadata() -> service_pb2.ServerMetadataResponse:
     return json_format.ParseDict(oip.server_metadata(), pb.ServerMetadataResponse())
 
 
-def model_metadata(served: Served) -> service_pb2.ModelMetadataResponse:
+def model_metadata(served: ServedModel) -> service_pb2.ModelMetadataResponse:
     return json_format.ParseDict(oip.model_metadata(served), pb.ModelMetadataResponse())
 
 
-def model_config(served: Served) -> service_pb2.ModelConfigResponse:
+def model_config(served: ServedModel) -> service_pb2.ModelConfigResponse:
     config = json_format.ParseDict(oip.model_config(served), model_config_pb2.ModelConfig())
     return pb.ModelConfigResponse(config=config)
 
 
-def model_statistics(served: list[Served]) -> service_pb2.ModelStatisticsResponse:
+def model_statistics(served: list[ServedModel]) -> service_pb2.ModelStatisticsResponse:
     body = {"model_stats": [oip.model_statistics(s) for s in served]}
     return json_format.ParseDict(body, pb.ModelStatisticsResponse())

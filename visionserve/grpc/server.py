@@ -23,7 +23,7 @@ from .servicer import InferenceServicer
 
 if TYPE_CHECKING:
     from ..config import ServerSettings
-    from ..engine import Engine
+    from ..dataplane import DataPlane
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class GrpcServer:
     wrapped ``grpc.aio.Server``'s.
     """
 
-    def __init__(self, server: grpc.aio.Server, engine: Engine, health_servicer: Any,
+    def __init__(self, server: grpc.aio.Server, engine: DataPlane, health_servicer: Any,
                  address: str) -> None:
         self.server = server
         self.engine = engine
@@ -82,7 +82,7 @@ class GrpcServer:
                 last = ready
 
 
-def create_server(engine: Engine, settings: ServerSettings, *, shared_port: bool = False) -> GrpcServer:
+def create_server(engine: DataPlane, settings: ServerSettings, *, shared_port: bool = False) -> GrpcServer:
     """``shared_port``: several front-end processes serve the one port (SO_REUSEPORT); the serving
     process holds the port so that no other program can take it."""
     limit = settings.grpc_max_message_bytes

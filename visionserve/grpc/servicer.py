@@ -1,6 +1,6 @@
 """``inference.GRPCInferenceService``: the OIP v2 gRPC service. It only translates.
 
-Every call goes to the same :class:`~visionserve.engine.Engine` as HTTP. Errors come from the
+Every call goes to the same :class:`~visionserve.dataplane.DataPlane` as HTTP. Errors come from the
 one table in :mod:`visionserve.errors`; anything unexpected is answered INTERNAL with a short
 message, and its traceback goes to the log only.
 """
@@ -26,7 +26,7 @@ from . import convert
 
 if TYPE_CHECKING:
     from ..config import ServerSettings
-    from ..engine import Engine
+    from ..dataplane import DataPlane
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ STREAM_INFLIGHT = 256
 
 
 class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, engine: Engine, settings: ServerSettings) -> None:
+    def __init__(self, engine: DataPlane, settings: ServerSettings) -> None:
         self.engine = engine
         self.settings = settings
 

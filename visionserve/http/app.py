@@ -9,7 +9,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..config import ServerSettings
-from ..engine import Engine
+from ..dataplane import DataPlane
 from ..errors import VisionServeError, describe_validation
 from . import inspect, v2
 from .common import (
@@ -21,7 +21,7 @@ from .common import (
 )
 
 
-def create_app(engine: Engine, settings: ServerSettings, routers: tuple = ()) -> FastAPI:
+def create_app(engine: DataPlane, settings: ServerSettings, routers: tuple = ()) -> FastAPI:
     app = FastAPI(
         title="visionserve",
         version=__version__,

@@ -24,7 +24,7 @@ from ..errors import (
 )
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from ..dataplane import DataPlane
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def internal_error_response(method: str, path: str) -> JSONResponse:
     return JSONResponse({"error": INTERNAL_MESSAGE}, status_code=500)
 
 
-def engine_of(request: Request) -> Engine:
+def engine_of(request: Request) -> DataPlane:
     return request.app.state.engine
 
 

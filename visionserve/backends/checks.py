@@ -50,7 +50,8 @@ _FIX = "docs/model-toml.md, \"Exporting your model\""
 
 @dataclass(frozen=True)
 class Subject:
-    """The model version being checked: ``file`` is ``<repository>/<name>/<version>/<model file>``."""
+    """The model version being checked: ``file`` is
+    ``<repository>/<name>/<version>/<model file>``."""
 
     file: Path
 
@@ -66,7 +67,8 @@ class Subject:
 
 
 def fmt(dims: tuple[Dim, ...] | list[Dim]) -> str:
-    """``[N, 3, 32, 32]``: fixed sizes as numbers, a dynamic batch axis as N, other dynamic axes ?."""
+    """``[N, 3, 32, 32]``: fixed sizes as numbers, a dynamic batch axis as N, other dynamic axes
+    ?."""
     return "[" + ", ".join(str(d) if isinstance(d, int) else ("N" if i == 0 else "?")
                            for i, d in enumerate(dims)) + "]"
 
@@ -90,7 +92,8 @@ def check_input(subject: Subject, config: ModelConfig, inputs: list[Dim],
     _check_batch(subject, config, inputs)
     _check_geometry(subject, config, inputs)
     if input_dtype is not None and input_dtype != config.input.dtype:
-        hint = f"set `dtype = \"{input_dtype}\"`" if input_dtype in ("float32", "float16", "uint8") \
+        hint = f"set `dtype = \"{input_dtype}\"`" \
+            if input_dtype in ("float32", "float16", "uint8") \
             else "export the model with a float32, float16 or uint8 input"
         raise subject.error("input.dtype", "the model's input has another dtype",
                             expected_input(config), f"{fmt(inputs)} {input_dtype}", hint)
@@ -101,8 +104,9 @@ def _check_batch(subject: Subject, config: ModelConfig, inputs: list[Dim]) -> No
         return
     b = config.batching
     sizes = b.preferred_batch_sizes or (b.max_batch_size,)
-    expected = f"a batch axis that takes 1 to {b.max_batch_size} frames (batching.max_batch_size = " \
-               f"{b.max_batch_size}, preferred_batch_sizes = {list(sizes)})"
+    expected = f"a batch axis that takes 1 to {b.max_batch_size} frames " \
+               f"(batching.max_batch_size = {b.max_batch_size}, " \
+               f"preferred_batch_sizes = {list(sizes)})"
     dynamic = _DYNAMIC_BATCH.get(subject.file.suffix, "export with a dynamic batch axis")
     first = inputs[0]
     if isinstance(first, int):
@@ -116,9 +120,11 @@ def _check_batch(subject: Subject, config: ModelConfig, inputs: list[Dim]) -> No
                             expected, fmt(inputs), f"{dynamic}, or set {other}")
     top = first[1]
     if top is not None and top < b.max_batch_size:
-        raise subject.error("batching.max_batch_size", f"the model's batch axis takes at most {top}",
+        raise subject.error("batching.max_batch_size",
+                            f"the model's batch axis takes at most {top}",
                             expected, f"{fmt(inputs)} with N <= {top}",
-                            f"set `max_batch_size = {top}` or lower, or export with a larger maximum")
+                            f"set `max_batch_size = {top}` or lower, or export with a larger "
+                            "maximum")
 
 
 def _check_geometry(subject: Subject, config: ModelConfig, inputs: list[Dim]) -> None:
@@ -126,13 +132,15 @@ def _check_geometry(subject: Subject, config: ModelConfig, inputs: list[Dim]) ->
     if len(inputs) != 1 + len(want):
         raise subject.error("input.layout", f"the model's input has {len(inputs)} dimensions",
                             expected_input(config), fmt(inputs),
-                            "serve a model that takes a batch of images, [N, C, H, W] or [N, H, W, C]")
+                            "serve a model that takes a batch of images, [N, C, H, W] or "
+                            "[N, H, W, C]")
     wrong = [(f, size, got) for (f, size), got in zip(want, inputs[1:])
              if isinstance(got, int) and got != size]
     if not wrong:
         return
     other = "NHWC" if config.input.layout == "NCHW" else "NCHW"
-    flipped = [size for _, size in (want[1:] + want[:1] if other == "NHWC" else want[2:] + want[:2])]
+    rotated = want[1:] + want[:1] if other == "NHWC" else want[2:] + want[:2]
+    flipped = [size for _, size in rotated]
     if all(not isinstance(got, int) or got == size for size, got in zip(flipped, inputs[1:])):
         raise subject.error("input.layout", f"the model takes {other}", expected_input(config),
                             fmt(inputs), f"set `layout = \"{other}\"`")
@@ -145,10 +153,12 @@ def _check_geometry(subject: Subject, config: ModelConfig, inputs: list[Dim]) ->
                         fmt(inputs), hint)
 
 
-def run_failed(subject: Subject, config: ModelConfig, sizes: tuple[int, ...], exc: Exception) -> ConfigError:
-    """The model raised on the warm-up input model.toml describes (shapes the file does not declare)."""
+def run_failed(subject: Subject, config: ModelConfig, sizes: tuple[int, ...],
+               exc: Exception) -> ConfigError:
+    """The model raised on the warm-up input model.toml describes (shapes the file does not
+    declare)."""
     text = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
     return subject.error("input", "the model fails on the input model.toml describes (batch sizes "
                          f"{list(sizes)})", expected_input(config), f"an error: {text}",
-                         "check input.width, height, channels, layout and dtype, and the batch axis, "
-                         "against the model's export")
+                         "check input.width, height, channels, layout and dtype, and the batch "
+                         "axis, against the model's export")

@@ -66,11 +66,13 @@ class OnnxBackend(Backend):
             raise ConfigError(f"{path}: onnxruntime cannot load the model: {exc}") from None
         self.providers = self._session.get_providers()
         if device.startswith("cuda") and "CUDAExecutionProvider" not in self.providers:
-            raise ConfigError(f"{path}: CUDA execution provider unavailable; providers: {self.providers}")
+            raise ConfigError(f"{path}: CUDA execution provider unavailable; providers: "
+                              f"{self.providers}")
         inputs = {i.name: i for i in self._session.get_inputs()}
         self._in_name = config.input.tensor_name or next(iter(inputs))
         if self._in_name not in inputs:
-            raise ConfigError(f"{path}: input.tensor_name {self._in_name!r} not in model inputs {list(inputs)}")
+            raise ConfigError(f"{path}: input.tensor_name {self._in_name!r} not in model inputs "
+                              f"{list(inputs)}")
         inp = inputs[self._in_name]
         checks.check_input(checks.Subject(Path(path)), config, _dims(inp.shape), _dtype(inp.type))
         self.outputs = tuple(checks.TensorSpec(o.name, tuple(_dims(o.shape)), _dtype(o.type))
@@ -138,4 +140,5 @@ class OnnxBackend(Backend):
         self._session = None
 
     def describe(self) -> dict[str, str]:
-        return {"device": self.device, "backend": "onnxruntime", "providers": ",".join(self.providers)}
+        return {"device": self.device, "backend": "onnxruntime",
+                "providers": ",".join(self.providers)}

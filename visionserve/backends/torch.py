@@ -1,4 +1,5 @@
-"""torch backend: a ``torch.export`` program (``model.pt2``), eager on the CPU, CUDA graphs on a GPU.
+"""torch backend: a ``torch.export`` program (``model.pt2``), eager on the CPU, CUDA graphs on a
+GPU.
 
 On CUDA the model runs in ``runtime.precision`` (fp16/bf16; fp32 stays fp32) with channels_last
 weights, on the runner's own high-priority stream. At warm-up one CUDA graph is captured per
@@ -128,7 +129,8 @@ class TorchBackend(Backend):
         cuda = device.startswith("cuda")
         if cuda:
             if not torch.cuda.is_available():
-                raise ConfigError(f"{path}: device {device} asked for but torch sees no CUDA device")
+                raise ConfigError(f"{path}: device {device} asked for but torch sees no CUDA "
+                                  "device")
             from ..gpu.memory import high_priority_stream
 
             self.stream = high_priority_stream(device)

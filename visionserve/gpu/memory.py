@@ -100,8 +100,8 @@ def plan_budget(server_budget: str | int | None,
     claimed = sum(explicit.values())
     if claimed > total:
         listed = ", ".join(f"{n}={v / MIB:.0f} MiB" for n, v in explicit.items())
-        raise ConfigError(f"gpu memory budget {total / MIB:.0f} MiB is smaller than the models' own "
-                          f"runtime.gpu_memory_budget values together ({listed})")
+        raise ConfigError(f"gpu memory budget {total / MIB:.0f} MiB is smaller than the models' "
+                          f"own runtime.gpu_memory_budget values together ({listed})")
     each = (total - claimed) // len(rest) if rest else 0
     sessions = []
     for name, cfg in models:
@@ -113,8 +113,8 @@ def plan_budget(server_budget: str | int | None,
             ort = (share - prep * inst) // inst
             if ort <= 0:
                 raise ConfigError(
-                    f"gpu memory budget share of model {name} ({share / MIB:.0f} MiB) leaves nothing "
-                    f"for {cfg.runtime.backend}: GPU preprocessing of "
+                    f"gpu memory budget share of model {name} ({share / MIB:.0f} MiB) leaves "
+                    f"nothing for {cfg.runtime.backend}: GPU preprocessing of "
                     f"{cfg.batching.max_batch_size} frames needs {prep / MIB:.0f} MiB per "
                     "instance; raise the budget or lower max_batch_size")
         elif share < prep * inst:
@@ -181,7 +181,8 @@ def cap_torch_allocator(cap: int, device: str = "cuda:0") -> float:
     total = torch.cuda.get_device_properties(dev).total_memory
     fraction = max(0.0, min(1.0, cap / total))
     torch.cuda.set_per_process_memory_fraction(fraction, dev)
-    log.info("torch allocator capped at %.0f MiB (%.4f of %.0f MiB)", cap / MIB, fraction, total / MIB)
+    log.info("torch allocator capped at %.0f MiB (%.4f of %.0f MiB)", cap / MIB, fraction,
+             total / MIB)
     return fraction
 
 
@@ -290,7 +291,8 @@ class PinnedPool:
         import torch
 
         if slots < 1 or slot_bytes < 1:
-            raise ValueError(f"pinned pool needs >= 1 slot of >= 1 byte, got {slots} x {slot_bytes}")
+            raise ValueError(f"pinned pool needs >= 1 slot of >= 1 byte, got {slots} x "
+                             f"{slot_bytes}")
         self.pinned = bool(pin and torch.cuda.is_available())
         self.slot_bytes = int(slot_bytes)
         self._buffers = [torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=self.pinned)

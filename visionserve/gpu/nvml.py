@@ -139,7 +139,7 @@ class _RealNvml:
             try:
                 pynvml.nvmlInit()
                 count = pynvml.nvmlDeviceGetCount()
-            except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+            except Exception as exc:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...
                 self._state, self._reason = "unavailable", f"NVML: {exc}"
                 log.debug("NVML not available: %s", exc)
                 return False
@@ -162,7 +162,7 @@ class _RealNvml:
         if h is None:
             try:
                 h = self._nv.nvmlDeviceGetHandleByIndex(index)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - any NVML error: NvmlError
                 raise NvmlError(f"no GPU with NVML index {index}: {exc}") from None
             self._handles[index] = h
         return h
@@ -171,7 +171,7 @@ class _RealNvml:
         """Call an NVML function that some boards do not support; None on any NVML error."""
         try:
             return fn(*args)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - unsupported on this board: None
             log.debug("NVML %s failed: %s", getattr(fn, "__name__", fn), exc)
             return None
 
@@ -246,7 +246,7 @@ class _RealNvml:
     def _memory_of(self, h: Any, index: int) -> tuple[int, int, int]:
         try:
             m = self._nv.nvmlDeviceGetMemoryInfo(h)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any NVML error: NvmlError
             raise NvmlError(f"cannot read memory of GPU {index}: {exc}") from None
         return int(m.total), int(m.used), int(m.free)
 
@@ -258,7 +258,8 @@ class _RealNvml:
             # NVML_VALUE_NOT_AVAILABLE (2**64-1) where the driver cannot account per process
             if used is not None and (used < 0 or used >= 2**63):
                 used = None
-            out.append(GpuProcess(pid=int(p.pid), used_bytes=int(used) if used is not None else None))
+            out.append(GpuProcess(pid=int(p.pid),
+                                  used_bytes=int(used) if used is not None else None))
         return out
 
     def memory(self, index: int) -> tuple[int, int, int]:
@@ -420,16 +421,16 @@ def simulated_gpu(index: int = 0, *, name: str = "NVIDIA H200",
                   memory_total: int = 141 * GIB, memory_used: int = 1 * GIB,
                   compute_capability: tuple[int, int] | None = (9, 0), **overrides: Any) -> GpuInfo:
     """A healthy simulated GPU; override any field. UUID and bus id derive from ``index``."""
-    fields: dict[str, Any] = dict(
-        index=index, name=name,
-        uuid=f"GPU-{index:08x}-1111-2222-3333-{index:012x}",
-        pci_bus_id=f"00000000:{(0x17 + 0x10 * index) & 0xFF:02X}:00.0",
-        memory_total=memory_total, memory_used=memory_used,
-        memory_free=memory_total - memory_used,
-        compute_capability=compute_capability, temperature_c=45, power_w=110.0,
-        throttle_reasons=(), pcie_gen=5, pcie_gen_max=5, pcie_width=16, pcie_width_max=16,
-        ecc_uncorrected=0, processes=(),
-    )
+    fields: dict[str, Any] = {
+        "index": index, "name": name,
+        "uuid": f"GPU-{index:08x}-1111-2222-3333-{index:012x}",
+        "pci_bus_id": f"00000000:{(0x17 + 0x10 * index) & 0xFF:02X}:00.0",
+        "memory_total": memory_total, "memory_used": memory_used,
+        "memory_free": memory_total - memory_used,
+        "compute_capability": compute_capability, "temperature_c": 45, "power_w": 110.0,
+        "throttle_reasons": (), "pcie_gen": 5, "pcie_gen_max": 5, "pcie_width": 16,
+        "pcie_width_max": 16, "ecc_uncorrected": 0, "processes": (),
+    }
     fields.update(overrides)
     if "memory_free" not in overrides:
         fields["memory_free"] = fields["memory_total"] - fields["memory_used"]

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import OrderedDict
 import struct
 import warnings
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -196,8 +196,9 @@ class TorchPreprocessor:
     def for_config(cls, config: ModelConfig, *, device: str, dtype: Any, stream: Any = None,
                    channels_last: bool = False, slots: int = 3) -> TorchPreprocessor:
         pool = PinnedPool(slots, stage_slot_bytes(config)) if device.startswith("cuda") else None
-        return cls(config.input, device=device, dtype=dtype, max_batch=config.batching.max_batch_size,
-                   stream=stream, pool=pool, channels_last=channels_last)
+        return cls(config.input, device=device, dtype=dtype,
+                   max_batch=config.batching.max_batch_size, stream=stream, pool=pool,
+                   channels_last=channels_last)
 
     # -- public -------------------------------------------------------------------------------
 
@@ -213,13 +214,15 @@ class TorchPreprocessor:
             tensor = self._assemble([images[i] for i in good], padded)
         return tensor, good, bad
 
-    def warmup(self, batch_sizes: tuple[int, ...], frame_hw: tuple[int, int] = (1080, 1920)) -> None:
+    def warmup(self, batch_sizes: tuple[int, ...],
+               frame_hw: tuple[int, int] = (1080, 1920)) -> None:
         """Run the largest batch of the largest expected frames (JPEG and raw) through, so the
         allocator and nvJPEG have grown their buffers before the server reports ready."""
         cv2 = imaging._cv2()
         h, w = frame_hw
         y, x = np.mgrid[0:h, 0:w]
-        img = np.dstack([x * 255 // max(1, w - 1), y * 255 // max(1, h - 1), (x + y) % 256]).astype(np.uint8)
+        img = np.dstack([x * 255 // max(1, w - 1), y * 255 // max(1, h - 1),
+                         (x + y) % 256]).astype(np.uint8)
         ok, buf = cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, 95])
         assert ok
         jpeg = imaging.encoded_frame(buf.tobytes(), max_pixels=h * w)
@@ -236,7 +239,8 @@ class TorchPreprocessor:
 
     # -- decoding -----------------------------------------------------------------------------
 
-    def _decode_all(self, frames: list[Frame]) -> tuple[dict[int, Any], list[tuple[int, Exception]]]:
+    def _decode_all(self, frames: list[Frame],
+                    ) -> tuple[dict[int, Any], list[tuple[int, Exception]]]:
         images: dict[int, Any] = {}
         bad: list[tuple[int, Exception]] = []
         host: list[tuple[int, np.ndarray, str]] = []  # (index, pixels, "bgr"|"rgb"|"gray"|"rgba")
@@ -296,7 +300,8 @@ class TorchPreprocessor:
         ctx = torch.cuda.stream(self.decode_stream) if self.decode_stream is not None \
             else contextlib.nullcontext()
         with ctx, warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torchvision >= 0.29 warns that decode_jpeg is deprecated
+            # torchvision >= 0.29 warns that decode_jpeg is deprecated
+            warnings.simplefilter("ignore")
             try:
                 result = dict(zip(idx, decode_jpeg(datas, mode=mode, device=self.device)))
                 self.counts["nvjpeg"] += len(idx)

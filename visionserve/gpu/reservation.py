@@ -85,7 +85,8 @@ class GpuReservation:
         share = self.plan.share_of(name)
         if share is None or not share.ort_limit_per_instance:
             return config
-        runtime = config.runtime.model_copy(update={"gpu_memory_budget": str(share.ort_limit_per_instance)})
+        runtime = config.runtime.model_copy(
+            update={"gpu_memory_budget": str(share.ort_limit_per_instance)})
         return config.model_copy(update={"runtime": runtime})
 
     def preprocessor(self, backend: Backend, config: ModelConfig,
@@ -112,11 +113,13 @@ class GpuReservation:
         reserve_small_pool(self.device, self.streams)
         self.watch.mark()
         self.telemetry = GpuTelemetry(self.nvml, self.gpu.index if self.gpu else None,
-                                      self.plan.total, allocator=lambda: allocator_stats(self.device),
+                                      self.plan.total,
+                                      allocator=lambda: allocator_stats(self.device),
                                       baseline=lambda: self.watch.baseline)
         self.telemetry.update()
         self.telemetry.start()
-        log.info("GPU memory after warm-up: %s", self.watch.baseline.as_dict() if self.watch.baseline else {})
+        log.info("GPU memory after warm-up: %s",
+                 self.watch.baseline.as_dict() if self.watch.baseline else {})
 
     async def close(self) -> None:
         if self.telemetry is not None:

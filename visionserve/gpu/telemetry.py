@@ -30,14 +30,16 @@ RESERVED = Gauge("visionserve_gpu_memory_reserved_bytes",
 ALLOCATED = Gauge("visionserve_gpu_memory_allocated_bytes", "GPU memory in live torch tensors")
 USED = Gauge("visionserve_gpu_memory_used_bytes",
              "GPU memory this process uses by NVML (CUDA context, torch, onnxruntime, nvJPEG)")
-DEVICE_USED = Gauge("visionserve_gpu_device_memory_used_bytes", "GPU memory used by all processes (NVML)")
+DEVICE_USED = Gauge("visionserve_gpu_device_memory_used_bytes",
+                    "GPU memory used by all processes (NVML)")
 DEVICE_TOTAL = Gauge("visionserve_gpu_device_memory_total_bytes", "GPU memory of the card (NVML)")
-NEW_SEGMENTS = Gauge("visionserve_gpu_allocator_new_segments",
-                     "cudaMalloc calls by the torch allocator since the server turned ready (should stay 0)")
+NEW_SEGMENTS = Gauge(
+    "visionserve_gpu_allocator_new_segments",
+    "cudaMalloc calls by the torch allocator since the server turned ready (should stay 0)")
 TEMPERATURE = Gauge("visionserve_gpu_temperature_celsius", "GPU temperature (NVML)")
 POWER = Gauge("visionserve_gpu_power_watts", "GPU power draw (NVML)")
-THROTTLE = Gauge("visionserve_gpu_throttle_active", "1 while NVML reports this clock throttle reason",
-                 ["reason"])
+THROTTLE = Gauge("visionserve_gpu_throttle_active",
+                 "1 while NVML reports this clock throttle reason", ["reason"])
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ class GpuTelemetry:
         if self.gpu_index is not None and self.nvml.available():
             try:
                 g = next((d for d in self.nvml.devices() if d.index == self.gpu_index), None)
-            except Exception as exc:  # NVML hiccups must not stop the sampler
+            except Exception as exc:  # noqa: BLE001 - NVML hiccups must not stop the sampler
                 log.debug("NVML sample failed: %s", exc)
                 g = None
             if g is not None:

@@ -28,8 +28,14 @@ from typing import Any, Literal
 
 from ..config import parse_bytes
 from ..errors import ConfigError
-from ..gpu.device import (ResolvedDevice, check_contexts, describe, format_gpu, resolve,
-                          visible_devices)
+from ..gpu.device import (
+    ResolvedDevice,
+    check_contexts,
+    describe,
+    format_gpu,
+    resolve,
+    visible_devices,
+)
 from ..gpu.nvml import GpuInfo, Nvml, real_nvml
 
 Status = Literal["ok", "warn", "fail", "skip"]
@@ -48,14 +54,15 @@ MIN_DRIVER_BRANCH = {
 # card, its link or its power.
 XID_TABLE: dict[int, tuple[Status, str, str]] = {
     13: ("warn", "graphics engine exception (often an out-of-range access in a kernel)",
-         "rerun with CUDA_LAUNCH_BLOCKING=1 to find the kernel; if no code changed, run "
-         "`visionserve stress`"),
+         ("rerun with CUDA_LAUNCH_BLOCKING=1 to find the kernel; if no code changed, run "
+          "`visionserve stress`")),
     31: ("warn", "GPU memory page fault (illegal address, usually application or driver bug)",
          "rerun with CUDA_LAUNCH_BLOCKING=1 / compute-sanitizer; update the driver"),
     43: ("warn", "GPU stopped processing (a process was killed or faulted)",
          "usually follows an application fault; check the log of the process named in the Xid"),
-    48: ("fail", "double-bit ECC error", "drain the GPU, `nvidia-smi -q -d ECC`, reset it "
-         "(`sudo nvidia-smi -r -i N`); RMA if it recurs"),
+    48: ("fail", "double-bit ECC error",
+         ("drain the GPU, `nvidia-smi -q -d ECC`, reset it (`sudo nvidia-smi -r -i N`); RMA if "
+          "it recurs")),
     61: ("fail", "internal micro-controller breakpoint", "update the driver; reset the GPU"),
     62: ("fail", "internal micro-controller halt", "update the driver; reset the GPU"),
     63: ("warn", "ECC page retirement / row remapping event",
@@ -63,13 +70,13 @@ XID_TABLE: dict[int, tuple[Status, str, str]] = {
     64: ("fail", "ECC page retirement / row remapping failure", "drain the GPU and RMA it"),
     74: ("fail", "NVLink error", "check NVLink bridges/cables; `nvidia-smi nvlink --status`"),
     79: ("fail", "GPU has fallen off the bus (PCIe link lost)",
-         "check the power supply and PCIe power cables, reseat the card or riser, try another "
-         "slot; lower the slot's PCIe generation in the BIOS to test; update the driver"),
+         ("check the power supply and PCIe power cables, reseat the card or riser, try another "
+          "slot; lower the slot's PCIe generation in the BIOS to test; update the driver")),
     92: ("warn", "high single-bit ECC error rate", "watch `nvidia-smi -q -d ECC`; plan an RMA"),
     94: ("warn", "contained ECC error (the affected process was stopped)",
          "restart the affected process; reset the GPU when convenient"),
-    95: ("fail", "uncontained ECC error", "drain the GPU and reset it (`sudo nvidia-smi -r -i N`) "
-         "or reboot"),
+    95: ("fail", "uncontained ECC error",
+         "drain the GPU and reset it (`sudo nvidia-smi -r -i N`) or reboot"),
     119: ("fail", "GSP firmware timeout", "update the driver; reset the GPU or reboot"),
     120: ("fail", "GSP firmware error", "update the driver; reset the GPU or reboot"),
 }
@@ -102,7 +109,7 @@ def read_kernel_log() -> list[str] | None:
     """Kernel messages (for Xid lines) or None when they cannot be read without root."""
     for cmd in (["dmesg", "--notime"], ["journalctl", "-k", "-b", "--no-pager", "-q"]):
         try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=False)
         except (OSError, subprocess.SubprocessError):
             continue
         if p.returncode == 0 and p.stdout:
@@ -327,7 +334,8 @@ def check_visible_devices(c: _Ctx) -> Check:
         return Check(name, "skip", f"CUDA_VISIBLE_DEVICES={vis.raw!r} but no NVIDIA driver")
     fix = ("unset CUDA_VISIBLE_DEVICES and choose the GPU with `--device` / VISIONSERVE_DEVICE "
            "(UUID from `nvidia-smi -L`): visionserve pins it itself. If you keep it, list "
-           "devices by UUID, e.g. CUDA_VISIBLE_DEVICES=" + (c.gpus[0].uuid if c.gpus else "GPU-..."))
+           "devices by UUID, e.g. CUDA_VISIBLE_DEVICES="
+           + (c.gpus[0].uuid if c.gpus else "GPU-..."))
     if vis.problems:
         return Check(name, "fail", f"CUDA_VISIBLE_DEVICES={vis.raw!r}: " + "; ".join(vis.problems)
                      + f"; CUDA sees {len(vis.devices)} of {len(c.gpus)} GPU(s)", fix)
@@ -338,8 +346,8 @@ def check_visible_devices(c: _Ctx) -> Check:
     hidden = [g for g in c.gpus if g not in vis.devices]
     if hidden:
         return Check(name, "warn",
-                     f"CUDA_VISIBLE_DEVICES={vis.raw!r} hides {len(hidden)} of {len(c.gpus)} GPU(s) "
-                     f"({'; '.join(format_gpu(g) for g in hidden)}); cuda:N counts only the "
+                     f"CUDA_VISIBLE_DEVICES={vis.raw!r} hides {len(hidden)} of {len(c.gpus)} "
+                     f"GPU(s) ({'; '.join(format_gpu(g) for g in hidden)}); cuda:N counts only the "
                      "visible ones, so cuda:0 here is " + format_gpu(vis.devices[0]), fix)
     return Check(name, "ok", f"CUDA_VISIBLE_DEVICES={vis.raw!r}: all GPUs visible")
 
@@ -411,8 +419,8 @@ _THROTTLE = {
     "sw_thermal_slowdown": ("warn", "driver thermal slowdown (GPU or memory temperature)"),
     "hw_slowdown": ("fail", "hardware slowdown (temperature or power brake from the board/PSU)"),
     "hw_power_brake_slowdown": ("fail", "external power brake (power supply asserted it)"),
-    "sw_power_cap": ("warn", "power cap reached (normal at full load; a problem when idle or "
-                     "when the limit was lowered)"),
+    "sw_power_cap": ("warn", ("power cap reached (normal at full load; a problem when idle or "
+                              "when the limit was lowered)")),
 }
 
 
@@ -469,7 +477,7 @@ def check_memory_budget(c: _Ctx) -> Check:
     g = c.resolved.gpu
     try:
         total, used, free = c.facts.nvml.memory(g.index)
-    except Exception:
+    except Exception:  # noqa: BLE001 - NVML cannot read it now: the figures listed before
         total, used, free = g.memory_total, g.memory_used, g.memory_free
     procs = [p for p in c.facts.nvml.processes(g.index)]
     holders = ", ".join(f"pid {p.pid}" + (f" {_gib(p.used_bytes)}" if p.used_bytes else "")
@@ -543,7 +551,7 @@ def run_checks(facts: Facts) -> list[Check]:
     for fn in CHECKS:
         try:
             out.append(fn(ctx))
-        except Exception as exc:  # a check must never take the whole report down
+        except Exception as exc:  # noqa: BLE001 - a check must never take the whole report down
             out.append(Check(fn.__name__.removeprefix("check_"), "fail",
                              f"the check itself failed: {exc!r}", "report this as a bug"))
     return out

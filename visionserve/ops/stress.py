@@ -21,11 +21,14 @@ import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
 from ..gpu.device import PinningError, ResolvedDevice, describe, pin_environment, resolve
 from ..gpu.nvml import Nvml, real_nvml
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 log = logging.getLogger(__name__)
 
@@ -201,11 +204,11 @@ class TelemetrySampler:
                                      "temperature_c": g.temperature_c, "sm_clock_mhz": clock,
                                      "power_w": g.power_w,
                                      "throttle_reasons": list(g.throttle_reasons)})
-            except Exception as exc:  # telemetry is best effort
+            except Exception as exc:  # noqa: BLE001 - telemetry is best effort
                 log.debug("telemetry sample failed: %s", exc)
             self._stop.wait(self.period_s)
 
-    def __enter__(self) -> TelemetrySampler:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 

@@ -56,7 +56,8 @@ class Pending:
     priority: int = 0
     seq: int = 0
     admitted: float = 0.0
-    predicted: float = 0.0  # seconds from ``admitted`` to the answer, as admission predicted (0: none)
+    # seconds from ``admitted`` to the answer, as admission predicted (0: none)
+    predicted: float = 0.0
     dispatched: float = 0.0
     #: the id of the request it belongs to, for log lines about its batch (runner threads)
     request_id: str = field(default_factory=request_id.get)
@@ -91,8 +92,9 @@ class CostModel:
 
     The runner threads write, the event loop reads. A write replaces the table by an updated copy
     (under a lock, so concurrent writers lose nothing) and a reader takes the table once: nobody
-    iterates a dict that another thread is changing. (Iterating the live dict while a compute thread
-    inserted a new batch size raised "dictionary changed size during iteration" in the batcher loop.)
+    iterates a dict that another thread is changing. (Iterating the live dict while a compute
+    thread inserted a new batch size raised "dictionary changed size during iteration" in the
+    batcher loop.)
     """
 
     def __init__(self, padded_size: Callable[[int], int], alpha: float = 0.2) -> None:
@@ -100,7 +102,8 @@ class CostModel:
         self._alpha = alpha
         self._lock = threading.Lock()
         self._seconds: dict[int, float] = {}
-        self._busy: tuple[float, float] | None = None  # moving averages: (busy seconds, frames) per batch
+        # moving averages: (busy seconds, frames) per batch
+        self._busy: tuple[float, float] | None = None
 
     def observe(self, batch_size: int, seconds: float) -> None:
         with self._lock:
@@ -113,7 +116,8 @@ class CostModel:
                 old[0] + a * (seconds - old[0]), old[1] + a * (batch_size - old[1]))
 
     def estimate(self, batch_size: int) -> float:
-        """Seconds from dispatch to answers for a batch of ``batch_size`` (0.0: nothing measured)."""
+        """Seconds from dispatch to answers for a batch of ``batch_size`` (0.0: nothing
+        measured)."""
         return self._lookup(self._seconds, batch_size)
 
     def per_frame(self) -> float | None:
@@ -126,7 +130,8 @@ class CostModel:
         busy = self._busy
         return busy[1] if busy else None
 
-    def _averaged(self, table: dict[int, float], batch_size: int, seconds: float) -> dict[int, float]:
+    def _averaged(self, table: dict[int, float], batch_size: int,
+                  seconds: float) -> dict[int, float]:
         p = self._padded(batch_size)
         old = table.get(p)
         return {**table, p: seconds if old is None else old + self._alpha * (seconds - old)}
@@ -194,7 +199,8 @@ class Batcher:
 
     def start(self) -> None:
         if self._loop_task is None:
-            self._loop_task = asyncio.get_running_loop().create_task(self._run(), name=f"batcher:{self.name}")
+            self._loop_task = asyncio.get_running_loop().create_task(
+                self._run(), name=f"batcher:{self.name}")
             self._loop_task.add_done_callback(self._loop_ended)
 
     @property
@@ -213,7 +219,8 @@ class Batcher:
     def submit(self, payload: Any, *, deadline: float, priority: int = 0,
                arrival: float | None = None, predicted: float = 0.0) -> Pending:
         """Queue one item; await ``pending.future`` for its answer. ``predicted``: what
-        :meth:`check_capacity` returned for its request (how late answers come is learnt from it)."""
+        :meth:`check_capacity` returned for its request (how late answers come is learnt from
+        it)."""
         self.check_capacity(1)
         now = time.monotonic()
         item = Pending(payload, asyncio.get_running_loop().create_future(),
@@ -255,7 +262,8 @@ class Batcher:
         now = time.monotonic()
         key = (-priority, deadline)
         ahead = sum(1 for p in self._heap
-                    if (-p.priority, p.deadline) <= key and p.deadline > now and not p.future.done())
+                    if (-p.priority, p.deadline) <= key and p.deadline > now
+                    and not p.future.done())
         cost = self.cost
         per_frame = cost.per_frame() or cost.estimate(self.max_batch_size) / self.max_batch_size
         batch = min(max(1.0, cost.typical_batch() or 1.0), self.max_batch_size)
@@ -264,7 +272,8 @@ class Batcher:
         if self._tasks:
             running = list(self._tasks.values())  # in dispatch order
             frames += sum(len(b) for b in running)
-            spent = min(now - max(self._last_done, running[0][0].dispatched), len(running[0]) * per_frame)
+            spent = min(now - max(self._last_done, running[0][0].dispatched),
+                        len(running[0]) * per_frame)
         work = frames * per_frame - spent
         return max(work, cost.estimate(min(ahead + n, self.max_batch_size))), ahead
 
@@ -277,7 +286,8 @@ class Batcher:
         a prediction right on average would still leave half of them late."""
         budget = deadline - time.monotonic() - self._safety
         if not self._heap and not self._tasks:
-            return 0.0  # idle: nothing ahead (a deadline even an idle server misses is answered 504)
+            # idle: nothing ahead (a deadline even an idle server misses is answered 504)
+            return 0.0
         if self.cost.estimate(n) > budget:
             return 0.0  # alone it would miss as well: not the load's doing, no 503 (it ends as 504)
         predicted, ahead = self.predict(n, deadline=deadline, priority=priority)
@@ -285,8 +295,9 @@ class Batcher:
             return predicted
         raise Unavailable(
             f"model {self.name} is overloaded: the frame would be answered in about "
-            f"{predicted * self.margin * 1000:.0f} ms ({ahead} frames queued before it, {len(self._tasks)} "
-            f"batches running), after its deadline in {max(0.0, budget + self._safety) * 1000:.0f} ms",
+            f"{predicted * self.margin * 1000:.0f} ms ({ahead} frames queued before it, "
+            f"{len(self._tasks)} batches running), after its deadline in "
+            f"{max(0.0, budget + self._safety) * 1000:.0f} ms",
             retry_after_s=round(predicted * self.margin, 3))
 
     def _learn(self, item: Pending, now: float, missed: bool = False) -> None:
@@ -298,7 +309,8 @@ class Batcher:
         prediction would make a large ratio, and a margin that refuses a queue of any length."""
         if item.predicted > 0 and item.predicted >= 0.25 * (item.deadline - item.admitted):
             slower = missed or now - item.admitted > item.predicted * self.margin
-            self.margin = min(4.0, max(0.5, self.margin * math.exp(0.05 * (0.9 if slower else -0.1))))
+            step = math.exp(0.05 * (0.9 if slower else -0.1))
+            self.margin = min(4.0, max(0.5, self.margin * step))
 
     def _stopped(self) -> Unavailable:
         return Unavailable(f"model {self.name} is not ready: its batcher stopped after an internal "
@@ -331,7 +343,8 @@ class Batcher:
             resolve(item.future, exc=Unavailable("the server shut down before this frame ran"))
         for batch in list(self._tasks.values()):
             for item in batch:
-                resolve(item.future, exc=Unavailable("the server shut down before this frame finished"))
+                resolve(item.future,
+                        exc=Unavailable("the server shut down before this frame finished"))
 
     # --- batching loop -----------------------------------------------------------------------
 
@@ -404,15 +417,18 @@ class Batcher:
             for item in batch:
                 resolve(item.future, exc=exc)
         except Exception:
-            log.exception("model %s failed on a batch of %d", self.name, len(batch), extra=batch_ids(batch))
+            log.exception("model %s failed on a batch of %d", self.name, len(batch),
+                          extra=batch_ids(batch))
             for item in batch:
-                resolve(item.future, exc=InternalError("the model failed on this batch; see the server log"))
+                resolve(item.future,
+                        exc=InternalError("the model failed on this batch; see the server log"))
 
     async def _next_batch(self) -> list[Pending]:
         while True:
             self._purge()
-            # guard jobs yield the GPU while a batch runs (stores into shared memory on a change only)
-            share.note(self, share.RUNNING if self._tasks else share.QUEUED if self._heap else share.IDLE)
+            # guard jobs yield the GPU while a batch runs (stored in shared memory on a change only)
+            share.note(self, share.RUNNING if self._tasks
+                       else share.QUEUED if self._heap else share.IDLE)
             if not self._heap:
                 if not self._accepting:
                     await asyncio.sleep(3600)  # drained: idle until closed
@@ -432,7 +448,8 @@ class Batcher:
             # covers what the cost model cannot see: the loop waking up late on a busy CPU, and
             # decoding (the model is seeded with backend-only times at warm-up). With 1 ms, a lone
             # request on an idle but loaded box woke up past its deadline and was answered LATE.
-            latest = earliest_deadline - self.cost.estimate(min(n + 1, self.max_batch_size)) - self._safety
+            latest = (earliest_deadline - self.cost.estimate(min(n + 1, self.max_batch_size))
+                      - self._safety)
             wait = min(due, latest) - now
             if wait <= 0:
                 break
@@ -476,5 +493,5 @@ class Batcher:
         self.on_drop(item, "late")
         waited, late_ms = (now - item.arrival) * 1000, (now - item.deadline) * 1000
         resolve(item.future, exc=DeadlineExceeded(
-            f"deadline passed after {waited:.1f} ms in the queue ({late_ms:.1f} ms ago); the frame was "
-            "not run", late_ms=late_ms))
+            f"deadline passed after {waited:.1f} ms in the queue ({late_ms:.1f} ms ago); the frame "
+            "was not run", late_ms=late_ms))

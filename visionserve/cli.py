@@ -14,14 +14,19 @@ from . import __version__
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("visionserve.runtime.serve", "start the HTTP (and gRPC) server on a model repository"),
+    "serve": ("visionserve.runtime.serve",
+              "start the HTTP (and gRPC) server on a model repository"),
     # tooling: another package of the same wheel, imported only when the command runs
-    "bench": ("visionserve_tools.bench", "measure served latency/throughput against the bare model"),
+    "bench": ("visionserve_tools.bench",
+              "measure served latency/throughput against the bare model"),
     "env": ("visionserve.ops.envrecord", "print the environment record (packages, CUDA, GPUs)"),
     "doctor": ("visionserve.ops.doctor", "diagnose GPU/driver/environment faults, with a fix each"),
-    "stress": ("visionserve.ops.stress", "GPU health check: matmul throughput, memory pattern test"),
-    "guard": ("visionserve.guard.cli", "training-queue guard: run, submit, list, show, cancel, logs"),
-    "plc-sim": ("visionserve.plc.sim", "a PLC for tests and demos: OPC UA/Modbus results, acks, latency"),
+    "stress": ("visionserve.ops.stress",
+               "GPU health check: matmul throughput, memory pattern test"),
+    "guard": ("visionserve.guard.cli",
+              "training-queue guard: run, submit, list, show, cancel, logs"),
+    "plc-sim": ("visionserve.plc.sim",
+                "a PLC for tests and demos: OPC UA/Modbus results, acks, latency"),
 }
 
 

@@ -66,5 +66,5 @@ def gpu_without_torch(resolved, cpu):
         log.warning("device auto: %s is present, but this is the CPU install (no torch), so the "
                     "server runs on the CPU. To serve on the GPU: %s", gpu, install_hint("gpu"))
         return cpu()
-    raise ConfigError(f"device {resolved.spec!r} is {gpu}, but this is the CPU install: serving on a "
-                      f"GPU needs torch. {install_hint('gpu')}; or --device cpu")
+    raise ConfigError(f"device {resolved.spec!r} is {gpu}, but this is the CPU install: serving "
+                      f"on a GPU needs torch. {install_hint('gpu')}; or --device cpu")

@@ -85,7 +85,8 @@ def encoded_frame(data: bytes, *, max_pixels: int = DEFAULT_MAX_PIXELS,
     if kind is None:
         raise InvalidInput("not an image: unknown format (expected JPEG, PNG or BMP file bytes)")
     if expected is not None and expected != "raw" and expected != kind:
-        raise InvalidInput(f"content type says {expected.upper()} but the bytes are a {kind.upper()} file")
+        raise InvalidInput(f"content type says {expected.upper()} but the bytes are a "
+                           f"{kind.upper()} file")
     width, height = _dimensions(kind, data)
     if width <= 0 or height <= 0:
         raise InvalidInput(f"{kind.upper()} declares an empty image ({width}x{height})")
@@ -102,7 +103,8 @@ def encoded_frame(data: bytes, *, max_pixels: int = DEFAULT_MAX_PIXELS,
 def parse_shape(text: str | None) -> tuple[int, int, int]:
     """Parse ``X-Image-Shape: HxWxC`` (also ``HxW`` for grey)."""
     if not text:
-        raise InvalidInput("raw frames need the X-Image-Shape header, e.g. 'X-Image-Shape: 480x640x3'")
+        raise InvalidInput("raw frames need the X-Image-Shape header, "
+                           "e.g. 'X-Image-Shape: 480x640x3'")
     parts = text.lower().replace(",", "x").split("x")
     try:
         dims = [int(p.strip()) for p in parts]
@@ -122,9 +124,11 @@ def raw_frame(pixels: bytes | np.ndarray, shape: tuple[int, int, int], *,
     if h <= 0 or w <= 0:
         raise InvalidInput(f"raw frame shape {h}x{w}x{c} is empty")
     if c not in (1, 3, 4):
-        raise InvalidInput(f"raw frame has {c} channels; 1 (grey), 3 (RGB) or 4 (RGBA) are accepted")
+        raise InvalidInput(f"raw frame has {c} channels; 1 (grey), 3 (RGB) or 4 (RGBA) are "
+                           "accepted")
     if h * w > max_pixels:
-        raise PayloadTooLarge(f"raw frame of {w}x{h} = {w * h} pixels is over the limit of {max_pixels}")
+        raise PayloadTooLarge(f"raw frame of {w}x{h} = {w * h} pixels is over the limit of "
+                              f"{max_pixels}")
     check_aspect("raw", w, h)
     size = h * w * c
     if isinstance(pixels, np.ndarray):
@@ -221,7 +225,8 @@ def decode(frame: Frame, channels: int) -> np.ndarray:
     try:
         img = cv2.imdecode(np.frombuffer(frame.data, dtype=np.uint8), flag)
     except cv2.error as exc:  # OpenCV's own size limit or a decoder fault
-        raise InvalidInput(f"cannot decode {frame.kind.upper()}: {str(exc).strip().splitlines()[-1]}") from None
+        reason = str(exc).strip().splitlines()[-1]
+        raise InvalidInput(f"cannot decode {frame.kind.upper()}: {reason}") from None
     if img is None:
         raise InvalidInput(f"cannot decode {frame.kind.upper()}: the file is corrupt or truncated")
     return img
@@ -248,7 +253,8 @@ def geometry(spec: InputSpec, ih: int, iw: int) -> tuple[int, int, int, int, int
     return nh, nw, 0, 0, (nh - h) // 2, (nw - w) // 2
 
 
-_INTERP = {"area": "INTER_AREA", "linear": "INTER_LINEAR", "nearest": "INTER_NEAREST", "cubic": "INTER_CUBIC"}
+_INTERP = {"area": "INTER_AREA", "linear": "INTER_LINEAR", "nearest": "INTER_NEAREST",
+           "cubic": "INTER_CUBIC"}
 
 
 def resize(img: np.ndarray, spec: InputSpec) -> np.ndarray:
@@ -313,7 +319,8 @@ def _decode_pool():
     if _POOL is None:
         from concurrent.futures import ThreadPoolExecutor
 
-        _POOL = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="decode")
+        _POOL = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
+                                   thread_name_prefix="decode")
     return _POOL
 
 

@@ -3,11 +3,11 @@
 The engine hands every admitted frame to :meth:`LatencyWindow.track`; once the frame is answered
 its arrival-to-answer time joins the window (event loop thread), and the guard's watchdog thread
 asks for the p99. A frame answered LATE (its deadline passed in the queue, during decode or
-while its batch computed) counts too, at its time to that answer and at least its deadline budget: under
-contention the late frames are exactly the ones that matter, and leaving them out would read "no
-p99" and resume training when the line misses its deadlines. A lock keeps the two threads apart:
-an append costs well under a microsecond, a p99 of a second's frames a fraction of a millisecond
-at 10 Hz.
+while its batch computed) counts too, at its time to that answer and at least its deadline
+budget: under contention the late frames are exactly the ones that matter, and leaving them out
+would read "no p99" and resume training when the line misses its deadlines. A lock keeps the
+two threads apart: an append costs well under a microsecond, a p99 of a second's frames a fraction
+of a millisecond at 10 Hz.
 """
 
 from __future__ import annotations

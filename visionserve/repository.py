@@ -1,4 +1,5 @@
-"""The model repository: ``<root>/<name>/model.toml`` + ``<root>/<name>/<version>/model.{onnx,pt2}``."""
+"""The model repository: ``<root>/<name>/model.toml`` +
+``<root>/<name>/<version>/model.{onnx,pt2}``."""
 
 from __future__ import annotations
 
@@ -41,8 +42,9 @@ def scan(root: Path) -> dict[str, ModelEntry]:
             entries[entry.name] = entry
     except PermissionError as exc:
         # typically a host folder mounted into a container that runs as another user
-        raise ConfigError(f"model repository {root}: {exc.filename or root} is not readable by this "
-                          f"process (uid {os.getuid()}, gid {os.getgid()}): {exc.strerror}") from None
+        raise ConfigError(f"model repository {root}: {exc.filename or root} is not readable by "
+                          f"this process (uid {os.getuid()}, gid {os.getgid()}): "
+                          f"{exc.strerror}") from None
     if not entries:
         raise ConfigError(f"model repository {root} holds no model (expected <name>/model.toml)")
     return entries
@@ -55,15 +57,17 @@ def load_entry(folder: Path) -> ModelEntry:
     if not _NAME_RE.match(name):
         raise ConfigError(f"{folder}: model folder name {name!r} is not a valid model name")
     if config.name is not None and config.name != name:
-        raise ConfigError(f"{toml}: field 'name': {config.name!r} differs from the folder name {name!r}")
+        raise ConfigError(f"{toml}: field 'name': {config.name!r} differs from the folder name "
+                          f"{name!r}")
     filename = model_file(config.runtime.backend)
     versions = {int(v.name): v / filename for v in folder.iterdir()
                 if v.is_dir() and v.name.isdigit() and int(v.name) > 0 and (v / filename).is_file()}
     if not versions:
-        raise ConfigError(f"{folder}: no version folder holds {filename} (expected {folder}/1/{filename})")
+        raise ConfigError(f"{folder}: no version folder holds {filename} "
+                          f"(expected {folder}/1/{filename})")
     if config.default_version is not None and config.default_version not in versions:
-        raise ConfigError(f"{toml}: field 'default_version': version {config.default_version} not found "
-                          f"(have {sorted(versions)})")
+        raise ConfigError(f"{toml}: field 'default_version': version {config.default_version} "
+                          f"not found (have {sorted(versions)})")
     return ModelEntry(name, folder, config, versions)
 
 
@@ -74,7 +78,8 @@ def parse_version(entry: ModelEntry, version: str | int | None) -> int:
     try:
         v = int(version)
     except (TypeError, ValueError):
-        raise NotFound(f"model {entry.name} has no version {version!r} (have {sorted(entry.versions)})") from None
+        raise NotFound(f"model {entry.name} has no version {version!r} "
+                       f"(have {sorted(entry.versions)})") from None
     if v not in entry.versions:
         raise NotFound(f"model {entry.name} has no version {v} (have {sorted(entry.versions)})")
     return v

@@ -151,7 +151,8 @@ class Runner:
                     raise _Unhealthy
                 padded = padded_size(len(live), self.preferred)
                 if self.prepare is None:
-                    tensor, good, bad = imaging.prepare_batch([p.payload for p in live], spec, padded)
+                    tensor, good, bad = imaging.prepare_batch([p.payload for p in live], spec,
+                                                              padded)
                 else:
                     tensor, good, bad = self.prepare([p.payload for p in live], padded)
                 errors = [(live[i], exc) for i, exc in bad]
@@ -167,7 +168,8 @@ class Runner:
                     self._mark_unhealthy(exc)
                 log.exception("preprocessing failed in %s", self.name, extra=batch_ids(live))
                 tensor, items = None, []
-                errors = [(p, InternalError("preprocessing failed; see the server log")) for p in live]
+                errors = [(p, InternalError("preprocessing failed; see the server log"))
+                          for p in live]
             if errors:
                 self._post(_fail_all, errors)
             self._handoff.put((batch, done, items, tensor, t0, time.monotonic() - t0, len(errors)))
@@ -180,12 +182,12 @@ class Runner:
             _batch, done, items, tensor, t0, prep_s, failed = job
             try:
                 self._compute(items, tensor, t0, prep_s, failed)
-            except Exception as exc:  # never let the thread die: the batch fails, the runner goes on
+            except Exception as exc:  # never let the thread die: the batch fails, runner goes on
                 if device_fault(exc):
                     self._mark_unhealthy(exc)
                 log.exception("compute failed in %s", self.name, extra=batch_ids(items))
-                self._post(_fail_all, [(p, InternalError("the model failed on this batch; see the server log"))
-                                       for p in items])
+                failure = "the model failed on this batch; see the server log"
+                self._post(_fail_all, [(p, InternalError(failure)) for p in items])
             finally:
                 self._post(resolve, done, None)
 
@@ -193,7 +195,8 @@ class Runner:
         if self.healthy:
             self.healthy = False
             log.error("device fault in %s: %s; this model instance is out of service (not ready) "
-                      "until the server restarts", self.name, str(exc).strip().splitlines()[0][:300])
+                      "until the server restarts", self.name,
+                      str(exc).strip().splitlines()[0][:300])
 
     def _compute(self, items: list[Pending], tensor, t0: float, prep_s: float, failed: int) -> None:
         now = time.monotonic()
@@ -201,8 +204,9 @@ class Runner:
         late = [p for p in items if not p.future.done() and p.deadline <= now]
         if late:
             self._post(_fail_all, [(p, DeadlineExceeded(
-                f"deadline passed while the frame was being decoded ({(now - p.deadline) * 1000:.1f} ms "
-                "ago); it was not run", late_ms=(now - p.deadline) * 1000)) for p in late])
+                "deadline passed while the frame was being decoded "
+                f"({(now - p.deadline) * 1000:.1f} ms ago); it was not run",
+                late_ms=(now - p.deadline) * 1000)) for p in late])
         if not keep:
             return
         out_rows: list[int] | None = None  # rows of the model's output that answer ``items``
@@ -251,8 +255,9 @@ class Runner:
             if t3 > p.deadline:  # its verdict came after the deadline: LATE, no verdict
                 late_ms = (t3 - p.deadline) * 1000
                 too_late.append((p, DeadlineExceeded(
-                    f"deadline passed while the frame was computed: its answer was ready {late_ms:.1f} ms "
-                    f"after the deadline ({(t3 - p.arrival) * 1000:.1f} ms after arrival)", late_ms=late_ms)))
+                    "deadline passed while the frame was computed: its answer was ready "
+                    f"{late_ms:.1f} ms after the deadline ({(t3 - p.arrival) * 1000:.1f} ms after "
+                    "arrival)", late_ms=late_ms)))
                 continue
             answers.append((p, FrameResult(
                 verdict=verdict, result=result, batch_size=n,
@@ -263,7 +268,8 @@ class Runner:
         # client holding its answer must find it counted in /stats, even if this thread is slow
         # to get the GIL back after posting
         self._post(self.on_batch, BatchRecord(
-            size=n, padded=tensor.shape[0], ok=len(answers), failed=failed, late=len(late) + len(too_late),
+            size=n, padded=tensor.shape[0], ok=len(answers), failed=failed,
+            late=len(late) + len(too_late),
             queue_s=tuple(p.dispatched - p.arrival for p in items),
             prep_s=prep_s, infer_s=t2 - t1, post_s=t3 - t2))
         if too_late:

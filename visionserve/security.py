@@ -45,9 +45,10 @@ def guard_api_refusal(token: str | None, host: str) -> str | None:
     machine every client comes from 127.0.0.1."""
     if token or is_loopback(host):
         return None
-    return (f"the guard's job API ({GUARD_PREFIX}) is off: it runs commands, and this server listens "
-            f"on {host or 'all interfaces'} without an auth token. Set --auth-token or --auth-token-file, "
-            "or --host 127.0.0.1; on this machine `visionserve guard submit` still queues jobs")
+    return (f"the guard's job API ({GUARD_PREFIX}) is off: it runs commands, and this server "
+            f"listens on {host or 'all interfaces'} without an auth token. Set --auth-token or "
+            "--auth-token-file, or --host 127.0.0.1; on this machine `visionserve guard submit` "
+            "still queues jobs")
 
 
 def load_token(token: str | None, token_file: Path | None) -> str | None:
@@ -97,14 +98,16 @@ class HttpSecurity:
             if self.token and path not in self.open_paths:
                 auth = headers.get(b"authorization", b"").decode("latin-1")
                 if not bearer_ok(auth, self.token):
-                    await _reply(send, rid, 401, "missing or wrong bearer token (Authorization: Bearer <token>)",
+                    await _reply(send, rid, 401,
+                                 "missing or wrong bearer token (Authorization: Bearer <token>)",
                                  (b"www-authenticate", b'Bearer realm="visionserve"'))
                     return
 
             async def send_with_id(message) -> None:
                 if message["type"] == "http.response.start":
                     message.setdefault("headers", [])
-                    message["headers"] = list(message["headers"]) + [(b"x-request-id", rid.encode("latin-1"))]
+                    message["headers"] = list(message["headers"]) + [
+                        (b"x-request-id", rid.encode("latin-1"))]
                 await send(message)
 
             await self.app(scope, receive, send_with_id)
@@ -144,8 +147,9 @@ def grpc_auth_interceptor(token: str, health_open: bool = True):
             if handler is None:
                 return None
             if handler.request_streaming:
-                return grpc.stream_stream_rpc_method_handler(_deny_stream) if handler.response_streaming \
-                    else grpc.stream_unary_rpc_method_handler(_deny_async)
+                if handler.response_streaming:
+                    return grpc.stream_stream_rpc_method_handler(_deny_stream)
+                return grpc.stream_unary_rpc_method_handler(_deny_async)
             if handler.response_streaming:
                 return grpc.unary_stream_rpc_method_handler(_deny_stream)
             return grpc.unary_unary_rpc_method_handler(_deny_async)

@@ -69,7 +69,8 @@ class Arena:
             del self._offs[i], self._lens[i]
 
     def write(self, off: int, data: bytes | np.ndarray) -> None:
-        src = data.reshape(-1) if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
+        src = data.reshape(-1) if isinstance(data, np.ndarray) \
+            else np.frombuffer(data, dtype=np.uint8)
         self._view[off:off + src.size] = src
 
     @property

@@ -51,7 +51,8 @@ class Channel(asyncio.Protocol):
             try:
                 self.on_message(msg)
             except Exception:  # one bad message must not take the channel down
-                log.exception("front-end channel: handling %r failed", msg[:1] if isinstance(msg, tuple) else msg)
+                log.exception("front-end channel: handling %r failed",
+                              msg[:1] if isinstance(msg, tuple) else msg)
         if pos:
             del buf[:pos]
 

@@ -373,6 +373,7 @@ OTHER_VARIABLES: dict[str, str] = {
     "GUARD_YIELD_MIN_SHARE": "set by the guard for its jobs; a job may set its own (docs/guard.md)",
     "GUARD_YIELD_QUEUE_MS": "set by the guard for its jobs; a job may set its own (docs/guard.md)",
     "GUARD_YIELD_DEPTH": "set by the guard for its jobs; a job may set its own (docs/guard.md)",
+    "GUARD_YIELD_MODE": "set by the guard for its jobs; a job may set its own (docs/guard.md)",
 }
 
 

@@ -122,7 +122,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         load_fraction=args.load_fraction, rate=args.rate,
         # the shipped model's 200 ms takt would count a shared CPU box's scheduler hiccups as
         # errors; the bench model on cuda keeps its own (5 s)
-        deadline_ms=args.deadline_ms if args.deadline_ms is not None else (None if cuda else 1000.0),
+        deadline_ms=args.deadline_ms if args.deadline_ms is not None
+        else (None if cuda else 1000.0),
         processes=args.processes or min(8, max(2, (os.cpu_count() or 8) // 2)),
         # senders per client process: enough that a second-long stall does not run out of them
         # (then the send lag is the client's, not a queue behind slow answers)
@@ -358,7 +359,8 @@ def job_of(server: Server, job_id: int) -> dict | None:
 
 
 def log_tail(server: Server, job_id: int, n: int = 1500) -> str:
-    return get(f"{server.url}/v1/guard/jobs/{job_id}/logs?tail_bytes={n}")[1].decode("utf-8", "replace")
+    body = get(f"{server.url}/v1/guard/jobs/{job_id}/logs?tail_bytes={n}")[1]
+    return body.decode("utf-8", "replace")
 
 
 def follow(server: Server, job_id: int, until, timeout: float, seen: list[dict] | None = None
@@ -373,7 +375,8 @@ def follow(server: Server, job_id: int, until, timeout: float, seen: list[dict] 
         if j is not None:
             job = j
             if not seen or (seen[-1]["state"], seen[-1]["reason"]) != (j["state"], j["reason"]):
-                seen.append({"t": round(time.time(), 3), "state": j["state"], "reason": j["reason"]})
+                seen.append({"t": round(time.time(), 3), "state": j["state"],
+                             "reason": j["reason"]})
                 log(f"job {job_id}: {j['state']}" + (f" ({j['reason']})" if j["reason"] else ""))
             if until(j):
                 return job, seen, False
@@ -443,7 +446,8 @@ class MetricsSampler(threading.Thread):
                 self.min_free = free if self.min_free is None else min(self.min_free, free)
                 head = m.get("visionserve_guard_headroom_bytes")
                 if head is not None:
-                    self.min_headroom = head if self.min_headroom is None else min(self.min_headroom, head)
+                    self.min_headroom = head if self.min_headroom is None \
+                        else min(self.min_headroom, head)
                 self.floor = m.get("visionserve_guard_inference_floor_bytes")
 
     def report(self) -> dict:
@@ -506,8 +510,8 @@ class CpuSampler(threading.Thread):
         idle = getattr(os, "SCHED_IDLE", None)
         while not self.done.wait(self.interval):
             jobs = self._job_pids()
-            tasks = {"server": self._tasks([self.server_pid]), "clients": self._tasks(self.client_pids),
-                     "jobs": self._tasks(jobs)}
+            tasks = {"server": self._tasks([self.server_pid]),
+                     "clients": self._tasks(self.client_pids), "jobs": self._tasks(jobs)}
             not_idle = 0
             for tid in tasks["jobs"]:
                 try:
@@ -555,11 +559,13 @@ def to_mono(wall: float | None, offset: float) -> float | None:
 
 
 def job_summary(job: dict, seen: list, timed_out: bool, tail: str) -> dict:
-    dur = job["ended_at"] - job["started_at"] if job.get("ended_at") and job.get("started_at") else None
+    dur = job["ended_at"] - job["started_at"] \
+        if job.get("ended_at") and job.get("started_at") else None
     return {"id": job.get("id"), "state": job.get("state"), "exit_code": job.get("exit_code"),
             "reason": job.get("reason"), "gpu_mem": job.get("gpu_mem"), "policy": job.get("policy"),
             "duration_s": round(dur, 1) if dur is not None else None,
-            "wait_s": round(job["started_at"] - job["submitted_at"], 2) if job.get("started_at") else None,
+            "wait_s": round(job["started_at"] - job["submitted_at"], 2)
+            if job.get("started_at") else None,
             "timed_out": timed_out, "transitions": seen, "log_path": job.get("log_path"),
             "log_tail": tail[-1500:]}
 
@@ -622,7 +628,8 @@ def acceptance(args: argparse.Namespace, res: dict, save) -> None:
             log(f"baseline done ({plan.baseline_s:g} s); submitting the training job")
 
             # training: the project's own script through the guard
-            train_cmd = [sys.executable, "-m", TRAIN_MODULE, "--models-dir", str(tmp_path / "train-models"),
+            train_cmd = [sys.executable, "-m", TRAIN_MODULE,
+                         "--models-dir", str(tmp_path / "train-models"),
                          "--device", plan.device, *plan.train_args]
             job = submit(server, name="train-defect-classifier", command=train_cmd, cwd=tmp,
                          env={"PYTHONUNBUFFERED": "1"}, gpu_mem=plan.train_gpu_mem, policy="pause")
@@ -630,7 +637,8 @@ def acceptance(args: argparse.Namespace, res: dict, save) -> None:
             job, seen, timed_out = follow(server, job_id, lambda j: j["state"] in FINAL,
                                           plan.train_timeout_s)
             if timed_out:
-                log(f"training job still {job.get('state')} after {plan.train_timeout_s:g} s; cancelling")
+                log(f"training job still {job.get('state')} after {plan.train_timeout_s:g} s; "
+                    "cancelling")
                 job = cancel(server, job_id, seen)
             off = time.time() - time.monotonic()
             a = to_mono(job.get("started_at"), off) or t_sub
@@ -670,7 +678,8 @@ def acceptance(args: argparse.Namespace, res: dict, save) -> None:
             if paced is not None:  # also after an error: the phases measured so far
                 t_end = time.monotonic()
                 records = paced.stop()
-                res["phases"] = {name: phase_stats(records, a, b) for name, (a, b) in windows.items()}
+                res["phases"] = {name: phase_stats(records, a, b)
+                                 for name, (a, b) in windows.items()}
                 res["phases"]["all"] = phase_stats(records, paced.t0, t_end)
                 if paced.missing:
                     res["phases"]["all"]["clients_missing"] = paced.missing
@@ -703,13 +712,15 @@ def verdict(res: dict, cuda: bool) -> None:
     base, train = ph.get("baseline", {}).get("p99_ms"), ph.get("training", {}).get("p99_ms")
     ratio = round(train / base, 3) if base and train else None
     res["p99_ratio_training_over_baseline"] = ratio
-    sb, st = ph.get("baseline", {}).get("server_p99_ms"), ph.get("training", {}).get("server_p99_ms")
+    sb = ph.get("baseline", {}).get("server_p99_ms")
+    st = ph.get("training", {}).get("server_p99_ms")
     res["server_p99_ratio_training_over_baseline"] = round(st / sb, 3) if sb and st else None
     cond = {
         "zero_inference_errors": ph.get("all", {}).get("count", 0) > 0
         and ph["all"].get("errors") == 0,
         "zero_oom_lines": not res.get("oom_lines"),
-        f"p99_training_le_{P99_RATIO_LIMIT:g}x_baseline": ratio is not None and ratio <= P99_RATIO_LIMIT,
+        f"p99_training_le_{P99_RATIO_LIMIT:g}x_baseline": ratio is not None
+        and ratio <= P99_RATIO_LIMIT,
         "training_job_succeeded": res.get("training_job", {}).get("state") == "succeeded",
         "hostile_stopped_or_paused_by_watchdog":
             bool(res.get("hostile_job", {}).get("by_watchdog")) if cuda else None,
@@ -742,7 +753,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hostile-gpu-mem", default="4GiB", help="the hostile job's declared need")
     ap.add_argument("--hostile-policy", choices=("stop", "pause"), default="stop")
     ap.add_argument("--latency-budget-ms", type=float, default=None,
-                    help="the server's --guard-latency-budget-ms: jobs pause while its p99 is over it")
+                    help="the server's --guard-latency-budget-ms: jobs pause while its p99 is "
+                         "over it")
     args = ap.parse_args(argv)
     for name in ("rate", "baseline_s", "deadline_ms", "latency_budget_ms"):
         v = getattr(args, name)

@@ -16,7 +16,10 @@ under the guard's two mechanisms, in one run.
    process-level policy, i.e. paused (SIGSTOP) while the served p99 is over the latency budget.
 5. Phase ``yield``: the same job with the guard's hook: it yields at module boundaries while a
    batch runs, bounds its queued GPU work, and follows the duty cycle the budget sets.
-6. Phase ``hostile`` (cuda): benchguard's memory-hungry job; the watchdog must stop it.
+6. Phase ``yield_bound``: the hook in mode ``bound`` (``VISIONSERVE_GUARD_YIELD_MODE=bound``): it
+   never waits, it only keeps one point of GPU work queued while a batch runs.
+7. Phase ``hostile`` (cuda, if time is left): benchguard's memory-hungry job; the watchdog must
+   stop it.
 
 Each training phase is the job's timed part (from its ``warm`` line to its ``done`` line). The
 JSON (``--out``, saved after every phase) has per phase the latency percentiles (client and
@@ -95,10 +98,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
                            "--workers", "1", "--warmup-steps", "2"])
     return Plan(
         device=args.device, saturation_s=5.0, warmup_s=1.0,
-        baseline_s=args.baseline_s or (20.0 if cuda and not q else 8.0),
-        alone_s=args.alone_s or (15.0 if cuda and not q else 5.0),
-        share_s=args.share_s or (25.0 if cuda and not q else 8.0),
-        job_timeout_s=90.0 if cuda else 120.0, settle_s=2.0,
+        baseline_s=args.baseline_s or (15.0 if cuda and not q else 8.0),
+        alone_s=args.alone_s or (12.0 if cuda and not q else 5.0),
+        share_s=args.share_s or (20.0 if cuda and not q else 8.0),
+        job_timeout_s=45.0 if cuda else 120.0, settle_s=2.0,
         train_args=train + (args.train_args.split() if args.train_args else []),
         train_gpu_mem=args.train_gpu_mem if cuda else "0",
         budget=args.gpu_memory_budget if cuda else None,
@@ -194,7 +197,10 @@ def run_job(server: Server, plan: Plan, name: str, seconds: float, env: dict, tm
     summary = {"id": job.get("id"), "state": job.get("state"), "exit_code": job.get("exit_code"),
                "reason": job.get("reason"), "mechanism": job.get("mechanism"),
                "sharing": job.get("sharing"), "timed_out": timed_out, "transitions": seen,
-               "train": ev.get("done"), "command": cmd, "env": env}
+               "train": ev.get("done"), "command": cmd, "env": env,
+               # what the guard's sitecustomize and hook said in the job (an error turns it off)
+               "guard_lines": [ln[:300] for ln in text.splitlines()
+                               if ln.startswith("visionserve guard:")][:10]}
     if job.get("state") != "succeeded":
         summary["log_tail"] = text[-2000:]
     return summary, window
@@ -262,7 +268,8 @@ def acceptance(args: argparse.Namespace, res: dict, save) -> None:
             time.sleep(max(0.0, b0 + plan.baseline_s - time.monotonic()))
             windows["baseline"] = (b0, b0 + plan.baseline_s)
 
-            for phase, env in (("process", {"VISIONSERVE_GUARD_YIELD": "0"}), ("yield", {})):
+            for phase, env in (("process", {"VISIONSERVE_GUARD_YIELD": "0"}), ("yield", {}),
+                               ("yield_bound", {"VISIONSERVE_GUARD_YIELD_MODE": "bound"})):
                 if left() < plan.share_s + 25:
                     res.setdefault("skipped", []).append(f"{phase}: {left():.0f} s left")
                     log(f"phase {phase} skipped: {left():.0f} s left of --deadline-s")
@@ -291,7 +298,8 @@ def acceptance(args: argparse.Namespace, res: dict, save) -> None:
                 windows["hostile"] = (t_sub, time.monotonic())
                 res["hostile_job"] = {"state_when_acted": acted.get("state"),
                                       "reason_when_acted": acted.get("reason"),
-                                      "state": hjob.get("state"), "by_watchdog": _by_watchdog(acted),
+                                      "state": hjob.get("state"),
+                                      "by_watchdog": _by_watchdog(acted),
                                       "log_tail": log_tail(server, hjob["id"], 600)}
         finally:
             if paced is not None:
@@ -317,10 +325,11 @@ def verdict(res: dict, cuda: bool) -> None:
     def ratio(a: float | None, b: float | None) -> float | None:
         return round(a / b, 3) if a and b else None
 
-    base, base_srv = ph.get("baseline", {}).get("p99_ms"), ph.get("baseline", {}).get("server_p99_ms")
+    base_phase = ph.get("baseline", {})
+    base, base_srv = base_phase.get("p99_ms"), base_phase.get("server_p99_ms")
     alone = (res.get("train_alone", {}).get("train") or {}).get("steps_per_s")
     out = {}
-    for phase in ("process", "yield"):
+    for phase in ("process", "yield", "yield_bound"):
         steps = (res.get(f"train_{phase}", {}).get("train") or {}).get("steps_per_s")
         out[phase] = {"p99_ratio": ratio(ph.get(phase, {}).get("p99_ms"), base),
                       "server_p99_ratio": ratio(ph.get(phase, {}).get("server_p99_ms"), base_srv),
@@ -364,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-gpu-mem", default="16GiB")
     ap.add_argument("--train-args", default=None, help="more trainloop options (one string)")
     ap.add_argument("--no-hostile", action="store_true")
-    ap.add_argument("--deadline-s", type=float, default=210.0,
+    ap.add_argument("--deadline-s", type=float, default=235.0,
                     help="phases that would end later than this after the start are skipped")
     args = ap.parse_args(argv)
     if not 0 < args.load_fraction <= 1:
@@ -402,7 +411,9 @@ def main(argv: list[str] | None = None) -> int:
                                                  "client_wake_lag_p99_ms")}
                        for k, v in res.get("phases", {}).items()}
     brief["sharing"] = {p: (res.get(f"train_{p}") or {}).get("sharing")
-                        for p in ("process", "yield")}
+                        for p in ("process", "yield", "yield_bound")}
+    brief["guard_lines"] = {p: (res.get(f"train_{p}") or {}).get("guard_lines")
+                            for p in ("yield", "yield_bound")}
     print(json.dumps(brief, default=str))
     print("\n".join(table(res)))
     return rc
@@ -418,7 +429,7 @@ def table(res: dict) -> list[str]:
     def f(v, w: int, nd: int = 1) -> str:
         return f"{v:>{w}.{nd}f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"
 
-    for name in ("train_alone", "baseline", "process", "yield", "hostile", "all"):
+    for name in ("train_alone", "baseline", "process", "yield", "yield_bound", "hostile", "all"):
         p = ph.get(name, {})
         job = res.get(name if name.startswith("train") else f"train_{name}", {}) or {}
         sh = job.get("sharing") or {}
@@ -429,19 +440,17 @@ def table(res: dict) -> list[str]:
             f"{name:<12}{p.get('count', 0):>7}{p.get('errors', 0):>5}{f(p.get('p50_ms'), 8)}"
             f"{f(p.get('p99_ms'), 8)}{f(p.get('server_p99_ms'), 9)}{f(p.get('send_lag_p99_ms'), 9)}"
             f"{f(p.get('client_wake_lag_p99_ms'), 9)}"
-            f"{f((job.get('train') or {}).get('steps_per_s'), 9, 2)}{job.get('mechanism') or '-':>8}"
+            f"{f((job.get('train') or {}).get('steps_per_s'), 9, 2)}"
+            f"{job.get('mechanism') or '-':>8}"
             f"{sh.get('yields', '-'):>8}{sh.get('pauses', '-'):>7}"
             f"{f(c.get('server', {}).get('runq_wait_per_s'), 9, 3)}"
             f"{f(c.get('clients', {}).get('runq_wait_per_s'), 9, 3)}"
             f"{f(c.get('jobs', {}).get('cpu_per_s'), 8, 2)}{f(g.get('server_sm_pct'), 8)}"
             f"{f(g.get('jobs_sm_pct'), 8)}")
     r = res.get("ratios", {})
-    lines.append("p99 ratio over baseline (client / server side): process "
-                 f"{r.get('process', {}).get('p99_ratio')} / {r.get('process', {}).get('server_p99_ratio')}"
-                 f", yield {r.get('yield', {}).get('p99_ratio')} / "
-                 f"{r.get('yield', {}).get('server_p99_ratio')}; steps/s over alone: process "
-                 f"{r.get('process', {}).get('steps_ratio_vs_alone')}, yield "
-                 f"{r.get('yield', {}).get('steps_ratio_vs_alone')}")
+    lines.append("p99 ratio over baseline (client / server side); steps/s over alone: " + "; ".join(
+        f"{p} {r.get(p, {}).get('p99_ratio')} / {r.get(p, {}).get('server_p99_ratio')}; "
+        f"{r.get(p, {}).get('steps_ratio_vs_alone')}" for p in ("process", "yield", "yield_bound")))
     lines.append(f"pass {res.get('pass')}; failed {res.get('conditions_failed')}; "
                  f"oom lines {len(res.get('oom_lines') or [])}; hostile "
                  f"{(res.get('hostile_job') or {}).get('state_when_acted')}; skipped "

@@ -4,12 +4,12 @@
         [--batch-size 64] [--size 224] [--workers 2] [--no-amp]
 
 Trains a torchvision classifier (random weights) on random images that ``--workers`` data-loader
-processes make (pinned, copied non-blocking), for ``--seconds`` after ``--warmup-steps``. It knows
-nothing of the guard: what the guard injects (memory cap, cooperative yielding) comes through the
-environment. Prints JSON lines, flushed: ``{"event": "warm", "wall": ...}`` when the timed part
-starts, ``{"event": "tick", ...}`` every second (steps so far), and at the end ``{"event": "done",
-"steps", "seconds", "steps_per_s", "step_ms_p50", "step_ms_p99", "hook", ...}`` (``hook``: the
-guard's yield hook was installed in this process). Exit 0.
+processes hand over (pinned, copied non-blocking), for ``--seconds`` after ``--warmup-steps``.
+It knows nothing of the guard: what the guard injects (memory cap, cooperative yielding) comes
+through the environment. Prints JSON lines, flushed: ``{"event": "warm", "wall": ...}`` when
+the timed part starts, ``{"event": "tick", ...}`` every second (steps so far), and at the end
+``{"event": "done", "steps", "seconds", "steps_per_s", "step_ms_p50", "step_ms_p99", "hook",
+...}`` (``hook``: the guard's yield hook was installed in this process). Exit 0.
 """
 
 from __future__ import annotations
@@ -48,14 +48,19 @@ def main(argv: list[str] | None = None) -> int:
     batch, size = args.batch_size, args.size
 
     class Images(IterableDataset):
-        """Endless batches of random uint8 images with labels (made in the worker processes)."""
+        """Endless batches of uint8 images with labels, from the worker processes: four random
+        batches each, in turn (making new ones would make the loop wait for its data)."""
 
         def __iter__(self):
-            g = torch.Generator().manual_seed(torch.utils.data.get_worker_info().id
-                                              if torch.utils.data.get_worker_info() else 0)
+            info = torch.utils.data.get_worker_info()
+            g = torch.Generator().manual_seed(info.id if info else 0)
+            made = [(torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8, generator=g),
+                     torch.randint(0, 10, (batch,), generator=g)) for _ in range(4)]
+            i = 0
             while True:
-                x = torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8, generator=g)
-                yield x, torch.randint(0, 10, (batch,), generator=g)
+                x, y = made[i % 4]
+                i += 1
+                yield x.clone(), y.clone()
 
     loader = DataLoader(Images(), batch_size=None, num_workers=args.workers,
                         pin_memory=cuda, persistent_workers=args.workers > 0,

@@ -44,21 +44,24 @@ def test_cpu_dry_run_of_the_sharing_benchmark(tmp_path):
     assert p.returncode == 0, output[-4000:]
     res = json.loads(out.read_text())
     assert "error" not in res, res["error"]
-    assert set(res["phases"]) == {"baseline", "process", "yield", "all"}
+    assert set(res["phases"]) == {"baseline", "process", "yield", "yield_bound", "all"}
     for name, ph in res["phases"].items():
         assert ph["count"] > 0 and ph["errors"] == 0, (name, ph)
         assert ph["server_p99_ms"] <= ph["rtt_p99_ms"] + 1e-6, (name, ph)  # inside the round trip
         assert "send_lag_p99_ms" in ph and "client_wake_lag_p99_ms" in ph
-    for name in ("train_alone", "train_process", "train_yield"):
+    for name in ("train_alone", "train_process", "train_yield", "train_yield_bound"):
         job = res[name]
         assert job["state"] == "succeeded", job
         assert job["train"]["steps_per_s"] > 0
     # the guard recorded which mechanism applied: the hook in the yield phase, none otherwise
     assert res["train_yield"]["mechanism"] == "yield" and res["train_yield"]["train"]["hook"]
     assert res["train_yield"]["sharing"]["hooks"] > 0
+    assert res["train_yield_bound"]["sharing"]["mode"] == "bound"
+    assert res["train_yield"]["sharing"]["mode"] == "wait"
     assert res["train_process"]["mechanism"] == "process"
     assert not res["train_process"]["train"]["hook"]
     assert res["cpu"]["yield"]["jobs"]["threads_not_sched_idle_max"] == 0
     assert res["ratios"]["yield"]["steps_ratio_vs_alone"] > 0
     assert res["conditions"]["zero_inference_errors"] and res["conditions"]["zero_oom_lines"]
-    assert "p99 ratio over baseline" in output and output.rstrip().splitlines()[-1].startswith("pass")
+    assert "p99 ratio over baseline" in output
+    assert output.rstrip().splitlines()[-1].startswith("pass")

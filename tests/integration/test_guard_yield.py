@@ -92,7 +92,8 @@ def _result(log_path: str) -> dict:
 def _launch(tmp_path, store, word_path, argv, env=None, **settings):
     job = store.claim(store.submit(JobSpec(command=[sys.executable, *argv], env=env or {},
                                            cwd=str(tmp_path))).id)
-    s = LaunchSettings(gpu_uuid=None, gpu_total=None, site_dir=write_site_dir(str(tmp_path / "site")),
+    s = LaunchSettings(gpu_uuid=None, gpu_total=None,
+                       site_dir=write_site_dir(str(tmp_path / "site")),
                        share_path=word_path, **settings)
     launched = launch(job, s)
     return job, launched

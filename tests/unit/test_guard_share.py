@@ -1,6 +1,7 @@
 """Cooperative yielding, the protocol (issue 22): the server's busy word in shared memory, the
 hook's wait and its limits, its statistics, the environment that injects it. In-process (the hook
-against the real torch on the CPU); the subprocess cases are in tests/integration/test_guard_yield.py.
+against the real torch on the CPU); the subprocess cases are in
+tests/integration/test_guard_yield.py.
 """
 
 from __future__ import annotations
@@ -296,8 +297,8 @@ class FakeTorch:
 
 
 def test_hook_bounds_the_gpu_work_queued_ahead(word, tmp_path):
-    """The job may queue about queue_ms of GPU work (learnt per point from its events), one point
-    while frames wait for their batch: that bounds how long an arriving batch waits for it."""
+    """The job may queue about queue_ms of GPU work (learnt per point from its events), a quarter
+    of it while frames wait for their batch: that bounds how long an arriving batch waits."""
     fake = FakeTorch(work_s=0.001)
     y = yieldhook.Yielder(fake, word, None, queue_ms=4.0, depth=16, max_wait_s=0.0)
     queued = []
@@ -307,7 +308,20 @@ def test_hook_bounds_the_gpu_work_queued_ahead(word, tmp_path):
     assert 0.0007 < y.point_ms / 1000 < 0.0015  # learnt: 1 ms per point
     assert max(queued[100:]) < 0.0065, max(queued[100:])  # ~4 ms (+ the interval just queued)
     assert y.syncs > 300
-    share.note(Batcher(), share.QUEUED)  # frames wait for their batch: drain to one point
+    share.note(Batcher(), share.QUEUED)  # frames wait for their batch: a quarter of it
     for _ in range(20):
         y.point()
         assert fake.cuda.queued_s() < 0.0025
+
+
+def test_bound_mode_never_waits_and_keeps_one_point_queued_while_a_batch_runs(word, tmp_path):
+    fake = FakeTorch(work_s=0.001)
+    y = yieldhook.Yielder(fake, word, str(tmp_path / "b.yield"), queue_ms=4.0, depth=16,
+                          max_wait_s=1.0, min_share=0.0, mode="bound")
+    share.note(Batcher(), share.RUNNING)
+    for _ in range(50):
+        y.point()
+        assert fake.cuda.queued_s() < 0.0015  # the batch shares the GPU with one point at most
+    assert y.yields == 0
+    y.flush()
+    assert share.read_stats(str(tmp_path / "b.yield")).mode == "bound"

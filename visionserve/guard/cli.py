@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--db", default=None,
                         help=f"job database (default: ${DB_ENV}, else {DEFAULT_DB}, "
-                             "~/.local/share/visionserve/guard.sqlite where XDG_DATA_HOME is unset)")
+                             "~/.local/share/visionserve/guard.sqlite where XDG_DATA_HOME is "
+                             "unset)")
     sub = parser.add_subparsers(dest="guard_command", metavar="SUBCOMMAND")
 
     p = sub.add_parser("submit", parents=[common], help="queue a job; prints its id",
@@ -106,6 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="share of time a yielding job keeps however busy the line (default 0.3)")
     p.add_argument("--yield-queue-ms", type=float, default=2.0,
                    help="GPU work (ms) a yielding job may keep queued ahead (default 2)")
+    p.add_argument("--yield-mode", choices=("wait", "bound"), default="wait",
+                   help="wait: a job waits while a batch runs (default); bound: it never waits, "
+                        "it only keeps one point of GPU work queued while a batch runs")
     p.add_argument("--yield-depth", type=int, default=16,
                    help="at most this many hook intervals queued ahead (default 16)")
     p.add_argument("--stop-jobs-on-exit", action="store_true",
@@ -241,7 +245,8 @@ def _list(args: argparse.Namespace) -> int:
         print(json.dumps([_with_reason(j.to_dict(), waiting) for j in jobs], indent=2))
         return 0
     if not jobs:
-        print(f"no jobs in {store.path}" + (f" in state {', '.join(args.state)}" if args.state else ""))
+        print(f"no jobs in {store.path}"
+              + (f" in state {', '.join(args.state)}" if args.state else ""))
         return 0
     print(f"guard database: {store.path}")
     print(f"{'ID':>5}  {'STATE':<9}  {'PRI':>4}  {'POLICY':<6}  {'GPU MEM':>10}  {'SUBMITTED':<19}"
@@ -366,7 +371,7 @@ def _run(args: argparse.Namespace) -> int:
         stop_jobs_on_exit=args.stop_jobs_on_exit, job_cpus=args.job_cpus,
         cooperative=args.cooperative, yield_max_wait_ms=args.yield_max_wait_ms,
         yield_min_share=args.yield_min_share, yield_depth=args.yield_depth,
-        yield_queue_ms=args.yield_queue_ms)
+        yield_queue_ms=args.yield_queue_ms, yield_mode=args.yield_mode)
     store = _store(args)
     log.info("guard job database: %s", store.path)
     if args.simulate_memory:

@@ -60,12 +60,14 @@ def main(argv: list[str]) -> int:
         try:  # lowering one's own policy needs no privilege
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except OSError as exc:
-            sys.stderr.write(f"visionserve guard: SCHED_IDLE refused ({exc}); running at nice {nice}\n")
+            sys.stderr.write(f"visionserve guard: SCHED_IDLE refused ({exc}); running at nice "
+                             f"{nice}\n")
     if "--cpus" in opts:
         try:
             os.sched_setaffinity(0, parse_cpus(opts[opts.index("--cpus") + 1]))
         except (ValueError, OSError) as exc:
-            sys.stderr.write(f"visionserve guard: CPU set not applied ({exc}); running on all CPUs\n")
+            sys.stderr.write(f"visionserve guard: CPU set not applied ({exc}); running on all "
+                             "CPUs\n")
     try:  # raising one's own oom_score_adj needs no privilege
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("500")

@@ -14,8 +14,9 @@ What the job sees is documented in ``docs/guard.md``; in short:
   there as ``visionserve_guard_yield.py``). It chains to any other ``sitecustomize``;
 - with a busy word: ``VISIONSERVE_GUARD_SHARE``, ``VISIONSERVE_GUARD_YIELD_STATS`` (the job's
   ``<log>.yield``) and the hook's settings ``VISIONSERVE_GUARD_YIELD_MAX_WAIT_MS`` / ``_MIN_SHARE``
-  / ``_QUEUE_MS`` / ``_DEPTH`` (the job's own values win). A job that sets ``VISIONSERVE_GUARD_YIELD=0`` gets none
-  of them and is handled by the process-level policies only.
+  / ``_QUEUE_MS`` / ``_DEPTH`` / ``_MODE`` (the job's own values win). A job that sets
+  ``VISIONSERVE_GUARD_YIELD=0`` gets none of them and is handled by the process-level policies
+  only.
 """
 
 from __future__ import annotations
@@ -155,6 +156,7 @@ class LaunchSettings:
     yield_min_share: float = 0.3
     yield_depth: int = 16
     yield_queue_ms: float = 2.0
+    yield_mode: str = "wait"
 
 
 def write_site_dir(path: str) -> str:
@@ -198,7 +200,7 @@ def job_env(job: Job, s: LaunchSettings, base: dict[str, str] | None = None) -> 
             env["VISIONSERVE_GPU_MEM_FRACTION"] = f"{cap / s.gpu_total:.6f}"
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     for key in ("VISIONSERVE_GUARD_SHARE", "VISIONSERVE_GUARD_YIELD_STATS"):
-        if key not in job.env:  # the guard's to give, not inherited from the supervisor's environment
+        if key not in job.env:  # the guard's to give, not inherited from the supervisor's env
             env.pop(key, None)
     if s.share_path and env.get("VISIONSERVE_GUARD_YIELD") != "0":
         env["VISIONSERVE_GUARD_SHARE"] = s.share_path
@@ -208,6 +210,7 @@ def job_env(job: Job, s: LaunchSettings, base: dict[str, str] | None = None) -> 
         env.setdefault("VISIONSERVE_GUARD_YIELD_MIN_SHARE", f"{s.yield_min_share:g}")
         env.setdefault("VISIONSERVE_GUARD_YIELD_DEPTH", str(s.yield_depth))
         env.setdefault("VISIONSERVE_GUARD_YIELD_QUEUE_MS", f"{s.yield_queue_ms:g}")
+        env.setdefault("VISIONSERVE_GUARD_YIELD_MODE", s.yield_mode)
     if s.site_dir:
         old = env.get("PYTHONPATH")
         env["PYTHONPATH"] = s.site_dir + (os.pathsep + old if old else "")

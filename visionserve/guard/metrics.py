@@ -22,7 +22,8 @@ STORE_FAULT = Gauge("visionserve_guard_store_fault",
                     "1 while the supervisor cannot use the job database (disk full, read-only, I/O "
                     "error): running jobs stay watched, none starts, job records wait for it.")
 STORE_ERRORS = Counter("visionserve_guard_store_errors_total",
-                       "Failed accesses of the supervisor to the job database (retried with backoff).")
+                       "Failed accesses of the supervisor to the job database (retried with "
+                       "backoff).")
 
 # -- sharing the GPU (cooperative yielding and the process-level policies) -----------------------
 JOBS_BY_MECHANISM = Gauge("visionserve_guard_jobs_by_mechanism",

@@ -26,7 +26,8 @@ Layout of the busy word (little-endian, 64 bytes)::
 
 Layout of the yield statistics (72 bytes)::
 
-    0  u32 magic 'VSYS'   4  u32 version   8  u32 pid   12 u32 flags (1: CUDA work bounded)
+    0  u32 magic 'VSYS'   4  u32 version   8  u32 pid   12 u32 flags (1: CUDA work bounded,
+                                                          2: mode "bound": it never waits)
    16  u64 hook calls     24 u64 yields (waits)   32 u64 forced passes (waited max / min share)
    40  u64 ns waited      48 u64 run-ahead syncs   56 u64 last hook, CLOCK_MONOTONIC ns
    64  u64 ns slept for the duty cycle
@@ -116,7 +117,8 @@ def _from_env() -> memoryview | None:
         publish(path)
         return _word
     except OSError as exc:
-        log.warning("guard: cannot publish the busy word at %s (%s); jobs will not yield", path, exc)
+        log.warning("guard: cannot publish the busy word at %s (%s); jobs will not yield",
+                    path, exc)
         return None
 
 
@@ -124,7 +126,8 @@ _tried_env = False
 
 
 def default_path() -> str:
-    return os.path.join(SHM_DIR if os.path.isdir(SHM_DIR) else "/tmp", f"{PREFIX}{os.getpid()}.share")
+    folder = SHM_DIR if os.path.isdir(SHM_DIR) else "/tmp"
+    return os.path.join(folder, f"{PREFIX}{os.getpid()}.share")
 
 
 def publish(path: str | None = None) -> str:
@@ -161,7 +164,8 @@ def set_duty(share_of_time: float | None) -> bool:
     word = _word
     if word is None:
         return False
-    word[5] = 0 if share_of_time is None or share_of_time >= 1 else max(1, int(share_of_time * 1000))
+    unlimited = share_of_time is None or share_of_time >= 1
+    word[5] = 0 if unlimited else max(1, int(share_of_time * 1000))
     return True
 
 
@@ -249,6 +253,7 @@ class YieldStats:
     syncs: int
     last_hook_ns: int
     throttled_s: float = 0.0
+    mode: str = "wait"  # "bound": the hook never waits, it only bounds the queued GPU work
 
 
 def read_stats(path: str) -> YieldStats | None:
@@ -265,4 +270,4 @@ def read_stats(path: str) -> YieldStats | None:
     if magic != STATS_MAGIC:
         return None
     return YieldStats(pid, bool(flags & 1), hooks, yields, forced, waited / 1e9, syncs, last,
-                      slept / 1e9)
+                      slept / 1e9, "bound" if flags & 2 else "wait")

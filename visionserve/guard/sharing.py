@@ -92,7 +92,8 @@ class JobSharing:
             held = (waited - w0) + (slept - s0) + (paused - p0)
             self.time_share = round(max(0.0, min(1.0, 1.0 - held / (now - t0))), 3)
             self._last = (now, waited, slept, paused)
-        mechanism = "yield" if self.hook_seen and now - self._hooks_at <= HOOK_STALE_S else "process"
+        alive = self.hook_seen and now - self._hooks_at <= HOOK_STALE_S
+        mechanism = "yield" if alive else "process"
         changed = mechanism != self.mechanism
         self.mechanism = mechanism
         return changed
@@ -114,6 +115,7 @@ class JobSharing:
             out.update(hooks=st.hooks, yields=st.yields, forced=st.forced,
                        waited_s=round(st.waited_s, 2), throttled_s=round(st.throttled_s, 2),
                        yields_per_min=round(st.yields / minutes, 1), gpu_bounded=st.bounded,
+                       mode=st.mode,
                        run_ahead_syncs=st.syncs)
         if self.time_share is not None:
             out["time_share"] = self.time_share

@@ -82,6 +82,7 @@ class SupervisorConfig:
     yield_min_share: float = 0.3
     yield_depth: int = 16
     yield_queue_ms: float = 2.0
+    yield_mode: str = "wait"
 
     @property
     def floor(self) -> int:
@@ -143,10 +144,12 @@ class Supervisor:
         self._total = total
         self.launch_settings = LaunchSettings(
             gpu_uuid=source.uuid if source is not None else None, gpu_total=total,
-            context_reserve=self.cfg.context_reserve, nice=self.cfg.nice, sched_idle=self.cfg.sched_idle,
+            context_reserve=self.cfg.context_reserve, nice=self.cfg.nice,
+            sched_idle=self.cfg.sched_idle,
             site_dir=write_site_dir(os.path.join(store.log_dir, "jobsite")), cpus=self.cfg.job_cpus,
             yield_max_wait_ms=self.cfg.yield_max_wait_ms, yield_min_share=self.cfg.yield_min_share,
-            yield_depth=self.cfg.yield_depth, yield_queue_ms=self.cfg.yield_queue_ms)
+            yield_depth=self.cfg.yield_depth, yield_queue_ms=self.cfg.yield_queue_ms,
+            yield_mode=self.cfg.yield_mode)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> bool:
@@ -175,8 +178,9 @@ class Supervisor:
         metrics.INFERENCE_FLOOR.set(self.cfg.floor)
         share.remove_stale()  # busy words of servers that died
         if self._latency_budget() is not None:
-            log.info("guard: running jobs pause while the served p99 is over %g ms (resume under %g ms)",
-                     self.cfg.latency_budget_ms, watchdog.RESUME_FRACTION * self.cfg.latency_budget_ms)
+            log.info("guard: running jobs pause while the served p99 is over %g ms (resume under "
+                     "%g ms)", self.cfg.latency_budget_ms,
+                     watchdog.RESUME_FRACTION * self.cfg.latency_budget_ms)
         return True
 
     def run_forever(self) -> None:

@@ -72,8 +72,8 @@ def decide(jobs: list[JobView], *, free: int | None, floor: int, hysteresis: int
         if j.state == "running":
             if not over and not low and slow and not j.cooperative:
                 actions.append(Action(j.job_id, "pause", "latency",
-                                      f"paused: served p99 {latency.p99_ms:.1f} ms is over the latency "
-                                      f"budget {latency.budget_ms:g} ms"))
+                                      f"paused: served p99 {latency.p99_ms:.1f} ms is over the "
+                                      f"latency budget {latency.budget_ms:g} ms"))
                 continue
             if over:
                 trigger = "over_need"
@@ -90,11 +90,13 @@ def decide(jobs: list[JobView], *, free: int | None, floor: int, hysteresis: int
                                   if kind == "pause" else f"stopped: {reason}"))
         elif j.state == "paused" and not over and (free is None or free >= floor + hysteresis) \
                 and (latency is None or latency.back):
-            memory = "" if free is None else (f"free {fmt_bytes(free)} >= floor {fmt_bytes(floor)} + "
-                                              f"hysteresis {fmt_bytes(hysteresis)}")
-            lat = "" if latency is None else (
-                f"served p99 {latency.p99_ms:.1f} ms" if latency.p99_ms is not None else "served p99 n/a") + \
-                f" <= {RESUME_FRACTION:g} x budget {latency.budget_ms:g} ms"
+            memory = "" if free is None else (f"free {fmt_bytes(free)} >= floor {fmt_bytes(floor)}"
+                                              f" + hysteresis {fmt_bytes(hysteresis)}")
+            lat = ""
+            if latency is not None:
+                seen = f"served p99 {latency.p99_ms:.1f} ms" if latency.p99_ms is not None \
+                    else "served p99 n/a"
+                lat = f"{seen} <= {RESUME_FRACTION:g} x budget {latency.budget_ms:g} ms"
             actions.append(Action(j.job_id, "resume", "headroom_back",
                                   "resumed: " + "; ".join(x for x in (memory, lat) if x)))
             # one resume per sample: the next sample shows what the resumed job does

@@ -24,7 +24,9 @@ the hook
    ``VISIONSERVE_GUARD_YIELD_DEPTH`` (default 16) points, are queued. Waiting in step 1 stops new
    work from being queued, but what is already queued still runs: this bound is what limits how
    long a batch that arrives can wait for the job. While frames wait for their batch (the word's
-   ``busy``), it tightens to one point, so the job drains before the batch runs;
+   ``busy``) it tightens to a quarter, while a batch runs to one point;
+   ``VISIONSERVE_GUARD_YIELD_MODE=bound`` keeps only this bound and never waits in step 1 (more
+   training, a batch shares the GPU with one point of the job's work);
 3. **holds a duty cycle** when the word carries one (the guard's latency budget, hosted in the
    server): it sleeps at its points so that it runs at most that share of the time;
 
@@ -65,7 +67,7 @@ def _env_float(name: str, default: float) -> float:
 class Yielder:
     def __init__(self, torch, share_path: str, stats_path: str | None = None, *,
                  max_wait_s: float = 0.05, min_share: float = 0.3, depth: int = 16,
-                 queue_ms: float = 2.0) -> None:
+                 queue_ms: float = 2.0, mode: str = "wait") -> None:
         self.torch = torch
         fd = os.open(share_path, os.O_RDONLY)
         try:
@@ -82,6 +84,8 @@ class Yielder:
         self.min_share = min(1.0, max(0.0, min_share))
         self.depth = max(1, int(depth))
         self.queue_ms = max(0.0, queue_ms)
+        #: "wait": wait while a batch runs; "bound": never wait, only keep one point queued then
+        self.waits = mode != "bound"
         self.point_ms = 0.25  # GPU time per point, learnt from the events (a guess to start)
         self.pid = os.getpid()
         self.hooks = self.yields = self.forced = self.waited_ns = self.syncs = self.slept_ns = 0
@@ -114,10 +118,11 @@ class Yielder:
         try:
             self.hooks += 1
             word = self._word
-            if word[1] and self._live():
+            running = word[1] and self._live()
+            if running and self.waits:
                 self._wait()
             if self._ring is not None or self.torch.cuda.is_initialized():
-                self._bound(bool(word[4]))
+                self._bound(2 if running else 1 if word[4] else 0)
             duty = word[5]
             if duty and self._live():
                 self._throttle(duty / 1000.0)
@@ -186,11 +191,12 @@ class Yielder:
         self.waited_ns += int(waited * 1e9)
         self.flush()
 
-    def _bound(self, busy: bool) -> None:
+    def _bound(self, level: int) -> None:
         """Mark this point with a CUDA event; then, oldest first, note which marks the GPU has
         passed (learning its time per point from the events' timing), and wait (blocking sync) for
         the oldest while more points are outstanding than ``queue_ms`` of GPU time allows (at most
-        ``depth``; one while frames wait for their batch: the job drains before it runs)."""
+        ``depth``). ``level`` 1 (frames wait for their batch): a quarter of that, so little is
+        queued when the batch starts; 2 (a batch runs): one point."""
         if self.torch.cuda.is_current_stream_capturing():
             return  # inside a CUDA graph capture: no event may be queried
         ring = self._ring
@@ -200,7 +206,9 @@ class Yielder:
         n = len(ring)
         ring[self._n % n].record()
         self._n += 1
-        allowed = 1 if busy else max(1, min(self.depth, int(self.queue_ms / self.point_ms)))
+        allowed = max(1, min(self.depth, int(self.queue_ms / self.point_ms)))
+        if level:
+            allowed = 1 if level == 2 else max(1, allowed // 4)
         while self._done < self._n:
             ev = ring[self._done % n]
             if not ev.query():
@@ -221,7 +229,8 @@ class Yielder:
         self._flushed = time.monotonic_ns()
         if self._stats is None:
             return
-        _STATS.pack_into(self._stats, 0, STATS_MAGIC, 1, self.pid, 1 if self._ring is not None else 0,
+        flags = (1 if self._ring is not None else 0) | (0 if self.waits else 2)
+        _STATS.pack_into(self._stats, 0, STATS_MAGIC, 1, self.pid, flags,
                          self.hooks, self.yields, self.forced, self.waited_ns, self.syncs,
                          self._flushed, self.slept_ns)
 
@@ -239,7 +248,8 @@ def install(torch, env=None) -> Yielder | None:
                     max_wait_s=_env_float("VISIONSERVE_GUARD_YIELD_MAX_WAIT_MS", 50.0) / 1000,
                     min_share=_env_float("VISIONSERVE_GUARD_YIELD_MIN_SHARE", 0.3),
                     depth=int(_env_float("VISIONSERVE_GUARD_YIELD_DEPTH", 16)),
-                    queue_ms=_env_float("VISIONSERVE_GUARD_YIELD_QUEUE_MS", 2.0))
+                    queue_ms=_env_float("VISIONSERVE_GUARD_YIELD_QUEUE_MS", 2.0),
+                    mode=env.get("VISIONSERVE_GUARD_YIELD_MODE", "wait"))
         from torch.nn.modules import module as nn_module
 
         def forward_post(_module, _args, output):

@@ -347,8 +347,9 @@ def verdict(res: dict, cuda: bool) -> None:
         and y["steps_ratio_vs_alone"] >= STEPS_RATIO_MIN,
         "yield_job_used_the_hook": res.get("train_yield", {}).get("mechanism") == "yield",
         "process_job_had_no_hook": res.get("train_process", {}).get("mechanism") == "process",
-        "hostile_stopped_by_watchdog": bool(res.get("hostile_job", {}).get("by_watchdog"))
-        if cuda else None,
+        # None: not run (cpu, or no time left: see "skipped")
+        "hostile_stopped_by_watchdog": bool(res["hostile_job"].get("by_watchdog"))
+        if cuda and "hostile_job" in res else None,
     }
     res["conditions"] = cond
     res["conditions_failed"] = [k for k, v in cond.items() if v is False]

@@ -34,12 +34,13 @@ export PYTHONUNBUFFERED=1
   python3 -m visionserve doctor --device cuda:0 2>&1; echo "doctor exit $?"
 } >>"$OUT/env.txt" 2>&1
 
-# the guard's acceptance test (2-3 min) runs on its own: tests/gpu/test_guard_acceptance.py
+# the guard's acceptance test (2-3 min) runs on its own: tests/gpu/test_guard_acceptance.py; so
+# does its GPU-sharing test (about 2 min): tests/gpu/test_guard_share_gpu.py
 if [ -z "${SKIP_TESTS:-}" ]; then
   INTEGRITY_OUT="$OUT" timeout ${PYTEST_T:-330} python3 -m pytest -p no:cacheprovider -q -rs -o addopts="" \
     tests/gpu tests/unit/test_gpu_memory.py tests/unit/test_torch_backend.py tests/unit/test_frontend_hub.py \
     tests/unit/test_runner.py \
-    --ignore=tests/gpu/test_guard_acceptance.py \
+    --ignore=tests/gpu/test_guard_acceptance.py --ignore=tests/gpu/test_guard_share_gpu.py \
     --junitxml="$OUT/junit.xml" >"$OUT/pytest.txt" 2>&1
   echo "pytest exit $?" >>"$OUT/pytest.txt"
   tail -n 25 "$OUT/pytest.txt"

@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--size", type=int, default=224, help="square input size")
     ap.add_argument("--workers", type=int, default=2, help="data-loader processes")
+    ap.add_argument("--data-size", type=int, default=None,
+                    help="size the workers hand over, scaled up to --size on the device (default "
+                         "half of it: little shared memory, /dev/shm in containers is often 64 MB)")
     ap.add_argument("--warmup-steps", type=int, default=10)
     ap.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True,
                     help="bf16 autocast on cuda (default on)")
@@ -46,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda:
         torch.set_num_threads(1)
     batch, size = args.batch_size, args.size
+    data_size = args.data_size or max(8, size // 2)
 
     class Images(IterableDataset):
         """Endless batches of uint8 images with labels, from the worker processes: four random
@@ -54,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         def __iter__(self):
             info = torch.utils.data.get_worker_info()
             g = torch.Generator().manual_seed(info.id if info else 0)
-            made = [(torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8, generator=g),
+            made = [(torch.randint(0, 256, (batch, 3, data_size, data_size), dtype=torch.uint8,
+                                   generator=g),
                      torch.randint(0, 10, (batch,), generator=g)) for _ in range(4)]
             i = 0
             while True:
@@ -64,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
     loader = DataLoader(Images(), batch_size=None, num_workers=args.workers,
                         pin_memory=cuda, persistent_workers=args.workers > 0,
-                        prefetch_factor=4 if args.workers else None)
+                        prefetch_factor=2 if args.workers else None)
     net = getattr(torchvision.models, args.model)(weights=None, num_classes=10).to(dev)
     if cuda:
         net = net.to(memory_format=torch.channels_last)
@@ -73,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def step(x, y) -> None:
         x = x.to(dev, non_blocking=True).float().div_(255)
+        if data_size != size:
+            x = torch.nn.functional.interpolate(x, size=(size, size), mode="bilinear",
+                                                align_corners=False)
         if cuda:
             x = x.contiguous(memory_format=torch.channels_last)
         y = y.to(dev, non_blocking=True)

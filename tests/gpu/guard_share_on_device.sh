@@ -28,6 +28,7 @@ T0=$(date +%s)
 {
   nvidia-smi --query-gpu=name,driver_version,compute_mode,memory.total --format=csv 2>&1
   nproc
+  df -h /dev/shm
   $PY -c 'import sys, torch, torchvision; print(sys.version.split()[0], "torch", torch.__version__, "torchvision", torchvision.__version__, "cuda", torch.cuda.is_available())' 2>&1
   $PY -c 'import fastapi, uvicorn, pydantic, pynvml; print("server deps ok")' 2>&1
 } >>"$OUT/env.txt" 2>&1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +34,7 @@ class OnnxBackend(Backend):
     device_memory = "arena"  # its CUDA arena, capped by gpu_mem_limit
 
     def __init__(self) -> None:
-        self._session = None
+        self._session: Any = None  # an onnxruntime.InferenceSession once loaded (no stubs)
         self._in_name = ""
         self._out_names: list[str] = []
         self.providers: list[str] = []
@@ -61,14 +62,15 @@ class OnnxBackend(Backend):
             # The process is pinned (CUDA_VISIBLE_DEVICES holds one GPU), so it is device 0 here.
             providers.insert(0, ("CUDAExecutionProvider", self._cuda_options(config, device)))
         try:
-            self._session = ort.InferenceSession(str(path), sess_options=opts, providers=providers)
+            session = ort.InferenceSession(str(path), sess_options=opts, providers=providers)
         except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own Fail/InvalidGraph types
             raise ConfigError(f"{path}: onnxruntime cannot load the model: {exc}") from None
-        self.providers = self._session.get_providers()
+        self._session = session
+        self.providers = session.get_providers()
         if device.startswith("cuda") and "CUDAExecutionProvider" not in self.providers:
             raise ConfigError(f"{path}: CUDA execution provider unavailable; providers: "
                               f"{self.providers}")
-        inputs = {i.name: i for i in self._session.get_inputs()}
+        inputs = {i.name: i for i in session.get_inputs()}
         self._in_name = config.input.tensor_name or next(iter(inputs))
         if self._in_name not in inputs:
             raise ConfigError(f"{path}: input.tensor_name {self._in_name!r} not in model inputs "
@@ -76,7 +78,7 @@ class OnnxBackend(Backend):
         inp = inputs[self._in_name]
         checks.check_input(checks.Subject(Path(path)), config, _dims(inp.shape), _dtype(inp.type))
         self.outputs = tuple(checks.TensorSpec(o.name, tuple(_dims(o.shape)), _dtype(o.type))
-                             for o in self._session.get_outputs())
+                             for o in session.get_outputs())
         self._out_names = [o.name for o in self.outputs]
         log.info("onnxruntime loaded %s on %s (providers %s)", path, device, self.providers)
 

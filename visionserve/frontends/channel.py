@@ -42,6 +42,7 @@ class Channel(asyncio.Protocol):
             (n,) = _LEN.unpack_from(buf, pos)
             if n > MAX_MESSAGE:
                 log.error("front-end channel: message of %d bytes; closing the channel", n)
+                assert self.transport is not None  # data comes after connection_made
                 self.transport.close()
                 return
             if end - pos - 4 < n:
@@ -76,6 +77,7 @@ class Channel(asyncio.Protocol):
         self._flush_scheduled = False
         if self._out and not self.closed:
             out, self._out = self._out, []
+            assert self.transport is not None  # send() queues nothing before connection_made
             self.transport.write(b"".join(out))
 
     def close(self) -> None:

@@ -271,7 +271,8 @@ def high_priority_stream(device: str = "cuda:0") -> Any:
 
     dev = torch.device(device)
     # priority_range() is (least, greatest) = (0, -N) on current GPUs: lower is more urgent
-    least, greatest = torch.cuda.Stream.priority_range()
+    # a staticmethod; torch's stub declares it an instance method
+    least, greatest = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]
     return torch.cuda.Stream(device=dev, priority=min(least, greatest))
 
 
@@ -342,7 +343,9 @@ class PinnedPool:
         sizes = [int(a.nbytes) for a in arrays]
         flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
         srcs = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays]
-        slot, buf, used = None, None, 0
+        slot: int | None = None
+        buf: Any = None  # the slot's uint8 host tensor
+        used = 0
         dst_off = 0
         pending_start = 0  # where the slot's unflushed bytes go in ``flat``
 

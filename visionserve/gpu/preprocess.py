@@ -30,7 +30,7 @@ import logging
 import struct
 import warnings
 from collections import OrderedDict
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -252,7 +252,8 @@ class TorchPreprocessor:
                 bad.append((i, exc))
                 skip.add(i)
         jpegs = [i for i, f in enumerate(frames)
-                 if f.kind == "jpeg" and i not in skip and not exif_rotated(f.data)]
+                 if f.kind == "jpeg" and i not in skip
+                 and not exif_rotated(cast(bytes, f.data))]  # a JPEG frame is its bytes
         for i, img in self._nvjpeg(frames, jpegs).items():
             if img is None:
                 self.counts["fallback"] += 1

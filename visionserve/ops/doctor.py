@@ -300,14 +300,15 @@ def check_compute_capability(c: _Ctx) -> Check:
     if not targets:
         return Check(name, "skip", "no GPU in use")
     arch = t.get("arch_list") or []
-    bad, good = [], []
+    bad: list[str] = []
+    good: list[str] = []
     for g in targets:
         if g.compute_capability is None:
             continue
         ok, how = arch_supports(arch, g.compute_capability)
         (good if ok else bad).append(f"{g.name} is {g.sm}" + (f": {how}" if ok else ""))
     if bad:
-        cc = max(g.compute_capability for g in targets if g.compute_capability)  # type: ignore
+        cc = max(g.compute_capability for g in targets if g.compute_capability)
         return Check(name, "fail",
                      f"torch {t.get('version')} is built for {' '.join(arch) or 'no arch'}; "
                      + "; ".join(bad) + " is not among them ('no kernel image is available' / "

@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 from ..config import ServerSettings
 from ..errors import VisionServeError
@@ -26,6 +27,9 @@ from ..http.server import http_app, http_server
 from ..process import child_main
 from .hosted import open_guard_store
 from .procs import SETTINGS_ENV, SPEC_ENV
+
+if TYPE_CHECKING:
+    from fastapi import APIRouter
 
 log = logging.getLogger("visionserve.frontend")
 
@@ -41,9 +45,11 @@ async def run(spec: dict, settings: ServerSettings) -> int:
     remote = RemoteEngine(arena)
     remote.channel = await connect(socket.socket(fileno=spec["channel_fd"]), remote.on_message,
                                    remote.on_lost)
-    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, remote.channel.transport.abort)
+    transport = remote.channel.transport
+    assert transport is not None  # connect() returns a connected channel
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, transport.abort)
     heartbeat = asyncio.ensure_future(remote.watch())
-    routers = ()
+    routers: tuple[APIRouter, ...] = ()
     if settings.guard:
         from ..guard.http import make_router
 

@@ -4,8 +4,12 @@ the serving process, its job API under /v1/guard on the server's HTTP port."""
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from ..config import ServerSettings
+
+if TYPE_CHECKING:
+    import threading
 
 log = logging.getLogger("visionserve")
 
@@ -31,7 +35,7 @@ class HostedGuard:
         self.supervisor = Supervisor(self.store, source, SupervisorConfig(
             inference_floor=budget, margin=parse_bytes(settings.guard_margin),
             latency_budget_ms=settings.guard_latency_budget_ms), latency=latency)
-        self._thread = None
+        self._thread: threading.Thread | None = None
 
     def router(self):
         from ..guard.http import make_router

@@ -75,21 +75,28 @@ class InputSpec(_Strict):
     name: str = Field("image", description="OIP input tensor name clients use.")
     width: int = Field(..., ge=8, le=8192, description="Model input width in pixels.")
     height: int = Field(..., ge=8, le=8192, description="Model input height in pixels.")
-    channels: Literal[1, 3] = Field(3, description="1 (grey) or 3 (colour) channels the model takes.")
+    channels: Literal[1, 3] = Field(
+        3, description="1 (grey) or 3 (colour) channels the model takes.")
     color_order: Literal["RGB", "BGR", "GRAY"] = Field(
-        "RGB", description="Channel order the model was trained on. Decoding yields BGR; converted as needed.")
+        "RGB", description="Channel order the model was trained on. Decoding yields BGR; converted "
+                           "as needed.")
     resize: Literal["stretch", "letterbox", "center_crop"] = Field(
-        "stretch", description="stretch: resize to WxH ignoring aspect; letterbox: keep aspect, pad with "
-        "`pad_value`; center_crop: resize the short side, crop the centre.")
+        "stretch", description="stretch: resize to WxH ignoring aspect; letterbox: keep aspect, "
+        "pad with `pad_value`; center_crop: resize the short side, crop the centre.")
     interpolation: Literal["area", "linear", "nearest", "cubic"] = Field(
         "area", description="Interpolation for downscaling (area is the anti-aliased choice).")
     pad_value: int = Field(114, ge=0, le=255, description="Grey level for letterbox padding.")
     layout: Literal["NCHW", "NHWC"] = Field("NCHW", description="Tensor layout the model takes.")
-    dtype: Literal["float32", "float16", "uint8"] = Field("float32", description="Input tensor dtype.")
-    scale: float = Field(1.0 / 255.0, gt=0, description="Pixels are multiplied by this first (uint8 -> [0,1]).")
-    mean: tuple[float, ...] = Field((0.0, 0.0, 0.0), description="Per-channel mean subtracted after scaling.")
-    std: tuple[float, ...] = Field((1.0, 1.0, 1.0), description="Per-channel std divided after the mean.")
-    tensor_name: str | None = Field(None, description="Model graph input name; default: the first input.")
+    dtype: Literal["float32", "float16", "uint8"] = Field(
+        "float32", description="Input tensor dtype.")
+    scale: float = Field(
+        1.0 / 255.0, gt=0, description="Pixels are multiplied by this first (uint8 -> [0,1]).")
+    mean: tuple[float, ...] = Field(
+        (0.0, 0.0, 0.0), description="Per-channel mean subtracted after scaling.")
+    std: tuple[float, ...] = Field(
+        (1.0, 1.0, 1.0), description="Per-channel std divided after the mean.")
+    tensor_name: str | None = Field(
+        None, description="Model graph input name; default: the first input.")
 
     @model_validator(mode="after")
     def _check_channels(self) -> InputSpec:
@@ -105,23 +112,27 @@ class InputSpec(_Strict):
 class BatchingSpec(_Strict):
     max_batch_size: int = Field(32, ge=1, le=4096, description="Largest micro-batch.")
     preferred_batch_sizes: tuple[int, ...] = Field(
-        (1, 2, 4, 8, 16, 32), description="Shapes warmed up before ready; a batch is padded up to the next one.")
+        (1, 2, 4, 8, 16, 32), description="Shapes warmed up before ready; a batch is padded up to "
+                                          "the next one.")
     max_queue_delay_ms: float = Field(
-        2.0, ge=0, le=10_000, description="Longest a request waits for others to join its batch, from the "
-        "first queued request.")
-    max_queue_size: int = Field(256, ge=1, description="Queued frames beyond this are refused with 503.")
+        2.0, ge=0, le=10_000, description="Longest a request waits for others to join its batch, "
+        "from the first queued request.")
+    max_queue_size: int = Field(
+        256, ge=1, description="Queued frames beyond this are refused with 503.")
     takt_ms: float = Field(
         200.0, gt=0, le=3_600_000,
-        description="The line's takt budget: default deadline (ms from arrival) when the client sends none.")
-    priority_levels: int = Field(3, ge=1, le=100, description="Priorities 0..levels-1; higher runs first.")
+        description="The line's takt budget: default deadline (ms from arrival) when the client "
+                    "sends none.")
+    priority_levels: int = Field(
+        3, ge=1, le=100, description="Priorities 0..levels-1; higher runs first.")
     pad_to_preferred: Literal["auto", "always", "never"] = Field(
-        "auto", description="Pad a batch up to the next preferred size: always (static shapes: CUDA "
-        "graphs, TensorRT), never (dynamic-shape CPU runtimes gain nothing from extra rows), or auto: "
-        "on a GPU only.")
+        "auto", description="Pad a batch up to the next preferred size: always (static shapes: "
+        "CUDA graphs, TensorRT), never (dynamic-shape CPU runtimes gain nothing from extra rows), "
+        "or auto: on a GPU only.")
     dispatch_when_idle: bool = Field(
         False, description="Send what is queued at once when the model is idle instead of waiting "
-        "max_queue_delay_ms for company: lowest latency at light load, batches still form under load "
-        "(requests queue while the model is busy).")
+        "max_queue_delay_ms for company: lowest latency at light load, batches still form under "
+        "load (requests queue while the model is busy).")
 
     @model_validator(mode="after")
     def _check_sizes(self) -> BatchingSpec:
@@ -139,11 +150,15 @@ class RuntimeSpec(_Strict):
         "onnxruntime", description="What runs the model, and so which file of a version folder "
         "serves: `onnxruntime` (`model.onnx`) or `torch` (`model.pt2`); more from installed "
         "packages (entry point group `visionserve.backends`, docs/architecture.md).")
-    precision: Literal["fp32", "fp16", "bf16"] = Field("fp32", description="Compute precision on the GPU.")
-    instances: int = Field(1, ge=1, le=16, description="Runner threads (model instances) per device.")
-    intra_op_threads: int = Field(0, ge=0, le=256, description="CPU threads per inference; 0 = library default.")
+    precision: Literal["fp32", "fp16", "bf16"] = Field(
+        "fp32", description="Compute precision on the GPU.")
+    instances: int = Field(
+        1, ge=1, le=16, description="Runner threads (model instances) per device.")
+    intra_op_threads: int = Field(
+        0, ge=0, le=256, description="CPU threads per inference; 0 = library default.")
     gpu_memory_budget: str | None = Field(
-        None, description="GPU memory this model may reserve (e.g. 2GiB); the server setting caps the total.")
+        None, description="GPU memory this model may reserve (e.g. 2GiB); the server setting caps "
+                          "the total.")
 
     @field_validator("gpu_memory_budget")
     @classmethod
@@ -169,13 +184,16 @@ class ModelConfig(_Strict):
     validates a file by the schema its ``task`` names.
     """
 
-    name: str | None = Field(None, description="Model name; defaults to the folder name (must match if set).")
+    name: str | None = Field(
+        None, description="Model name; defaults to the folder name (must match if set).")
     description: str = Field("", description="Free text for humans.")
     task: str = Field(
         DEFAULT_TASK, description="What the outputs mean: the task that turns them into answers "
         "and verdicts, with its own sections below (`classification`: `[output]`, `[verdict]`); "
-        "more from installed packages (entry point group `visionserve.tasks`, docs/architecture.md).")
-    default_version: int | None = Field(None, ge=1, description="Version served when none is asked; default: highest.")
+        "more from installed packages (entry point group `visionserve.tasks`, "
+        "docs/architecture.md).")
+    default_version: int | None = Field(
+        None, ge=1, description="Version served when none is asked; default: highest.")
     input: InputSpec
     batching: BatchingSpec = BatchingSpec()
     runtime: RuntimeSpec = RuntimeSpec()
@@ -195,7 +213,7 @@ def task_schema(task: object) -> type[ModelConfig]:
     problem = TASKS.unknown(task) if task not in TASKS else None
     if problem is None:
         try:
-            schema = TASKS.load(task).schema
+            schema = TASKS.load(str(task)).schema  # a registered name: a str
         except Exception as exc:  # noqa: BLE001 - a plug-in's import may fail in any way
             problem = f"task {task!r} cannot be loaded: {type(exc).__name__}: {exc}"
         else:
@@ -224,32 +242,44 @@ def load_model_config(path: Path) -> ModelConfig:
 
 
 class ServerSettings(BaseSettings):
-    """Every ``visionserve serve`` option; each is also ``VISIONSERVE_<NAME>`` in the environment."""
+    """Every ``visionserve serve`` option; each is also ``VISIONSERVE_<NAME>`` in the
+    environment."""
 
     model_config = SettingsConfigDict(env_prefix="VISIONSERVE_", extra="ignore", frozen=True)
 
-    host: str = Field("0.0.0.0", description="Address to bind (0.0.0.0: all interfaces, for line PCs on the network).")
-    http_port: int = Field(8000, ge=0, le=65535, description="HTTP port (OIP v2, inspect API, /metrics).")
+    host: str = Field(
+        "0.0.0.0", description="Address to bind (0.0.0.0: all interfaces, for line PCs on the "
+                               "network).")
+    http_port: int = Field(
+        8000, ge=0, le=65535, description="HTTP port (OIP v2, inspect API, /metrics).")
     grpc_port: int = Field(8001, ge=-1, le=65535, description="gRPC port; -1 disables gRPC.")
     models: Path = Field(default_factory=default_models_dir, description="Model repository folder.",
                          json_schema_extra={"default_text": "shipped default model, else ./models"})
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N | GPU-<uuid> | PCI bus id.")
-    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log level.")
     log_json: bool = Field(False, description="Structured JSON log lines.")
     max_body_bytes: int = Field(64 * 1024**2, ge=1024, description="Largest request body (bytes).")
-    max_image_pixels: int = Field(40_000_000, ge=64, description="Largest decoded image (width*height).")
-    max_batch_size: int | None = Field(None, ge=1, description="Override every model's batching.max_batch_size.")
-    max_queue_delay_ms: float | None = Field(None, ge=0, description="Override batching.max_queue_delay_ms.")
+    max_image_pixels: int = Field(
+        40_000_000, ge=64, description="Largest decoded image (width*height).")
+    max_batch_size: int | None = Field(
+        None, ge=1, description="Override every model's batching.max_batch_size.")
+    max_queue_delay_ms: float | None = Field(
+        None, ge=0, description="Override batching.max_queue_delay_ms.")
     max_queue_size: int | None = Field(None, ge=1, description="Override batching.max_queue_size.")
-    takt_ms: float | None = Field(None, gt=0, description="Override batching.takt_ms (default deadline).")
-    drain_timeout_s: float = Field(20.0, ge=0, description="On SIGTERM: how long queued requests may finish.")
+    takt_ms: float | None = Field(
+        None, gt=0, description="Override batching.takt_ms (default deadline).")
+    drain_timeout_s: float = Field(
+        20.0, ge=0, description="On SIGTERM: how long queued requests may finish.")
     hold_on_error: bool = Field(
-        False, description="When start-up fails (no or unreadable model repository, a model that does "
-                           "not load): say why once, then stay up serving nothing until stopped (exit 2 "
-                           "or 3 then) instead of exiting at once. For containers under a restart "
-                           "policy, which would otherwise restart into the same error over and over; "
-                           "the image sets it, and its health check shows the container unhealthy.")
-    gpu_memory_budget: str | None = Field(None, description="GPU memory the server reserves, e.g. 4GiB.")
+        False, description="When start-up fails (no or unreadable model repository, a model that "
+                           "does not load): say why once, then stay up serving nothing until "
+                           "stopped (exit 2 or 3 then) instead of exiting at once. For containers "
+                           "under a restart policy, which would otherwise restart into the same "
+                           "error over and over; the image sets it, and its health check shows the "
+                           "container unhealthy.")
+    gpu_memory_budget: str | None = Field(
+        None, description="GPU memory the server reserves, e.g. 4GiB.")
     grpc_max_message_bytes: int = Field(64 * 1024**2, ge=1024, description="Largest gRPC message.")
     body_timeout_s: float = Field(
         30.0, gt=0, description="A request body must arrive within this (slow clients get 408).")
@@ -259,75 +289,89 @@ class ServerSettings(BaseSettings):
                     "connection's start or the request's first byte; slower connections are closed "
                     "(slowloris).")
     max_connections: int | None = Field(
-        1000, ge=1, description="Open HTTP connections per process. When full, the one waiting longest "
-                                "for a request head (then the longest idle) is closed to make room; when "
-                                "every one has a request in progress, new requests get 503 with "
-                                "Retry-After (health checks are still answered).")
+        1000, ge=1, description="Open HTTP connections per process. When full, the one waiting "
+                                "longest for a request head (then the longest idle) is closed to "
+                                "make room; when every one has a request in progress, new requests "
+                                "get 503 with Retry-After (health checks are still answered).")
     auth_token: str | None = Field(
-        None, description="Require 'Authorization: Bearer <token>' (HTTP) / 'authorization' metadata (gRPC).")
-    auth_token_file: Path | None = Field(None, description="Read the bearer token from this file instead.")
+        None, description="Require 'Authorization: Bearer <token>' (HTTP) / 'authorization' "
+                          "metadata (gRPC).")
+    auth_token_file: Path | None = Field(
+        None, description="Read the bearer token from this file instead.")
     auth_health_open: bool = Field(True, description="Health endpoints stay open when auth is on.")
     auth_metrics_open: bool = Field(
-        True, description="/metrics stays open when auth is on, for Prometheus scrapers that send no token "
-                          "(the Kubernetes scrape annotations). It shows model names and traffic, no frames.")
-    tls_cert: Path | None = Field(None, description="PEM certificate: serve HTTPS and gRPC over TLS.")
+        True, description="/metrics stays open when auth is on, for Prometheus scrapers that send "
+                          "no token (the Kubernetes scrape annotations). It shows model names and "
+                          "traffic, no frames.")
+    tls_cert: Path | None = Field(
+        None, description="PEM certificate: serve HTTPS and gRPC over TLS.")
     tls_key: Path | None = Field(None, description="PEM private key for --tls-cert.")
     switch_interval_ms: float = Field(
         0.5, gt=0, le=100,
-        description="Python's thread switch interval in the serving process: how long one thread (the busy "
-                    "event loop) may hold the interpreter while the decode/compute threads wait for it. "
-                    "Python's own 5 ms starved the runner threads under load.")
+        description="Python's thread switch interval in the serving process: how long one thread "
+                    "(the busy event loop) may hold the interpreter while the decode/compute "
+                    "threads wait for it. Python's own 5 ms starved the runner threads under load.")
     frontends: int = Field(
         0, ge=0, le=64,
-        description="HTTP/gRPC front-end processes handing frames to this process's engine through shared "
-                    "memory (one batch queue per model still); 0: the front end runs in the engine process. "
-                    "Use several when one process cannot parse requests as fast as the GPU serves them.")
+        description="HTTP/gRPC front-end processes handing frames to this process's engine through "
+                    "shared memory (one batch queue per model still); 0: the front end runs in the "
+                    "engine process. Use several when one process cannot parse requests as fast as "
+                    "the GPU serves them.")
     frontend_arena_bytes: int = Field(
         64 * 1024**2, ge=1024**2,
-        description="Shared memory per front-end process for frames in flight; a frame that does not fit "
-                    "travels in the message instead (slower, never refused).")
+        description="Shared memory per front-end process for frames in flight; a frame that does "
+                    "not fit travels in the message instead (slower, never refused).")
     guard: bool = Field(
-        False, description="Also host the training-queue guard (and /v1/guard/jobs, which runs commands: "
-                           "refused unless an auth token is set or --host is a loopback address).")
+        False, description="Also host the training-queue guard (and /v1/guard/jobs, which runs "
+                           "commands: refused unless an auth token is set or --host is a loopback "
+                           "address).")
     guard_db: Path | None = Field(
         None, description="The guard's SQLite database (default: VISIONSERVE_GUARD_DB, else "
         "$XDG_DATA_HOME/visionserve/guard.sqlite, i.e. ~/.local/share/visionserve/guard.sqlite: "
         "the same one `visionserve guard` uses).")
     guard_latency_budget_ms: float | None = Field(
-        None, gt=0, description="With --guard: pause running training jobs while the served p99 of the last "
-                                "second is over this (ms); they resume under 80% of it. Default: off.")
-    guard_margin: str = Field("1GiB", description="Safety margin the guard keeps above the server's budget.")
+        None, gt=0, description="With --guard: pause running training jobs while the served p99 of "
+                                "the last second is over this (ms); they resume under 80% of it. "
+                                "Default: off.")
+    guard_margin: str = Field(
+        "1GiB", description="Safety margin the guard keeps above the server's budget.")
     # --- results to the PLC (visionserve/plc, docs/plc.md) ---
     opcua: str | None = Field(
-        None, description="Serve results to PLCs over OPC UA (OPC 40100 Machine Vision model) at this "
-                          "endpoint, e.g. opc.tcp://0.0.0.0:4840. Default: off.")
+        None, description="Serve results to PLCs over OPC UA (OPC 40100 Machine Vision model) at "
+                          "this endpoint, e.g. opc.tcp://0.0.0.0:4840. Default: off.")
     opcua_security: str = Field(
         "Basic256Sha256,Aes128Sha256RsaOaep",
-        description="OPC UA security policies offered, comma-separated, each with Sign and SignAndEncrypt: "
-                    "Basic256Sha256, Aes128Sha256RsaOaep; None (no security) only when named.")
+        description="OPC UA security policies offered, comma-separated, each with Sign and "
+                    "SignAndEncrypt: Basic256Sha256, Aes128Sha256RsaOaep; None (no security) only "
+                    "when named.")
     opcua_anonymous: bool = Field(False, description="Let OPC UA clients in without a user name.")
     opcua_user: str | None = Field(None, description="The OPC UA user name PLCs log in with.")
-    opcua_password_file: Path | None = Field(None, description="File holding --opcua-user's password.")
+    opcua_password_file: Path | None = Field(
+        None, description="File holding --opcua-user's password.")
     modbus: str | None = Field(
         None, description="Serve results to PLCs over Modbus TCP at host:port, e.g. 0.0.0.0:5020 "
                           "(one unit id per station). Default: off.")
-    plc_max_clients: int = Field(8, ge=1, le=256, description="PLC connections at once, per protocol "
-                                                                "(Modbus TCP, OPC UA); more are refused.")
+    plc_max_clients: int = Field(
+        8, ge=1, le=256,
+        description="PLC connections at once, per protocol (Modbus TCP, OPC UA); more are refused.")
     plc_stations: str = Field(
         "*", description="PLC stations, by camera id (X-Camera-Id, OIP parameter camera_id), "
                          "comma-separated; station N is OPC UA Station<N> and Modbus unit id N. "
                          "* takes every other camera and frames without one.")
-    plc_buffer: int = Field(16, ge=1, le=1000, description="Results a Modbus station keeps until the PLC "
-                                                            "acknowledges them; one more raises Fault.")
-    plc_heartbeat_ms: float = Field(500.0, ge=10, le=60_000, description="The PLC heartbeat bit toggles "
-                                                                         "at this period.")
+    plc_buffer: int = Field(
+        16, ge=1, le=1000,
+        description="Results a Modbus station keeps until the PLC acknowledges them; one more "
+                    "raises Fault.")
+    plc_heartbeat_ms: float = Field(500.0, ge=10, le=60_000, description="The PLC heartbeat bit "
+                                                                         "toggles at this period.")
     plc_watchdog_ms: float = Field(
         2000.0, ge=100, le=600_000,
-        description="The engine counts as stalled (heartbeat stops, Fault) when frames have waited this "
-                    "long with none computed, or its event loop has not run for this long.")
+        description="The engine counts as stalled (heartbeat stops, Fault) when frames have waited "
+                    "this long with none computed, or its event loop has not run for this long.")
     plc_data_dir: Path | None = Field(
-        None, description="Folder for the OPC UA server certificate (made on first start) and the trusted/ "
-                          "and rejected/ client certificates (default $XDG_DATA_HOME/visionserve/plc).")
+        None, description="Folder for the OPC UA server certificate (made on first start) and the "
+                          "trusted/ and rejected/ client certificates (default "
+                          "$XDG_DATA_HOME/visionserve/plc).")
 
     @field_validator("guard_margin")
     @classmethod
@@ -366,10 +410,12 @@ OTHER_VARIABLES: dict[str, str] = {
     "GUARD_ALLOCATOR_CAP": "set by the training-queue guard for its jobs (docs/guard.md)",
     "GPU_MEM_FRACTION": "set by the training-queue guard for its jobs (docs/guard.md)",
     "GUARD_SHARE": "the server's busy word for cooperative yielding (docs/guard.md): set for a "
-                   "server and a `guard run` that are separate processes; the guard sets it for jobs",
+                   "server and a `guard run` that are separate processes; the guard sets it for "
+                   "jobs",
     "GUARD_YIELD": "a guard job's `0` turns cooperative yielding off for it (docs/guard.md)",
     "GUARD_YIELD_STATS": "set by the training-queue guard for its jobs (docs/guard.md)",
-    "GUARD_YIELD_MAX_WAIT_MS": "set by the guard for its jobs; a job may set its own (docs/guard.md)",
+    "GUARD_YIELD_MAX_WAIT_MS": "set by the guard for its jobs; a job may set its own "
+                               "(docs/guard.md)",
     "GUARD_YIELD_MIN_SHARE": "set by the guard for its jobs; a job may set its own (docs/guard.md)",
     "GUARD_YIELD_QUEUE_MS": "set by the guard for its jobs; a job may set its own (docs/guard.md)",
     "GUARD_YIELD_DEPTH": "set by the guard for its jobs; a job may set its own (docs/guard.md)",
@@ -404,7 +450,8 @@ def setting_docs() -> list[SettingDoc]:
             default = "true" if field.default else "false"
         else:
             default = str(field.default)
-        choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is Literal else ()
+        literal = typing.get_origin(field.annotation) is Literal
+        choices = typing.get_args(field.annotation) if literal else ()
         out.append(SettingDoc(name, (flag, "--no-" + flag[2:]) if switch else (flag,),
                               ENV_PREFIX + name.upper(), default, field.description or "",
                               tuple(map(str, choices))))
@@ -422,7 +469,7 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
         if not upper.startswith(ENV_PREFIX) or upper[len(ENV_PREFIX):] in known:
             continue
         near = difflib.get_close_matches(upper[len(ENV_PREFIX):], settings, n=1, cutoff=0.6)
-        hint = (f"; did you mean {ENV_PREFIX}{near[0]} (--{near[0].lower().replace('_', '-')})?" if near
-                else " (docs/settings.md lists the settings)")
+        hint = (f"; did you mean {ENV_PREFIX}{near[0]} (--{near[0].lower().replace('_', '-')})?"
+                if near else " (docs/settings.md lists the settings)")
         out.append(f"{key} is not a visionserve setting and is ignored{hint}")
     return out

@@ -90,6 +90,7 @@ _NAME_IT = "name the model output that holds the [batch, labels] scores"
 class Classification(Task):
     name = "classification"
     schema = ClassificationConfig
+    config: ClassificationConfig
 
     def __init__(self, config: ClassificationConfig) -> None:
         super().__init__(config)
@@ -104,6 +105,7 @@ class Classification(Task):
         want = self.config.output.tensor_name
         if not outputs:  # the backend declares none: the first it returns
             return ()
+        out: TensorSpec | None
         if want is None or not outputs[0].named:  # unnamed outputs: the first, as exported
             out = outputs[0]
         else:

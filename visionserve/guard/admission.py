@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-def fmt_bytes(n: int | float | None) -> str:
+def fmt_bytes(n: float | None) -> str:
     if n is None:
         return "?"
     sign = "-" if n < 0 else ""

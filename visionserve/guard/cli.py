@@ -339,7 +339,7 @@ def _logs(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .memory import SimulatedMemorySource, open_nvml_source
+    from .memory import MemorySource, SimulatedMemorySource, open_nvml_source
     from .supervisor import Supervisor, SupervisorConfig
 
     if not logging.getLogger().handlers:
@@ -374,6 +374,7 @@ def _run(args: argparse.Namespace) -> int:
         yield_queue_ms=args.yield_queue_ms, yield_mode=args.yield_mode)
     store = _store(args)
     log.info("guard job database: %s", store.path)
+    source: MemorySource | None
     if args.simulate_memory:
         source = SimulatedMemorySource(args.simulate_memory)
     else:

@@ -164,8 +164,10 @@ def set_duty(share_of_time: float | None) -> bool:
     word = _word
     if word is None:
         return False
-    unlimited = share_of_time is None or share_of_time >= 1
-    word[5] = 0 if unlimited else max(1, int(share_of_time * 1000))
+    if share_of_time is None or share_of_time >= 1:
+        word[5] = 0
+    else:
+        word[5] = max(1, int(share_of_time * 1000))
     return True
 
 

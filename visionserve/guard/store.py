@@ -13,6 +13,7 @@ with backoff in the supervisor. The same call may work later; nothing was change
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import re
@@ -304,7 +305,7 @@ class JobStore:
                 " submitted_at) VALUES (?, ?, ?, ?, ?, ?, ?, 'queued', ?)",
                 (spec.name, json.dumps(spec.command), spec.cwd, json.dumps(spec.env),
                  spec.gpu_mem, spec.priority, spec.policy, time.time()))
-            job_id = int(cur.lastrowid)
+            job_id = int(cur.lastrowid or 0)  # an INSERT always sets it
             c.execute("UPDATE jobs SET log_path = ? WHERE id = ?",
                       (os.path.join(self.log_dir, f"job-{job_id}.log"), job_id))
             return self._one(c, job_id)
@@ -394,7 +395,7 @@ class JobStore:
                 " WHERE id = ? AND state IN ('running', 'paused')",
                 (state, exit_code, reason, time.time(), job_id)).rowcount == 1
 
-    def cancel_requested_ids(self) -> list[int]:
+    def cancel_requested_ids(self) -> builtins.list[int]:  # (``list`` is a method here)
         with self._conn() as c:
             rows = c.execute("SELECT id FROM jobs WHERE cancel_requested = 1 AND"
                              " state IN ('running', 'paused')").fetchall()

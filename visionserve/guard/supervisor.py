@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections import deque
@@ -92,7 +93,7 @@ class SupervisorConfig:
 @dataclass
 class Active:
     job: Job
-    popen: object | None  # subprocess.Popen, or None for a job re-adopted after a restart
+    popen: subprocess.Popen | None  # None for a job re-adopted after a restart
     pid: int
     starttime: int | None
     state: str  # running | paused
@@ -177,10 +178,10 @@ class Supervisor:
                      admission.fmt_bytes(self.cfg.margin), self.cfg.concurrency, self.cfg.poll_hz)
         metrics.INFERENCE_FLOOR.set(self.cfg.floor)
         share.remove_stale()  # busy words of servers that died
-        if self._latency_budget() is not None:
+        budget = self._latency_budget()
+        if budget is not None:
             log.info("guard: running jobs pause while the served p99 is over %g ms (resume under "
-                     "%g ms)", self.cfg.latency_budget_ms,
-                     watchdog.RESUME_FRACTION * self.cfg.latency_budget_ms)
+                     "%g ms)", budget, watchdog.RESUME_FRACTION * budget)
         return True
 
     def run_forever(self) -> None:

@@ -70,7 +70,7 @@ def decide(jobs: list[JobView], *, free: int | None, floor: int, hysteresis: int
     for j in jobs:
         over = free is not None and j.used > j.need
         if j.state == "running":
-            if not over and not low and slow and not j.cooperative:
+            if not over and not low and latency is not None and slow and not j.cooperative:
                 actions.append(Action(j.job_id, "pause", "latency",
                                       f"paused: served p99 {latency.p99_ms:.1f} ms is over the "
                                       f"latency budget {latency.budget_ms:g} ms"))

@@ -264,12 +264,13 @@ def install(torch, env=None) -> Yielder | None:
 
         nn_module.register_module_forward_pre_hook(y.point)
         nn_module.register_module_forward_hook(forward_post)
-        try:  # torch.optim deletes its submodules' names: import this one by its path
-            from torch.optim.optimizer import register_optimizer_step_pre_hook
-        except ImportError:  # torch < 2.0: module and gradient points only
-            register_optimizer_step_pre_hook = None
-        if register_optimizer_step_pre_hook is not None:
-            register_optimizer_step_pre_hook(y.point)
+        import importlib
+
+        # torch.optim deletes its submodules' names: import this one by its path
+        optim_module = importlib.import_module("torch.optim.optimizer")
+        register_step = getattr(optim_module, "register_optimizer_step_pre_hook", None)
+        if register_step is not None:  # torch >= 2.0
+            register_step(y.point)
     except Exception as exc:  # noqa: BLE001 a hook must never stop the job
         sys.stderr.write(f"visionserve guard: cooperative yielding not installed ({exc!r})\n")
         return None

@@ -23,8 +23,10 @@ how the rest was refused (503 + Retry-After); --check then checks --min-goodput-
 Examples:
   visionserve bench --start-server --models models --bare --concurrency 32 --duration-s 10
   visionserve bench --url http://127.0.0.1:8000 --rate 100 --arrival poisson --budget-ms 50
-  visionserve bench --start-server --models models --sweep 20:200:20 --budget-ms 100 --json out.json --plots out
-  visionserve bench --start-server --models models --overload 1.1,1.5,3 --arrival poisson --json overload.json
+  visionserve bench --start-server --models models --sweep 20:200:20 --budget-ms 100 \\
+      --json out.json --plots out
+  visionserve bench --start-server --models models --overload 1.1,1.5,3 --arrival poisson \\
+      --json overload.json
 
 Exit codes: 0 done (with --check: and within the budget), 1 --check failed, 2 bad arguments,
 3 the server could not be reached or started.
@@ -58,65 +60,89 @@ CAPACITY_DEADLINE_MS = 60_000.0
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("target")
-    t.add_argument("--url", default="http://127.0.0.1:8000", help="server HTTP base URL [%(default)s]")
-    t.add_argument("--grpc-url", default=None, help="gRPC host:port (protocol grpc) [host of --url, port 8001]")
+    t.add_argument("--url", default="http://127.0.0.1:8000",
+                   help="server HTTP base URL [%(default)s]")
+    t.add_argument("--grpc-url", default=None,
+                   help="gRPC host:port (protocol grpc) [host of --url, port 8001]")
     t.add_argument("--protocol", choices=("inspect", "oip", "grpc", "json"), default="inspect",
                    help="inspect: POST /v1/models/M/inspect; oip: OIP v2 HTTP binary tensors; "
-                        "grpc: OIP v2 gRPC; json: the inspect URL with a base64 JSON body (for peers "
-                        "that only take JSON) [%(default)s]")
-    t.add_argument("--model", default=None, help=f"model name [{DEFAULT_MODEL}, or the only model in --models]")
+                        "grpc: OIP v2 gRPC; json: the inspect URL with a base64 JSON body (for "
+                        "peers that only take JSON) [%(default)s]")
+    t.add_argument("--model", default=None,
+                   help=f"model name [{DEFAULT_MODEL}, or the only model in --models]")
     t.add_argument("--images", default="gen:640x480",
-                   help="image set: gen:WxH[,WxH...][:n=N][:q=Q] or a folder of images [%(default)s]")
-    t.add_argument("--start-server", action="store_true", help="start `visionserve serve` on --models first")
-    t.add_argument("--models", type=Path, default=None, help="model repository (for --start-server and --bare)")
+                   help="image set: gen:WxH[,WxH...][:n=N][:q=Q] or a folder of images "
+                        "[%(default)s]")
+    t.add_argument("--start-server", action="store_true",
+                   help="start `visionserve serve` on --models first")
+    t.add_argument("--models", type=Path, default=None,
+                   help="model repository (for --start-server and --bare)")
     t.add_argument("--server-arg", action="append", default=[], metavar="ARG",
-                   help="extra argument for the started server (repeat), e.g. --server-arg=--max-batch-size=16")
+                   help="extra argument for the started server (repeat), e.g. "
+                        "--server-arg=--max-batch-size=16")
     t.add_argument("--server-pid", type=int, default=None,
                    help="measure the CPU of this process tree (automatic with --start-server)")
     g = p.add_argument_group("load")
     mode = g.add_mutually_exclusive_group()
-    mode.add_argument("--rate", type=float, default=None, help="open loop: frames/s over all processes")
-    mode.add_argument("--concurrency", type=int, default=None, help="closed loop: concurrent senders [1]")
+    mode.add_argument("--rate", type=float, default=None,
+                      help="open loop: frames/s over all processes")
+    mode.add_argument("--concurrency", type=int, default=None,
+                      help="closed loop: concurrent senders [1]")
     mode.add_argument("--sweep", default=None, help="open-loop rates R1,R2,... or START:STOP:STEP, "
                                                     "stopping once p99 exceeds --budget-ms")
     mode.add_argument("--overload", default=None, metavar="M1,M2,...",
-                      help="open-loop load at 1x and these multiples of the capacity (e.g. 1.1,1.5,3)")
-    g.add_argument("--arrival", choices=("constant", "poisson"), default="constant", help="[%(default)s]")
-    g.add_argument("--duration-s", type=float, default=10.0, help="measured window per run [%(default)s]")
-    g.add_argument("--warmup-s", type=float, default=1.0, help="load before the window, not counted [%(default)s]")
+                      help="open-loop load at 1x and these multiples of the capacity (e.g. "
+                           "1.1,1.5,3)")
+    g.add_argument("--arrival", choices=("constant", "poisson"), default="constant",
+                   help="[%(default)s]")
+    g.add_argument("--duration-s", type=float, default=10.0,
+                   help="measured window per run [%(default)s]")
+    g.add_argument("--warmup-s", type=float, default=1.0,
+                   help="load before the window, not counted [%(default)s]")
     g.add_argument("--budget-ms", type=float, default=None,
-                   help="p99 budget (the takt window) [the model's takt_ms with --models, else 200]")
+                   help="p99 budget (the takt window) [the model's takt_ms with --models, else "
+                        "200]")
     g.add_argument("--deadline-ms", type=float, default=None,
-                   help="deadline sent with each frame (X-Deadline-Ms / timeout); 0 sends none [--budget-ms]")
+                   help="deadline sent with each frame (X-Deadline-Ms / timeout); 0 sends none "
+                        "[--budget-ms]")
     g.add_argument("--miss-threshold", type=float, default=0.001,
                    help="largest deadline-miss ratio still within the SLO [%(default)s]")
     g.add_argument("--processes", type=int, default=2, help="generator processes [%(default)s]")
-    g.add_argument("--connections", type=int, default=4, help="pre-opened connections per process [%(default)s]")
+    g.add_argument("--connections", type=int, default=4,
+                   help="pre-opened connections per process [%(default)s]")
     g.add_argument("--max-connections", type=int, default=512,
-                   help="open-loop connection cap per process; past it frames count as generator_overflow")
-    g.add_argument("--timeout-s", type=float, default=10.0, help="client timeout per frame [%(default)s]")
+                   help="open-loop connection cap per process; past it frames count as "
+                        "generator_overflow")
+    g.add_argument("--timeout-s", type=float, default=10.0,
+                   help="client timeout per frame [%(default)s]")
     g.add_argument("--seed", type=int, default=0)
     v = p.add_argument_group("overload (--overload)")
     v.add_argument("--capacity", type=float, default=None,
                    help="frames/s taken as the capacity [measured: closed loop for --duration-s]")
     v.add_argument("--capacity-concurrency", type=int, default=None,
-                   help="closed-loop senders that measure the capacity [the model's max_batch_size, else 32]")
+                   help="closed-loop senders that measure the capacity [the model's "
+                        "max_batch_size, else 32]")
     v.add_argument("--rounds", type=int, default=1,
-                   help="repeat the 1x and multiples sequence; figures are the medians [%(default)s]")
+                   help="repeat the 1x and multiples sequence; figures are the medians "
+                        "[%(default)s]")
     v.add_argument("--min-goodput-ratio", type=float, default=0.9,
-                   help="--check: goodput at each multiple over goodput at 1x, at least [%(default)s]")
+                   help="--check: goodput at each multiple over goodput at 1x, at least "
+                        "[%(default)s]")
     v.add_argument("--max-refusal-p99-ms", type=float, default=5.0,
                    help="--check: p99 of send-to-503 time, at most [%(default)s]")
     b = p.add_argument_group("bare-model reference")
-    b.add_argument("--bare", action="store_true", help="measure the model in-process too (needs --models)")
+    b.add_argument("--bare", action="store_true",
+                   help="measure the model in-process too (needs --models)")
     b.add_argument("--bare-batch-sizes", default=None,
                    help="comma list [1, 8, 16 and the model's max_batch_size, those <= it]")
     b.add_argument("--bare-seconds", type=float, default=2.0, help="per batch size [%(default)s]")
     o = p.add_argument_group("output")
     o.add_argument("--json", type=Path, default=None, help="write the full report here")
-    o.add_argument("--plots", default=None, help="PNG path prefix: PREFIX-cdf.png, PREFIX-sweep.png")
+    o.add_argument("--plots", default=None,
+                   help="PNG path prefix: PREFIX-cdf.png, PREFIX-sweep.png")
     o.add_argument("--label", default=None, help="name of this target in the report and plots")
-    o.add_argument("--check", action="store_true", help="exit 1 when p99 > budget or misses > threshold")
+    o.add_argument("--check", action="store_true",
+                   help="exit 1 when p99 > budget or misses > threshold")
     o.add_argument("--quiet", action="store_true", help="no text summary")
 
 
@@ -154,7 +180,8 @@ def parse_rates(text: str) -> list[float]:
         else:
             rates = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise BenchError(f"--sweep {text!r}: use R1,R2,... or START:STOP:STEP with STEP > 0") from None
+        raise BenchError(f"--sweep {text!r}: use R1,R2,... or START:STOP:STEP with STEP > "
+                         "0") from None
     if not rates or any(r <= 0 for r in rates):
         raise BenchError(f"--sweep {text!r}: rates must be > 0")
     return rates
@@ -165,7 +192,8 @@ def parse_multiples(text: str) -> list[float]:
     try:
         mults = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise BenchError(f"--overload {text!r}: use M1,M2,... (multiples of the capacity)") from None
+        raise BenchError(f"--overload {text!r}: use M1,M2,... (multiples of the "
+                         "capacity)") from None
     if not mults or any(m <= 0 for m in mults):
         raise BenchError(f"--overload {text!r}: multiples must be > 0")
     return [1.0] + sorted({m for m in mults if m != 1.0})
@@ -209,7 +237,8 @@ def _model_and_takt(args: argparse.Namespace) -> tuple[str, float | None, int | 
         entries = scan(args.models)
     except VisionServeError as exc:
         raise BenchError(exc.message) from None
-    name = args.model or (DEFAULT_MODEL if DEFAULT_MODEL in entries or len(entries) != 1 else next(iter(entries)))
+    name = args.model or (DEFAULT_MODEL if DEFAULT_MODEL in entries or len(entries) != 1
+                          else next(iter(entries)))
     if name not in entries:
         raise BenchError(f"--model {name!r} is not in {args.models}; it holds {sorted(entries)}")
     b = entries[name].config.batching
@@ -240,9 +269,10 @@ class StartedServer:
     def __init__(self, models: Path, extra: list[str], grpc: bool, log_path: Path) -> None:
         self.http_port = _free_port()
         self.grpc_port = _free_port() if grpc else -1
-        cmd = [sys.executable, "-m", "visionserve", "serve", "--models", str(models), "--host", "127.0.0.1",
-               "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port), "--device", "cpu",
-               "--log-level", "warning", *extra]
+        cmd = [sys.executable, "-m", "visionserve", "serve", "--models", str(models),
+               "--host", "127.0.0.1", "--http-port", str(self.http_port),
+               "--grpc-port", str(self.grpc_port), "--device", "cpu", "--log-level", "warning",
+               *extra]
         self.cmd = cmd
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - open while the server runs; closed in stop()
@@ -253,8 +283,9 @@ class StartedServer:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.proc.poll() is not None:
-                raise BenchError(f"the server exited with {self.proc.returncode}; log {self.log_path}:\n"
-                                 f"{self.log_path.read_text(errors='replace')[-2000:]}", 3)
+                tail = self.log_path.read_text(errors="replace")[-2000:]
+                raise BenchError(f"the server exited with {self.proc.returncode}; log "
+                                 f"{self.log_path}:\n{tail}", 3)
             if http_status(self.url + "/v2/health/ready") == 200:
                 return
             time.sleep(0.2)
@@ -331,15 +362,16 @@ def _run(args: argparse.Namespace) -> int:
         try:
             steps = []
             if mults is not None:
-                steps = _overload(pool, args, mults, model, host, port, url, budget, deadline, server_pid,
-                                  max_bs)
+                steps = _overload(pool, args, mults, model, host, port, url, budget, deadline,
+                                  server_pid, max_bs)
             elif rates is None:
                 conc = None if args.rate else (args.concurrency or 1)
-                steps.append(_one_run(pool, args, model, host, port, url, args.rate or 0.0, conc, budget,
-                                      deadline, server_pid, bare))
+                steps.append(_one_run(pool, args, model, host, port, url, args.rate or 0.0, conc,
+                                      budget, deadline, server_pid, bare))
             else:
                 for r in rates:
-                    s = _one_run(pool, args, model, host, port, url, r, None, budget, deadline, server_pid, bare)
+                    s = _one_run(pool, args, model, host, port, url, r, None, budget, deadline,
+                                 server_pid, bare)
                     steps.append(s)
                     if not args.quiet:
                         print(_line(s), flush=True)
@@ -367,8 +399,10 @@ def _run(args: argparse.Namespace) -> int:
     if rates is not None:
         ok = [s for s in steps if s["within_slo"]]
         report["sweep"] = {"budget_ms": budget, "miss_threshold": args.miss_threshold,
-                           "rates": rates, "max_rate_at_slo": max((s["offered_rate"] for s in ok), default=None),
-                           "throughput_at_slo_fps": max((s["throughput_fps"] for s in ok), default=None)}
+                           "rates": rates,
+                           "max_rate_at_slo": max((s["offered_rate"] for s in ok), default=None),
+                           "throughput_at_slo_fps": max((s["throughput_fps"] for s in ok),
+                                                        default=None)}
     if args.plots:
         from .benchclient import report as rep
 
@@ -390,7 +424,8 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _overload(pool, args, mults, model, host, port, url, budget, deadline, server_pid, max_bs) -> list[dict]:
+def _overload(pool, args, mults, model, host, port, url, budget, deadline, server_pid,
+              max_bs) -> list[dict]:
     """Capacity (closed loop, unless --capacity), then open loop at each multiple of it."""
     steps = []
     capacity = args.capacity
@@ -406,18 +441,20 @@ def _overload(pool, args, mults, model, host, port, url, budget, deadline, serve
             print("capacity: " + _line(cap), flush=True)
         capacity = cap["throughput_fps"]
         if not capacity:
-            raise BenchError("measuring the capacity answered no frame in time; see the run's errors", 3)
+            raise BenchError("measuring the capacity answered no frame in time; see the run's "
+                             "errors", 3)
     for r in range(args.rounds):
         for m in mults:
-            s = _one_run(pool, args, model, host, port, url, round(m * capacity, 3), None, budget, deadline,
-                         server_pid, None)
+            s = _one_run(pool, args, model, host, port, url, round(m * capacity, 3), None, budget,
+                         deadline, server_pid, None)
             s.update(phase="overload", multiple=m, round=r, capacity_fps=capacity)
             steps.append(s)
             if not args.quiet:
                 o = s["overload"]
-                print(f"{m:g}x capacity ({s['offered_rate']:g}/s): goodput {o['goodput_fps']:.1f}/s, refused "
-                      f"{o['refused_share']}, refusal p99 {_fmt(o['refusal_latency_ms']['p99'])} ms, late "
-                      f"{o['late']}, other {o['other']}", flush=True)
+                print(f"{m:g}x capacity ({s['offered_rate']:g}/s): goodput "
+                      f"{o['goodput_fps']:.1f}/s, refused {o['refused_share']}, refusal p99 "
+                      f"{_fmt(o['refusal_latency_ms']['p99'])} ms, late {o['late']}, other "
+                      f"{o['other']}", flush=True)
     return steps
 
 
@@ -433,7 +470,8 @@ def _overload_verdict(steps: list[dict], args, deadline_ms: float) -> dict:
     table = []
     for m, os_ in sorted(by.items()):
         good = statistics.median(o["goodput_fps"] for o in os_)
-        p99s = [o["refusal_latency_ms"]["p99"] for o in os_ if o["refusal_latency_ms"]["p99"] is not None]
+        p99s = [o["refusal_latency_ms"]["p99"] for o in os_
+                if o["refusal_latency_ms"]["p99"] is not None]
         table.append({
             "multiple": m, "offered_fps": statistics.median(o["offered_fps"] for o in os_),
             "goodput_fps": round(good, 3), "goodput_over_1x": round(good / ref, 3) if ref else None,
@@ -441,8 +479,9 @@ def _overload_verdict(steps: list[dict], args, deadline_ms: float) -> dict:
             "refusal_p99_ms": max(p99s) if p99s else None,
             "refused_without_retry_after": sum(o["refused_without_retry_after"] for o in os_),
             "late": sum(o["late"] for o in os_), "other": sum(o["other"] for o in os_),
-            "goodput_over_1x_per_round": [round(o["goodput_fps"] / g1["goodput_fps"], 3) if g1["goodput_fps"] else None
-                                          for o, g1 in zip(os_, by[1.0])],
+            "goodput_over_1x_per_round": [
+                round(o["goodput_fps"] / g1["goodput_fps"], 3) if g1["goodput_fps"] else None
+                for o, g1 in zip(os_, by[1.0])],
         })
     over = [t for t in table if t["multiple"] > 1.0]
     passed = bool(ref) and all(
@@ -461,7 +500,8 @@ def _bare_sizes(text: str | None, max_bs: int | None) -> list[int]:
         try:
             sizes = sorted({int(x) for x in text.split(",") if x.strip()})
         except ValueError:
-            raise BenchError(f"--bare-batch-sizes {text!r} is not a comma list of integers") from None
+            raise BenchError(f"--bare-batch-sizes {text!r} is not a comma list of "
+                             "integers") from None
         if not sizes or sizes[0] < 1:
             raise BenchError(f"--bare-batch-sizes {text!r}: sizes must be >= 1")
         return sizes
@@ -469,7 +509,8 @@ def _bare_sizes(text: str | None, max_bs: int | None) -> list[int]:
     return sorted({b for b in (1, 8, 16, top) if b <= top})
 
 
-def _one_run(pool, args, model, host, port, url, rate, conc, budget, deadline, server_pid, bare) -> dict:
+def _one_run(pool, args, model, host, port, url, rate, conc, budget, deadline, server_pid,
+             bare) -> dict:
     from .benchclient import generator
     from .benchclient import report as rep
 
@@ -477,23 +518,27 @@ def _one_run(pool, args, model, host, port, url, rate, conc, budget, deadline, s
     total = args.warmup_s + args.duration_s
 
     def make(k: int) -> generator.Job:
-        return generator.Job(worker=k, workers=pool.processes, protocol=args.protocol, host=host, port=port,
+        return generator.Job(worker=k, workers=pool.processes, protocol=args.protocol,
+                             host=host, port=port,
                              model=model, start_ns=start_ns, duration_s=total, rate=rate,
-                             poisson=args.arrival == "poisson", concurrency=conc or 0, deadline_ms=deadline,
+                             poisson=args.arrival == "poisson", concurrency=conc or 0,
+                             deadline_ms=deadline,
                              timeout_s=args.timeout_s, connections=args.connections,
                              max_connections=args.max_connections, seed=args.seed)
 
     samples: dict[str, object] = {}
 
     def sampler() -> None:  # scrape /metrics and server CPU at the window's edges
-        for edge, at in (("begin", start_ns + int(args.warmup_s * 1e9)), ("end", start_ns + int(total * 1e9))):
+        for edge, at in (("begin", start_ns + int(args.warmup_s * 1e9)),
+                         ("end", start_ns + int(total * 1e9))):
             delay = (at - time.perf_counter_ns()) / 1e9
             if delay > 0:
                 time.sleep(delay)
             samples[edge + "_t"] = time.perf_counter()
             samples[edge + "_cpu"] = rep.tree_cpu_s(server_pid) if server_pid else None
             samples[edge + "_hist"] = rep.scrape_batch_hist(url, model)
-            if samples[edge + "_hist"] is None:  # not a visionserve: try the OIP statistics extension
+            # not a visionserve: try the OIP statistics extension
+            if samples[edge + "_hist"] is None:
                 samples[edge + "_oip"] = rep.scrape_oip_batch_stats(url, model)
 
     th = threading.Thread(target=sampler, daemon=True)
@@ -509,23 +554,27 @@ def _one_run(pool, args, model, host, port, url, rate, conc, budget, deadline, s
          "mode": "open-loop" if rate else "closed-loop", "arrival": args.arrival if rate else None,
          "offered_rate": rate or None, "concurrency": conc, "duration_s": args.duration_s,
          "warmup_s": args.warmup_s, "budget_ms": budget, "deadline_sent_ms": deadline, **s}
-    s["batch_size_server"] = (rep.batch_hist_delta(samples.get("begin_hist"), samples.get("end_hist"))
-                              or rep.oip_batch_delta(samples.get("begin_oip"), samples.get("end_oip")))
+    s["batch_size_server"] = (
+        rep.batch_hist_delta(samples.get("begin_hist"), samples.get("end_hist"))
+        or rep.oip_batch_delta(samples.get("begin_oip"), samples.get("end_oip")))
     if samples.get("begin_cpu") is not None and samples.get("end_cpu") is not None:
         wall = samples["end_t"] - samples["begin_t"]
         cpu = samples["end_cpu"] - samples["begin_cpu"]
         s["server_cpu_cores"] = round(cpu / wall, 3) if wall > 0 else None
-        s["server_cpu_ms_per_frame"] = round(cpu * 1000 / s["answered_ok"], 4) if s["answered_ok"] else None
+        s["server_cpu_ms_per_frame"] = round(cpu * 1000 / s["answered_ok"], 4) \
+            if s["answered_ok"] else None
     s["within_slo"] = bool(lat["p99"] is not None and lat["p99"] <= budget
                            and (s["miss_ratio"] or 0) <= args.miss_threshold
                            and (not rate or s["throughput_fps"] >= 0.95 * rate))
     if bare:
         s["vs_bare"] = _vs_bare(s, bare)
     if args.overload:
-        s["overload"] = rep.overload_summary(merged, warmup_s=args.warmup_s, window_s=args.duration_s,
+        s["overload"] = rep.overload_summary(merged, warmup_s=args.warmup_s,
+                                             window_s=args.duration_s,
                                              deadline_ms=deadline or budget)
     s["_label"] = f"{s['label']} {f'{rate:g}/s' if rate else f'c={conc}'}"
-    ok_ms = merged.latency_ns[(merged.sched_ns >= int(args.warmup_s * 1e9)) & (merged.outcome == 0)] / 1e6
+    measured = (merged.sched_ns >= int(args.warmup_s * 1e9)) & (merged.outcome == 0)
+    ok_ms = merged.latency_ns[measured] / 1e6
     s["_lat_ms"] = ok_ms
     return s
 
@@ -539,7 +588,8 @@ def _vs_bare(s: dict, bare: dict) -> dict:
         if s.get("server_cpu_ms_per_frame") and b.get("pipeline_cpu_ms_per_frame"):
             out[f"cpu_per_frame_over_bare_pipeline_bs{bs}"] = round(
                 s["server_cpu_ms_per_frame"] / b["pipeline_cpu_ms_per_frame"], 3)
-    mean_bs = (s.get("batch_size_server") or {}).get("mean_batch_size") or s["batch_size_per_frame"]["mean"]
+    mean_bs = (s.get("batch_size_server") or {}).get("mean_batch_size") \
+        or s["batch_size_per_frame"]["mean"]
     if mean_bs:
         # the bare batch size nearest above the served mean batch: "at the same batch size"
         sizes = sorted(int(k) for k in bare["batch_sizes"])
@@ -555,7 +605,8 @@ def _vs_bare(s: dict, bare: dict) -> dict:
         out["p50_over_bare_pipeline_bs1"] = round(p50 / b1["pipeline_ms"]["p50"], 3)
         if "min" in b1["pipeline_ms"] and s["latency_ms"]["min"] is not None:
             # minima are the figures a neighbour's load disturbs least
-            out["min_added_ms_over_bare_pipeline_bs1"] = round(s["latency_ms"]["min"] - b1["pipeline_ms"]["min"], 4)
+            out["min_added_ms_over_bare_pipeline_bs1"] = round(
+                s["latency_ms"]["min"] - b1["pipeline_ms"]["min"], 4)
     return out
 
 
@@ -573,10 +624,12 @@ def _meta(args, model, budget, deadline, frames, server, url) -> dict:
         "host": platform.node(), "machine": platform.machine(), "cpus": os.cpu_count(),
         "cpu_model": _cpu_model(), "python": platform.python_version(), "numpy": np.__version__,
         "command": "visionserve bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
-        if len(sys.argv) > 1 and sys.argv[1] == "bench" else " ".join(shlex.quote(a) for a in sys.argv),
+        if len(sys.argv) > 1 and sys.argv[1] == "bench"
+        else " ".join(shlex.quote(a) for a in sys.argv),
         "target": url, "protocol": args.protocol, "model": model, "budget_ms": budget,
         "deadline_sent_ms": deadline, "images": args.images, "image_count": len(frames),
-        "image_sizes": sizes, "mean_image_bytes": int(sum(len(f.data) for f in frames) / len(frames)),
+        "image_sizes": sizes,
+        "mean_image_bytes": int(sum(len(f.data) for f in frames) / len(frames)),
         "generator": {"processes": args.processes, "client": "raw asyncio HTTP/1.1 keep-alive"
                       if args.protocol != "grpc" else "grpc.aio", "arrival": args.arrival},
         "server_command": server.cmd if server else None,
@@ -610,28 +663,33 @@ def _fmt(v, nd=2) -> str:
 
 def _line(s: dict) -> str:
     lat = s["latency_ms"]
-    what = f"rate {s['offered_rate']:g}/s" if s["offered_rate"] else f"concurrency {s['concurrency']}"
-    bs = (s.get("batch_size_server") or {}).get("mean_batch_size") or s["batch_size_per_frame"]["mean"]
-    return (f"{s['label']} {s['protocol']} {what}: {s['throughput_fps']:.1f} frames/s, p50 {_fmt(lat['p50'])} "
-            f"p90 {_fmt(lat['p90'])} p99 {_fmt(lat['p99'])} p99.9 {_fmt(lat['p99.9'])} max {_fmt(lat['max'])} ms, "
-            f"misses {s['miss_ratio'] if s['miss_ratio'] is not None else '-'}, mean batch {_fmt(bs)}, "
+    what = f"rate {s['offered_rate']:g}/s" if s["offered_rate"] \
+        else f"concurrency {s['concurrency']}"
+    bs = (s.get("batch_size_server") or {}).get("mean_batch_size") \
+        or s["batch_size_per_frame"]["mean"]
+    return (f"{s['label']} {s['protocol']} {what}: {s['throughput_fps']:.1f} frames/s, p50 "
+            f"{_fmt(lat['p50'])} p90 {_fmt(lat['p90'])} p99 {_fmt(lat['p99'])} p99.9 "
+            f"{_fmt(lat['p99.9'])} max {_fmt(lat['max'])} ms, misses "
+            f"{s['miss_ratio'] if s['miss_ratio'] is not None else '-'}, mean batch {_fmt(bs)}, "
             f"errors {s['errors'] or 'none'}{'' if s['within_slo'] else '  [over budget]'}")
 
 
 def _print(report: dict) -> None:
     if "bare" in report:
         for bs, b in report["bare"]["batch_sizes"].items():
-            print(f"bare bs={bs}: pipeline p50 {b['pipeline_ms']['p50']:.2f} ms ({b['pipeline_fps']:.1f} frames/s), "
-                  f"model p50 {b['model_ms']['p50']:.2f} ms ({b['model_fps']:.1f} frames/s)")
+            print(f"bare bs={bs}: pipeline p50 {b['pipeline_ms']['p50']:.2f} ms "
+                  f"({b['pipeline_fps']:.1f} frames/s), model p50 {b['model_ms']['p50']:.2f} ms "
+                  f"({b['model_fps']:.1f} frames/s)")
     if "overload" in report:
         o = report["overload"]
         print(f"overload: capacity {o['capacity_fps']} frames/s, deadline {o['deadline_ms']:g} ms, "
               f"goodput at 1x {o['goodput_at_1x_fps']} frames/s ({o['rounds']} round(s), medians)")
         for t in o["multiples"]:
-            print(f"  {t['multiple']:g}x: offered {t['offered_fps']:.1f}/s, goodput {t['goodput_fps']:.1f}/s "
-                  f"= {t['goodput_over_1x']} of 1x, refused {t['refused_share']} (p99 "
-                  f"{_fmt(t['refusal_p99_ms'])} ms, {t['refused_without_retry_after']} without Retry-After), "
-                  f"late {t['late']}, other {t['other']}")
+            print(f"  {t['multiple']:g}x: offered {t['offered_fps']:.1f}/s, goodput "
+                  f"{t['goodput_fps']:.1f}/s = {t['goodput_over_1x']} of 1x, refused "
+                  f"{t['refused_share']} (p99 {_fmt(t['refusal_p99_ms'])} ms, "
+                  f"{t['refused_without_retry_after']} without Retry-After), late {t['late']}, "
+                  f"other {t['other']}")
         print(f"  targets (goodput >= {o['targets']['min_goodput_ratio']} of 1x, refusal p99 <= "
               f"{o['targets']['max_refusal_p99_ms']:g} ms): {'met' if o['passed'] else 'NOT met'}")
     elif "sweep" not in report:
@@ -642,8 +700,8 @@ def _print(report: dict) -> None:
             if "answers_vs_bare" in s:
                 print(f"  answers vs bare single-frame: {s['answers_vs_bare']}")
             lag = s["send_lag_ms"]
-            print(f"  generator: send lag p99 {_fmt(lag['p99'], 3)} ms, CPU {s['generator_cpu_s']} s; "
-                  f"server CPU {s.get('server_cpu_cores', '-')} cores")
+            print(f"  generator: send lag p99 {_fmt(lag['p99'], 3)} ms, CPU {s['generator_cpu_s']} "
+                  f"s; server CPU {s.get('server_cpu_cores', '-')} cores")
     else:
         sw = report["sweep"]
         print(f"max rate at p99 <= {sw['budget_ms']:g} ms: {sw['max_rate_at_slo']} frames/s "

@@ -76,7 +76,8 @@ def export_models(root: Path, names: tuple[str, ...] = ("rn50", "rn50-ort")) -> 
     net = torchvision.models.resnet50(weights=None, num_classes=len(LABELS)).eval()
     x = torch.randn(2, 3, 224, 224)
     repos = {}
-    for name, backend, precision in (("rn50", "torch", "fp16"), ("rn50-ort", "onnxruntime", "fp32")):
+    for name, backend, precision in (("rn50", "torch", "fp16"),
+                                     ("rn50-ort", "onnxruntime", "fp32")):
         if name not in names:
             continue
         folder = root / name / name
@@ -88,7 +89,8 @@ def export_models(root: Path, names: tuple[str, ...] = ("rn50", "rn50-ort")) -> 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if "rn50" in repos:
-            ep = torch.export.export(net, (x,), dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=1024)},))
+            ep = torch.export.export(
+                net, (x,), dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=1024)},))
             torch.export.save(ep, str(root / "rn50" / "rn50" / "1" / "model.pt2"))
         if "rn50-ort" in repos:
             torch.onnx.export(net, (x,), str(root / "rn50-ort" / "rn50-ort" / "1" / "model.onnx"),
@@ -116,7 +118,8 @@ def make_jpegs(n: int = 16, h: int = 480, w: int = 640) -> list[bytes]:
     out = []
     for i in range(n):
         base = 100 + 60 * np.sin(x / (25 + i)) * np.cos(y / (33 + 2 * i))
-        img = np.clip(np.dstack([base, base * 0.9 + 20, 230 - base]) + rng.normal(0, 3, (h, w, 3)), 0, 255)
+        img = np.clip(
+            np.dstack([base, base * 0.9 + 20, 230 - base]) + rng.normal(0, 3, (h, w, 3)), 0, 255)
         _, buf = cv2.imencode(".jpg", img.astype(np.uint8), [cv2.IMWRITE_JPEG_QUALITY, 90])
         out.append(buf.tobytes())
     return out
@@ -148,7 +151,8 @@ def wall_ms(fn, iters: int) -> dict:
         fn()
         times.append((time.perf_counter() - t0) * 1000)
     times.sort()
-    return {"p50_ms": round(times[len(times) // 2], 3), "mean_ms": round(statistics.fmean(times), 3)}
+    return {"p50_ms": round(times[len(times) // 2], 3),
+            "mean_ms": round(statistics.fmean(times), 3)}
 
 
 def bare(repos: dict[str, Path], jpegs: list[bytes], quick: bool) -> dict:
@@ -182,7 +186,8 @@ def bare(repos: dict[str, Path], jpegs: list[bytes], quick: bool) -> dict:
     with torch.cuda.stream(b.stream), torch.inference_mode():
         x1 = torch.zeros((1, 3, 224, 224), dtype=torch.float16, device="cuda"
                          ).contiguous(memory_format=torch.channels_last)
-        res["torch_fp16_eager_bs1_ms"] = round(cuda_time_ms(lambda: b._module(x1), iters // 2, b.stream), 3)
+        res["torch_fp16_eager_bs1_ms"] = round(
+            cuda_time_ms(lambda: b._module(x1), iters // 2, b.stream), 3)
     # preprocessing: 32 JPEG 640x480 -> 224x224 fp16 tensor
     frames = [imaging.encoded_frame(j) for j in (jpegs * 4)[:32]]
     prep = TorchPreprocessor.for_config(cfg, device="cuda:0", dtype=b.input_dtype, stream=b.stream,
@@ -193,11 +198,12 @@ def bare(repos: dict[str, Path], jpegs: list[bytes], quick: bool) -> dict:
         prep.prepare(frames, 32)
         b.stream.synchronize()
 
-    res["prep_32_jpeg_640x480"] = {"gpu_nvjpeg_ms": wall_ms(gpu_prep, 20),
-                                   "cpu_opencv_ms": wall_ms(lambda: imaging.prepare_batch(frames, cfg.input, 32), 3)}
-    res["prep_1_jpeg_640x480"] = {"gpu_nvjpeg_ms": wall_ms(lambda: (prep.prepare(frames[:1], 1),
-                                                                    b.stream.synchronize()), 50),
-                                  "cpu_opencv_ms": wall_ms(lambda: imaging.prepare_batch(frames[:1], cfg.input, 1), 20)}
+    res["prep_32_jpeg_640x480"] = {
+        "gpu_nvjpeg_ms": wall_ms(gpu_prep, 20),
+        "cpu_opencv_ms": wall_ms(lambda: imaging.prepare_batch(frames, cfg.input, 32), 3)}
+    res["prep_1_jpeg_640x480"] = {
+        "gpu_nvjpeg_ms": wall_ms(lambda: (prep.prepare(frames[:1], 1), b.stream.synchronize()), 50),
+        "cpu_opencv_ms": wall_ms(lambda: imaging.prepare_batch(frames[:1], cfg.input, 1), 20)}
     b.close()
     torch.cuda.empty_cache()  # the servers started next need the memory
     try:
@@ -220,7 +226,8 @@ def bare(repos: dict[str, Path], jpegs: list[bytes], quick: bool) -> dict:
             o.close()
             torch.cuda.empty_cache()
         else:
-            res["onnxruntime_fp32_iobinding"] = f"skipped: providers {ort.get_available_providers()}"
+            res["onnxruntime_fp32_iobinding"] = \
+                f"skipped: providers {ort.get_available_providers()}"
     except ImportError as exc:
         res["onnxruntime_fp32_iobinding"] = f"skipped: {exc}"
     return res
@@ -249,9 +256,9 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        args = [sys.executable, "-m", "visionserve", "serve", "--models", str(models), "--device", device,
-                "--host", "127.0.0.1", "--http-port", str(self.port), "--grpc-port", "-1",
-                "--log-level", "warning", *extra]
+        args = [sys.executable, "-m", "visionserve", "serve", "--models", str(models),
+                "--device", device, "--host", "127.0.0.1", "--http-port", str(self.port),
+                "--grpc-port", "-1", "--log-level", "warning", *extra]
         self._log = open(log_path, "ab")  # noqa: SIM115 -- the server's log; closed in stop()
         self._log.write(f"\n=== {' '.join(args)}\n".encode())
         self._log.flush()
@@ -352,7 +359,8 @@ def load(server: Server, model: str, jpegs: list[bytes], processes: int, threads
     def q(f: float) -> float:
         return round(lat[min(len(lat) - 1, int(f * len(lat)))], 3)
 
-    return {"clients": processes * threads, "answers": len(lat), "errors": sum(p["errors"] for p in parts),
+    return {"clients": processes * threads, "answers": len(lat),
+            "errors": sum(p["errors"] for p in parts),
             "throughput_per_s": round(len(lat) / duration, 1), "wall_s": round(wall, 1),
             "p50_ms": q(0.5), "p90_ms": q(0.9), "p99_ms": q(0.99), "max_ms": round(lat[-1], 3),
             "mean_batch_size": round(statistics.fmean(sizes), 2)}
@@ -389,8 +397,8 @@ def served(repos: dict[str, Path], jpegs: list[bytes], log_dir: Path, quick: boo
     procs = client_procs or min(8, max(2, cpus // 2))
     threads = 12
     fe = ("--frontends", str(frontends)) if frontends else ()
-    res["setup"] = {"frontends": frontends, "client_processes": procs, "threads_per_client_process": threads,
-                    "cpus": cpus}
+    res["setup"] = {"frontends": frontends, "client_processes": procs,
+                    "threads_per_client_process": threads, "cpus": cpus}
 
     def single(server: Server, model: str) -> dict:
         return load(server, model, jpegs, 1, 1, 3.0 if quick else 6.0)
@@ -429,7 +437,8 @@ def served(repos: dict[str, Path], jpegs: list[bytes], log_dir: Path, quick: boo
                 save()
             m1 = s.metrics()
             res["allocator"] = allocator(m0, m1, time.time() - t_load0)
-            res["gpu_after_load"] = {k: v for k, v in m1.items() if "temperature" in k or "power" in k
+            res["gpu_after_load"] = {k: v for k, v in m1.items()
+                                     if "temperature" in k or "power" in k
                                      or ("throttle" in k and v)}
         finally:
             s.stop()
@@ -464,11 +473,13 @@ def served(repos: dict[str, Path], jpegs: list[bytes], log_dir: Path, quick: boo
             s.stop()
     # ratios to the bare model (same run)
     g = bare_res.get("torch_fp16_cuda_graph", {})
-    best = max((res[k] for k in ("fe_i2_saturation", "fe_saturation", "torch_saturation") if k in res),
+    best = max((res[k] for k in ("fe_i2_saturation", "fe_saturation", "torch_saturation")
+                if k in res),
                key=lambda r: r.get("throughput_per_s", 0))
     try:
         res["ratios"] = {
-            "saturation_vs_bare_bs32_graph": round(best["throughput_per_s"] / g[32]["img_per_s"], 3),
+            "saturation_vs_bare_bs32_graph": round(
+                best["throughput_per_s"] / g[32]["img_per_s"], 3),
             "in_process_saturation_vs_bare_bs32_graph": round(
                 res["torch_saturation"]["throughput_per_s"] / g[32]["img_per_s"], 3),
             "single_p50_vs_bare_bs1_run_ms": round(res["torch_single_client"]["p50_ms"]
@@ -476,9 +487,11 @@ def served(repos: dict[str, Path], jpegs: list[bytes], log_dir: Path, quick: boo
             "batching_gain": round(best["throughput_per_s"]
                                    / max(1e-9, res["torch_saturation_bs1"]["throughput_per_s"]), 2),
         }
-        hd = [res[k]["throughput_per_s"] for k in ("fe_saturation_1080p", "fe_i2_saturation_1080p") if k in res]
+        hd = [res[k]["throughput_per_s"] for k in ("fe_saturation_1080p", "fe_i2_saturation_1080p")
+              if k in res]
         if hd:
-            res["ratios"]["saturation_1080p_vs_bare_bs32_graph"] = round(max(hd) / g[32]["img_per_s"], 3)
+            res["ratios"]["saturation_1080p_vs_bare_bs32_graph"] = round(
+                max(hd) / g[32]["img_per_s"], 3)
     except (KeyError, TypeError):
         pass
     return res
@@ -487,7 +500,8 @@ def served(repos: dict[str, Path], jpegs: list[bytes], log_dir: Path, quick: boo
 def allocator(before: dict, after: dict, seconds: float) -> dict:
     return {
         "load_window_s": round(seconds, 1),
-        "new_segments_after_ready_before_load": before.get("visionserve_gpu_allocator_new_segments"),
+        "new_segments_after_ready_before_load":
+            before.get("visionserve_gpu_allocator_new_segments"),
         "new_segments_after_load": after.get("visionserve_gpu_allocator_new_segments"),
         "reserved_bytes_before": before.get("visionserve_gpu_memory_reserved_bytes"),
         "reserved_bytes_after": after.get("visionserve_gpu_memory_reserved_bytes"),
@@ -503,8 +517,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="shorter phases")
     ap.add_argument("--skip-served", action="store_true")
     ap.add_argument("--frontends", type=int, default=None,
-                    help="front-end processes for the multi-process scenarios (default: cores/2, at most 8)")
-    ap.add_argument("--client-procs", type=int, default=0, help="load generator processes (default: cores/2)")
+                    help="front-end processes for the multi-process scenarios (default: cores/2, "
+                         "at most 8)")
+    ap.add_argument("--client-procs", type=int, default=0,
+                    help="load generator processes (default: cores/2)")
     args = ap.parse_args(argv)
     log_dir = args.log_dir or args.out.parent
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -526,9 +542,11 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_served:
             try:
                 results["served"] = {}
-                fe = args.frontends if args.frontends is not None else min(8, max(2, (os.cpu_count() or 4) // 2))
+                fe = args.frontends if args.frontends is not None \
+                    else min(8, max(2, (os.cpu_count() or 4) // 2))
                 served(repos, jpegs, log_dir, args.quick, results["bare"], results["served"], save,
-                       frontends=fe, client_procs=args.client_procs, jpegs_1080=make_jpegs(16, 1080, 1920))
+                       frontends=fe, client_procs=args.client_procs,
+                       jpegs_1080=make_jpegs(16, 1080, 1920))
             except Exception as exc:  # noqa: BLE001 -- recorded in the results, which are saved
                 results["served_error"] = repr(exc)
             save()

@@ -60,9 +60,11 @@ class SurfaceParams:
                      "vignette", "exposure", "noise_sigma", "blur_sigma"):
             lo, hi = getattr(self, name)
             if not (0 <= lo <= hi):
-                raise ValueError(f"SurfaceParams.{name} must be a range 0 <= lo <= hi, got {(lo, hi)}")
+                raise ValueError(f"SurfaceParams.{name} must be a range 0 <= lo <= hi, got "
+                                 f"{(lo, hi)}")
         if self.max_rotation_deg < 0 or not (0 <= self.max_shift < 0.5):
-            raise ValueError("SurfaceParams.max_rotation_deg must be >= 0 and max_shift in [0, 0.5)")
+            raise ValueError("SurfaceParams.max_rotation_deg must be >= 0 and max_shift in "
+                             "[0, 0.5)")
 
 
 TRAIN_PARAMS = SurfaceParams()
@@ -112,7 +114,8 @@ def generate_set(n_per_label: int, seed: int,
     Sizes alternate through ``sizes``; image ``i`` of a label uses a seed derived from
     ``(seed, i)``, so a larger set starts with the images of a smaller one.
     """
-    if isinstance(n_per_label, bool) or not isinstance(n_per_label, (int, np.integer)) or n_per_label < 1:
+    if isinstance(n_per_label, bool) or not isinstance(n_per_label, (int, np.integer)) \
+            or n_per_label < 1:
         raise ValueError(f"n_per_label must be a positive integer, got {n_per_label!r}")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
@@ -143,7 +146,8 @@ def encode(img: np.ndarray, fmt: str = "jpeg", quality: int = 90) -> bytes:
         raise ValueError("img must be a non-empty HxW or HxWx{1,3,4} uint8 array, got "
                          f"{getattr(img, 'dtype', type(img).__name__)} {getattr(img, 'shape', '')}")
     if fmt_l == "jpeg":
-        if isinstance(quality, bool) or not isinstance(quality, (int, np.integer)) or not 1 <= quality <= 100:
+        if isinstance(quality, bool) or not isinstance(quality, (int, np.integer)) \
+                or not 1 <= quality <= 100:
             raise ValueError(f"JPEG quality must be an integer 1..100, got {quality!r}")
         ok, buf = cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, int(quality)])
     elif fmt_l == "png":
@@ -244,7 +248,8 @@ def _surface(rng: np.random.Generator, kind: str, w: int, h: int, p: SurfacePara
         sat = 0.0
     elif kind == "painted":
         # Orange peel: low-amplitude bumps a few pixels wide, on a flat colour.
-        lum = 0.02 * _fractal(rng, w, h, s * 0.02 * grain, 2) + 0.02 * _noise_field(rng, w, h, s * 0.4)
+        lum = 0.02 * _fractal(rng, w, h, s * 0.02 * grain, 2) \
+            + 0.02 * _noise_field(rng, w, h, s * 0.4)
         colour = None
     else:  # textile: basket weave with a random period and angle, plus fibre noise
         period = s / 45.0 * grain
@@ -266,7 +271,8 @@ def _surface(rng: np.random.Generator, kind: str, w: int, h: int, p: SurfacePara
     return np.ascontiguousarray(img, dtype=np.float32)
 
 
-def _blend(img: np.ndarray, mask: np.ndarray, colour: np.ndarray | float, alpha: float = 1.0) -> None:
+def _blend(img: np.ndarray, mask: np.ndarray, colour: np.ndarray | float,
+           alpha: float = 1.0) -> None:
     """``img = img*(1-a*mask) + colour*a*mask`` in place; colour may be an HxWx3 map."""
     a = (alpha * mask)[..., None]
     img *= 1.0 - a
@@ -443,7 +449,8 @@ def _contamination(rng: np.random.Generator, img: np.ndarray, s: int) -> None:
     _blend(img, mask, particle_colour, rng.uniform(0.8, 0.95))
 
 
-def _camera(rng: np.random.Generator, img: np.ndarray, w: int, h: int, p: SurfaceParams) -> np.ndarray:
+def _camera(rng: np.random.Generator, img: np.ndarray, w: int, h: int,
+            p: SurfaceParams) -> np.ndarray:
     s = min(w, h)
     # Part pose: small rotation and shift; the border is reflected surface, not black.
     rot = rng.uniform(-p.max_rotation_deg, p.max_rotation_deg)

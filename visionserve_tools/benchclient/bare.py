@@ -84,13 +84,16 @@ def measure(models: Path, model: str, frames: list, batch_sizes: list[int], seco
         p, m = np.asarray(pipe) / 1e6, np.asarray(only) / 1e6
         out["batch_sizes"][str(bs)] = {
             "iterations": len(pipe),
-            "pipeline_ms": {"min": float(p.min()), "p50": _pct(p, 50), "p99": _pct(p, 99), "mean": float(p.mean())},
-            "model_ms": {"min": float(m.min()), "p50": _pct(m, 50), "p99": _pct(m, 99), "mean": float(m.mean())},
+            "pipeline_ms": {"min": float(p.min()), "p50": _pct(p, 50), "p99": _pct(p, 99),
+                            "mean": float(p.mean())},
+            "model_ms": {"min": float(m.min()), "p50": _pct(m, 50), "p99": _pct(m, 99),
+                         "mean": float(m.mean())},
             "pipeline_fps": bs * 1000.0 / float(p.mean()),
             "model_fps": bs * 1000.0 / float(m.mean()),
             "pipeline_cpu_ms_per_frame": round(cpu_ms, 4),
         }
-        log.info("bare bs=%d: pipeline p50 %.2f ms, model p50 %.2f ms", bs, _pct(p, 50), _pct(m, 50))
+        log.info("bare bs=%d: pipeline p50 %.2f ms, model p50 %.2f ms", bs, _pct(p, 50),
+                 _pct(m, 50))
     backend.close()
     out["answers"] = answers
     return out
@@ -104,13 +107,17 @@ def best_of(first: dict, second: dict) -> dict:
         b = second["batch_sizes"].get(bs, a)
         best = dict(a if a["pipeline_fps"] >= b["pipeline_fps"] else b)
         # the least-disturbed single call of either round: the floor the server is held to
-        best["pipeline_ms"] = dict(best["pipeline_ms"], min=min(a["pipeline_ms"]["min"], b["pipeline_ms"]["min"]))
-        out["batch_sizes"][bs] = dict(best, rounds={"before_load": _brief(a), "after_load": _brief(b)})
+        best["pipeline_ms"] = dict(best["pipeline_ms"],
+                                   min=min(a["pipeline_ms"]["min"], b["pipeline_ms"]["min"]))
+        out["batch_sizes"][bs] = dict(best,
+                                      rounds={"before_load": _brief(a), "after_load": _brief(b)})
     out["rule"] = "measured before and after the load; the faster round is the reference"
     return out
 
 
 def _brief(r: dict) -> dict:
-    return {"pipeline_min_ms": round(r["pipeline_ms"]["min"], 4), "pipeline_p50_ms": round(r["pipeline_ms"]["p50"], 4), "pipeline_fps": round(r["pipeline_fps"], 2),
+    return {"pipeline_min_ms": round(r["pipeline_ms"]["min"], 4),
+            "pipeline_p50_ms": round(r["pipeline_ms"]["p50"], 4),
+            "pipeline_fps": round(r["pipeline_fps"], 2),
             "pipeline_cpu_ms_per_frame": r["pipeline_cpu_ms_per_frame"],
             "model_p50_ms": round(r["model_ms"]["p50"], 4), "model_fps": round(r["model_fps"], 2)}

@@ -125,10 +125,12 @@ class _Worker:
             import grpc
             from tritonclient.grpc import service_pb2_grpc
 
-            opts = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+            opts = [("grpc.max_send_message_length", 64 << 20),
+                    ("grpc.max_receive_message_length", 64 << 20)]
             self.grpc_channel = grpc.aio.insecure_channel(hostport, options=opts)
             self.grpc_stub = service_pb2_grpc.GRPCInferenceServiceStub(self.grpc_channel)
-            self.prebuilt = [wire.grpc_request(job.model, f.data, job.deadline_ms) for f in self.frames]
+            self.prebuilt = [wire.grpc_request(job.model, f.data, job.deadline_ms)
+                             for f in self.frames]
             await asyncio.wait_for(self.grpc_channel.channel_ready(), 10)
         else:
             if job.protocol == "oip":
@@ -170,7 +172,8 @@ class _Worker:
 
     async def _closed_loop(self, end_ns: int) -> None:
         job = self.job
-        mine = job.concurrency // job.workers + (1 if job.worker < job.concurrency % job.workers else 0)
+        mine = job.concurrency // job.workers \
+            + (1 if job.worker < job.concurrency % job.workers else 0)
 
         async def sender(k: int) -> None:
             conn = None
@@ -205,7 +208,8 @@ class _Worker:
                     conn = await wire.HttpConnection(job.host, job.port).open()
                 except OSError as exc:
                     self.open_conns -= 1
-                    self._record(sched, time.perf_counter_ns(), -1, wire.Answer(wire.CONN_ERROR, detail=str(exc)), fi)
+                    self._record(sched, time.perf_counter_ns(), -1,
+                                 wire.Answer(wire.CONN_ERROR, detail=str(exc)), fi)
                     return None
             else:
                 self._record(sched, time.perf_counter_ns(), -1, wire.Answer(wire.OVERFLOW), fi)
@@ -213,9 +217,10 @@ class _Worker:
         t_send = time.perf_counter_ns()
         ans = await self._send(conn, frame, fi, t_send)
         t_done = time.perf_counter_ns()
-        self._record(sched, t_send, t_done - t_send if ans.outcome not in (wire.CONN_ERROR, wire.TIMEOUT) else -1,
-                     ans, fi)
-        if conn is not None and (conn.closed or ans.outcome in (wire.CONN_ERROR, wire.TIMEOUT, wire.BAD_ANSWER)):
+        answered = ans.outcome not in (wire.CONN_ERROR, wire.TIMEOUT)
+        self._record(sched, t_send, t_done - t_send if answered else -1, ans, fi)
+        if conn is not None and (conn.closed or ans.outcome in (wire.CONN_ERROR, wire.TIMEOUT,
+                                                                wire.BAD_ANSWER)):
             conn.close()
             if own_conn:
                 self.open_conns -= 1
@@ -239,13 +244,14 @@ class _Worker:
                 await conn.open()
             if job.protocol == "oip":
                 head, body = self.prebuilt[fi]
-                status, headers, data = await asyncio.wait_for(conn.request(head, body), job.timeout_s)
+                status, headers, data = await asyncio.wait_for(conn.request(head, body),
+                                                               job.timeout_s)
                 return wire.parse_oip(status, headers, data)
             self.seq += 1
             part = f"w{job.worker}-{self.seq}"
             if job.protocol == "json":
-                head, body = wire.json_request(f"{job.host}:{job.port}", job.model, frame.data, part,
-                                               job.deadline_ms)
+                head, body = wire.json_request(f"{job.host}:{job.port}", job.model, frame.data,
+                                               part, job.deadline_ms)
             else:
                 head, body = wire.inspect_request(f"{job.host}:{job.port}", job.model, frame.data,
                                                   frame.content_type, part, job.deadline_ms)
@@ -253,7 +259,8 @@ class _Worker:
             return wire.parse_inspect(status, data, headers)
         except asyncio.TimeoutError:
             return wire.Answer(wire.TIMEOUT, detail=f"no answer within {job.timeout_s} s")
-        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, wire.ProtocolError) as exc:
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                wire.ProtocolError) as exc:
             return wire.Answer(wire.CONN_ERROR, detail=f"{type(exc).__name__}: {exc}")
         except Exception as exc:  # grpc.aio.AioRpcError and friends
             if hasattr(exc, "code"):
@@ -261,16 +268,18 @@ class _Worker:
             raise
 
     def _record(self, sched: int, t_send: int, latency: int, ans: wire.Answer, fi: int) -> None:
-        self.recs.append((sched - self.job.start_ns, t_send - sched, latency, ans.outcome, ans.verdict,
-                          ans.batch_size, fi, ans.score, ans.label))
+        self.recs.append((sched - self.job.start_ns, t_send - sched, latency, ans.outcome,
+                          ans.verdict, ans.batch_size, fi, ans.score, ans.label))
         if ans.outcome != wire.OK and wire.OUTCOMES[ans.outcome] not in self.details:
             self.details[wire.OUTCOMES[ans.outcome]] = ans.detail[:300]
 
     def _result(self) -> Result:
         cols = list(zip(*self.recs)) if self.recs else [()] * 9
         return Result(
-            sched_ns=np.asarray(cols[0], dtype=np.int64), lag_ns=np.asarray(cols[1], dtype=np.int64),
-            latency_ns=np.asarray(cols[2], dtype=np.int64), outcome=np.asarray(cols[3], dtype=np.int8),
+            sched_ns=np.asarray(cols[0], dtype=np.int64), lag_ns=np.asarray(cols[1],
+                                                                            dtype=np.int64),
+            latency_ns=np.asarray(cols[2], dtype=np.int64), outcome=np.asarray(cols[3],
+                                                                               dtype=np.int8),
             verdict=np.asarray(cols[4], dtype=np.int8), batch=np.asarray(cols[5], dtype=np.int32),
             frame=np.asarray(cols[6], dtype=np.int32), score=np.asarray(cols[7], dtype=np.float64),
             labels=list(cols[8]), cpu_s=0.0, details=self.details)
@@ -278,12 +287,14 @@ class _Worker:
 
 def merge(results: list[Result]) -> Result:
     cat = {name: np.concatenate([getattr(r, name) for r in results])
-           for name in ("sched_ns", "lag_ns", "latency_ns", "outcome", "verdict", "batch", "frame", "score")}
+           for name in ("sched_ns", "lag_ns", "latency_ns", "outcome", "verdict", "batch", "frame",
+                        "score")}
     details: dict[str, str] = {}
     for r in results:
         for k, v in r.details.items():
             details.setdefault(k, v)
-    return Result(**cat, labels=[x for r in results for x in r.labels], cpu_s=sum(r.cpu_s for r in results),
+    return Result(**cat, labels=[x for r in results for x in r.labels],
+                  cpu_s=sum(r.cpu_s for r in results),
                   details=details)
 
 

@@ -72,7 +72,8 @@ def generated(text: str, seed: int = 0) -> list[Frame]:
             elif key == "q":
                 quality = int(value)
             else:
-                raise ImageSetError(f"unknown image-set option {opt!r}; use n=COUNT or q=JPEG_QUALITY")
+                raise ImageSetError(f"unknown image-set option {opt!r}; use n=COUNT or "
+                                    "q=JPEG_QUALITY")
         except ValueError:
             raise ImageSetError(f"image-set option {opt!r} needs an integer value") from None
     if not (1 <= n <= 10_000):
@@ -93,8 +94,8 @@ def generated(text: str, seed: int = 0) -> list[Frame]:
         for i in range(n):
             label = synthetic.LABELS[i % len(synthetic.LABELS)]
             img = synthetic.generate(label, seed + i, size=(w, h))
-            frames.append(Frame(f"{label}-{w}x{h}-{seed + i}", synthetic.encode(img, "jpeg", quality),
-                                "image/jpeg", label))
+            frames.append(Frame(f"{label}-{w}x{h}-{seed + i}",
+                                synthetic.encode(img, "jpeg", quality), "image/jpeg", label))
     if cache is not None:
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)
@@ -121,7 +122,8 @@ def _cache_path(source: str, sizes, n: int, quality: int, seed: int) -> Path | N
 
 def from_folder(folder: Path) -> list[Frame]:
     if not folder.is_dir():
-        raise ImageSetError(f"image folder {str(folder)!r} does not exist (or use gen:WIDTHxHEIGHT)")
+        raise ImageSetError(f"image folder {str(folder)!r} does not exist (or use "
+                            "gen:WIDTHxHEIGHT)")
     frames = [Frame(p.name, p.read_bytes(), _SUFFIXES[p.suffix.lower()])
               for p in sorted(folder.iterdir()) if p.is_file() and p.suffix.lower() in _SUFFIXES]
     if not frames:

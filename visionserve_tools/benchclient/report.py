@@ -58,7 +58,8 @@ def summarize(res, *, warmup_s: float, window_s: float, budget_ms: float | None,
         "errors": errors,
         "error_examples": res.details,
         "batch_size_per_frame": {"distribution": per_frame,
-                                 "mean": round(float(bs[bs > 0].mean()), 3) if (bs > 0).any() else None},
+                                 "mean": round(float(bs[bs > 0].mean()), 3) if (bs > 0).any()
+                                 else None},
         "send_lag_ms": {"p50": round(float(np.percentile(lag_ms, 50)), 4) if lag_ms.size else None,
                         "p99": round(float(np.percentile(lag_ms, 99)), 4) if lag_ms.size else None,
                         "max": round(float(lag_ms.max()), 4) if lag_ms.size else None},
@@ -127,7 +128,8 @@ def scrape_batch_hist(url: str, model: str, timeout: float = 5.0) -> dict | None
     text = None
     for attempt in range(3):  # a saturated server on a small box may answer /metrics late
         try:
-            with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout * (attempt + 1)) as r:
+            with urllib.request.urlopen(url.rstrip("/") + "/metrics",
+                                        timeout=timeout * (attempt + 1)) as r:
                 text = r.read().decode("utf-8", "replace")
             break
         except urllib.error.HTTPError:
@@ -156,10 +158,12 @@ def scrape_batch_hist(url: str, model: str, timeout: float = 5.0) -> dict | None
 def scrape_oip_batch_stats(url: str, model: str, timeout: float = 5.0) -> dict | None:
     """Executions per batch size from the OIP statistics extension (Triton and visionserve)."""
     try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/v2/models/{model}/stats", timeout=timeout) as r:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/v2/models/{model}/stats",
+                                    timeout=timeout) as r:
             data = json.loads(r.read())
         stats = data["model_stats"][0]
-        return {int(b["batch_size"]): int(b["compute_infer"]["count"]) for b in stats.get("batch_stats", [])}
+        return {int(b["batch_size"]): int(b["compute_infer"]["count"])
+                for b in stats.get("batch_stats", [])}
     except (OSError, ValueError, KeyError, IndexError, TypeError):
         return None
 
@@ -189,8 +193,10 @@ def batch_hist_delta(before: dict | None, after: dict | None) -> dict | None:
         cum = after["buckets"][le] - before["buckets"].get(le, 0.0)
         n = round(cum - prev)
         lo, hi = prev_le, key(le)
-        name = (f"{int(hi)}" if hi - lo <= 1 else f"{int(lo) + 1}-{int(hi)}") if hi != float("inf") \
-            else f">{int(lo)}"
+        if hi == float("inf"):
+            name = f">{int(lo)}"
+        else:
+            name = f"{int(hi)}" if hi - lo <= 1 else f"{int(lo) + 1}-{int(hi)}"
         if n:
             dist[name] = n
         prev, prev_le = cum, hi
@@ -276,7 +282,8 @@ def plot_sweep(steps: list[dict], path: str, budget_ms: float | None, label: str
     ys = [s["latency_ms"]["p99"] or float("nan") for s in steps]
     ax.plot(xs, ys, "o-", label=label or "p99")
     for s, x, y in zip(steps, xs, ys):
-        ax.annotate(f"{s['offered_rate']:g}/s", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.annotate(f"{s['offered_rate']:g}/s", (x, y), fontsize=7, xytext=(3, 3),
+                    textcoords="offset points")
     if budget_ms:
         ax.axhline(budget_ms, color="red", ls="--", lw=1, label=f"budget {budget_ms:g} ms")
     ax.set_yscale("log")

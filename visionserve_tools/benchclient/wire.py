@@ -16,8 +16,10 @@ import struct
 from dataclasses import dataclass
 
 # outcome codes (small ints: they travel in numpy arrays between processes)
-OK, LATE, LATE_ANSWER, REJECTED, HTTP_ERROR, CONN_ERROR, TIMEOUT, OVERFLOW, BAD_ANSWER, REJECTED_BARE = range(10)
-#: rejected: 503/429 (UNAVAILABLE/RESOURCE_EXHAUSTED) with Retry-After; rejected_no_retry_after: without
+(OK, LATE, LATE_ANSWER, REJECTED, HTTP_ERROR, CONN_ERROR, TIMEOUT, OVERFLOW, BAD_ANSWER,
+ REJECTED_BARE) = range(10)
+#: rejected: 503/429 (UNAVAILABLE/RESOURCE_EXHAUSTED) with Retry-After; rejected_no_retry_after:
+#: without
 OUTCOMES = ("ok", "late", "late_answer", "rejected", "http_error", "conn_error", "timeout",
             "generator_overflow", "bad_answer", "rejected_no_retry_after")
 #: outcomes that count as a deadline miss (the part got no usable verdict in time): ``late`` is a
@@ -56,7 +58,8 @@ class HttpConnection:
 
     async def open(self) -> HttpConnection:
         # asyncio sets TCP_NODELAY on TCP sockets itself
-        self.reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=1 << 22)
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port,
+                                                                 limit=1 << 22)
         return self
 
     @property
@@ -117,7 +120,8 @@ def inspect_request(host: str, model: str, frame_data: bytes, content_type: str,
 
 def json_request(host: str, model: str, frame_data: bytes, part_id: str,
                  deadline_ms: float | None) -> tuple[bytes, bytes]:
-    """The inspect URL with a JSON body (base64 image), for servers that only take JSON (LitServe)."""
+    """The inspect URL with a JSON body (base64 image), for servers that only take JSON
+    (LitServe)."""
     import base64
 
     body = json.dumps({"image": base64.b64encode(frame_data).decode(), "part_id": part_id,
@@ -141,7 +145,8 @@ def oip_body(frame_data: bytes, deadline_ms: float | None) -> tuple[bytes, bytes
     return header, blob
 
 
-def oip_request(host: str, model: str, frame_data: bytes, deadline_ms: float | None) -> tuple[bytes, bytes]:
+def oip_request(host: str, model: str, frame_data: bytes,
+                deadline_ms: float | None) -> tuple[bytes, bytes]:
     header, blob = oip_body(frame_data, deadline_ms)
     body = header + blob
     head = (f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: {host}\r\n"
@@ -155,8 +160,9 @@ def parse_inspect(status: int, data: bytes, headers: dict[str, str] | None = Non
         try:
             d = json.loads(data)
             verdict = VERDICTS.get(d.get("verdict"), -1)
-            ans = Answer(OK if d.get("deadline_met", True) else LATE_ANSWER, verdict, d.get("label", ""),
-                         float(d.get("score", float("nan"))), int(d.get("batch_size", 0) or 0))
+            ans = Answer(OK if d.get("deadline_met", True) else LATE_ANSWER, verdict,
+                         d.get("label", ""), float(d.get("score", float("nan"))),
+                         int(d.get("batch_size", 0) or 0))
         except (ValueError, TypeError, AttributeError):
             return Answer(BAD_ANSWER, detail=data[:200].decode("latin-1"))
         return ans
@@ -200,7 +206,8 @@ def _status_answer(status: int, data: bytes, headers: dict[str, str] | None = No
     if status == 504 or b'"LATE"' in data[:400]:
         return Answer(LATE, VERDICTS["LATE"], detail=text)
     if status in (503, 429):
-        return Answer(REJECTED if headers is None or "retry-after" in headers else REJECTED_BARE, detail=text)
+        return Answer(REJECTED if headers is None or "retry-after" in headers else REJECTED_BARE,
+                      detail=text)
     return Answer(HTTP_ERROR, detail=f"{status} {text}")
 
 
@@ -248,11 +255,13 @@ def grpc_error_answer(exc) -> Answer:
     import grpc
 
     code = exc.code() if hasattr(exc, "code") else None
-    text = f"{code.name if code else 'UNKNOWN'}: {exc.details() if hasattr(exc, 'details') else exc}"
+    details = exc.details() if hasattr(exc, "details") else exc
+    text = f"{code.name if code else 'UNKNOWN'}: {details}"
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return Answer(LATE, VERDICTS["LATE"], detail=text)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
         meta = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
-        trailers = {k.lower() for k, _ in meta} if meta is not None else {"retry-after"}  # unknown: benefit of doubt
+        # unknown: benefit of doubt
+        trailers = {k.lower() for k, _ in meta} if meta is not None else {"retry-after"}
         return Answer(REJECTED if "retry-after" in trailers else REJECTED_BARE, detail=text)
     return Answer(HTTP_ERROR, detail=text)

@@ -152,7 +152,8 @@ class Dataset:
     names: list[str]           # file names (or synthetic ids) for error messages
 
 
-def scan_folder(root: Path, labels: Sequence[str] | None = None) -> tuple[list[Path], list[int], tuple[str, ...]]:
+def scan_folder(root: Path, labels: Sequence[str] | None = None,
+                ) -> tuple[list[Path], list[int], tuple[str, ...]]:
     """Folder-per-label layout -> (files, label indices, labels). ``labels`` pins the label set
     and order (e.g. the shipped model's); otherwise the sorted folder names are the labels."""
     root = Path(root)
@@ -222,8 +223,8 @@ def _synthetic_chunk(args: tuple) -> tuple[list[np.ndarray], list[str]]:
     out, labs = [], []
     for k in range(start, stop):
         i, label = divmod(k, len(LABELS))
-        img = synthetic.generate(LABELS[label], synthetic._item_seed(seed, i), sizes[i % len(sizes)],
-                                 params)
+        img = synthetic.generate(LABELS[label], synthetic._item_seed(seed, i),
+                                 sizes[i % len(sizes)], params)
         out.append(img if keep_raw else camera_pixels(img, spec))
         labs.append(LABELS[label])
     return out, labs
@@ -251,7 +252,8 @@ def synthetic_images(n_per_label: int, seed: int, sizes: Sequence[tuple[int, int
 
 
 def synthetic_dataset(n_per_label: int, seed: int, sizes: Sequence[tuple[int, int]],
-                      params: synthetic.SurfaceParams, spec: InputSpec, workers: int = 1) -> Dataset:
+                      params: synthetic.SurfaceParams, spec: InputSpec,
+                      workers: int = 1) -> Dataset:
     imgs, labs = synthetic_images(n_per_label, seed, sizes, params, spec, workers)
     return Dataset(np.stack(imgs), np.asarray([LABELS.index(x) for x in labs], np.int64), LABELS,
                    [f"synthetic:{seed}:{i}:{x}" for i, x in enumerate(labs)])

@@ -80,8 +80,8 @@ def heldout_sets(n_per_label: int, seed: int, spec, robustness: bool, workers: i
     total = n_per_label * len(common.LABELS)
     sizes = ((640, 480), (1280, 1024))
     step = -(-total // (max(workers, 1) * 4))
-    jobs = [(seed, sizes, common.synthetic.HELDOUT_PARAMS, spec, a, min(a + step, total), robustness)
-            for a in range(0, total, step)]
+    jobs = [(seed, sizes, common.synthetic.HELDOUT_PARAMS, spec, a, min(a + step, total),
+             robustness) for a in range(0, total, step)]
     sets: dict[str, list[np.ndarray]] = {c: [] for c in CONDITIONS}
     labs: list[str] = []
     if workers > 1:
@@ -99,7 +99,8 @@ def heldout_sets(n_per_label: int, seed: int, spec, robustness: bool, workers: i
 
 def predict(sess, pixels: np.ndarray, spec) -> tuple[np.ndarray, np.ndarray]:
     logits = np.concatenate([
-        sess.run([common.ONNX_OUTPUT], {common.ONNX_INPUT: imaging.normalize(pixels[i:i + 32], spec)})[0]
+        sess.run([common.ONNX_OUTPUT],
+                 {common.ONNX_INPUT: imaging.normalize(pixels[i:i + 32], spec)})[0]
         for i in range(0, len(pixels), 32)])
     e = np.exp(logits - logits.max(1, keepdims=True))
     return logits.argmax(1), e / e.sum(1, keepdims=True)
@@ -124,7 +125,8 @@ def latency(onnx_path: Path, spec, runs: int) -> dict:
         sess.run(None, {common.ONNX_INPUT: x})
         times.append((time.perf_counter() - t0) * 1000)
     t = np.asarray(times)
-    out = {"model_ms": {"median": round(float(np.median(t)), 3), "p90": round(float(np.percentile(t, 90)), 3),
+    out = {"model_ms": {"median": round(float(np.median(t)), 3),
+                        "p90": round(float(np.percentile(t, 90)), 3),
                         "p99": round(float(np.percentile(t, 99)), 3), "runs": runs}}
     for size in ((640, 480), (1280, 1024)):
         jpg = common.synthetic.encode(common.synthetic.generate("ok", 1, size), "jpeg", 90)
@@ -161,16 +163,21 @@ def confusion_png(cm: np.ndarray, labels, path: Path, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("version_dir", type=Path, help="models/<name>/<N> holding model.onnx")
-    ap.add_argument("--data", type=Path, help="folder-per-label photos (default: held-out synthetic)")
-    ap.add_argument("--n-per-label", type=int, default=100, help="held-out synthetic frames per label")
+    ap.add_argument("--data", type=Path,
+                    help="folder-per-label photos (default: held-out synthetic)")
+    ap.add_argument("--n-per-label", type=int, default=100,
+                    help="held-out synthetic frames per label")
     ap.add_argument("--seed", type=int, default=common.HELDOUT_SEED)
-    ap.add_argument("--out", type=Path, help="where confusion_matrix.png goes (default: the model folder)")
+    ap.add_argument("--out", type=Path,
+                    help="where confusion_matrix.png goes (default: the model folder)")
     ap.add_argument("--no-robustness", action="store_true")
     ap.add_argument("--latency-runs", type=int, default=300)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2, help="onnxruntime threads for the accuracy runs")
+    ap.add_argument("--threads", type=int, default=2,
+                    help="onnxruntime threads for the accuracy runs")
     args = ap.parse_args(argv)
     try:
         return evaluate(args)
@@ -201,7 +208,8 @@ def evaluate(args: argparse.Namespace) -> int:
         test_set = str(args.data)
     else:
         if labels != common.LABELS:
-            raise ScriptError(f"model labels {list(labels)} are not the synthetic ones; pass --data")
+            raise ScriptError(f"model labels {list(labels)} are not the synthetic ones; pass "
+                              "--data")
         sets, targets = heldout_sets(args.n_per_label, args.seed, spec, not args.no_robustness,
                                      args.workers)
         test_set = (f"synthetic held-out: {args.n_per_label} per label, seed {args.seed}, "

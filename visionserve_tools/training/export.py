@@ -132,7 +132,8 @@ def check_inputs(meta: dict, data: Path | None, n_per_label: int) -> np.ndarray:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("version_dir", type=Path, help="models/<name>/<N> holding weights.pt")
     ap.add_argument("--data", type=Path, help="folder-per-label images for the agreement check")
     ap.add_argument("--check-per-label", type=int, default=20,

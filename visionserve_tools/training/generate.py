@@ -1,7 +1,8 @@
 """Write a folder-per-label dataset of synthetic surface images (the layout train.py --data and
 evaluate.py --data read; also handy as camera frames for load tests).
 
-    python -m visionserve_tools.training.generate /tmp/surfaces --n-per-label 50 --params heldout --format jpeg
+    python -m visionserve_tools.training.generate /tmp/surfaces --n-per-label 50 \\
+        --params heldout --format jpeg
 
 Result: ``OUT/ok/ok_00000.jpg``, ``OUT/scratch/scratch_00000.jpg``, ... Same arguments, same bytes.
 """
@@ -34,7 +35,8 @@ def _write_chunk(args: tuple) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path, help="output folder (created; must be empty if it exists)")
     ap.add_argument("--n-per-label", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)

@@ -73,7 +73,8 @@ def photometric(x, gen):
     return x.clamp_(0, 255)
 
 
-def evaluate(model, pixels: np.ndarray, targets: np.ndarray, spec, device) -> tuple[float, np.ndarray]:
+def evaluate(model, pixels: np.ndarray, targets: np.ndarray, spec,
+             device) -> tuple[float, np.ndarray]:
     import torch
 
     model.eval()
@@ -86,7 +87,8 @@ def evaluate(model, pixels: np.ndarray, targets: np.ndarray, spec, device) -> tu
     return float((p == targets).mean()), p
 
 
-def split(ds: common.Dataset, val_fraction: float, seed: int) -> tuple[common.Dataset, common.Dataset]:
+def split(ds: common.Dataset, val_fraction: float,
+          seed: int) -> tuple[common.Dataset, common.Dataset]:
     """Stratified, seeded train/validation split of a photo dataset."""
     rng = np.random.default_rng(seed)
     tr, va = [], []
@@ -109,7 +111,8 @@ def write_model_toml(model_dir: Path, labels: tuple[str, ...], spec) -> None:
     def fmt(t) -> str:
         return "[" + ", ".join(f"{v:g}" if isinstance(v, float) else f'"{v}"' for v in t) + "]"
 
-    text = f"""# Written by visionserve_tools.training.train; see docs/model-toml.md for every field.
+    text = f"""# Written by visionserve_tools.training.train; see docs/model-toml.md for every \
+field.
 description = "Surface defect classifier trained with visionserve_tools.training.train"
 task = "classification"
 
@@ -142,13 +145,17 @@ ok_threshold = 0.5
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--name", default="defect-classifier", help="model name (folder under --models-dir)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--name", default="defect-classifier",
+                    help="model name (folder under --models-dir)")
     ap.add_argument("--models-dir", type=Path, default=Path("models"))
     ap.add_argument("--data", type=Path, help="folder-per-label photos; default: synthetic images")
     ap.add_argument("--init", type=Path, help="weights.pt to start from (fine-tuning)")
-    ap.add_argument("--n-per-label", type=int, default=800, help="synthetic training images per label")
-    ap.add_argument("--val-per-label", type=int, default=40, help="synthetic validation images per label")
+    ap.add_argument("--n-per-label", type=int, default=800,
+                    help="synthetic training images per label")
+    ap.add_argument("--val-per-label", type=int, default=40,
+                    help="synthetic validation images per label")
     ap.add_argument("--sizes", default="640x480,1280x1024", help="synthetic camera frame sizes")
     ap.add_argument("--input-size", type=int, default=common.DEFAULT_INPUT.width,
                     help="model input width = height in pixels (new models only)")
@@ -156,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (fixed, for reproducibility)")
+    ap.add_argument("--threads", type=int, default=2,
+                    help="torch CPU threads (fixed, for reproducibility)")
     ap.add_argument("--workers", type=int, default=2, help="processes generating synthetic images")
     ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     ap.add_argument("--version", type=int, help="version number to write (default: highest + 1); "
@@ -180,7 +188,8 @@ def train(args: argparse.Namespace, argv: list[str]) -> int:
                  "check_per_label"):
         if getattr(args, name) < 1:
             raise ScriptError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.version is not None and (args.version < 1 or (args.models_dir / args.name / str(args.version)).exists()):
+    if args.version is not None and (
+            args.version < 1 or (args.models_dir / args.name / str(args.version)).exists()):
         raise ScriptError(f"--version {args.version}: must be >= 1 and not exist yet in "
                           f"{args.models_dir / args.name} (move the old one away first)")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -202,7 +211,8 @@ def train(args: argparse.Namespace, argv: list[str]) -> int:
     if args.data is not None:
         labels = None
         if init_meta is not None:
-            names = {p.name for p in args.data.iterdir() if p.is_dir()} if args.data.is_dir() else set()
+            names = {p.name for p in args.data.iterdir() if p.is_dir()} if args.data.is_dir() \
+                else set()
             if names <= set(init_meta["labels"]):
                 labels = init_meta["labels"]    # keep the head: same label order as the base model
         full = common.load_folder(args.data, spec, labels)
@@ -214,8 +224,9 @@ def train(args: argparse.Namespace, argv: list[str]) -> int:
         sizes = common.parse_sizes(args.sizes)
         train_ds = common.synthetic_dataset(args.n_per_label, args.seed, sizes,
                                             common.synthetic.TRAIN_PARAMS, spec, args.workers)
-        val_ds = common.synthetic_dataset(args.val_per_label, common.VALIDATION_SEED + args.seed * 1000,
-                                          sizes, common.synthetic.TRAIN_PARAMS, spec, args.workers)
+        val_ds = common.synthetic_dataset(args.val_per_label,
+                                          common.VALIDATION_SEED + args.seed * 1000, sizes,
+                                          common.synthetic.TRAIN_PARAMS, spec, args.workers)
         check_x = export.check_inputs({"labels": common.LABELS, "input": spec.model_dump()}, None,
                                       args.check_per_label)
     labels = tuple(train_ds.labels)
@@ -277,7 +288,8 @@ def train(args: argparse.Namespace, argv: list[str]) -> int:
     model = model.cpu().eval()
     meta = {"labels": list(labels), "widths": list(widths), "input": spec.model_dump(mode="json"),
             "seed": args.seed}
-    torch.save({"state_dict": model.state_dict(), "meta": json.dumps(meta)}, version_dir / "weights.pt")
+    torch.save({"state_dict": model.state_dict(), "meta": json.dumps(meta)},
+               version_dir / "weights.pt")
     if not (model_dir / "model.toml").is_file():
         write_model_toml(model_dir, labels, spec)
     report = export.export_version(version_dir, check_x)

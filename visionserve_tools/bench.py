@@ -50,6 +50,7 @@ import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -526,7 +527,7 @@ def _one_run(pool, args, model, host, port, url, rate, conc, budget, deadline, s
                              timeout_s=args.timeout_s, connections=args.connections,
                              max_connections=args.max_connections, seed=args.seed)
 
-    samples: dict[str, object] = {}
+    samples: dict[str, Any] = {}
 
     def sampler() -> None:  # scrape /metrics and server CPU at the window's edges
         for edge, at in (("begin", start_ns + int(args.warmup_s * 1e9)),

@@ -52,6 +52,7 @@ def measure(models: Path, model: str, frames: list, batch_sizes: list[int], seco
     enc = [imaging.encoded_frame(f.data) for f in frames]
 
     answers = []
+    tensor: np.ndarray | None
     for i, fr in enumerate(enc):
         tensor, _, _ = imaging.prepare_batch([fr], spec, 1)
         verdict, result = task.postprocess(backend.run(tensor), slice(0, 1))[0]
@@ -61,7 +62,8 @@ def measure(models: Path, model: str, frames: list, batch_sizes: list[int], seco
     out: dict = {"model": model, "version": version, "backend": backend.describe(),
                  "intra_op_threads": config.runtime.intra_op_threads, "batch_sizes": {}}
     for bs in batch_sizes:
-        pipe, only = [], []
+        pipe: list[int] = []
+        only: list[int] = []
         tensor = None
         end = time.perf_counter() + seconds
         c0 = time.process_time()

@@ -19,6 +19,7 @@ import random
 import resource
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -97,8 +98,8 @@ class _Worker:
         self.open_conns = 0
         self.recs: list[tuple] = []
         self.details: dict[str, str] = {}
-        self.grpc_stub = None
-        self.grpc_channel = None
+        self.grpc_stub: Any = None  # tritonclient's GRPCInferenceServiceStub (untyped)
+        self.grpc_channel: Any = None  # grpc.aio.Channel
         self.seq = 0
         self.prebuilt: list[tuple[bytes, bytes]] = []
 
@@ -231,6 +232,7 @@ class _Worker:
                 await asyncio.sleep(0.05)
                 return wire.HttpConnection(job.host, job.port)
         if own_conn:
+            assert conn is not None  # set above, or this returned
             self.idle.append(conn)
         return conn
 

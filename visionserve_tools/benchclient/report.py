@@ -17,8 +17,10 @@ PERCENTILES = (("p50", 50), ("p90", 90), ("p99", 99), ("p99.9", 99.9))
 
 
 def latency_summary(ms: np.ndarray) -> dict[str, float | None]:
+    out: dict[str, float | None]
     if ms.size == 0:
-        return {k: None for k, _ in PERCENTILES} | {"max": None, "mean": None, "min": None}
+        out = {k: None for k, _ in PERCENTILES}
+        return out | {"max": None, "mean": None, "min": None}
     out = {k: round(float(np.percentile(ms, q)), 4) for k, q in PERCENTILES}
     out |= {"max": round(float(ms.max()), 4), "mean": round(float(ms.mean()), 4),
             "min": round(float(ms.min()), 4)}
@@ -144,7 +146,9 @@ def scrape_batch_hist(url: str, model: str, timeout: float = 5.0) -> dict | None
     for line in text.splitlines():
         m = _BUCKET_RE.match(line)
         if m and want in m.group(1):
-            le = re.search(r'le="([^"]+)"', m.group(1)).group(1)
+            found = re.search(r'le="([^"]+)"', m.group(1))
+            assert found is not None, line  # a histogram bucket always has its le label
+            le = found.group(1)
             buckets[le] = float(m.group(2))
             continue
         m = _SUMCOUNT_RE.match(line)

@@ -99,7 +99,7 @@ class HttpConnection:
 
     async def _chunked(self) -> bytes:
         assert self.reader is not None
-        parts = []
+        parts: list[bytes] = []
         while True:
             size = int((await self.reader.readline()).split(b";")[0].strip() or b"0", 16)
             if size == 0:

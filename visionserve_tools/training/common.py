@@ -236,12 +236,12 @@ def synthetic_images(n_per_label: int, seed: int, sizes: Sequence[tuple[int, int
     """``synthetic.generate_set`` (optionally in worker processes), each image resized as the
     server would (or the camera-size frame with ``keep_raw``). Same result for any ``workers``."""
     total = n_per_label * len(LABELS)
-    sizes = tuple(tuple(s) for s in sizes)
+    chunk_sizes = tuple(tuple(s) for s in sizes)  # plain tuples: they travel to the workers
     if workers <= 1:
-        return _synthetic_chunk((seed, sizes, params, spec, 0, total, keep_raw))
+        return _synthetic_chunk((seed, chunk_sizes, params, spec, 0, total, keep_raw))
     # Chunks follow generate_set's order; the per-image seeds make each chunk independent.
     step = -(-total // (workers * 4))
-    jobs = [(seed, sizes, params, spec, a, min(a + step, total), keep_raw)
+    jobs = [(seed, chunk_sizes, params, spec, a, min(a + step, total), keep_raw)
             for a in range(0, total, step)]
     imgs, labs = [], []
     with ProcessPoolExecutor(workers) as pool:

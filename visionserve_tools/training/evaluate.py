@@ -19,11 +19,13 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import cv2
 import numpy as np
 
 from visionserve import imaging
+from visionserve.tasks.classification import ClassificationConfig
 
 from . import common
 from .common import ScriptError
@@ -50,7 +52,9 @@ def _noise(img: np.ndarray, seed: int) -> np.ndarray:
 
 def _jpeg(img: np.ndarray) -> np.ndarray:
     _, buf = cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, JPEG_QUALITY])
-    return cv2.imdecode(buf, cv2.IMREAD_COLOR)
+    out = cv2.imdecode(buf, cv2.IMREAD_COLOR)
+    assert out is not None  # it decodes what it just encoded
+    return out
 
 
 CONDITIONS = {
@@ -125,7 +129,7 @@ def latency(onnx_path: Path, spec, runs: int) -> dict:
         sess.run(None, {common.ONNX_INPUT: x})
         times.append((time.perf_counter() - t0) * 1000)
     t = np.asarray(times)
-    out = {"model_ms": {"median": round(float(np.median(t)), 3),
+    out: dict[str, Any] = {"model_ms": {"median": round(float(np.median(t)), 3),
                         "p90": round(float(np.percentile(t, 90)), 3),
                         "p99": round(float(np.percentile(t, 99)), 3), "runs": runs}}
     for size in ((640, 480), (1280, 1024)):
@@ -196,6 +200,9 @@ def evaluate(args: argparse.Namespace) -> int:
     cfg = common.read_model_config(args.version_dir.parent)
     if cfg is None:
         raise ScriptError(f"no model.toml in {args.version_dir.parent}")
+    if not isinstance(cfg, ClassificationConfig):
+        raise ScriptError(f"{args.version_dir.parent}: a {cfg.task} model; this evaluates "
+                          "classification models")
     spec, labels = cfg.input, tuple(cfg.output.labels)
     so = ort.SessionOptions()
     so.intra_op_num_threads = args.threads

@@ -51,7 +51,9 @@ def augment_geometry(batch: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         if rng.random() < 0.3:
             _, buf = cv2.imencode(".jpg", np.ascontiguousarray(img),
                                    [cv2.IMWRITE_JPEG_QUALITY, int(rng.integers(40, 96))])
-            img = cv2.imdecode(buf, cv2.IMREAD_UNCHANGED).reshape(img.shape)
+            decoded = cv2.imdecode(buf, cv2.IMREAD_UNCHANGED)
+            assert decoded is not None  # it decodes what it just encoded
+            img = decoded.reshape(img.shape)
         out[i] = img
     return out
 
@@ -91,14 +93,15 @@ def split(ds: common.Dataset, val_fraction: float,
           seed: int) -> tuple[common.Dataset, common.Dataset]:
     """Stratified, seeded train/validation split of a photo dataset."""
     rng = np.random.default_rng(seed)
-    tr, va = [], []
+    tr_list: list[int] = []
+    va_list: list[int] = []
     for c in range(len(ds.labels)):
         idx = np.flatnonzero(ds.targets == c)
         rng.shuffle(idx)
         k = max(1, round(len(idx) * val_fraction)) if len(idx) > 1 else 0
-        va += idx[:k].tolist()
-        tr += idx[k:].tolist()
-    tr, va = np.sort(tr), np.sort(va)
+        va_list += idx[:k].tolist()
+        tr_list += idx[k:].tolist()
+    tr, va = np.sort(tr_list), np.sort(va_list)
 
     def take(ix: np.ndarray) -> common.Dataset:
         return common.Dataset(ds.pixels[ix], ds.targets[ix], ds.labels, [ds.names[i] for i in ix])

@@ -1,7 +1,8 @@
 """Frame sent -> result seen on the PLC side, against the inspect answer, bus on and bus off
 interleaved (the issue 20 benchmark in docs/benchmarks.md).
 
-    python tests/tools/plc_latency.py --rates 10,100 --seconds 15 --rounds 3 --json plc-bench.json
+    python tests/tools/plc_latency.py --rates 10,100 --seconds 15 --min-frames 600 --rounds 3 \
+        --json plc-bench.json
     python tests/tools/plc_latency.py --baseline-tree /tmp/old-checkout ...   # before vs after
 
 Two servers run the shipped model on the CPU side by side: "on" with both PLC servers (Modbus
@@ -111,22 +112,27 @@ def sim_cpu_s() -> float:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", default="10,100")
     p.add_argument("--seconds", type=float, default=15.0, help="per run [%(default)s]")
+    p.add_argument("--min-frames", type=int, default=20,
+                   help="at least this many frames a run (a p99 wants hundreds) [%(default)s]")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--images", default="gen:160x160:n=8", help="[%(default)s]: at model size")
     p.add_argument("--models", type=Path, default=REPO / "models")
     p.add_argument("--protocols", default="modbus,opcua")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--baseline-tree", type=Path, default=None,
-                   help="also a server with PLC servers from this checkout (runs named <protocol>@base)")
+                   help="also a server with PLC servers from this checkout "
+                        "(runs named <protocol>@base)")
     args = p.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     protocols = [x for x in args.protocols.split(",") if x]
     work = Path(tempfile.mkdtemp(prefix="plc-bench-"))
     servers = {}
-    for name, plc, tree in (("on", True, REPO), ("off", False, REPO), ("base", True, args.baseline_tree)):
+    for name, plc, tree in (("on", True, REPO), ("off", False, REPO),
+                            ("base", True, args.baseline_tree)):
         if tree is not None:
             (work / name).mkdir()
             servers[name] = Server(name, work / name, plc, args.models, tree)
@@ -146,25 +152,29 @@ def main() -> int:
                     kind = None if proto is None else proto if name == "on" else f"{proto}@base"
                     out = work / f"r{rnd}-{rate:g}-{kind or 'off'}.json"
                     la = loadavg()
-                    count = max(20, round(rate * args.seconds))
+                    count = max(args.min_frames, round(rate * args.seconds))
                     (own0, kids0), sim0 = cpu_s(server), sim_cpu_s()
                     rep = sim(server, proto, rate, count, args.images, out)
                     (own1, kids1), sim1 = cpu_s(server), sim_cpu_s()
+                    ms = 1000 / count  # CPU seconds -> ms per frame
                     run = {"round": rnd, "rate": rate, "kind": kind or "off", "loadavg": la,
-                           "answer": rep["line"]["answer_ms"], "answered_200": rep["line"]["answered_200"],
-                           "cpu_ms_per_frame": {"server": round((own1 - own0) * 1000 / count, 3),
-                                                "plc_processes": round((kids1 - kids0) * 1000 / count, 3),
-                                                "simulator": round((sim1 - sim0) * 1000 / count, 3)}}
+                           "answer": rep["line"]["answer_ms"],
+                           "answered_200": rep["line"]["answered_200"],
+                           "cpu_ms_per_frame": {"server": round((own1 - own0) * ms, 3),
+                                                "plc_processes": round((kids1 - kids0) * ms, 3),
+                                                "simulator": round((sim1 - sim0) * ms, 3)}}
                     if proto is not None:
                         e = rep["protocols"][proto]
-                        run |= {"seen": e["seen_ms"], "added": e["added_ms"], "missing": e["missing"],
-                                "in_order": e["in_order"], "bus": e["server_bus_delay"]}
+                        run |= {"seen": e["seen_ms"], "added": e["added_ms"],
+                                "missing": e["missing"], "in_order": e["in_order"],
+                                "bus": e["server_bus_delay"]}
                     runs.append(run)
                     print(json.dumps(run), flush=True)
     finally:
         for s in servers.values():
             s.stop()
-    summary = summarize(runs, rates, protocols + [f"{x}@base" for x in protocols if "base" in servers])
+    based = [f"{x}@base" for x in protocols if "base" in servers]
+    summary = summarize(runs, rates, protocols + based)
     for line in summary["table"]:
         print(line)
     if args.json:
@@ -176,10 +186,10 @@ def summarize(runs: list[dict], rates: list[float], protocols: list[str]) -> dic
     def med(values: list[float]) -> float:
         return round(statistics.median(values), 2)
 
-    table = [("| rate | protocol | answer p50 / p99 off | answer p50 / p99 on | answer p99 on / off "
-              "| seen on the PLC p50 / p99 | added p99 (seen p99 - answer p99) | per-frame added "
-              "p50 / p99 | missing, in order | CPU ms/frame: server off / on, PLC processes, "
-              "simulator |"),
+    table = [("| rate | protocol | answer p50 / p99 off | answer p50 / p99 on | answer p99 on "
+              "/ off | seen on the PLC p50 / p99 | added p99 (seen p99 - answer p99) | per-frame "
+              "added p50 / p99 | missing, in order | CPU ms/frame: server off / on, PLC "
+              "processes, simulator |"),
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     out: dict = {}
     for rate in rates:
@@ -198,7 +208,8 @@ def summarize(runs: list[dict], rates: list[float], protocols: list[str]) -> dic
                  "added_p99": med(added), "added_rounds": [round(a, 2) for a in added],
                  "frame_added_p50": med([r["added"]["p50"] for r in on]),
                  "frame_added_p99": med([r["added"]["p99"] for r in on]),
-                 "missing": sum(r["missing"] for r in on), "in_order": all(r["in_order"] for r in on),
+                 "missing": sum(r["missing"] for r in on),
+                 "in_order": all(r["in_order"] for r in on),
                  "cpu_server_off": med([off[r["round"]]["cpu_ms_per_frame"]["server"] for r in on]),
                  "cpu_server_on": med([r["cpu_ms_per_frame"]["server"] for r in on]),
                  "cpu_plc": med([r["cpu_ms_per_frame"]["plc_processes"] for r in on]),
@@ -209,7 +220,8 @@ def summarize(runs: list[dict], rates: list[float], protocols: list[str]) -> dic
                 f"{s['answer_on_p50']} / {s['answer_on_p99']} | {s['answer_p99_on_over_off']}x | "
                 f"{s['seen_p50']} / {s['seen_p99']} | {s['added_p99']} ({s['added_rounds']}) | "
                 f"{s['frame_added_p50']} / {s['frame_added_p99']} | {s['missing']}, "
-                f"{'yes' if s['in_order'] else 'NO'} | {s['cpu_server_off']} / {s['cpu_server_on']}, "
+                f"{'yes' if s['in_order'] else 'NO'} | {s['cpu_server_off']} / "
+                f"{s['cpu_server_on']}, "
                 f"{s['cpu_plc']}, {s['cpu_sim']} |")
     return {"per": out, "table": table}
 

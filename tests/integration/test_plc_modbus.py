@@ -115,11 +115,12 @@ def test_late_frames_are_no_decision(plc_server, plc, jpeg_bytes):
     assert part_of(regs) == 3001
     assert (regs[3], regs[4]) == (ResultCode.NO_DECISION, Reason.LATE)
     status = Status(regs[0])
-    assert Status.FAIL in status and Status.PASS not in status  # a PLC reading only Fail rejects too
+    assert Status.FAIL in status and Status.PASS not in status  # a PLC reading only Fail rejects
     assert regs[5] == 0xFFFF and regs[6] == 0
 
 
-def test_a_plc_that_never_acknowledges_fills_the_buffer_and_raises_fault(plc_server, plc, jpeg_bytes):
+def test_a_plc_that_never_acknowledges_fills_the_buffer_and_raises_fault(plc_server, plc,
+                                                                          jpeg_bytes):
     overflows = plc_server.metric('visionserve_plc_buffer_overflows_total{station="*"}')
     for i in range(BUFFER + 2):  # inference goes on while the PLC does not acknowledge
         assert plc_server.inspect(str(4000 + i), jpeg=jpeg_bytes).status_code == 200
@@ -201,7 +202,8 @@ def test_too_many_clients_are_refused_and_the_others_keep_being_served(plc_serve
         assert _exchange(s, _mbap(1, 2, b"\x04\x00\x00\x00\x01"))  # slots are free again
 
 
-def test_a_client_vanishing_mid_handshake_leaves_the_result_for_the_next(plc_server, plc, jpeg_bytes):
+def test_a_client_vanishing_mid_handshake_leaves_the_result_for_the_next(plc_server, plc,
+                                                                         jpeg_bytes):
     assert plc_server.inspect("5001", jpeg=jpeg_bytes).status_code == 200
     wait_for(lambda: Status.RESULT_VALID in plc.status(), 10, "ResultValid")
     with socket.create_connection(("127.0.0.1", plc_server.modbus_port), timeout=5) as s:
@@ -218,8 +220,8 @@ def test_a_client_vanishing_mid_handshake_leaves_the_result_for_the_next(plc_ser
 def test_the_heartbeat_stops_when_the_engine_hangs(tiny_repo, tmp_path, jpeg_bytes):
     """The process and its PLC servers live on; the model call never returns: the watchdog stops
     the heartbeat, raises Fault and drops Ready on both protocols, and all comes back after."""
-    s = start_plc_server(tiny_repo, tmp_path, "--plc-heartbeat-ms", "100", "--plc-watchdog-ms", "500",
-                         opcua=True)
+    s = start_plc_server(tiny_repo, tmp_path, "--plc-heartbeat-ms", "100",
+                         "--plc-watchdog-ms", "500", opcua=True)
     plc = Plc(s.modbus_port, unit=1)
     try:
         plc.reset()
@@ -324,12 +326,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_plc_servers_run_apart_judge_a_frozen_server_and_die_with_it(tiny_repo, tmp_path, jpeg_bytes):
+def test_plc_servers_run_apart_judge_a_frozen_server_and_die_with_it(tiny_repo, tmp_path,
+                                                                      jpeg_bytes):
     """Each protocol's server runs in a process of its own: it still answers the PLC while the
     serving process is frozen (SIGSTOP), stops the heartbeat and raises Fault because no probe
     of the engine comes, resumes after SIGCONT, and exits when the serving process is killed."""
-    s = start_plc_server(tiny_repo, tmp_path, "--plc-heartbeat-ms", "100", "--plc-watchdog-ms", "500",
-                         opcua=True)
+    s = start_plc_server(tiny_repo, tmp_path, "--plc-heartbeat-ms", "100",
+                         "--plc-watchdog-ms", "500", opcua=True)
     pid = s.server.proc.pid
     plc = Plc(s.modbus_port)
     try:

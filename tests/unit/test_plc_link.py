@@ -44,7 +44,8 @@ class Proc:
 
 def _pending(n: int):
     loop = asyncio.get_running_loop()
-    return [SimpleNamespace(future=loop.create_future(), arrival=time.monotonic()) for _ in range(n)]
+    return [SimpleNamespace(future=loop.create_future(), arrival=time.monotonic())
+            for _ in range(n)]
 
 
 def test_an_event_crosses_to_the_plc_process_unchanged():
@@ -95,7 +96,8 @@ async def test_the_plc_process_takes_results_busy_and_probes():
     service.on_message(("b", 1, True))
     assert mirror.inflight == [0, 1]
     now = time.monotonic()
-    service.on_message(("p", (now, True, False, True, None, now), 3, now - 5, now - 5, (True, False)))
+    probe = (now, True, False, True, None, now)
+    service.on_message(("p", probe, 3, now - 5, now - 5, (True, False)))
     assert (mirror.outstanding, mirror.inflight) == (3, [1, 0])
     assert dog.health(now).state is SystemState.OPERATIONAL
     h = dog.health(now + 1.5)  # no probe since: the engine's loop (or its process) is stuck
@@ -114,7 +116,8 @@ def test_metric_updates_made_in_a_plc_process_are_repeated_here():
     assert ops[0] == ("OVERFLOWS", ("cam-x",), "inc", 1)
     before = metrics.OVERFLOWS.labels("cam-x")._value.get()
     count = metrics.BUS_DELAY.labels("modbus")._sum.get()
-    metrics.apply(pickle.loads(pickle.dumps(ops)) + [("RESULTS", (), "clear", 0), ("os", (), "inc", 1)])
+    refused = [("RESULTS", (), "clear", 0), ("os", (), "inc", 1)]  # not a method, not a series
+    metrics.apply(pickle.loads(pickle.dumps(ops)) + refused)
     assert metrics.OVERFLOWS.labels("cam-x")._value.get() == before + 1
     assert metrics.BUS_DELAY.labels("modbus")._sum.get() == pytest.approx(count + 0.0004)
     assert metrics.STALLED._value.get() == 1

@@ -27,4 +27,5 @@ def require(module: str) -> ModuleType:
         if exc.name is not None and exc.name.partition(".")[0] != module.partition(".")[0]:
             raise  # the library is there but broken: show that
         raise ConfigError(f"the PLC servers need {module}, which this install does not have: "
-                          "pip install 'visionserve[plc]' -c requirements/constraints.txt") from None
+                          "pip install 'visionserve[plc]' -c requirements/constraints.txt"
+                          ) from None

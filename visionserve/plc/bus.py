@@ -59,7 +59,8 @@ class Reason(IntEnum):
 
 _REASON_OF_KIND = {"deadline": Reason.LATE, "unavailable": Reason.UNAVAILABLE,
                    "invalid_input": Reason.INVALID_INPUT, "too_large": Reason.INVALID_INPUT,
-                   "unsupported_media_type": Reason.INVALID_INPUT, "not_found": Reason.INVALID_INPUT}
+                   "unsupported_media_type": Reason.INVALID_INPUT,
+                   "not_found": Reason.INVALID_INPUT}
 
 _LABELS = {ResultCode.OK: "OK", ResultCode.NG: "NG", ResultCode.NO_DECISION: "no_decision"}
 
@@ -115,7 +116,9 @@ class ResultEvent:
 
     @classmethod
     def from_wire(cls, t: tuple) -> ResultEvent:
-        return cls(*t[:7], ResultCode(t[7]), Reason(t[8]), *t[9:])
+        fields = list(t)
+        fields[7], fields[8] = ResultCode(fields[7]), Reason(fields[8])
+        return cls(*fields)
 
 
 class Stations:
@@ -167,8 +170,8 @@ class ResultBus:
         #: monotonic times: the engine last computed a frame; outstanding went from 0 to 1
         self.last_progress = time.monotonic()
         self.busy_since = self.last_progress
-        self._results = [{code: metrics.RESULTS.labels(name, label) for code, label in _LABELS.items()}
-                         for name in stations.names]
+        self._results = [{code: metrics.RESULTS.labels(name, label)
+                          for code, label in _LABELS.items()} for name in stations.names]
 
     # --- consumer side ---------------------------------------------------------------------
 
@@ -237,14 +240,16 @@ class ResultBus:
             metrics.UNROUTED.inc()
             return
         if exc is not None:
-            self.publish(self._failed(served, station, part_id, camera_id, index, arrival, now, exc))
+            self.publish(self._failed(served, station, part_id, camera_id, index, arrival, now,
+                                      exc))
             return
         r = future.result()
         late = not r.deadline_met
         label, label_index, score = served.task.summary(r.result)  # what the task says of it
         self.publish(ResultEvent(
             self._next_id(), station, part_id, camera_id, served.name, str(served.version), index,
-            ResultCode.NO_DECISION if late else ResultCode.OK if r.verdict == "OK" else ResultCode.NG,
+            ResultCode.NO_DECISION if late
+            else ResultCode.OK if r.verdict == "OK" else ResultCode.NG,
             Reason.LATE if late else Reason.NONE, "LATE" if late else r.verdict, label,
             label_index, float(score), r.queue_ms,
             r.compute_ms, (now - arrival) * 1000, *_wall(arrival, now), now,

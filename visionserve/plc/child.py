@@ -28,12 +28,16 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import VisionServeError
 from . import metrics, require
 from .bus import BusMirror, ResultEvent, Stations
 from .handshake import Fault, LineStatus
 from .watchdog import SystemState, Watchdog, _Probe
+
+if TYPE_CHECKING:
+    from ..frontends.channel import Channel
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +74,8 @@ class PlcService:
     """Runs one server: results in as they come, and Ready, Fault, Busy and the heartbeat
     following the engine as the watchdog judges it."""
 
-    def __init__(self, publisher, mirror: BusMirror, watchdog: Watchdog, heartbeat_s: float) -> None:
+    def __init__(self, publisher, mirror: BusMirror, watchdog: Watchdog,
+                 heartbeat_s: float) -> None:
         self.publisher = publisher
         self.mirror = mirror
         self.watchdog = watchdog
@@ -109,7 +114,8 @@ class PlcService:
                 log.exception("stopping the %s server failed", self.publisher.protocol)
 
     async def _tick(self) -> None:
-        """Ready, Fault and Busy follow the engine; the heartbeat toggles while it makes progress."""
+        """Ready, Fault and Busy follow the engine; the heartbeat toggles while it makes
+        progress."""
         beat, count = False, 0
         next_beat = time.monotonic() + self.heartbeat_s
         while True:
@@ -142,7 +148,7 @@ class _MetricsOut:
     :data:`METRICS_FLUSH_S`, anything else (rare: overflows, clients, stalls) at once."""
 
     def __init__(self) -> None:
-        self.channel = None
+        self.channel: Channel | None = None
         self._ops: list[tuple] = []
         self._scheduled = False
 

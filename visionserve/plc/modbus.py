@@ -30,6 +30,7 @@ import math
 import threading
 import time
 from collections import deque
+from typing import cast
 
 from pymodbus.constants import ExcCodes
 from pymodbus.datastore import ModbusServerContext
@@ -74,7 +75,8 @@ def result_words(seq: int, ev: ResultEvent) -> list[int]:
     part, kind = part_number(ev.part_id)
     verdict = ev.code is not ResultCode.NO_DECISION
     return [seq, int(ev.code), int(ev.reason), ev.label_index if ev.label_index >= 0 else 0xFFFF,
-            max(0, min(1000, round(ev.score * 1000))) if verdict and not math.isnan(ev.score) else 0,
+            max(0, min(1000, round(ev.score * 1000)))
+            if verdict and not math.isnan(ev.score) else 0,
             min(0xFFFF, round(ev.total_ms * 10)), part >> 16, part & 0xFFFF, kind]
 
 
@@ -279,7 +281,8 @@ class _Handler(ServerRequestHandler):
         if self.refused:
             return len(data)
         if len(data) >= 8:
-            proto, length, fc = int.from_bytes(data[2:4], "big"), int.from_bytes(data[4:6], "big"), data[7]
+            proto, length = int.from_bytes(data[2:4], "big"), int.from_bytes(data[4:6], "big")
+            fc = data[7]
             if proto != 0 or not 2 <= length <= 254:
                 # not Modbus TCP framing: nothing after it can be trusted to be in step
                 self._malformed(f"MBAP header with protocol id {proto} and length {length}; "
@@ -292,7 +295,8 @@ class _Handler(ServerRequestHandler):
                     return 0  # the rest of the frame is still coming
                 self._malformed(f"function code {fc}, answered ILLEGAL FUNCTION")
                 # answered here: pymodbus would put function code 0 in the exception response
-                self.transport.write(data[:2] + b"\x00\x00\x00\x03" + data[6:7] + bytes((fc | 0x80, 1)))
+                cast(asyncio.Transport, self.transport).write(
+                    data[:2] + b"\x00\x00\x00\x03" + data[6:7] + bytes((fc | 0x80, 1)))
                 return end
         return super().callback_data(data, addr)
 

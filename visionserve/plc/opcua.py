@@ -46,6 +46,8 @@ from asyncua import Server, ua
 from asyncua.common.utils import ServiceError
 from asyncua.crypto import cert_gen
 from asyncua.crypto.permission_rules import User, UserRole
+from asyncua.server.event_generator import EventGenerator
+from asyncua.server.user_managers import UserManager
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 from cryptography.x509.oid import ExtendedKeyUsageOID
@@ -80,11 +82,12 @@ RESULT_FIELDS = (("ResultId", _S), ("Sequence", _U), ("PartId", _S), ("ResultSta
 TIME_FIELDS = (("StartTime", _T), ("EndTime", _T), ("QueueDuration", _D),
                ("ProcessingDuration", _D), ("TotalDuration", _D))
 #: ResultReadyEventType's own fields: what a PLC acts on. asyncua encodes every selected field of
-#: every event in Python, so the event stays lean; the times are in LastResult (and the event's Time)
+#: every event in Python, so the event stays lean; the times are in LastResult (and the event's
+#: Time)
 EVENT_FIELDS = tuple((n, t) for n, t in RESULT_FIELDS + TIME_FIELDS
-                     if n not in ("ReasonText", "FrameIndex", "CreationTime", "StartTime", "EndTime",
-                                  "QueueDuration", "ProcessingDuration")) + (("Station", _S),
-                                                                             ("CameraId", _S))
+                     if n not in ("ReasonText", "FrameIndex", "CreationTime", "StartTime",
+                                  "EndTime", "QueueDuration", "ProcessingDuration")) \
+    + (("Station", _S), ("CameraId", _S))
 _SEVERITY = {ResultCode.OK: 100, ResultCode.NG: 500, ResultCode.NO_DECISION: 800}
 
 
@@ -102,10 +105,11 @@ def read_password(path: Path | None) -> str | None:
     try:
         return Path(path).read_text(encoding="utf-8").rstrip("\r\n")
     except OSError as exc:
-        raise ConfigError(f"--opcua-password-file {path}: cannot read: {exc.strerror or exc}") from None
+        raise ConfigError(
+            f"--opcua-password-file {path}: cannot read: {exc.strerror or exc}") from None
 
 
-class _Users:
+class _Users(UserManager):
     """Who may open a session: the one configured user, and anonymous clients when enabled."""
 
     def __init__(self, anonymous: bool, user: str | None, password: str | None) -> None:
@@ -216,8 +220,8 @@ class OpcUaPublisher:
         self.server: Server | None = None
         self._nodes: dict[str, ua.NodeId] = {}
         self._station_nodes: list[dict[str, ua.NodeId]] = []
-        self._station_events: list = []
-        self._system_events = None
+        self._station_events: list[EventGenerator] = []
+        self._system_events: EventGenerator | None = None
         self._last: dict[ua.NodeId, object] = {}
         self._counts = [0] * len(stations)
         self._delay = metrics.BUS_DELAY.labels(self.protocol)
@@ -240,7 +244,7 @@ class OpcUaPublisher:
         server.product_uri = "urn:visionserve"
         server.manufacturer_name = "visionserve"
         server.set_security_policy(self.policies)
-        tokens = ([ua.AnonymousIdentityToken] if self.users.anonymous else []) + \
+        tokens: list[type] = ([ua.AnonymousIdentityToken] if self.users.anonymous else []) + \
             ([ua.UserNameIdentityToken] if self.users.user else [])
         server.set_identity_tokens(tokens)
         if self.secure:
@@ -265,7 +269,8 @@ class OpcUaPublisher:
         try:
             await server.start()
         except OSError as exc:
-            raise OSError(f"OPC UA: cannot listen on {self.endpoint}: {exc.strerror or exc}") from exc
+            raise OSError(
+                f"OPC UA: cannot listen on {self.endpoint}: {exc.strerror or exc}") from exc
         self._forwarder = asyncio.create_task(self._forward())
         log.info("OPC UA listening on %s (security %s; anonymous %s; user %s)", self.endpoint,
                  ", ".join(sorted({p.name.split("_")[0] for p in self.policies})),
@@ -309,8 +314,8 @@ class OpcUaPublisher:
             for name, vtype in TIME_FIELDS:
                 nodes[name] = await var(times, name, _EMPTY[vtype], vtype)
             self._station_nodes.append(nodes)
-            self._station_events.append(await server.get_event_generator(etype, station))
-        self._system_events = await server.get_event_generator(etype, system)
+            self._station_events.append(await server.get_event_generator(etype, station.nodeid))
+        self._system_events = await server.get_event_generator(etype, system.nodeid)
 
     def accept(self, events: list[ResultEvent]) -> None:
         """Results, as they arrive: published in order by :meth:`_forward`."""
@@ -331,18 +336,20 @@ class OpcUaPublisher:
                     log.exception("OPC UA: could not publish %d results", len(events))
 
     async def publish(self, events: list[ResultEvent]) -> None:
+        server, system_events = self.server, self._system_events
+        assert server is not None and system_events is not None, "publish before start"
         for ev in events:
             self._counts[ev.station] += 1
             values = self._values(ev)
             nodes = self._station_nodes[ev.station]
             for name, vtype in RESULT_FIELDS + TIME_FIELDS:
-                await self.server.write_attribute_value(nodes[name], _value(values[name], vtype))
-            await self.server.write_attribute_value(
+                await server.write_attribute_value(nodes[name], _value(values[name], vtype))
+            await server.write_attribute_value(
                 nodes["ResultCount"], _value(self._counts[ev.station], _U))
             message = f"{ev.verdict} part {ev.part_id or '-'} ({self.stations.names[ev.station]})"
             values["Station"] = f"Station{ev.station + 1}"
             values["CameraId"] = ev.camera_id or ""
-            for gen in (self._station_events[ev.station], self._system_events):
+            for gen in (self._station_events[ev.station], system_events):
                 e = gen.event
                 for name, _ in EVENT_FIELDS:
                     setattr(e, name, values[name])
@@ -353,8 +360,10 @@ class OpcUaPublisher:
     def _values(self, ev: ResultEvent) -> dict:
         utc = dt.timezone.utc
         return {
-            "ResultId": ev.result_id, "Sequence": self._counts[ev.station], "PartId": ev.part_id or "",
-            "ResultState": RESULT_STATE.get(ev.reason, RESULT_STATE_FAILED), "ResultCode": int(ev.code),
+            "ResultId": ev.result_id, "Sequence": self._counts[ev.station],
+            "PartId": ev.part_id or "",
+            "ResultState": RESULT_STATE.get(ev.reason, RESULT_STATE_FAILED),
+            "ResultCode": int(ev.code),
             "Reason": int(ev.reason), "ReasonText": ev.message, "Verdict": ev.verdict,
             "Label": ev.label, "LabelIndex": ev.label_index,
             "Score": 0.0 if math.isnan(ev.score) else ev.score, "Model": ev.model,
@@ -387,6 +396,7 @@ class OpcUaPublisher:
         if self._last.get(node) == value:
             return False
         self._last[node] = value
+        assert self.server is not None, "update before start"
         await self.server.write_attribute_value(node, _value(value, vtype))
         return True
 

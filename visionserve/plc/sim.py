@@ -41,6 +41,7 @@ import time
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..errors import ConfigError, VisionServeError
 from . import require
@@ -136,7 +137,7 @@ class ModbusPlc:
         self.host, self.port = parse_address(address)
         self.unit, self.poll_s, self.ack = unit, poll_s, ack
         self.tally = Tally(self.protocol)
-        self.client = None
+        self.client: Any = None
 
     async def connect(self) -> None:
         from pymodbus.client import AsyncModbusTcpClient
@@ -202,7 +203,7 @@ class OpcUaPlc:
         self.url, self.station, self.publish_ms = url, station, publish_ms
         self.user, self.password, self.security, self.cert_dir = user, password, security, cert_dir
         self.tally = Tally(self.protocol)
-        self.client = None
+        self.client: Any = None
 
     async def connect(self) -> None:
         from asyncua import Client
@@ -362,14 +363,15 @@ def report(line: Line | None, plcs: list, elapsed_s: float, delays: tuple = ({},
     out: dict = {"elapsed_s": round(elapsed_s, 2), "protocols": {}}
     if line is not None:
         ok = [p for p, (_, status, _) in line.answered.items() if status == 200]
-        out["line"] = {"sent": len(line.sent), "answered": len(line.answered), "answered_200": len(ok),
-                       "rate": line.rate,
+        out["line"] = {"sent": len(line.sent), "answered": len(line.answered),
+                       "answered_200": len(ok), "rate": line.rate,
                        "answer_ms": percentiles([(line.answered[p][0] - line.sent[p]) * 1000
                                                  for p in line.answered])}
     for plc in plcs:
         t: Tally = plc.tally
         entry: dict = {"results": len(t.order), "codes": t.codes, "rejects": t.rejects,
-                       "heartbeat_toggles": t.beats, "max_heartbeat_gap_ms": round(t.max_beat_gap_s * 1000, 1),
+                       "heartbeat_toggles": t.beats,
+                       "max_heartbeat_gap_ms": round(t.max_beat_gap_s * 1000, 1),
                        "fault_seen": t.faults > 0, "fault_bits": t.fault_bits}
         if line is not None:
             sent_order = [p for p in sorted(line.answered, key=int)]
@@ -392,26 +394,38 @@ def report(line: Line | None, plcs: list, elapsed_s: float, delays: tuple = ({},
 
 def _print(rep: dict) -> None:
     def ms(d: dict) -> str:
-        return "-" if not d["n"] else f"p50 {d['p50']:.2f} ms, p99 {d['p99']:.2f} ms, max {d['max']:.2f} ms"
+        if not d["n"]:
+            return "-"
+        return f"p50 {d['p50']:.2f} ms, p99 {d['p99']:.2f} ms, max {d['max']:.2f} ms"
 
     line = rep.get("line")
     if line:
-        print(f"line: {line['sent']} parts sent at {line['rate']:g}/s, {line['answered_200']} answered "
-              f"200; inspect answer {ms(line['answer_ms'])}")
+        print(f"line: {line['sent']} parts sent at {line['rate']:g}/s, {line['answered_200']} "
+              f"answered 200; inspect answer {ms(line['answer_ms'])}")
     for name, e in rep["protocols"].items():
         codes = ", ".join(f"{k} {v}" for k, v in e["codes"].items() if v)
-        print(f"{name}: {e['results']} results ({codes or 'none'}), {e['rejects']} rejects; heartbeat "
-              f"{e['heartbeat_toggles']} toggles, longest gap {e['max_heartbeat_gap_ms']:.0f} ms; "
-              f"Fault {'seen' if e['fault_seen'] else 'never'}")
+        print(f"{name}: {e['results']} results ({codes or 'none'}), {e['rejects']} rejects; "
+              f"heartbeat {e['heartbeat_toggles']} toggles, longest gap "
+              f"{e['max_heartbeat_gap_ms']:.0f} ms; Fault {'seen' if e['fault_seen'] else 'never'}")
         if "seen_ms" in e:
             print(f"  sent -> seen on the PLC side: {ms(e['seen_ms'])}")
             print(f"  after the inspect answer (per frame): {ms(e['added_ms'])}")
             if e["server_bus_delay"]:
                 d = e["server_bus_delay"]
                 print(f"  in the PLC server's data within 1 ms of the final answer: "
-                      f"{d['within_1ms']:.1%}, within 2 ms: {d['within_2ms']:.1%} (server's histogram)")
-            print(f"  missing {e['missing']}{' ' + str(e['missing_parts']) if e['missing'] else ''}; "
+                      f"{d['within_1ms']:.1%}, within 2 ms: {d['within_2ms']:.1%} "
+                      "(server's histogram)")
+            parts = f" {e['missing_parts']}" if e["missing"] else ""
+            print(f"  missing {e['missing']}{parts}; "
                   f"{'in order' if e['in_order'] else 'OUT OF ORDER'}")
+
+
+def _raise_if_failed(runners: list[asyncio.Task]) -> None:
+    """A PLC client that stopped on an error: raise it."""
+    for r in runners:
+        exc = r.exception() if r.done() and not r.cancelled() else None
+        if exc is not None:
+            raise exc
 
 
 def _plc_process(conn, args: argparse.Namespace) -> None:
@@ -436,9 +450,7 @@ async def _plc_side(conn, plcs: list) -> list[Tally]:
         want, settle_s = await asyncio.to_thread(conn.recv)  # the line has sent every frame
         deadline = time.perf_counter() + settle_s
         while time.perf_counter() < deadline and not all(want <= set(p.tally.seen) for p in plcs):
-            for r in runners:
-                if r.done() and r.exception() is not None:
-                    raise r.exception()
+            _raise_if_failed(runners)
             await asyncio.sleep(0.02)
     finally:
         stop.set()
@@ -460,7 +472,7 @@ async def _simulate_apart(args: argparse.Namespace, plcs: list, line: Line) -> d
     proc.start()
     theirs.close()
 
-    async def receive() -> object:
+    async def receive() -> Any:
         try:
             kind, value = await asyncio.to_thread(ours.recv)
         except EOFError:
@@ -514,9 +526,7 @@ async def simulate(args: argparse.Namespace, plcs: list, line: Line | None) -> d
                 await asyncio.wait_for(stop.wait(), args.duration_s)
         else:
             await stop.wait()
-        for r in runners:
-            if r.done() and r.exception() is not None:
-                raise r.exception()
+        _raise_if_failed(runners)
     finally:
         stop.set()
         await asyncio.gather(*runners, return_exceptions=True)
@@ -580,6 +590,7 @@ def run(args: argparse.Namespace) -> int:
     _print(rep)
     if args.json:
         args.json.write_text(json.dumps(rep, indent=2))
-    if line is not None and any(e["missing"] or not e["in_order"] for e in rep["protocols"].values()):
+    if line is not None and any(e["missing"] or not e["in_order"]
+                                for e in rep["protocols"].values()):
         return 1
     return 0

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from . import metrics
-from .bus import ResultBus
+from .bus import BusMirror, ResultBus
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class Watchdog:
     """Engine side: :meth:`start` probes the engine's loop, and hands each probe to ``on_probe``.
     Judging side: :meth:`health` (after :meth:`observe` where the probes come from elsewhere)."""
 
-    def __init__(self, engine, bus: ResultBus, stall_s: float, period_s: float = 0.1,
+    def __init__(self, engine, bus: ResultBus | BusMirror, stall_s: float, period_s: float = 0.1,
                  on_probe: Callable[[_Probe], None] | None = None) -> None:
         self.engine = engine
         self.bus = bus

@@ -47,6 +47,7 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from .benchgpu import Server, export_models, get, load, make_jpegs
 
@@ -406,17 +407,18 @@ def kill_jobs(db: Path, grace_s: float = 5.0) -> list[int]:
             store.request_cancel(j.id)
         except VisionServeError as exc:  # it started or ended meanwhile
             log(f"cleanup: job {j.id}: {exc.message}")
-    alive = [j for j in store.list(ACTIVE) if j.pid and proc.is_alive(j.pid, j.pid_starttime)]
-    for j in alive:
-        proc.signal_group(j.pid, signal.SIGTERM)
-        proc.signal_group(j.pid, signal.SIGCONT)  # a paused job must wake to die
+    alive = [(j.id, j.pid) for j in store.list(ACTIVE)
+             if j.pid and proc.is_alive(j.pid, j.pid_starttime)]
+    for _, pid in alive:
+        proc.signal_group(pid, signal.SIGTERM)
+        proc.signal_group(pid, signal.SIGCONT)  # a paused job must wake to die
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(proc.session_members(j.pid) for j in alive):
+    while time.monotonic() < deadline and any(proc.session_members(pid) for _, pid in alive):
         time.sleep(0.1)
-    for j in alive:
-        if proc.session_members(j.pid):
-            proc.signal_group(j.pid, signal.SIGKILL)
-    return [j.id for j in alive]
+    for _, pid in alive:
+        if proc.session_members(pid):
+            proc.signal_group(pid, signal.SIGKILL)
+    return [job_id for job_id, _ in alive]
 
 
 class MetricsSampler(threading.Thread):
@@ -456,7 +458,7 @@ class MetricsSampler(threading.Thread):
         def gib(v: float | None) -> float | None:
             return None if v is None else round(v / 2**30, 3)
 
-        out = {"samples": self.samples, "gpu_free_min_gib": gib(self.min_free),
+        out: dict[str, Any] = {"samples": self.samples, "gpu_free_min_gib": gib(self.min_free),
                "headroom_min_gib": gib(self.min_headroom), "inference_floor_gib": gib(self.floor),
                "interventions": {k: v for k, v in self.last.items()
                                  if k.startswith("visionserve_guard_interventions_total{")}}
@@ -620,7 +622,7 @@ def acceptance(args: argparse.Namespace, res: dict, save) -> None:
                      + plan.settle_s + 120)
             paced = PacedLoad(server.port, model, jpegs, rate, plan.processes, plan.threads,
                               plan.deadline_ms, max_s)
-            cpu = CpuSampler(server.proc.pid, [p.pid for p in paced.procs])
+            cpu = CpuSampler(server.proc.pid, [p.pid for p in paced.procs if p.pid is not None])
             cpu.start()
             b0 = paced.t0 + plan.warmup_s
             time.sleep(max(0.0, b0 + plan.baseline_s - time.monotonic()))

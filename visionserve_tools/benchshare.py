@@ -262,7 +262,7 @@ def acceptance(args: argparse.Namespace, res: dict, save) -> None:
             log(f"saturation {sat['throughput_per_s']}/s; paced load at {rate}/s")
             paced = PacedLoad(server.port, model, jpegs, rate, plan.processes, plan.threads,
                               None if cuda else 1000.0, 900.0)
-            cpu = CpuSampler(server.proc.pid, [p.pid for p in paced.procs])
+            cpu = CpuSampler(server.proc.pid, [p.pid for p in paced.procs if p.pid is not None])
             cpu.start()
             b0 = paced.t0 + plan.warmup_s
             time.sleep(max(0.0, b0 + plan.baseline_s - time.monotonic()))

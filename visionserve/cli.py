@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "GPU health check: matmul throughput, memory pattern test"),
     "guard": ("visionserve.guard.cli",
               "training-queue guard: run, submit, list, show, cancel, logs"),
-    "plc-sim": ("visionserve.plc.sim",
+    "plc-sim": ("visionserve_tools.plcsim",
                 "a PLC for tests and demos: OPC UA/Modbus results, acks, latency"),
 }
 

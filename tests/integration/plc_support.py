@@ -147,7 +147,7 @@ async def opcua_client(url: str, cert_dir: Path, *, user: str | None = USER,
     """A connected asyncua client (SignAndEncrypt with a client certificate made in cert_dir)."""
     from asyncua import Client
 
-    from visionserve.plc.sim import client_certificate
+    from visionserve_tools.plcsim import client_certificate
 
     client = Client(url, timeout=10)
     if policy != "None":

@@ -55,11 +55,7 @@ TOOLING = ("visionserve_tools", "visionserve.bench", "visionserve.benchgpu",
            "visionserve.benchguard", "visionserve.benchclient", "visionserve.synthetic")
 #: Known breaches of that rule, each with its reason; the test fails when one is gone, so that
 #: its line goes too.
-TOOLING_USERS = {
-    "visionserve.plc.sim": "the PLC simulator (a test and demo tool, `visionserve plc-sim`) "
-                           "sends frames with the load generator's client and images; it belongs "
-                           "with the tooling, reached through cli.COMMANDS like `bench`",
-}
+TOOLING_USERS: dict[str, str] = {}
 
 
 @dataclass(frozen=True)

@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, VisionServeError
-from . import require
-from .handshake import Control, Status
+from visionserve.errors import ConfigError, VisionServeError
+from visionserve.plc import require
+from visionserve.plc.handshake import Control, Status
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class ModbusPlc:
     protocol = "modbus"
 
     def __init__(self, address: str, unit: int, poll_s: float, ack: bool) -> None:
-        from .service import parse_address
+        from visionserve.plc.service import parse_address
 
         self.host, self.port = parse_address(address)
         self.unit, self.poll_s, self.ack = unit, poll_s, ack
@@ -208,7 +208,7 @@ class OpcUaPlc:
     async def connect(self) -> None:
         from asyncua import Client
 
-        from .opcua import NAMESPACE
+        from visionserve.plc.opcua import NAMESPACE
 
         client = Client(self.url, timeout=10)
         if self.security != "None":
@@ -545,8 +545,8 @@ def make_plcs(args: argparse.Namespace) -> list:
         plcs.append(ModbusPlc(args.modbus, args.station, args.poll_ms / 1000, not args.no_ack))
     if args.opcua:
         require("asyncua")
-        from .opcua import read_password
-        from .service import default_data_dir
+        from visionserve.plc.opcua import read_password
+        from visionserve.plc.service import default_data_dir
 
         plcs.append(OpcUaPlc(args.opcua, args.station, args.publish_ms, args.user,
                              read_password(args.password_file), args.security,

@@ -26,6 +26,7 @@ from .tasks import VERDICT, OipOutput
 if TYPE_CHECKING:
     from .dataplane import ServedModel
     from .runner import FrameResult
+    from .tasks import Task
 
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "schedule_policy",
               "health", "metadata"]
@@ -38,9 +39,14 @@ def server_metadata() -> dict[str, Any]:
     return {"name": "visionserve", "version": __version__, "extensions": list(EXTENSIONS)}
 
 
+def _task(served: ServedModel) -> Task:
+    assert served.task is not None  # every served version has its task (made when it loads)
+    return served.task
+
+
 def output_specs(served: ServedModel) -> tuple[OipOutput, ...]:
     """The model's OIP outputs: its task's, then ``verdict``."""
-    return (*served.task.oip_outputs(), VERDICT)
+    return (*_task(served).oip_outputs(), VERDICT)
 
 
 def model_metadata(served: ServedModel) -> dict[str, Any]:
@@ -75,7 +81,8 @@ def model_config(served: ServedModel) -> dict[str, Any]:
         "name": served.name,
         "platform": backend_class(cfg.runtime.backend).platform,
         "backend": cfg.runtime.backend,
-        "version_policy": {"specific": {"versions": [str(v) for v in sorted(served.entry.versions)]}},
+        "version_policy": {"specific": {"versions": [str(v)
+                                                     for v in sorted(served.entry.versions)]}},
         "max_batch_size": b.max_batch_size,
         "input": [{"name": cfg.input.name, "data_type": "TYPE_STRING", "format": "FORMAT_NONE",
                    "dims": [1], "reshape": {"shape": []}}],
@@ -94,10 +101,11 @@ def model_config(served: ServedModel) -> dict[str, Any]:
             },
         },
         "instance_group": [{"count": cfg.runtime.instances,
-                            "kind": "KIND_GPU" if served.backend_info.get("device", "cpu").startswith("cuda")
+                            "kind": "KIND_GPU"
+                            if served.backend_info.get("device", "cpu").startswith("cuda")
                             else "KIND_CPU"}],
         "parameters": {k: {"string_value": v} for k, v in
-                       {**served.task.oip_parameters(), "takt_ms": str(b.takt_ms)}.items()},
+                       {**_task(served).oip_parameters(), "takt_ms": str(b.takt_ms)}.items()},
     }
 
 
@@ -114,8 +122,9 @@ def model_statistics(served: ServedModel) -> dict[str, Any]:
         "inference_count": st.inference_count,
         "execution_count": st.execution_count,
         "inference_stats": {
-            "success": _duration(st.success), "fail": _duration(st.fail), "queue": _duration(st.queue),
-            "compute_input": _duration(st.compute_input), "compute_infer": _duration(st.compute_infer),
+            "success": _duration(st.success), "fail": _duration(st.fail),
+            "queue": _duration(st.queue), "compute_input": _duration(st.compute_input),
+            "compute_infer": _duration(st.compute_infer),
             "compute_output": _duration(st.compute_output),
             "cache_hit": {"count": 0, "ns": 0}, "cache_miss": {"count": 0, "ns": 0},
         },
@@ -156,14 +165,16 @@ def origin(params: dict[str, Any] | None, request_id: str | None) -> tuple[str |
 def check_input(served: ServedModel, name: str, datatype: str, shape: list[int]) -> None:
     want = served.config.input.name
     if name != want:
-        raise InvalidInput(f"unknown input {name!r}; model {served.name} takes one input named {want!r}")
+        raise InvalidInput(f"unknown input {name!r}; model {served.name} takes one input named "
+                           f"{want!r}")
     if datatype not in ("BYTES", "UINT8"):
         raise InvalidInput(f"input {name!r} has datatype {datatype}; send BYTES (encoded images) "
                            "or UINT8 [N,H,W,C] (raw pixels)")
     if any((not isinstance(d, int)) or isinstance(d, bool) or d < 0 for d in shape):
         raise InvalidInput(f"input {name!r} shape {shape} has a bad dimension")
     if datatype == "BYTES" and not (len(shape) == 1 or (len(shape) == 2 and shape[1] == 1)):
-        raise InvalidInput(f"BYTES input {name!r} must have shape [N] (one encoded image per element), got {shape}")
+        raise InvalidInput(f"BYTES input {name!r} must have shape [N] (one encoded image per "
+                           f"element), got {shape}")
     if datatype == "UINT8" and len(shape) != 4:
         raise InvalidInput(f"UINT8 input {name!r} must have shape [N,H,W,C], got {shape}")
     if shape[0] < 1:
@@ -176,7 +187,8 @@ def byte_size(datatype: str, shape: list[int]) -> int:
 
 def frames_from_bytes(elements: list[bytes], shape: list[int], max_pixels: int) -> list[Frame]:
     if len(elements) != shape[0]:
-        raise InvalidInput(f"input shape {shape} declares {shape[0]} images but {len(elements)} were sent")
+        raise InvalidInput(f"input shape {shape} declares {shape[0]} images but {len(elements)} "
+                           "were sent")
     return [_encoded(e, i, max_pixels) for i, e in enumerate(elements)]
 
 
@@ -189,10 +201,11 @@ def _encoded(data: bytes, index: int, max_pixels: int) -> Frame:
 
 def frames_from_uint8(pixels: bytes | np.ndarray, shape: list[int], max_pixels: int) -> list[Frame]:
     n, h, w, c = shape
-    arr = np.frombuffer(pixels, dtype=np.uint8) if isinstance(pixels, (bytes, bytearray, memoryview)) \
-        else np.asarray(pixels)
+    arr = np.frombuffer(pixels, dtype=np.uint8) \
+        if isinstance(pixels, (bytes, bytearray, memoryview)) else np.asarray(pixels)
     if arr.size != n * h * w * c:
-        raise InvalidInput(f"UINT8 input holds {arr.size} values but shape {shape} needs {n * h * w * c}")
+        raise InvalidInput(f"UINT8 input holds {arr.size} values but shape {shape} needs "
+                           f"{n * h * w * c}")
     arr = arr.reshape(n, h, w, c)
     return [imaging.raw_frame(arr[i], (h, w, c), max_pixels=max_pixels) for i in range(n)]
 
@@ -209,8 +222,8 @@ def json_elements_to_bytes(data: list[Any]) -> list[bytes]:
         try:
             out.append(base64.b64decode(item, validate=True))
         except (binascii.Error, ValueError):
-            raise InvalidInput(f"BYTES element {i} is not valid base64 (JSON requests carry images as "
-                               "base64; or use the binary tensor extension)") from None
+            raise InvalidInput(f"BYTES element {i} is not valid base64 (JSON requests carry images "
+                               "as base64; or use the binary tensor extension)") from None
     return out
 
 
@@ -259,9 +272,10 @@ def _flatten(data: Any) -> list[Any]:
     return out
 
 
-def outputs(served: ServedModel, results: list[FrameResult]) -> dict[str, tuple[str, list[int], np.ndarray]]:
+def outputs(served: ServedModel,
+            results: list[FrameResult]) -> dict[str, tuple[str, list[int], np.ndarray]]:
     """name -> (datatype, shape, array) for every output: the task renders its own."""
-    arrays = served.task.oip_tensors([r.result for r in results])
+    arrays = _task(served).oip_tensors([r.result for r in results])
     arrays[VERDICT.name] = np.array([r.verdict.encode() for r in results], dtype=object)
     return {o.name: (o.datatype, list(arrays[o.name].shape), arrays[o.name])
             for o in output_specs(served)}
@@ -280,6 +294,11 @@ def requested(served: ServedModel, names: list[str] | None) -> list[str]:
 def serialize_bytes(arr: np.ndarray) -> bytes:
     """BYTES tensor -> the binary form: each element a 4-byte little-endian length + bytes."""
     return b"".join(struct.pack("<I", len(e)) + e for e in arr.reshape(-1))
+
+
+def tensor_bytes(datatype: str, arr: np.ndarray) -> bytes:
+    """An output tensor's raw bytes, as the binary extension and gRPC's raw contents carry them."""
+    return serialize_bytes(arr) if datatype == "BYTES" else np.ascontiguousarray(arr).tobytes()
 
 
 def deserialize_bytes(buf: bytes | memoryview) -> list[bytes]:

@@ -35,7 +35,8 @@ def parameters(params) -> dict[str, Any]:
 
 
 def deadline_ms(param_ms: float | None, time_remaining_s: float | None) -> float | None:
-    """The request's deadline: the ``timeout`` parameter, or the client's gRPC deadline when tighter.
+    """The request's deadline: the ``timeout`` parameter, or the client's gRPC deadline when
+    tighter.
 
     A gRPC deadline that has already passed becomes a tiny positive budget, so the engine answers
     DEADLINE_EXCEEDED the usual way instead of refusing the value as out of range.
@@ -48,11 +49,12 @@ def deadline_ms(param_ms: float | None, time_remaining_s: float | None) -> float
     return param_ms
 
 
-def frames(served: ServedModel, request: service_pb2.ModelInferRequest, max_pixels: int) -> list[Frame]:
+def frames(served: ServedModel, request: service_pb2.ModelInferRequest,
+           max_pixels: int) -> list[Frame]:
     """The frames of a ModelInferRequest: inputs in ``raw_input_contents`` or typed ``contents``."""
     if len(request.inputs) != 1:
-        raise InvalidInput(f"model {served.name} takes exactly one input ({served.config.input.name!r}), "
-                           f"got {len(request.inputs)}")
+        raise InvalidInput(f"model {served.name} takes exactly one input "
+                           f"({served.config.input.name!r}), got {len(request.inputs)}")
     inp = request.inputs[0]
     shape = list(inp.shape)
     oip.check_input(served, inp.name, inp.datatype, shape)
@@ -67,10 +69,12 @@ def frames(served: ServedModel, request: service_pb2.ModelInferRequest, max_pixe
             return oip.frames_from_bytes(oip.deserialize_bytes(data), [shape[0]], max_pixels)
         expected = oip.byte_size("UINT8", shape)
         if len(data) != expected:
-            raise InvalidInput(f"UINT8 input of shape {shape} needs {expected} bytes, got {len(data)}")
+            raise InvalidInput(f"UINT8 input of shape {shape} needs {expected} bytes, got "
+                               f"{len(data)}")
         return oip.frames_from_uint8(data, shape, max_pixels)
     if not _has_contents(inp):
-        raise InvalidInput(f"input {inp.name!r} carries no data (neither raw_input_contents nor contents)")
+        raise InvalidInput(f"input {inp.name!r} carries no data (neither raw_input_contents nor "
+                           "contents)")
     if inp.datatype == "BYTES":
         return oip.frames_from_bytes(list(inp.contents.bytes_contents), [shape[0]], max_pixels)
     values = np.asarray(inp.contents.uint_contents, dtype=np.uint32)
@@ -92,8 +96,7 @@ def infer_response(served: ServedModel, results: list[FrameResult], names: list[
     for name in names:
         datatype, shape, arr = tensors[name]
         response.outputs.add(name=name, datatype=datatype, shape=shape)
-        blob = oip.serialize_bytes(arr) if datatype == "BYTES" else np.ascontiguousarray(arr).tobytes()
-        response.raw_output_contents.append(blob)
+        response.raw_output_contents.append(oip.tensor_bytes(datatype, arr))
     return response
 
 

@@ -6,10 +6,9 @@ import json
 import time
 from typing import Any
 
-import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from .. import oip
 from ..errors import InvalidInput, VisionServeError, describe_validation
@@ -21,7 +20,7 @@ router = APIRouter(tags=["Open Inference Protocol v2"])
 _HEADER_LEN = "inference-header-content-length"
 
 
-def _inline_schema(model: type) -> dict[str, Any]:
+def _inline_schema(model: type[BaseModel]) -> dict[str, Any]:
     """``model``'s JSON schema with its ``$defs`` inlined. The infer routes read the body
     themselves, so FastAPI never puts InferenceRequest into ``components``; a ``$ref`` to it
     would dangle and OpenAPI tools (schemathesis, code generators) could not resolve it."""
@@ -55,7 +54,8 @@ _INFER_BODY = {
     },
     "parameters": [{"name": "Inference-Header-Content-Length", "in": "header", "required": False,
                     "schema": {"type": "integer", "minimum": 0},
-                    "description": "Length of the JSON header when binary tensor data follows it."}],
+                    "description": "Length of the JSON header when binary tensor data follows "
+                                   "it."}],
 }
 
 
@@ -76,15 +76,18 @@ async def server_metadata() -> dict[str, Any]:
     return oip.server_metadata()
 
 
-@router.get("/v2/models/stats", summary="Statistics of every model", responses={200: {"description": "OK"}})
+@router.get("/v2/models/stats", summary="Statistics of every model",
+            responses={200: {"description": "OK"}})
 async def all_stats(request: Request) -> dict[str, Any]:
     return {"model_stats": [oip.model_statistics(s) for s in await engine_of(request).statistics()]}
 
 
-@router.get("/v2/models/{model_name}", response_model=ModelMetadata, responses=ERRORS, summary="Model metadata")
+@router.get("/v2/models/{model_name}", response_model=ModelMetadata, responses=ERRORS,
+            summary="Model metadata")
 @router.get("/v2/models/{model_name}/versions/{model_version}", response_model=ModelMetadata,
             responses=ERRORS, summary="Model version metadata")
-async def model_metadata(request: Request, model_name: str, model_version: str = "") -> dict[str, Any]:
+async def model_metadata(request: Request, model_name: str,
+                         model_version: str = "") -> dict[str, Any]:
     return oip.model_metadata(engine_of(request).get(model_name, model_version))
 
 
@@ -102,10 +105,12 @@ async def model_ready(request: Request, model_name: str, model_version: str = ""
     return JSONResponse({"name": model_name, "ready": ok}, status_code=200 if ok else 503)
 
 
-@router.get("/v2/models/{model_name}/config", responses=ERRORS, summary="Model configuration (Triton shape)")
+@router.get("/v2/models/{model_name}/config", responses=ERRORS,
+            summary="Model configuration (Triton shape)")
 @router.get("/v2/models/{model_name}/versions/{model_version}/config", responses=ERRORS,
             summary="Model version configuration")
-async def model_config(request: Request, model_name: str, model_version: str = "") -> dict[str, Any]:
+async def model_config(request: Request, model_name: str,
+                       model_version: str = "") -> dict[str, Any]:
     return oip.model_config(engine_of(request).get(model_name, model_version))
 
 
@@ -119,8 +124,9 @@ async def model_stats(request: Request, model_name: str, model_version: str = ""
 
 @router.post("/v2/models/{model_name}/infer", response_model=InferenceResponse, responses=ERRORS,
              openapi_extra=_INFER_BODY, summary="Inference")
-@router.post("/v2/models/{model_name}/versions/{model_version}/infer", response_model=InferenceResponse,
-             responses=ERRORS, openapi_extra=_INFER_BODY, summary="Inference on a version")
+@router.post("/v2/models/{model_name}/versions/{model_version}/infer",
+             response_model=InferenceResponse, responses=ERRORS, openapi_extra=_INFER_BODY,
+             summary="Inference on a version")
 async def infer(request: Request, model_name: str, model_version: str = "") -> Response:
     try:
         return await _infer(request, model_name, model_version)
@@ -138,8 +144,8 @@ async def _infer(request: Request, model_name: str, model_version: str = "") -> 
     header, binary = _split(body, request.headers.get(_HEADER_LEN))
     req = _parse_request(header)
     if len(req.inputs) != 1:
-        raise InvalidInput(f"model {served.name} takes exactly one input ({served.config.input.name!r}), "
-                           f"got {len(req.inputs)}")
+        raise InvalidInput(f"model {served.name} takes exactly one input "
+                           f"({served.config.input.name!r}), got {len(req.inputs)}")
     inp = req.inputs[0]
     oip.check_input(served, inp.name, inp.datatype, inp.shape)
     frames = _frames(inp, binary, settings.max_image_pixels)
@@ -158,9 +164,11 @@ def _split(body: bytes, header_len: str | None) -> tuple[bytes, memoryview]:
     try:
         n = int(header_len)
     except ValueError:
-        raise InvalidInput(f"Inference-Header-Content-Length {header_len!r} is not an integer") from None
+        raise InvalidInput(f"Inference-Header-Content-Length {header_len!r} is not an "
+                           "integer") from None
     if n < 0 or n > len(body):
-        raise InvalidInput(f"Inference-Header-Content-Length {n} does not fit the body of {len(body)} bytes")
+        raise InvalidInput(f"Inference-Header-Content-Length {n} does not fit the body of "
+                           f"{len(body)} bytes")
     view = memoryview(body)
     return bytes(view[:n]), view[n:]
 
@@ -186,19 +194,23 @@ def _frames(inp, binary: memoryview, max_pixels: int):
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise InvalidInput(f"binary_data_size {size!r} must be a non-negative integer")
         if size != len(binary):
-            raise InvalidInput(f"binary_data_size {size} does not match the {len(binary)} binary bytes sent")
+            raise InvalidInput(f"binary_data_size {size} does not match the {len(binary)} binary "
+                               "bytes sent")
         if inp.datatype == "BYTES":
             return oip.frames_from_bytes(oip.deserialize_bytes(binary), _n(inp.shape), max_pixels)
         expected = oip.byte_size("UINT8", inp.shape)
         if size != expected:
-            raise InvalidInput(f"UINT8 input of shape {inp.shape} needs {expected} bytes, got {size}")
+            raise InvalidInput(f"UINT8 input of shape {inp.shape} needs {expected} bytes, got "
+                               f"{size}")
         return oip.frames_from_uint8(bytes(binary), inp.shape, max_pixels)
     if len(binary):
-        raise InvalidInput("binary data follows the JSON header but no input declares binary_data_size")
+        raise InvalidInput("binary data follows the JSON header but no input declares "
+                           "binary_data_size")
     if inp.data is None:
         raise InvalidInput(f"input {inp.name!r} has neither 'data' nor parameters.binary_data_size")
     if inp.datatype == "BYTES":
-        return oip.frames_from_bytes(oip.json_elements_to_bytes(inp.data), _n(inp.shape), max_pixels)
+        return oip.frames_from_bytes(oip.json_elements_to_bytes(inp.data), _n(inp.shape),
+                                     max_pixels)
     return oip.frames_from_uint8(oip.json_uint8(inp.data, inp.shape), inp.shape, max_pixels)
 
 
@@ -216,13 +228,15 @@ def _response(req: InferenceRequest, served, results, names: list[str]) -> Respo
         binary = out_params.get(name, {}).get("binary_data", want_binary)
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": shape}
         if binary:
-            blob = oip.serialize_bytes(arr) if datatype == "BYTES" else np.ascontiguousarray(arr).tobytes()
+            blob = oip.tensor_bytes(datatype, arr)
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         else:
-            entry["data"] = [e.decode() for e in arr] if datatype == "BYTES" else arr.reshape(-1).tolist()
+            entry["data"] = [e.decode() for e in arr] if datatype == "BYTES" \
+                else arr.reshape(-1).tolist()
         outputs.append(entry)
-    body: dict[str, Any] = {"model_name": served.name, "model_version": str(served.version), "outputs": outputs}
+    body: dict[str, Any] = {"model_name": served.name, "model_version": str(served.version),
+                            "outputs": outputs}
     if req.id is not None:
         body["id"] = req.id
     head = json.dumps(body, separators=(",", ":")).encode()

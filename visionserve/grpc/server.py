@@ -82,7 +82,8 @@ class GrpcServer:
                 last = ready
 
 
-def create_server(engine: DataPlane, settings: ServerSettings, *, shared_port: bool = False) -> GrpcServer:
+def create_server(engine: DataPlane, settings: ServerSettings, *,
+                  shared_port: bool = False) -> GrpcServer:
     """``shared_port``: several front-end processes serve the one port (SO_REUSEPORT); the serving
     process holds the port so that no other program can take it."""
     limit = settings.grpc_max_message_bytes
@@ -96,12 +97,14 @@ def create_server(engine: DataPlane, settings: ServerSettings, *, shared_port: b
         # one port per server: a second server on the same port must fail, not share it
         ("grpc.so_reuseport", 1 if shared_port else 0),
     ])
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(engine, settings), server)
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
+        InferenceServicer(engine, settings), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{_host(settings.host)}:{settings.grpc_port}"
     try:
         if settings.tls_cert:
+            assert settings.tls_key is not None  # the settings check they come together
             creds = grpc.ssl_server_credentials(
                 [(Path(settings.tls_key).read_bytes(), Path(settings.tls_cert).read_bytes())])
             server.add_secure_port(address, creds)

@@ -71,7 +71,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelStatistics(self, request, context):
         async def statistics():
-            return convert.model_statistics(await self.engine.statistics(request.name, request.version))
+            return convert.model_statistics(
+                await self.engine.statistics(request.name, request.version))
 
         return await _call(context, statistics)
 
@@ -191,7 +192,8 @@ def _request_id(context: grpc.aio.ServicerContext, oip_id: str = "") -> str:
     return oip_id[:64] or uuid.uuid4().hex[:16]
 
 
-async def _call(context: grpc.aio.ServicerContext, work: Callable[[], Any], oip_id: str = "") -> Any:
+async def _call(context: grpc.aio.ServicerContext, work: Callable[[], Any],
+                oip_id: str = "") -> Any:
     """Run ``work`` (a function, or one returning an awaitable) under the call's request id; map
     VisionServeError through the status table, anything else to INTERNAL."""
     token = request_id.set(_request_id(context, oip_id))

@@ -34,7 +34,8 @@ T = TypeVar("T")
 def error_response(exc: VisionServeError, extra: dict | None = None) -> JSONResponse:
     wait = retry_after(exc)
     headers = {"Retry-After": wait} if wait is not None else {}
-    return JSONResponse({"error": exc.message, **(extra or {})}, status_code=http_status(exc), headers=headers)
+    return JSONResponse({"error": exc.message, **(extra or {})},
+                        status_code=http_status(exc), headers=headers)
 
 
 def check_declared_length(request: Request, limit: int) -> None:
@@ -57,13 +58,15 @@ async def read_body(request: Request, limit: int, timeout_s: float | None = None
         try:
             return await asyncio.wait_for(read_body(request, limit), timeout_s)
         except (asyncio.TimeoutError, TimeoutError):
-            raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
+            raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} "
+                                 "s") from None
     check_declared_length(request, limit)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise PayloadTooLarge(f"body is over the limit of {limit} bytes (setting max_body_bytes)")
+            raise PayloadTooLarge(f"body is over the limit of {limit} bytes (setting "
+                                  "max_body_bytes)")
         chunks.append(chunk)
     return b"".join(chunks)
 

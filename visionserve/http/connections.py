@@ -23,6 +23,7 @@ import http
 import json
 import logging
 from collections import Counter
+from typing import Any
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
@@ -49,9 +50,9 @@ class ConnectionTable:
         self.heads: dict[GuardedHTTPProtocol, None] = {}  # waiting for a request head
         self.idle: dict[GuardedHTTPProtocol, None] = {}   # kept alive between requests
         self.closing = 0  # closed here, still counted by uvicorn until their connection_lost
-        self._over_limit = None
+        self._over_limit: OverLimit | None = None
         self._counts: Counter[str] = Counter()
-        self._report = None
+        self._report: asyncio.TimerHandle | None = None
 
     def full(self, connections: int) -> bool:
         return self.limit is not None and connections - self.closing > self.limit
@@ -61,8 +62,8 @@ class ConnectionTable:
             victim = next((c for c in waiting if c is not newcomer), None)
             if victim is not None:
                 self.note(f"closed to make room (max_connections {self.limit})")
-                victim.give_up(503, "closed to make room for other clients (max_connections); retry",
-                               retry_after_s=1)
+                victim.give_up(503, "closed to make room for other clients (max_connections); "
+                               "retry", retry_after_s=1)
                 return
 
     def over_limit(self, app):
@@ -110,11 +111,12 @@ class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
     (read when a head completes), ``connections`` and the connection callbacks."""
 
     table: ConnectionTable
+    app: Any  # the ASGI app; uvicorn's protocol sets it
 
-    def connection_made(self, transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._app = self.app
-        self._head_timer = None
+        self._head_timer: asyncio.TimerHandle | None = None
         self._head_started = False
         self._closing = False
         self._await_head()
@@ -136,7 +138,8 @@ class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.transport.is_closing() and self._head_timer is None and self._between_requests():
+        if not self.transport.is_closing() and self._head_timer is None \
+                and self._between_requests():
             self.table.idle[self] = None
 
     def connection_lost(self, exc) -> None:
@@ -152,8 +155,9 @@ class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         self._forget()
         if started and not self.transport.is_closing():
             body = json.dumps({"error": message}).encode()
-            head = [f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}", "content-type: application/json",
-                    f"content-length: {len(body)}", "connection: close"]
+            head = [f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}",
+                    "content-type: application/json", f"content-length: {len(body)}",
+                    "connection: close"]
             if retry_after_s is not None:
                 head.append(f"retry-after: {retry_after_s}")
             self.transport.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
@@ -174,7 +178,8 @@ class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         self._head_timer = None
         seconds = f"{self.table.header_timeout_s:g} s"
         self.table.note(f"closed: no request head within {seconds}")
-        self.give_up(408, f"the request head did not arrive within {seconds} (setting header_timeout_s)")
+        self.give_up(408, f"the request head did not arrive within {seconds} (setting "
+                          "header_timeout_s)")
 
     def _forget(self) -> None:
         if self._head_timer is not None:

@@ -6,6 +6,7 @@ import json
 import math
 import re
 import time
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -47,19 +48,25 @@ _BODY = {
          "description": "HxWxC for application/octet-stream raw uint8 pixels (RGB or grey)."},
     ],
 }
-_RESPONSES = {**ERRORS, 415: {"model": InspectError, "description": "Unsupported media type"},
-              504: {"model": InspectError, "description": "Deadline missed (in the queue, during decode, or "
-                    "before the verdict was ready): verdict LATE, no decision; late_ms says how late"}}
+_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **ERRORS, 415: {"model": InspectError, "description": "Unsupported media type"},
+    504: {"model": InspectError,
+          "description": "Deadline missed (in the queue, during decode, or before the verdict was "
+          "ready): verdict LATE, no decision; late_ms says how late"}}
 
 
-def _header_number(request: Request, name: str, kind: type) -> float | int | None:
+_N = TypeVar("_N", int, float)
+
+
+def _header_number(request: Request, name: str, kind: type[_N]) -> _N | None:
     raw = request.headers.get(name)
     if raw is None or raw.strip() == "":
         return None
     try:
         value = kind(raw.strip())
     except ValueError:
-        raise InvalidInput(f"header {name}: {raw!r} is not {'an integer' if kind is int else 'a number'}") from None
+        raise InvalidInput(f"header {name}: {raw!r} is not "
+                           f"{'an integer' if kind is int else 'a number'}") from None
     if kind is float and math.isnan(value):
         raise InvalidInput(f"header {name}: {raw!r} is not a number")
     return value
@@ -67,8 +74,9 @@ def _header_number(request: Request, name: str, kind: type) -> float | int | Non
 
 @router.post("/v1/models/{model_name}/inspect", response_model=InspectResult, responses=_RESPONSES,
              openapi_extra=_BODY, summary="Inspect one frame")
-@router.post("/v1/models/{model_name}/versions/{model_version}/inspect", response_model=InspectResult,
-             responses=_RESPONSES, openapi_extra=_BODY, summary="Inspect one frame with a model version")
+@router.post("/v1/models/{model_name}/versions/{model_version}/inspect",
+             response_model=InspectResult, responses=_RESPONSES, openapi_extra=_BODY,
+             summary="Inspect one frame with a model version")
 async def inspect(request: Request, model_name: str, model_version: str = "") -> Response:
     arrival = time.monotonic()
     part_id = request.headers.get("x-part-id")
@@ -86,8 +94,8 @@ async def inspect(request: Request, model_name: str, model_version: str = "") ->
                         arrival=arrival, origin=(part_id, camera_id))
         body = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
         if kind == "raw":
-            frame = imaging.raw_frame(body, imaging.parse_shape(request.headers.get("x-image-shape")),
-                                      max_pixels=settings.max_image_pixels)
+            shape = imaging.parse_shape(request.headers.get("x-image-shape"))
+            frame = imaging.raw_frame(body, shape, max_pixels=settings.max_image_pixels)
         else:
             frame = imaging.encoded_frame(body, max_pixels=settings.max_image_pixels, expected=kind)
         served, (r,) = await unless_disconnected(
@@ -101,19 +109,22 @@ async def inspect(request: Request, model_name: str, model_version: str = "") ->
         if not exc.counted:  # refused here, before the engine (which counts what it answers)
             engine.count_error(model_name, exc)
         return error_response(exc, {"part_id": part_id, "model": model_name})
-    body = {
+    task = served.task
+    assert task is not None  # every served version has its task (made when it loads)
+    answer = {
         "part_id": part_id,
         "camera_id": camera_id,
         "model": served.name,
         "version": str(served.version),
         "verdict": r.verdict,
-        **served.task.inspect_fields(r.result),  # what the model's task says of the frame
+        **task.inspect_fields(r.result),  # what the model's task says of the frame
         "batch_size": r.batch_size,
         "deadline_met": r.deadline_met,
         "timing": {"queue_ms": round(r.queue_ms, 3), "compute_ms": round(r.compute_ms, 3),
                    "total_ms": round((time.monotonic() - arrival) * 1000, 3)},
     }
-    return Response(json.dumps(body, separators=(",", ":")).encode(), media_type="application/json")
+    return Response(json.dumps(answer, separators=(",", ":")).encode(),
+                    media_type="application/json")
 
 
 
@@ -130,8 +141,8 @@ class InspectFastPath:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        match = self.PATH.match(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" \
-            else None
+        match = self.PATH.match(scope["path"]) \
+            if scope["type"] == "http" and scope["method"] == "POST" else None
         if match is None:
             await self.app(scope, receive, send)
             return

@@ -37,8 +37,9 @@ class RequestInput(BaseModel):
     datatype: str
     parameters: dict[str, Any] | None = None
     data: list[Any] | None = Field(
-        None, description="Row-major values. BYTES: base64 strings of image files. UINT8: integers. "
-        "Omitted when parameters.binary_data_size says the tensor follows the JSON header.")
+        None, description="Row-major values. BYTES: base64 strings of image files. UINT8: "
+        "integers. Omitted when parameters.binary_data_size says the tensor follows the JSON "
+        "header.")
 
 
 class RequestOutput(BaseModel):
@@ -49,8 +50,8 @@ class RequestOutput(BaseModel):
 class InferenceRequest(BaseModel):
     id: str | None = None
     parameters: dict[str, Any] | None = Field(
-        None, description="timeout (microseconds: the request's deadline), priority (higher first), "
-        "binary_data_output (bool).")
+        None, description="timeout (microseconds: the request's deadline), priority (higher "
+        "first), binary_data_output (bool).")
     inputs: list[RequestInput]
     outputs: list[RequestOutput] | None = None
 
@@ -87,14 +88,14 @@ class InspectResult(BaseModel):
     camera_id: str | None = None
     model: str
     version: str
-    verdict: str = Field(..., description="OK or NG. A frame whose answer is not ready by its deadline "
-                         "gets no verdict: status 504 with verdict LATE (InspectError)")
+    verdict: str = Field(..., description="OK or NG. A frame whose answer is not ready by its "
+                         "deadline gets no verdict: status 504 with verdict LATE (InspectError)")
     label: str | None = Field(None, description="Classification: the top label")
     score: float | None = Field(None, description="Classification: the top label's score")
     scores: dict[str, float] | None = Field(None, description="Classification: every label's score")
     batch_size: int
-    deadline_met: bool = Field(..., description="Always true in a 200 answer (a late frame is answered 504 "
-                               "LATE); kept for clients that read it")
+    deadline_met: bool = Field(..., description="Always true in a 200 answer (a late frame is "
+                               "answered 504 LATE); kept for clients that read it")
     timing: Timing
 
 
@@ -102,18 +103,21 @@ class InspectError(BaseModel):
     error: str
     part_id: str | None = None
     model: str | None = None
-    verdict: str | None = Field(None, description="LATE when the deadline passed (504): in the queue, during "
-                                "decode, or before the verdict was ready. No decision for the part")
+    verdict: str | None = Field(None, description="LATE when the deadline passed (504): in the "
+                                "queue, during decode, or before the verdict was ready. No "
+                                "decision for the part")
     deadline_met: bool | None = Field(None, description="false with verdict LATE (504)")
-    late_ms: float | None = Field(None, description="With verdict LATE: how many ms after the deadline "
-                                  "the server found it passed")
+    late_ms: float | None = Field(None, description="With verdict LATE: how many ms after the "
+                                  "deadline the server found it passed")
 
 
-ERRORS = {
+ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Bad input"},
     404: {"model": ErrorResponse, "description": "Unknown model or version"},
     413: {"model": ErrorResponse, "description": "Body or image too large"},
-    503: {"model": ErrorResponse, "description": "Not ready, shutting down, or overloaded (Retry-After)"},
-    504: {"model": ErrorResponse, "description": "Deadline exceeded: the answer was not ready by the "
-                                                 "request's deadline (the message says how late)"},
+    503: {"model": ErrorResponse, "description": "Not ready, shutting down, or overloaded "
+                                                 "(Retry-After)"},
+    504: {"model": ErrorResponse, "description": "Deadline exceeded: the answer was not ready by "
+                                                 "the request's deadline (the message says how "
+                                                 "late)"},
 }

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import uvicorn
 
@@ -28,14 +29,15 @@ def http_app(engine, settings: ServerSettings, routers: tuple = ()):
 
 
 def http_server(app, engine, settings: ServerSettings) -> DrainingServer:
-    tls = {"ssl_certfile": str(settings.tls_cert), "ssl_keyfile": str(settings.tls_key)} \
-        if settings.tls_cert else {}
+    tls: dict[str, Any] = {"ssl_certfile": str(settings.tls_cert),
+                           "ssl_keyfile": str(settings.tls_key)} if settings.tls_cert else {}
     # the connection limit and the header timeout live in the protocol (uvicorn has no header
     # timeout, and its own limit let slow clients lock everyone out); no WebSocket routes here
     return DrainingServer(uvicorn.Config(
         app, host=settings.host, port=settings.http_port, log_level=settings.log_level,
         access_log=settings.log_level == "debug", timeout_keep_alive=30,
-        timeout_graceful_shutdown=max(1.0, settings.drain_timeout_s),
+        # uvicorn waits with asyncio.timeout, which takes float seconds; its annotation says int
+        timeout_graceful_shutdown=max(1.0, settings.drain_timeout_s),  # type: ignore[arg-type]
         http=protocol_class(settings.header_timeout_s, settings.max_connections), ws="none",
         log_config=None, **tls,
     ), engine, settings.drain_timeout_s)

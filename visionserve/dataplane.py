@@ -13,6 +13,7 @@ process is sent. Its ``task`` renders answers (:mod:`visionserve.tasks`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -109,6 +110,10 @@ class DataPlane(Protocol):
     @property
     def draining(self) -> bool: ...
 
+    def entry(self, name: str) -> ModelEntry:
+        """The repository's model ``name`` (404 when there is none)."""
+        ...
+
     def get(self, name: str, version: str | int | None = None) -> ServedModel:
         """The version a request names (404 unknown model or version, 503 not loaded yet)."""
         ...
@@ -136,7 +141,7 @@ class DataPlane(Protocol):
         ...
 
     async def statistics(self, name: str = "", version: str | int | None = None
-                         ) -> list[ServedModel]: ...
+                         ) -> Sequence[ServedModel]: ...
 
     async def metrics_text(self) -> bytes: ...
 
@@ -151,7 +156,10 @@ class ModelLookup:
 
     entries: dict[str, ModelEntry]
     served: dict[tuple[str, int], Any]
-    ready: bool
+
+    if TYPE_CHECKING:  # the users' own read-only property
+        @property
+        def ready(self) -> bool: ...
 
     def entry(self, name: str) -> ModelEntry:
         try:

@@ -13,10 +13,12 @@ finishes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
@@ -38,6 +40,9 @@ from .latency import LatencyWindow
 from .repository import ModelEntry, scan
 from .runner import BatchRecord, FrameResult, Runner, device_fault, padded_size
 
+if TYPE_CHECKING:
+    from .gpu.reservation import GpuReservation
+
 log = logging.getLogger(__name__)
 
 MAX_DEADLINE_MS = 3_600_000.0
@@ -54,7 +59,7 @@ class Served:
     runners: list[Runner]
     stats: ModelStats = field(default_factory=ModelStats)
     backend_info: dict[str, str] = field(default_factory=dict)
-    series: metrics.ModelSeries | None = None
+    series: metrics.ModelSeries = field(init=False)  # made in __post_init__
     #: what the outputs mean: the front ends have it render answers (bound to the model at load)
     task: tasks.Task | None = None
 
@@ -85,13 +90,15 @@ def effective_config(config: ModelConfig, settings: ServerSettings) -> ModelConf
         return config
     data = b.model_dump() | over
     mbs = data["max_batch_size"]
-    data["preferred_batch_sizes"] = tuple(p for p in data["preferred_batch_sizes"] if p <= mbs) or (mbs,)
+    data["preferred_batch_sizes"] = tuple(p for p in data["preferred_batch_sizes"]
+                                          if p <= mbs) or (mbs,)
     try:
         batching = BatchingSpec.model_validate(data)
     except ValidationError as exc:
         # the server setting's own range is wider than model.toml's: name the option, not pydantic
         errs = "; ".join(describe_validation(exc, flag=True, got=True))
-        raise ConfigError(f"server override does not fit model {config.name or 'config'}: {errs}") from None
+        raise ConfigError(f"server override does not fit model {config.name or 'config'}: "
+                          f"{errs}") from None
     return config.model_copy(update={"batching": batching})
 
 
@@ -103,7 +110,7 @@ class Engine(ModelLookup):
         self.served: dict[tuple[str, int], Served] = {}
         self._ready = False
         self._draining = False
-        self.gpu = None  # gpu.reservation.GpuReservation when the device is a GPU
+        self.gpu: GpuReservation | None = None  # when the device is a GPU
         # the last second's answers, kept only when someone reads them (the guard's latency budget)
         self.latency: LatencyWindow | None = None
         # the PLC result bus (visionserve.plc.bus.ResultBus) while a PLC server runs: every frame's
@@ -136,7 +143,7 @@ class Engine(ModelLookup):
         imaging.configure_opencv(self.settings.max_image_pixels)
         loop = asyncio.get_running_loop()
         if self.device.startswith("cuda"):
-            # budget: planned, checked free (else not ready, with the reason logged), allocators capped
+            # budget: planned, checked free (else not ready, the reason logged), allocators capped
             from .gpu.reservation import GpuReservation
 
             self.gpu = GpuReservation(self.settings.gpu_memory_budget, self.device)
@@ -173,14 +180,15 @@ class Engine(ModelLookup):
                 pad = b.pad_to_preferred == "always" or (b.pad_to_preferred == "auto" and (
                     self.device != "cpu" or backend.static_shapes))
                 pad_to = preferred if pad else ()
-                cost = CostModel(lambda n, sizes=pad_to: padded_size(n, sizes))
+                cost = CostModel(functools.partial(padded_size, preferred=pad_to))
             await asyncio.to_thread(self._warmup, backend, preferred, cost, path, task)
             prep = await asyncio.to_thread(self.gpu.preprocessor, backend, config, preferred) \
                 if self.gpu else None
-            log.info("%s:%d instance %d loaded and warmed up in %.1f s (%s)", entry.name, version, i,
-                     time.monotonic() - t0, backend.describe())
-            runners.append(Runner(name=f"{entry.name}:{version}#{i}", backend=backend, config=config,
-                                  preferred=pad_to, cost=cost, on_batch=lambda r: None,
+            log.info("%s:%d instance %d loaded and warmed up in %.1f s (%s)", entry.name, version,
+                     i, time.monotonic() - t0, backend.describe())
+            runners.append(Runner(name=f"{entry.name}:{version}#{i}", backend=backend,
+                                  config=config, preferred=pad_to, cost=cost,
+                                  on_batch=lambda r: None,
                                   prepare=prep.prepare if prep is not None else None, task=task))
 
         async def execute(batch):
@@ -189,21 +197,27 @@ class Engine(ModelLookup):
             runner = min(runners, key=lambda r: (r.inflight, r.accepted))
             await runner.execute(batch)
 
+        assert cost is not None  # made with the first instance (instances >= 1)
         batcher = Batcher(name=f"{entry.name}:{version}", execute=execute,
-                          max_batch_size=b.max_batch_size, max_queue_delay_s=b.max_queue_delay_ms / 1000,
-                          max_queue_size=b.max_queue_size, cost=cost, max_inflight=2 * len(runners),
+                          max_batch_size=b.max_batch_size,
+                          max_queue_delay_s=b.max_queue_delay_ms / 1000,
+                          max_queue_size=b.max_queue_size, cost=cost,
+                          max_inflight=2 * len(runners),
                           dispatch_when_idle=b.dispatch_when_idle)
         served = Served(entry, version, config, batcher, runners,
                         backend_info=runners[0].backend.describe(), task=task)
         for r in runners:
-            r.on_batch = lambda rec, s=served: self._record_batch(s, rec)
+            r.on_batch = functools.partial(self._record_batch, served)
             r.start(loop)
-        batcher.on_drop = lambda item, reason, s=served: self._record_drop(s, reason)
+        batcher.on_drop = lambda item, reason: self._record_drop(served, reason)
         # read when scraped, so never stale (the queue also drains by batches taken, frames
         # dropped late and cancellations); all versions of the model, as the label has no version
-        served.series.queue_depth.set_function(lambda name=entry.name: self._waiting(name, "queue_depth"))
-        metrics.INFLIGHT.labels(entry.name).set_function(lambda name=entry.name: self._waiting(name, "inflight"))
-        batcher.on_failure = lambda exc, s=served: metrics.READY.labels(s.name, str(s.version)).set(0)
+        served.series.queue_depth.set_function(
+            functools.partial(self._waiting, entry.name, "queue_depth"))
+        metrics.INFLIGHT.labels(entry.name).set_function(
+            functools.partial(self._waiting, entry.name, "inflight"))
+        batcher.on_failure = \
+            lambda exc: metrics.READY.labels(served.name, str(served.version)).set(0)
         batcher.start()
         return served
 
@@ -221,19 +235,20 @@ class Engine(ModelLookup):
             backend.warmup(preferred)
             if cfg is None:
                 return
-            # seed the cost model with backend-only times so early dispatch works from the first request
+            # seed the cost model with backend-only times, so early dispatch works from request one
             for bs in preferred:
-                x = np.zeros(backends.input_shape(cfg, bs), dtype=backends.NP_DTYPES[cfg.input.dtype])
+                x = np.zeros(
+                    backends.input_shape(cfg, bs), dtype=backends.NP_DTYPES[cfg.input.dtype])
                 t0 = time.monotonic()
                 out = backend.run(x)
                 cost.observe(bs, time.monotonic() - t0)
                 if subject is not None and task is not None:
                     task.check_warmup(subject, bs, out)
         except Exception as exc:
-            # a device that fails or runs out of memory (torch, onnxruntime) is no model.toml mismatch
+            # a device that fails or runs out of memory (torch, onnxruntime): no model.toml mismatch
             text = str(exc).lower()
-            if subject is None or isinstance(exc, (VisionServeError, MemoryError)) or device_fault(exc) \
-                    or "out of memory" in text or "failed to allocate" in text:
+            if subject is None or cfg is None or isinstance(exc, (VisionServeError, MemoryError)) \
+                    or device_fault(exc) or "out of memory" in text or "failed to allocate" in text:
                 raise
             raise checks.run_failed(subject, cfg, preferred, exc) from exc
 
@@ -345,8 +360,8 @@ class Engine(ModelLookup):
         answer.add_done_callback(abandoned)
         return answer
 
-    def admit(self, served: Served, frames: list[Frame], deadline_ms: float | None, priority: int | None,
-              arrival: float, origin: tuple | None = None) -> list:
+    def admit(self, served: Served, frames: list[Frame], deadline_ms: float | None,
+              priority: int | None, arrival: float, origin: tuple | None = None) -> list:
         """``_admit``, and each frame's final answer to the PLC result bus when one runs (refused
         frames too: the PLC must hear "no decision"). ``origin``: (part id, camera id)."""
         if self.results is None:
@@ -390,7 +405,8 @@ class Engine(ModelLookup):
         if deadline_ms is None:
             deadline_ms = b.takt_ms
         if not (0 < deadline_ms <= MAX_DEADLINE_MS):
-            raise InvalidInput(f"deadline {deadline_ms!r} ms is out of range (0, {MAX_DEADLINE_MS:.0f}]")
+            raise InvalidInput(f"deadline {deadline_ms!r} ms is out of range (0, "
+                               f"{MAX_DEADLINE_MS:.0f}]")
         if priority is None:
             priority = b.priority_levels // 2
         if not (0 <= priority < b.priority_levels):
@@ -400,17 +416,18 @@ class Engine(ModelLookup):
         predicted = served.batcher.check_capacity(n, deadline=deadline, priority=priority)
         return deadline, priority, predicted
 
-    def _admit(self, served: Served, frames: list[Frame], deadline_ms: float | None, priority: int | None,
-               arrival: float) -> list:
+    def _admit(self, served: Served, frames: list[Frame], deadline_ms: float | None,
+               priority: int | None, arrival: float) -> list:
         """Check the request and queue its frames; the answers come on the returned items'
         futures (``finish`` records them). Raises a VisionServeError for the whole request."""
-        deadline, priority, predicted = self._check(served, len(frames), deadline_ms, priority, arrival)
+        deadline, priority, predicted = self._check(served, len(frames), deadline_ms, priority,
+                                                    arrival)
         batcher = served.batcher
         pending = []
         try:
             for f in frames:
-                pending.append(batcher.submit(f, deadline=deadline, priority=priority, arrival=arrival,
-                                              predicted=predicted))
+                pending.append(batcher.submit(f, deadline=deadline, priority=priority,
+                                              arrival=arrival, predicted=predicted))
         except BaseException:
             for p in pending:
                 p.future.cancel()
@@ -419,7 +436,8 @@ class Engine(ModelLookup):
             self.latency.track(pending)  # answered and LATE frames alike, whichever front end waits
         return pending
 
-    def finish(self, served: Served, results: list[FrameResult], arrival: float) -> list[FrameResult]:
+    def finish(self, served: Served, results: list[FrameResult],
+               arrival: float) -> list[FrameResult]:
         """Statistics and metrics of an answered request (each result is in time: a frame whose
         answer was ready after its deadline fails with DeadlineExceeded, see ``count_error``)."""
         now = time.monotonic()
@@ -465,7 +483,8 @@ class Engine(ModelLookup):
         bi.add(rec.prep_s)
         bf.add(rec.infer_s)
         bo.add(rec.post_s)
-        if rec.late:  # deadline passed during decode or compute (metrics: where the request is answered)
+        # deadline passed during decode or compute (metrics: where the request is answered)
+        if rec.late:
             st.fail.add(0.0, rec.late)
         m = served.series
         m.batch_size.observe(rec.size)

@@ -2,11 +2,11 @@
 per model); answers go back on the link they came from.
 
 Messages (tuples) a front end sends:
-  ``("infer", rid, model, version, frames, deadline_ms, priority, arrival, request_id, origin)``: ``frames`` are
-  ``(kind, width, height, channels, shape, offset, length, inline)`` with the bytes in the arena at
-  ``offset`` (or, when the arena was full, ``inline``); ``arrival`` is ``time.monotonic()``, which
-  is one clock for all processes of a machine; ``request_id`` is the client's (for log lines);
-  ``origin`` is (part id, camera id) for the PLC result bus, or None.
+  ``("infer", rid, model, version, frames, deadline_ms, priority, arrival, request_id, origin)``:
+  ``frames`` are ``(kind, width, height, channels, shape, offset, length, inline)`` with the
+  bytes in the arena at ``offset`` (or, when the arena was full, ``inline``); ``arrival`` is
+  ``time.monotonic()``, which is one clock for all processes of a machine; ``request_id`` is the
+  client's (for log lines); ``origin`` is (part id, camera id) for the PLC result bus, or None.
   ``("cancel", rid)``: the client went away; ``("cancel", rid, kind)``: the front end answered the
   request itself (``kind`` "deadline": its own deadline timer, "unavailable": this process was
   silent), and the engine counts that answer unless it had answered first.
@@ -42,7 +42,7 @@ from .channel import Channel, connect
 
 log = logging.getLogger(__name__)
 
-#: how often readiness is compared with what the front ends were told (they are told at once on drain)
+#: how often readiness is compared with what the front ends were told (told at once on drain)
 STATE_POLL_S = 0.05
 #: how often every front end is told that this process is alive (see remote.HEARTBEAT_TIMEOUT_S)
 HEARTBEAT_S = 0.2
@@ -61,18 +61,28 @@ class Link:
         self.tasks: dict[int, tuple[asyncio.Future, str, int]] = {}
         self.lost = asyncio.Event()
 
+    @property
+    def ch(self) -> Channel:
+        """The channel: connected before the front end's first message, and before the hub keeps
+        the link."""
+        assert self.channel is not None
+        return self.channel
+
     def on_message(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "infer":
             _, rid, name, version, descs, deadline_ms, priority, arrival, client_id, origin = msg
             try:
-                frames = [self._frame(d) for d in descs]  # copied out now: the arena extent may be reused after the answer
-            except Exception:  # answered all the same: the front end frees the extents on the answer
+                # copied out now: the arena extent may be reused after the answer
+                frames = [self._frame(d) for d in descs]
+            # answered all the same: the front end frees the extents on the answer
+            except Exception:
                 log.exception("front end %d sent frames that cannot be read", self.index)
                 self.hub.engine.count_error(name, "internal", len(descs))
                 self._error(rid, InternalError(INTERNAL_MESSAGE))
                 return
-            token = request_id.set(client_id)  # the frames' and the answer callback's log lines name it
+            # the frames' and the answer callback's log lines name it
+            token = request_id.set(client_id)
             try:
                 self._infer(rid, name, version, frames, deadline_ms, priority, arrival, origin)
             finally:
@@ -80,7 +90,8 @@ class Link:
         elif kind == "cancel":
             entry = self.tasks.get(msg[1])
             if entry is not None and not entry[0].done():
-                if len(msg) > 2:  # the front end answered it (LATE, 503): not answered here, count that
+                # the front end answered it (LATE, 503): not answered here, count that
+                if len(msg) > 2:
                     self.hub.engine.count_error(entry[1], msg[2], entry[2])
                 entry[0].cancel()
         elif kind == "count":
@@ -88,14 +99,15 @@ class Link:
         elif kind == "stats":
             _, rid, name, version = msg
             try:
-                stats = [(s.name, s.version, s.stats) for s in self.hub.engine.select(name, version)]
-                self.channel.send(("reply", rid, stats))
+                stats = [(s.name, s.version, s.stats)
+                         for s in self.hub.engine.select(name, version)]
+                self.ch.send(("reply", rid, stats))
             except VisionServeError as exc:
                 self._error(rid, exc)
         elif kind == "metrics":
             from prometheus_client import generate_latest
 
-            self.channel.send(("reply", msg[1], generate_latest()))
+            self.ch.send(("reply", msg[1], generate_latest()))
         else:
             log.error("front end %d sent an unknown message %r", self.index, kind)
 
@@ -106,7 +118,8 @@ class Link:
             data = np.frombuffer(data, dtype=np.uint8).reshape(shape)
         return Frame(kind, data, width, height, channels)
 
-    def _infer(self, rid, name, version, frames, deadline_ms, priority, arrival, origin=None) -> None:
+    def _infer(self, rid, name, version, frames, deadline_ms, priority, arrival,
+               origin=None) -> None:
         """Into the engine's one submit path, answered from its future's callback: no task per
         request (the engine process is the one all front ends share, so its cost per request
         sets the ceiling); the engine counts and records the answer."""
@@ -124,19 +137,19 @@ class Link:
             self.tasks.pop(rid, None)
             if f.cancelled():
                 log.debug("request cancelled (front end %d): its frames are dropped", self.index)
-                self.channel.send(("error", rid, "Cancelled", "cancelled", None))
-            elif isinstance(f.exception(), VisionServeError):
-                self._error(rid, f.exception())
-            elif f.exception() is not None:
-                log.error("inference for front end %d failed", self.index, exc_info=f.exception())
+                self.ch.send(("error", rid, "Cancelled", "cancelled", None))
+            elif isinstance(exc := f.exception(), VisionServeError):
+                self._error(rid, exc)
+            elif exc is not None:
+                log.error("inference for front end %d failed", self.index, exc_info=exc)
                 self._error(rid, InternalError(INTERNAL_MESSAGE))
             else:
-                self.channel.send(("result", rid, f.result()[1]))
+                self.ch.send(("result", rid, f.result()[1]))
 
         answer.add_done_callback(answered)
 
     def _error(self, rid: int, exc: VisionServeError) -> None:
-        self.channel.send(("error", rid, type(exc).__name__, exc.message, exc.retry_after_s,
+        self.ch.send(("error", rid, type(exc).__name__, exc.message, exc.retry_after_s,
                            getattr(exc, "late_ms", None)))
 
     def on_lost(self) -> None:
@@ -188,7 +201,7 @@ class Hub:
                 k: ModelView.of(s)
                 for k, s in served.items()})
             link.models_sent = len(served)
-        link.channel.send(("state", ready, draining, per_model, models))
+        link.ch.send(("state", ready, draining, per_model, models))
 
     def publish(self) -> None:
         """Tell every front end the current state if it changed (also called at once on drain)."""
@@ -197,7 +210,7 @@ class Hub:
             return
         self._last = state
         for link in list(self.links.values()):
-            if not link.channel.closed:
+            if not link.ch.closed:
                 self._send_state(link)
 
     async def _watch(self) -> None:
@@ -208,7 +221,7 @@ class Hub:
             if time.monotonic() - beat >= HEARTBEAT_S:
                 beat = time.monotonic()
                 for link in list(self.links.values()):
-                    link.channel.send(("beat",))
+                    link.ch.send(("beat",))
 
     async def close(self) -> None:
         if self._watcher is not None:

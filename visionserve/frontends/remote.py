@@ -105,8 +105,8 @@ class RemoteEngine(ModelLookup):
                 if not (isinstance(cls, type) and issubclass(cls, VisionServeError)):
                     cls = errors.InternalError
                 exc = cls(message, retry_after_s=retry_after)
-                if rest and rest[0] is not None:
-                    exc.late_ms = rest[0]
+                if rest and rest[0] is not None and isinstance(exc, DeadlineExceeded):
+                    exc.late_ms = rest[0]  # only a DeadlineExceeded carries one
                 exc.counted = True  # the engine counted it when it answered
                 fut.set_exception(exc)
 
@@ -120,7 +120,8 @@ class RemoteEngine(ModelLookup):
             if timer is not None:
                 timer.cancel()
             if not fut.done():
-                fut.set_exception(Unavailable("the server's engine process is gone", retry_after_s=1.0))
+                fut.set_exception(Unavailable("the server's engine process is gone",
+                                              retry_after_s=1.0))
         self._pending.clear()
         self.lost.set()
 
@@ -132,8 +133,8 @@ class RemoteEngine(ModelLookup):
             if silent_s > HEARTBEAT_TIMEOUT_S and not self._silent:
                 self._silent = True
                 waiting = [rid for rid, (fut, _, _) in self._pending.items() if not fut.done()]
-                log.error("the engine process has not answered for %.1f s: not ready; %d requests in "
-                          "progress answered 503", silent_s, len(waiting))
+                log.error("the engine process has not answered for %.1f s: not ready; %d requests "
+                          "in progress answered 503", silent_s, len(waiting))
                 for rid in waiting:
                     self._abandon(rid, Unavailable("the server's engine process is not answering",
                                                    retry_after_s=1.0))
@@ -159,15 +160,17 @@ class RemoteEngine(ModelLookup):
         if expires is not None:
             timer = loop.call_at(expires[0], self._expire, rid, *expires)
         self._pending[rid] = (fut, extents or [], timer)
+        assert self.channel is not None  # _check_reachable
         self.channel.send((msg_head, rid, *rest))
         return fut, rid
 
     def _expire(self, rid: int, at: float, ms: float) -> None:
-        """Request ``rid``'s deadline timer (``at``: its deadline plus the grace): answer it LATE."""
+        """Request ``rid``'s deadline timer (``at``: its deadline plus the grace): answer it
+        LATE."""
         late_ms = (time.monotonic() - at + DEADLINE_GRACE_S) * 1000
         self._abandon(rid, DeadlineExceeded(
-            f"deadline of {ms:g} ms passed without an answer from the engine process ({late_ms:.1f} ms "
-            "ago)", late_ms=late_ms))
+            f"deadline of {ms:g} ms passed without an answer from the engine process "
+            f"({late_ms:.1f} ms ago)", late_ms=late_ms))
 
     def _abandon(self, rid: int, exc: VisionServeError | None = None) -> None:
         """Answer request ``rid`` now (``exc``, or cancelled) and tell the engine to drop its frames
@@ -180,6 +183,7 @@ class RemoteEngine(ModelLookup):
         fut, _, timer = pending
         if timer is not None:
             timer.cancel()
+        assert self.channel is not None  # a request in progress went out on it
         if exc is None:
             fut.cancel()
             self.channel.send(("cancel", rid))
@@ -211,14 +215,16 @@ class RemoteEngine(ModelLookup):
             raise Unavailable.shutting_down()
         self._check_reachable()
 
-    async def infer(self, name: str, version, frames: list[Frame], *, deadline_ms: float | None = None,
-                    priority: int | None = None, arrival: float | None = None, origin: tuple | None = None):
+    async def infer(self, name: str, version, frames: list[Frame], *,
+                    deadline_ms: float | None = None, priority: int | None = None,
+                    arrival: float | None = None, origin: tuple | None = None):
         arrival = time.monotonic() if arrival is None else arrival
         served = self.get(name, version)
         if self._draining:
             raise Unavailable.shutting_down()
         self._check_reachable()  # before the frames take arena space that only an answer frees
-        descs, extents = [], []
+        descs: list[tuple] = []
+        extents: list[tuple[int, int]] = []
         for f in frames:
             data = f.data
             n = data.nbytes if isinstance(data, np.ndarray) else len(data)
@@ -234,8 +240,8 @@ class RemoteEngine(ModelLookup):
         # the engine's own deadline (it checks the value: no timer for one it refuses)
         ms = served.config.batching.takt_ms if deadline_ms is None else deadline_ms
         expires = (arrival + ms / 1000.0 + DEADLINE_GRACE_S, ms) if 0 < ms < math.inf else None
-        fut, rid = self._call("infer", name, version, descs, deadline_ms, priority, arrival, request_id.get(),
-                              origin, extents=extents, expires=expires)
+        fut, rid = self._call("infer", name, version, descs, deadline_ms, priority, arrival,
+                              request_id.get(), origin, extents=extents, expires=expires)
         try:
             results = await asyncio.shield(fut)
         except asyncio.CancelledError:

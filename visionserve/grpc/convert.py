@@ -17,6 +17,8 @@ from .. import oip
 from ..errors import InvalidInput
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from ..dataplane import ServedModel
     from ..imaging import Frame
     from ..runner import FrameResult
@@ -113,6 +115,6 @@ def model_config(served: ServedModel) -> service_pb2.ModelConfigResponse:
     return pb.ModelConfigResponse(config=config)
 
 
-def model_statistics(served: list[ServedModel]) -> service_pb2.ModelStatisticsResponse:
+def model_statistics(served: Sequence[ServedModel]) -> service_pb2.ModelStatisticsResponse:
     body = {"model_stats": [oip.model_statistics(s) for s in served]}
     return json_format.ParseDict(body, pb.ModelStatisticsResponse())

@@ -210,7 +210,16 @@ def _head_only(port: int, headers: str, timeout_s: float) -> bytes:
         sock.sendall(("POST /v1/models/tiny/inspect HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
                       f"Content-Length: 100000\r\n{headers}\r\n").encode())
         sock.settimeout(timeout_s)
-        return sock.recv(4096)
+        answer = sock.recv(65536)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        while len(body) < length:  # the head and the body may come in two reads
+            more = sock.recv(65536)
+            if not more:
+                break
+            body += more
+        return head + b"\r\n\r\n" + body
     finally:
         sock.close()
 

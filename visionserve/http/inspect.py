@@ -87,11 +87,13 @@ async def inspect(request: Request, model_name: str, model_version: str = "") ->
         kind = imaging.media_kind(request.headers.get("content-type"))
         deadline_ms = _header_number(request, "X-Deadline-Ms", float)
         priority = _header_number(request, "X-Priority", int)
-        # refused from the head (overload above all): the body is never read; what is wrong
-        # with the request itself is said first (it never succeeds; a 503 says "try again")
-        check_declared_length(request, settings.max_body_bytes)
-        engine.precheck(model_name, model_version, 1, deadline_ms=deadline_ms, priority=priority,
-                        arrival=arrival, origin=(part_id, camera_id))
+        # refused from the head (overload above all): the body is never read. What is wrong
+        # with the request itself is said first (it never succeeds; a 503 says "try again"), so
+        # a body of unknown size (chunked) is read, and its size checked, before admission
+        if request.headers.get("content-length") is not None:
+            check_declared_length(request, settings.max_body_bytes)
+            engine.precheck(model_name, model_version, 1, deadline_ms=deadline_ms,
+                            priority=priority, arrival=arrival, origin=(part_id, camera_id))
         body = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
         if kind == "raw":
             shape = imaging.parse_shape(request.headers.get("x-image-shape"))

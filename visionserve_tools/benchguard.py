@@ -709,6 +709,22 @@ def _by_watchdog(job: dict) -> bool:
         "over its declared" in reason or "inference floor" in reason)
 
 
+def run_recorded(acceptance, verdict, args, results: dict, save, log=log) -> int:
+    """Run ``acceptance(args, results, save)``, judge with ``verdict`` and save: an error leaves
+    the partial results and its reason in ``--out`` (exit 1)."""
+    rc = 0
+    try:
+        acceptance(args, results, save)
+    except Exception as exc:  # noqa: BLE001  the partial results and the reason go to --out
+        results["error"] = repr(exc)
+        log(f"aborted: {exc!r}")
+        rc = 1
+    verdict(results, args.device == "cuda")
+    results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    save()
+    return rc
+
+
 def verdict(res: dict, cuda: bool) -> None:
     ph = res.get("phases", {})
     base, train = ph.get("baseline", {}).get("p99_ms"), ph.get("training", {}).get("p99_ms")
@@ -787,16 +803,7 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         args.out.write_text(json.dumps(results, indent=2, default=str) + "\n")
 
-    rc = 0
-    try:
-        acceptance(args, results, save)
-    except Exception as exc:  # noqa: BLE001  the partial results and the reason go to --out
-        results["error"] = repr(exc)
-        log(f"aborted: {exc!r}")
-        rc = 1
-    verdict(results, args.device == "cuda")
-    results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    save()
+    rc = run_recorded(acceptance, verdict, args, results, save)
     summary = {k: results.get(k) for k in ("rate_per_s", "p99_ratio_training_over_baseline",
                                            "server_p99_ratio_training_over_baseline",
                                            "conditions", "pass", "error") if k in results}

@@ -58,6 +58,7 @@ from .benchguard import (
     log_tail,
     oom_lines,
     phase_stats,
+    run_recorded,
     submit,
 )
 
@@ -395,16 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         raise TimeoutError("SIGTERM")
 
     signal.signal(signal.SIGTERM, terminated)
-    rc = 0
-    try:
-        acceptance(args, res, save)
-    except Exception as exc:  # noqa: BLE001 the partial results and the reason go to --out
-        res["error"] = repr(exc)
-        log(f"aborted: {exc!r}")
-        rc = 1
-    verdict(res, args.device == "cuda")
-    res["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    save()
+    rc = run_recorded(acceptance, verdict, args, res, save, log)
     brief = {k: res.get(k) for k in ("rate_per_s", "steps_per_s_alone", "ratios", "conditions",
                                      "pass", "error") if k in res}
     brief["phases"] = {k: {f: v.get(f) for f in ("count", "errors", "p50_ms", "p99_ms",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -90,7 +91,8 @@ def test_pinned_gpu_follows_cuda_visible_devices():
 
 def test_reservation_waits_not_ready_until_the_budget_is_free(caplog):
     nv = SimulatedNvml([simulated_gpu(0, memory_total=80 * GIB, memory_used=0)])
-    nv.add_process(0, 777, 75 * GIB)
+    other = os.getpid() + 1  # another process: never this one (check_free leaves this one out)
+    nv.add_process(0, other, 75 * GIB)
     res = GpuReservation("8GiB", "cuda:0", nvml=nv)
     res.RETRY_S = 0.02
 
@@ -98,14 +100,14 @@ def test_reservation_waits_not_ready_until_the_budget_is_free(caplog):
         task = asyncio.create_task(res.reserve([("a", cfg())]))
         await asyncio.sleep(0.2)
         assert not task.done()  # still waiting: the engine stays not ready
-        nv.remove_process(0, 777)
+        nv.remove_process(0, other)
         await asyncio.wait_for(task, 5)
 
     with caplog.at_level(logging.INFO, logger="visionserve.gpu.reservation"):
         asyncio.run(scenario())
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1  # logged once, not every retry
-    assert "5.00 GiB of 80.00 GiB is free" in errors[0] and "pid 777" in errors[0]
+    assert "5.00 GiB of 80.00 GiB is free" in errors[0] and f"pid {other}" in errors[0]
     assert res.plan.total == 8 * GIB
     # an onnxruntime instance loads with its share as gpu_mem_limit
     loaded = res.instance_config("a", cfg())

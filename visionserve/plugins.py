@@ -76,6 +76,7 @@ class Registry:
 
 TASKS = Registry("task", "visionserve.tasks", {
     "classification": "visionserve.tasks.classification:Classification",
+    "anomaly": "visionserve.tasks.anomaly:AnomalyDetection",
 })
 
 BACKENDS = Registry("backend", "visionserve.backends", {

@@ -77,6 +77,7 @@ class Registry:
 TASKS = Registry("task", "visionserve.tasks", {
     "classification": "visionserve.tasks.classification:Classification",
     "anomaly": "visionserve.tasks.anomaly:AnomalyDetection",
+    "detection": "visionserve.tasks.detection:DetectionTask",
 })
 
 BACKENDS = Registry("backend", "visionserve.backends", {

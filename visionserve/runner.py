@@ -239,13 +239,14 @@ class Runner:
             return
         t2 = time.monotonic()
         rows = out_rows if out_rows is not None else slice(0, len(items))
+        sizes = [(p.payload.width, p.payload.height) for p in items]
         if self._task_stream is None:
-            results = self.task.postprocess(outputs, rows)
+            results = self.task.postprocess(outputs, rows, sizes)
         else:
             import torch
 
             with torch.cuda.stream(self._task_stream):
-                results = self.task.postprocess(outputs, rows)
+                results = self.task.postprocess(outputs, rows, sizes)
         t3 = time.monotonic()
         n = len(items)
         if len(results) != n:

@@ -173,7 +173,7 @@ def _tasks() -> list[str]:
     """Each built-in task's own sections (those its schema adds to ModelConfig's)."""
     out = ["", "## Tasks", "",
            "`task` selects what the model's outputs mean, and with it the sections below that",
-           "only that task reads. The built-in task is `classification`; a package can add more",
+           "only that task reads. The built-in tasks are below; a package can add more",
            "(entry point group `visionserve.tasks`; docs/architecture.md, \"Adding a task\"). A",
            "task nobody registered is refused like any bad value, naming the known ones."]
     for name in TASKS.builtins:
@@ -187,6 +187,27 @@ def _tasks() -> list[str]:
         for section, model in _sections(schema, set(ModelConfig.model_fields)).items():
             out += _section(f"#### `[{section}]`", model,
                             CROSS_FIELD_RULES.get(f"{name}.{section}", []))
+            out += _nested(section, model)
+    return out
+
+
+def _nested(section: str, model: type) -> list[str]:
+    """Tables of a section's own tables: ``dict[str, Model]`` fields (``[verdict.defects.<x>]``)
+    and ``tuple[Model, ...]`` ones (``[[verdict.count]]``)."""
+    out = []
+    for field_name, f in model.model_fields.items():
+        args = [a for a in typing.get_args(f.annotation) if a is not type(None)]
+        if len(args) == 1 and typing.get_args(args[0]):  # Optional[dict[...]]
+            origin, args = typing.get_origin(args[0]), list(typing.get_args(args[0]))
+        else:
+            origin = typing.get_origin(f.annotation)
+        args = [a for a in args if a is not Ellipsis]
+        inner = args[-1] if args else None
+        if not (isinstance(inner, type) and hasattr(inner, "model_fields")):
+            continue
+        title = (f"##### `[{section}.{field_name}.<label>]`" if origin is dict
+                 else f"##### `[[{section}.{field_name}]]`")
+        out += _section(title, inner, [])
     return out
 
 

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
 import time
 from typing import Any, TypeVar
 
+import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from .. import imaging
 from ..errors import DeadlineExceeded, InvalidInput, VisionServeError
+from ..runner import FrameResult
+from ..tasks import Task, annotate
 from .common import (
     ClientGone,
     check_declared_length,
@@ -113,6 +117,13 @@ async def inspect(request: Request, model_name: str, model_version: str = "") ->
         return error_response(exc, {"part_id": part_id, "model": model_name})
     task = served.task
     assert task is not None  # every served version has its task (made when it loads)
+    if wants_image(request):
+        jpeg = await asyncio.to_thread(annotated, task, frame, r)
+        headers = {"X-Verdict": r.verdict, "X-Model": served.name,
+                   "X-Model-Version": str(served.version)}
+        if part_id is not None:
+            headers["X-Part-Id"] = part_id
+        return Response(jpeg, media_type="image/jpeg", headers=headers)
     answer = {
         "part_id": part_id,
         "camera_id": camera_id,
@@ -129,6 +140,28 @@ async def inspect(request: Request, model_name: str, model_version: str = "") ->
                     media_type="application/json")
 
 
+
+
+def wants_image(request: Request) -> bool:
+    """The annotated frame instead of JSON: ``Accept: image/jpeg`` (before any JSON type), or
+    ``?annotate=1``."""
+    if request.query_params.get("annotate", "").lower() in ("1", "true", "yes"):
+        return True
+    accept = request.headers.get("accept", "")
+    if "image/jpeg" not in accept:
+        return False
+    json_at = accept.find("application/json")
+    return json_at < 0 or accept.find("image/jpeg") < json_at
+
+
+def annotated(task: Task, frame: imaging.Frame, r: FrameResult) -> bytes:
+    """The frame with its answer drawn on it, as JPEG (a thread: decode, draw, encode)."""
+    image = imaging.decode(frame, 3)
+    if image.ndim == 2:
+        image = np.repeat(image[:, :, None], 3, axis=2)
+    image = np.ascontiguousarray(image)
+    task.annotate(image, r.verdict, r.result)
+    return annotate.encode_jpeg(image)
 
 
 class InspectFastPath:

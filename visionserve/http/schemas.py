@@ -93,6 +93,13 @@ class InspectResult(BaseModel):
     label: str | None = Field(None, description="Classification: the top label")
     score: float | None = Field(None, description="Classification: the top label's score")
     scores: dict[str, float] | None = Field(None, description="Classification: every label's score")
+    detections: list[dict[str, Any]] | None = Field(
+        None, description="Detection, segmentation: what was found, highest score first: label, "
+        "class, score, box [x1, y1, x2, y2] and area in the frame's pixels (size_mm, area_mm2 "
+        "with verdict.pixels_per_mm; segmentation: mask as COCO RLE)")
+    reasons: list[dict[str, Any]] | None = Field(
+        None, description="Detection, segmentation: each rule that made the part NG (rule, "
+        "message, detections: indices into detections)")
     batch_size: int
     deadline_met: bool = Field(..., description="Always true in a 200 answer (a late frame is "
                                "answered 504 LATE); kept for clients that read it")

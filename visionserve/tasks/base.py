@@ -23,6 +23,7 @@ import numpy as np
 
 from ..backends.checks import Subject, TensorSpec
 from ..config import ModelConfig
+from .geometry import Size
 
 #: rows of a batch's outputs that answer frames: the first n (``slice(0, n)``), or, when frames
 #: dropped out of a batch already on the device, the kept rows in frame order
@@ -76,12 +77,23 @@ class Task(ABC):
         """What the model returned for a warm-up batch of ``batch`` frames (shapes a file may
         leave open); a ConfigError naming the field if it does not fit."""
 
+    def reconfigure(self, config: ModelConfig) -> None:
+        """Serve with ``config`` from the next batch on: the same model, other ``[verdict]``
+        values (``PUT /v1/models/{m}/verdict``; validated by :attr:`schema`). Runner threads may
+        be in :meth:`postprocess` meanwhile, so the new settings must be taken whole: a task that
+        reads ``self.config`` once per batch needs nothing more than this reference swap; one
+        that derives settings from it builds them first and swaps one immutable object."""
+        self.config = config
+
     @abstractmethod
-    def postprocess(self, outputs: Mapping[str, Any], rows: Rows) -> list[tuple[str, Any]]:
+    def postprocess(self, outputs: Mapping[str, Any], rows: Rows,
+                    sizes: Sequence[Size] | None = None) -> list[tuple[str, Any]]:
         """A batch's outputs (name -> array, batch axis first; device tensors only for an
-        ``on_device`` task) -> ``(verdict, result)`` for each of ``rows``, in order. Runs on the
-        runner's compute thread: whatever it returns must not alias the outputs, which the
-        backend reuses for the next batch."""
+        ``on_device`` task) -> ``(verdict, result)`` for each of ``rows``, in order. ``sizes``:
+        each of those frames' (width, height) as it arrived, for a task that answers in frame
+        pixels (:class:`visionserve.tasks.geometry.FrameMap` undoes the resize); None: frames
+        of the model input's size. Runs on the runner's compute thread: whatever it returns must
+        not alias the outputs, which the backend reuses for the next batch."""
 
     # --- the answer ---------------------------------------------------------------------------
 
@@ -101,6 +113,14 @@ class Task(ABC):
     @abstractmethod
     def inspect_fields(self, result: Any) -> dict[str, Any]:
         """The task's part of the inspect answer (after ``verdict``); JSON values."""
+
+    def annotate(self, image: np.ndarray, verdict: str, result: Any) -> None:
+        """Draw the answer on the frame (BGR, the frame's size, drawn in place) for the inspect
+        API's ``Accept: image/jpeg``; the default draws the verdict (helpers:
+        :mod:`visionserve.tasks.annotate`)."""
+        from . import annotate
+
+        annotate.banner(image, verdict)
 
     def summary(self, result: Any) -> tuple[str, int, float]:
         """(label, class index, score) for the PLC's result registers; ("", -1, nan) if none."""

@@ -17,6 +17,7 @@ from ..backends.checks import Dim, Subject, TensorSpec, fmt
 from ..config import ModelConfig, _Strict
 from ..errors import ConfigError
 from .base import OipOutput, Rows, Task
+from .geometry import Size
 
 
 class OutputSpec(_Strict):
@@ -95,9 +96,15 @@ class Classification(Task):
     def __init__(self, config: ClassificationConfig) -> None:
         super().__init__(config)
         self.labels = config.output.labels
-        self._ok = frozenset(config.verdict.ok_labels)
-        self._threshold = config.verdict.ok_threshold
+        # (ok labels, threshold): one object, swapped whole by reconfigure
+        self._rule = (frozenset(config.verdict.ok_labels), config.verdict.ok_threshold)
         self._scores: str | None = None  # the model output holding the scores (bound at load)
+
+    def reconfigure(self, config: ModelConfig) -> None:
+        assert isinstance(config, ClassificationConfig)
+        rule = (frozenset(config.verdict.ok_labels), config.verdict.ok_threshold)
+        self.config = config
+        self._rule = rule
 
     # --- the model ----------------------------------------------------------------------------
 
@@ -145,7 +152,8 @@ class Classification(Task):
     def _raw(self, outputs: Mapping[str, Any]) -> Any:
         return outputs[self._scores] if self._scores is not None else next(iter(outputs.values()))
 
-    def postprocess(self, outputs: Mapping[str, Any], rows: Rows) -> list[tuple[str, Classified]]:
+    def postprocess(self, outputs: Mapping[str, Any], rows: Rows,
+                    sizes: Sequence[Size] | None = None) -> list[tuple[str, Classified]]:
         """NG unless the top label is one of ``verdict.ok_labels`` with score >=
         ``ok_threshold``."""
         return self.classify(np.asarray(self._raw(outputs))[rows])
@@ -155,12 +163,13 @@ class Classification(Task):
         labels = self.labels
         if raw.ndim != 2 or raw.shape[1] != len(labels):
             raise ValueError(f"model output shape {raw.shape} does not match {len(labels)} labels")
+        ok_labels, threshold = self._rule  # once: a verdict change applies from the next batch
         scores = activate(raw, self.config.output.activation)
         top = scores.argmax(axis=1)
         out = []
         for i, t in enumerate(top):
             label, score = labels[t], float(scores[i, t])
-            ok = label in self._ok and score >= self._threshold
+            ok = label in ok_labels and score >= threshold
             out.append(("OK" if ok else "NG", Classified(label, int(t), score, scores[i])))
         return out
 
@@ -184,6 +193,11 @@ class Classification(Task):
         return {"label": result.label, "score": round(result.score, 6),
                 "scores": {label: round(float(s), 6)
                            for label, s in zip(self.labels, result.scores)}}
+
+    def annotate(self, image: np.ndarray, verdict: str, result: Classified) -> None:
+        from . import annotate
+
+        annotate.banner(image, verdict, [f"{result.label} {result.score:.2f}"])
 
     def summary(self, result: Classified) -> tuple[str, int, float]:
         return result.label, result.index, result.score

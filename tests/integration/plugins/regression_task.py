@@ -69,7 +69,8 @@ class Regression(Task):
             raise subject.error("output.tensor_name", "one value per frame", f"[{batch}]",
                                 fmt(list(shape)), "name the output that holds it")
 
-    def postprocess(self, outputs: Mapping[str, Any], rows: Rows) -> list[tuple[str, Measured]]:
+    def postprocess(self, outputs: Mapping[str, Any], rows: Rows,
+                    sizes: Any = None) -> list[tuple[str, Measured]]:
         values = np.asarray(outputs[self._name]).reshape(-1)[rows].astype(np.float64)
         v = self.config.verdict
         return [("OK" if abs(x - v.target) <= v.tolerance else "NG", Measured(float(x)))

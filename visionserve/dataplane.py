@@ -13,7 +13,7 @@ process is sent. Its ``task`` renders answers (:mod:`visionserve.tasks`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -138,6 +138,13 @@ class DataPlane(Protocol):
 
     def count_error(self, model: str, exc: VisionServeError, frames: int = 0) -> None:
         """Count a request a front end answered with ``exc`` before the data plane saw it."""
+        ...
+
+    async def verdict(self, name: str, changes: Mapping | None = None,
+                      caller: Mapping | None = None) -> dict:
+        """Model ``name``'s ``[verdict]`` settings; with ``changes``, set those first (validated,
+        written to its model.toml, in force from the next batch; ``caller`` goes to the audit
+        line)."""
         ...
 
     async def statistics(self, name: str = "", version: str | int | None = None

@@ -13,16 +13,19 @@ finishes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
+import json
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from . import imaging, metrics, tasks
+from . import imaging, metrics, tasks, verdicts
 from .backends import base as backends
 from .backends import checks
 from .batching import Batcher, CostModel
@@ -44,6 +47,8 @@ if TYPE_CHECKING:
     from .gpu.reservation import GpuReservation
 
 log = logging.getLogger(__name__)
+#: one line per change of a model's [verdict], with old and new values and the caller
+audit = logging.getLogger("visionserve.audit")
 
 MAX_DEADLINE_MS = 3_600_000.0
 
@@ -116,6 +121,10 @@ class Engine(ModelLookup):
         # the PLC result bus (visionserve.plc.bus.ResultBus) while a PLC server runs: every frame's
         # final answer (verdict, LATE, error) is handed to it here, whichever front end asked
         self.results = None
+        # changes of the served models' settings ([verdict]): the front-end processes are sent
+        # the models again when it moves; one lock per model serialises the changes
+        self.generation = 0
+        self._verdict_locks: dict[str, asyncio.Lock] = {}
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -292,6 +301,42 @@ class Engine(ModelLookup):
         from prometheus_client import generate_latest
 
         return generate_latest()
+
+    # --- verdict settings ----------------------------------------------------------------------
+
+    async def verdict(self, name: str, changes: Mapping | None = None,
+                      caller: Mapping | None = None) -> dict:
+        """Model ``name``'s ``[verdict]`` in force; with ``changes``, set those fields first:
+        validated by the task's schema (InvalidInput names the field, nothing changes), written
+        to its model.toml atomically, and in force for every served version from the next batch
+        on (each task swaps its settings whole). Changes of one model run one at a time, so two
+        racing requests each apply whole, in some order, and the file holds the last."""
+        entry = self.entry(name)
+        if changes is None:
+            return verdicts.current(entry.config)
+        lock = self._verdict_locks.setdefault(name, asyncio.Lock())
+        async with lock:
+            entry = self.entries[name]
+            old = verdicts.current(entry.config)
+            toml = entry.path / "model.toml"
+            config, text = await asyncio.to_thread(verdicts.change, toml, changes)
+            await asyncio.to_thread(verdicts.write_atomic, toml, text)
+            self.entries[name] = dataclasses.replace(entry, config=config)
+            section = getattr(config, verdicts.SECTION)
+            for (n, _), served in list(self.served.items()):
+                if n == name:
+                    served.config = served.config.model_copy(
+                        update={verdicts.SECTION: section})
+                    assert served.task is not None
+                    served.task.reconfigure(served.config)
+            self.generation += 1
+            new = verdicts.current(config)
+        who = dict(caller or {})
+        audit.info("verdict of model %s changed by %s: %s -> %s", name,
+                   who.get("client", "?"), json.dumps(old), json.dumps(new),
+                   extra={"model": name, "audit": {"action": "verdict", "model": name,
+                                                   "old": old, "new": new, "caller": who}})
+        return new
 
     # --- inference ---------------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        for key in ("request_id", "model", "part_id"):
+        for key in ("request_id", "model", "part_id", "audit"):
             if hasattr(record, key):
                 entry[key] = getattr(record, key)
         if record.exc_info:

@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("foundation", frozenset({"", "errors", "config", "plugins", "logs", "metrics", "latency",
                               "extras", "process"})),
     ("frames and devices", frozenset({"imaging", "gpu"})),
-    ("models", frozenset({"backends", "tasks", "repository"})),
+    ("models", frozenset({"backends", "tasks", "repository", "verdicts"})),
     ("data plane", frozenset({"dataplane", "batching", "runner", "engine", "oip"})),
     ("front ends", frozenset({"http", "grpc", "frontends", "security"})),
     ("services", frozenset({"guard", "plc", "ops"})),

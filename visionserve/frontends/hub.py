@@ -13,6 +13,8 @@ Messages (tuples) a front end sends:
   ``("count", model, kind)``: the front end answered a request with an error before sending it
   here (bad body, unknown model, ...); counted in this process's metrics, as all answers are.
   ``("stats", rid, model, version)`` and ``("metrics", rid)``.
+  ``("verdict", rid, model, changes, caller)``: the model's ``[verdict]`` (``changes`` None), or
+  set (``Engine.verdict``); every front end is then sent the models again.
 and what the hub sends back:
   ``("state", ready, draining, {(model, version): ready}, models)``: on connect and on every
   change; ``models`` (the repository entries and the served versions' configs) only when they
@@ -56,7 +58,8 @@ class Link:
         self.index = index
         self.arena = arena
         self.channel: Channel | None = None
-        self.models_sent = -1  # how many served versions this front end has been told of
+        # (served versions, settings generation) this front end has been told of
+        self.models_sent: tuple[int, int] = (-1, -1)
         # request id -> its frame's future (or their gather), its model, its number of frames
         self.tasks: dict[int, tuple[asyncio.Future, str, int]] = {}
         self.lost = asyncio.Event()
@@ -104,12 +107,29 @@ class Link:
                 self.ch.send(("reply", rid, stats))
             except VisionServeError as exc:
                 self._error(rid, exc)
+        elif kind == "verdict":
+            _, rid, name, changes, caller = msg
+            task = asyncio.get_running_loop().create_task(self._verdict(rid, name, changes, caller))
+            self.hub.background.add(task)
+            task.add_done_callback(self.hub.background.discard)
         elif kind == "metrics":
             from prometheus_client import generate_latest
 
             self.ch.send(("reply", msg[1], generate_latest()))
         else:
             log.error("front end %d sent an unknown message %r", self.index, kind)
+
+    async def _verdict(self, rid: int, name: str, changes, caller) -> None:
+        try:
+            self.ch.send(("reply", rid, await self.hub.engine.verdict(name, changes, caller)))
+        except VisionServeError as exc:
+            self._error(rid, exc)
+        except Exception:
+            log.exception("verdict of model %s for front end %d failed", name, self.index)
+            self._error(rid, InternalError(INTERNAL_MESSAGE))
+        else:
+            if changes is not None:
+                self.hub.publish()  # the new settings to every front end (their tasks render)
 
     def _frame(self, desc: tuple) -> Frame:
         kind, width, height, channels, shape, off, n, inline = desc
@@ -169,6 +189,7 @@ class Hub:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.links: dict[int, Link] = {}
+        self.background: set[asyncio.Task] = set()  # running verdict changes, kept from the GC
         self._last: tuple | None = None
         self._watcher: asyncio.Task | None = None
 
@@ -190,17 +211,18 @@ class Hub:
 
     def _state(self) -> tuple:
         e = self.engine
-        return (e.ready, e.draining, {k: s.ready for k, s in e.served.items()})
+        return (e.ready, e.draining, {k: s.ready for k, s in e.served.items()},
+                getattr(e, "generation", 0))
 
     def _send_state(self, link: Link) -> None:
-        ready, draining, per_model = self._state()
+        ready, draining, per_model, generation = self._state()
         models = None
         served = self.engine.served
-        if link.models_sent != len(served):
+        if link.models_sent != (len(served), generation):
             models = (self.engine.entries, {
                 k: ModelView.of(s)
                 for k, s in served.items()})
-            link.models_sent = len(served)
+            link.models_sent = (len(served), generation)
         link.ch.send(("state", ready, draining, per_model, models))
 
     def publish(self) -> None:

@@ -76,7 +76,13 @@ class RemoteEngine(ModelLookup):
             if models is not None:
                 entries, infos = models
                 self.entries = entries
-                self.served = {k: self.served.get(k) or view for k, view in infos.items()}
+                served = {}
+                for k, view in infos.items():
+                    mine = self.served.get(k)
+                    if mine is not None:  # kept (its stats), with the settings now in force
+                        mine.config, mine.task = view.config, view.task
+                    served[k] = mine or view
+                self.served = served
             for k, r in per_model.items():
                 if k in self.served:
                     self.served[k].ready = r
@@ -266,6 +272,13 @@ class RemoteEngine(ModelLookup):
                 view.stats = stats
                 out.append(view)
         return out
+
+    async def verdict(self, name: str, changes=None, caller=None) -> dict:
+        """Asked of the engine process, which changes the file and every process's settings."""
+        self.entry(name)
+        fut, _ = self._call("verdict", name, None if changes is None else dict(changes),
+                            None if caller is None else dict(caller))
+        return await fut
 
     async def metrics_text(self) -> bytes:
         fut, _ = self._call("metrics")

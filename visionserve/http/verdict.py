@@ -1,0 +1,71 @@
+"""A model's verdict settings, read and changed while it serves: ``GET``/``PUT
+/v1/models/{m}/verdict``.
+
+The body of a ``PUT`` is a JSON object of ``[verdict]`` fields to set (the others keep their
+values; ``null`` puts a field back to its default). The engine validates it by the model's
+``model.toml`` schema, writes the file and swaps the served settings (:meth:`DataPlane.verdict`);
+this route only translates. The caller (client address, request id, and the ``X-Operator``
+header when sent) goes to the audit line.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from ..errors import InvalidInput
+from ..logs import request_id
+from .common import engine_of, read_body, settings_of
+from .schemas import ERRORS
+
+router = APIRouter(tags=["Verdict"])
+
+#: a [verdict] section is a few numbers and polygons
+MAX_BODY = 256 * 1024
+
+
+class VerdictAnswer(BaseModel):
+    model: str
+    verdict: dict[str, Any] = Field(
+        ..., description="The model's [verdict] in force (every field, defaults included).")
+
+
+_PUT_BODY = {"requestBody": {"required": True, "content": {"application/json": {
+    "schema": {"type": "object", "additionalProperties": True},
+    "example": {"image_threshold": 0.6}}},
+    "description": "[verdict] fields of the model's model.toml to set; null: back to the "
+                   "default. Validated like model.toml; 400 and nothing changed otherwise."},
+    "parameters": [{"name": "X-Operator", "in": "header", "required": False,
+                    "schema": {"type": "string"},
+                    "description": "Who makes the change, for the audit line."}]}
+
+
+@router.get("/v1/models/{model_name}/verdict", response_model=VerdictAnswer, responses=ERRORS,
+            summary="The model's verdict settings")
+async def get_verdict(request: Request, model_name: str) -> JSONResponse:
+    values = await engine_of(request).verdict(model_name)
+    return JSONResponse({"model": model_name, "verdict": values})
+
+
+@router.put("/v1/models/{model_name}/verdict", response_model=VerdictAnswer, responses=ERRORS,
+            openapi_extra=_PUT_BODY, summary="Change the model's verdict settings")
+async def put_verdict(request: Request, model_name: str) -> JSONResponse:
+    engine = engine_of(request)
+    engine.entry(model_name)  # 404 before the body
+    body = await read_body(request, MAX_BODY, settings_of(request).body_timeout_s)
+    try:
+        changes = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidInput(f"the body is not JSON: {exc}") from None
+    if not isinstance(changes, dict):
+        raise InvalidInput("the body must be a JSON object of [verdict] fields to change")
+    client = request.client
+    caller = {"client": f"{client.host}:{client.port}" if client else "?",
+              "request_id": request_id.get(),
+              "operator": request.headers.get("x-operator")}
+    values = await engine.verdict(model_name, changes, caller)
+    return JSONResponse({"model": model_name, "verdict": values})

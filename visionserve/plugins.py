@@ -78,6 +78,7 @@ TASKS = Registry("task", "visionserve.tasks", {
     "classification": "visionserve.tasks.classification:Classification",
     "anomaly": "visionserve.tasks.anomaly:AnomalyDetection",
     "detection": "visionserve.tasks.detection:DetectionTask",
+    "segmentation": "visionserve.tasks.segmentation:SegmentationTask",
 })
 
 BACKENDS = Registry("backend", "visionserve.backends", {

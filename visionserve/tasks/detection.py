@@ -178,6 +178,8 @@ class DetectionTask(Task):
         self._tensor: str | None = None  # the detections output (bound at load)
         self._channels_first = True  # yolo: [B, 4+nc, A]
         self._flat = False  # end2end: YOLOv7's [M, 7] for the whole batch
+        #: values per anchor after the class scores (YOLO-seg's mask coefficients)
+        self.extra_columns = 0
 
     # --- the model ----------------------------------------------------------------------------
 
@@ -211,7 +213,11 @@ class DetectionTask(Task):
 
     def _columns(self) -> int:
         """Values per candidate in a yolo / yolo-objectness head."""
-        return 4 + self.nc + (1 if self.config.output.format == "yolo-objectness" else 0)
+        return self._first_class() + self.nc + self.extra_columns
+
+    def _first_class(self) -> int:
+        """The column of the first class score in a yolo / yolo-objectness head."""
+        return 5 if self.config.output.format == "yolo-objectness" else 4
 
     def _check_dims(self, subject: Subject, fld: str, dims: list[Dim]) -> None:
         fmt_ = self.config.output.format
@@ -228,7 +234,8 @@ class DetectionTask(Task):
                                 f"[N, A, {cols}]", fmt(dims), _NAME_IT)
         if fmt_ == "yolo-objectness":
             if dims[2] != cols and isinstance(dims[2], int):
-                raise self._classes_error(subject, dims, dims[2] - 5, cols, "[N, A, 5+classes]")
+                raise self._classes_error(subject, dims, dims[2] - 5 - self.extra_columns, cols,
+                                          "[N, A, 5+classes]")
             self._channels_first = False
             return
         if dims[1] == cols:
@@ -236,11 +243,13 @@ class DetectionTask(Task):
         elif dims[2] == cols:
             self._channels_first = False
         elif isinstance(dims[1], int) and isinstance(dims[2], int):
-            got = min(dims[1], dims[2]) - 4  # the classes axis is the short one
-            raise self._classes_error(subject, dims, got, cols, "[N, 4+classes, A]")
+            got = min(dims[1], dims[2]) - 4 - self.extra_columns  # the short axis: classes
+            form = "[N, 4+classes+masks, A]" if self.extra_columns else "[N, 4+classes, A]"
+            raise self._classes_error(subject, dims, got, cols, form)
 
     def _classes_error(self, subject: Subject, dims: list[Dim], got: int, cols: int,
                        form: str) -> ConfigError:
+        form = form.replace("masks", str(self.extra_columns))
         return subject.error("output.labels", f"{self.nc} labels, but the model's head gives "
                              f"{got} class scores ({form})", form.replace("classes", str(self.nc))
                              + f" = {cols} values per anchor", fmt(dims),
@@ -349,10 +358,10 @@ class DetectionTask(Task):
         x = x[rows]
         if self._channels_first:
             x = x.transpose(0, 2, 1)
-        cand = x[..., :4], x[..., 4:]
+        c0 = self._first_class()
+        boxes, cls = x[..., :4], x[..., c0:c0 + self.nc]
         if fmt_ == "yolo-objectness":
-            cand = x[..., :4], x[..., 5:] * x[..., 4:5]
-        boxes, cls = cand
+            cls = cls * x[..., 4:5]
         classes = cls.argmax(-1)
         scores = np.take_along_axis(cls, classes[..., None], -1)[..., 0].astype(np.float32)
         f, a = np.nonzero((scores >= self.config.output.score_threshold) | np.isnan(scores))
@@ -537,7 +546,10 @@ def select_on_device(task: DetectionTask, outputs: Mapping[str, Any], rows: Rows
     if task._channels_first:
         x = x.transpose(1, 2)
     boxes = x[..., :4]
-    cls = x[..., 5:] * x[..., 4:5] if o.format == "yolo-objectness" else x[..., 4:]
+    c0 = task._first_class()
+    cls = x[..., c0:c0 + task.nc]
+    if o.format == "yolo-objectness":
+        cls = cls * x[..., 4:5]
     scores, classes = cls.max(-1)
     cand = (scores >= o.score_threshold) | torch.isnan(scores)
     f, a = cand.nonzero(as_tuple=True)

@@ -49,21 +49,32 @@ class FrameMap:
         np.clip(out[:, 1::2], 0, self.height, out=out[:, 1::2])
         return out
 
-    def mask(self, m: np.ndarray, input_w: int, input_h: int) -> np.ndarray:
+    def mask(self, m: np.ndarray, input_w: int, input_h: int,
+             window: tuple[int, int, int, int] | None = None) -> np.ndarray:
         """A ``[h, w]`` map over the model input (any resolution proportional to it: a prototype
-        mask, a semantic map) -> ``[height, width]`` over the frame, bilinear; where the model
-        never saw the frame (outside a centre crop) it is 0."""
+        mask, a semantic map) -> ``[height, width]`` over the frame, bilinear (pixel centres
+        aligned, edges replicated as a resize does); where the model never saw the frame (outside
+        a centre crop) it is 0.
+        ``window`` (x1, y1, x2, y2 frame pixels, x2/y2 exclusive): only that part of the frame,
+        ``[y2 - y1, x2 - x1]``."""
         cv2 = imaging._cv2()
         h, w = m.shape
+        x1, y1, x2, y2 = window if window is not None else (0, 0, self.width, self.height)
         sx, sy = w / input_w, h / input_h  # map pixels per model pixel
-        # frame pixel (u, v) -> map pixel: (u / scale_x + offset_x) * sx, centres aligned
-        a = np.array([[sx / self.scale_x, 0, self.offset_x * sx + 0.5 * sx / self.scale_x - 0.5],
-                      [0, sy / self.scale_y, self.offset_y * sy + 0.5 * sy / self.scale_y - 0.5]],
-                     dtype=np.float64)
+        ax, ay = sx / self.scale_x, sy / self.scale_y  # map pixels per frame pixel
+        # frame pixel u -> map pixel ((u + 0.5) / scale_x + offset_x) * sx - 0.5
+        a = np.array([[ax, 0, self.offset_x * sx + (x1 + 0.5) * ax - 0.5],
+                      [0, ay, self.offset_y * sy + (y1 + 0.5) * ay - 0.5]], dtype=np.float64)
         src = np.ascontiguousarray(m, dtype=np.float32)
-        return cv2.warpAffine(src, a, (self.width, self.height),
-                              flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP,
-                              borderMode=cv2.BORDER_CONSTANT, borderValue=0.0)
+        out = cv2.warpAffine(src, a, (max(0, x2 - x1), max(0, y2 - y1)),
+                             flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP,
+                             borderMode=cv2.BORDER_REPLICATE)
+        if self.offset_x < 0 or self.offset_y < 0:  # a centre crop: the frame outside it is 0
+            mx = (np.arange(x1, x2) + 0.5) / self.scale_x + self.offset_x
+            my = (np.arange(y1, y2) + 0.5) / self.scale_y + self.offset_y
+            out[:, (mx < 0) | (mx >= input_w)] = 0.0
+            out[(my < 0) | (my >= input_h), :] = 0.0
+        return out
 
 
 def frame_maps(spec: InputSpec, sizes: Sequence[Size] | None, n: int) -> list[FrameMap]:

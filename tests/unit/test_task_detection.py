@@ -313,3 +313,13 @@ def test_annotated_frame_shows_boxes_and_verdict():
     img = np.full((64, 64, 3), 128, np.uint8)
     t.annotate(img, verdict, r)
     assert (img != 128).any(axis=2).sum() > 200  # banner, ROI and box drawn
+
+
+def test_new_verdict_rules_apply_from_the_next_batch():
+    t = make({"format": "end2end", "labels": ["a"]})
+    t.bind(SUBJECT, [TensorSpec("out", (N, 1, 6), "float32")])
+    out = {"out": np.array([[[10, 10, 40, 40, 0.9, 0]]], np.float32)}
+    assert t.postprocess(out, slice(0, 1))[0][0] == "NG"
+    data = t.config.model_dump() | {"verdict": {"defects": {"a": {"min_score": 0.95}}}}
+    t.reconfigure(type(t.config).model_validate(data))
+    assert t.postprocess(out, slice(0, 1))[0][0] == "OK"

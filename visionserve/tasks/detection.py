@@ -316,27 +316,33 @@ class DetectionTask(Task):
         if kept.dropped:
             DEGENERATE.labels(self._model).inc(kept.dropped)
         maps = frame_maps(self.config.input, sizes, n)
-        return self.answers(kept, maps, outputs, rows)
+        return self.answers(kept, maps, outputs, rows, self.judge)
+
+    def reconfigure(self, config: ModelConfig) -> None:
+        """New ``[verdict]`` rules: built first, then swapped whole; a batch reads them once."""
+        assert isinstance(config, DetectionConfig)
+        self.judge = Judge(config.verdict, config.output.labels)
+        self.config = config
 
     def answers(self, kept: Kept, maps: Sequence[FrameMap], outputs: Mapping[str, Any],
-                rows: Rows) -> list[tuple[str, Detected]]:
+                rows: Rows, judge: Judge) -> list[tuple[str, Detected]]:
         """One (verdict, Detected) per frame from the batch's kept detections."""
         bounds = np.searchsorted(kept.frame, np.arange(len(maps) + 1))
         out = []
         for j, m in enumerate(maps):
             a, b = bounds[j], bounds[j + 1]
             boxes = m.boxes(kept.boxes[a:b])
-            out.append(self.frame(boxes, kept.scores[a:b], kept.classes[a:b], None))
+            out.append(self.frame(judge, boxes, kept.scores[a:b], kept.classes[a:b], None))
         return out
 
-    def frame(self, boxes: np.ndarray, scores: np.ndarray, classes: np.ndarray,
+    def frame(self, judge: Judge, boxes: np.ndarray, scores: np.ndarray, classes: np.ndarray,
               masks: Sequence[Any] | None, areas: Sequence[float] | None = None
               ) -> tuple[str, Detected]:
         """A frame's detections in frame pixels -> its verdict and answer."""
         if areas is None:
             areas = ((boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])).tolist()
         labels = [self.labels[c] for c in classes.tolist()]
-        verdict, reasons = self.judge.judge(labels, scores.tolist(), boxes, areas)
+        verdict, reasons = judge.judge(labels, scores.tolist(), boxes, areas)
         dets = tuple(Detection(label, int(c), float(s), (float(bx[0]), float(bx[1]),
                                                           float(bx[2]), float(bx[3])),
                                float(ar), masks[i] if masks is not None else None)

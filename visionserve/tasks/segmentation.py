@@ -35,6 +35,7 @@ from .classification import activate
 from .detection import Detected, DetectionConfig, DetectionOutput, DetectionTask, Kept, row_ids
 from .geometry import FrameMap, Size, frame_maps
 from .regions import find_regions
+from .rules import Judge
 
 
 class SegmentationOutput(DetectionOutput):
@@ -190,7 +191,8 @@ class SegmentationTask(DetectionTask):
             x = self._probabilities_on_device(x, rows)
         else:
             x = activate_map(np.asarray(x)[rows], self.config.output.activation)
-        return [self._semantic_frame(x[j], m) for j, m in enumerate(maps)]
+        judge = self.judge
+        return [self._semantic_frame(x[j], m, judge) for j, m in enumerate(maps)]
 
     def _probabilities_on_device(self, x: Any, rows: Rows) -> np.ndarray:
         import torch
@@ -207,7 +209,8 @@ class SegmentationTask(DetectionTask):
             x = x.sigmoid()
         return x.cpu().numpy()
 
-    def _semantic_frame(self, probs: np.ndarray, m: FrameMap) -> tuple[str, Detected]:
+    def _semantic_frame(self, probs: np.ndarray, m: FrameMap, judge: Judge
+                        ) -> tuple[str, Detected]:
         """One frame's class probabilities ``[C, H, W]`` -> regions of each class present."""
         o = self.config.output
         best = probs.argmax(0)
@@ -234,12 +237,12 @@ class SegmentationTask(DetectionTask):
         order = np.argsort(-np.asarray(scores, dtype=np.float64), kind="stable")
         order = order[:o.max_detections]
         b = np.asarray(boxes, dtype=np.float32).reshape(-1, 4)[order]
-        return self.frame(b, np.asarray(scores, np.float32)[order],
+        return self.frame(judge, b, np.asarray(scores, np.float32)[order],
                           np.asarray(classes, np.int64)[order], [masks[i] for i in order],
                           [areas[i] for i in order])
 
     def answers(self, kept: Kept, maps: Sequence[FrameMap], outputs: Mapping[str, Any],
-                rows: Rows) -> list[tuple[str, Detected]]:
+                rows: Rows, judge: Judge) -> list[tuple[str, Detected]]:
         """YOLO-seg: each kept box's mask from its coefficients and its frame's prototypes."""
         assert self._proto is not None
         low = self._low_res_masks(kept, outputs, rows)  # [M, h, w] after the sigmoid
@@ -257,7 +260,7 @@ class SegmentationTask(DetectionTask):
                 full[y1:y2, x1:x2] = m.mask(low[k], iw, ih, (x1, y1, x2, y2)) > thr
                 masks.append(rle(full))
                 areas.append(float(full[y1:y2, x1:x2].sum()))
-            out.append(self.frame(boxes, kept.scores[a:b], kept.classes[a:b], masks, areas))
+            out.append(self.frame(judge, boxes, kept.scores[a:b], kept.classes[a:b], masks, areas))
         return out
 
     def _low_res_masks(self, kept: Kept, outputs: Mapping[str, Any], rows: Rows) -> np.ndarray:

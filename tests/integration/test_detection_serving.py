@@ -1,0 +1,370 @@
+"""Detectors served by a real ``visionserve serve``, held to an independent reference (issue 17).
+
+Each model is a ``model.toml`` and an ONNX file exported here with plain torch
+(``tests/tools/detmodels.py``): every output format (``yolo`` [B, 4+nc, A] and its transpose,
+``yolo-objectness``, ``end2end``, ``boxes`` with a count) and every resize (letterbox, stretch,
+centre crop), with frames of other sizes and aspects than the models' inputs. What the server
+answers over the inspect API, OIP HTTP in JSON and in the binary extension (tritonclient.http)
+and gRPC (tritonclient.grpc) must equal what ``tests/tools/detref.py`` computes from the same
+ONNX file with onnxruntime, torchvision's NMS and its own decoding and geometry:
+
+- the same objects: same count, each with the same class;
+- boxes within :data:`BOX_TOL` frame pixels (the inspect API rounds to 0.01 px; the reference
+  and the server run the same file, so anything larger is a decoding or geometry fault: a
+  letterbox offset off by half a model pixel moves a box by several frame pixels here);
+- scores within :data:`SCORE_TOL`.
+
+Also: a model.toml that does not fit its model is refused at load with the model, the output and
+the expected and actual shapes named; a frame with nothing in it is a normal answer; degenerate
+boxes from a model are dropped (and counted), never a 500.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+import signal
+from pathlib import Path
+
+import cv2
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from conftest import start_server
+
+from tests.tools import detmodels as dm
+from tests.tools import detref
+
+BOX_TOL = 0.1  # frame pixels
+SCORE_TOL = 1e-4
+MODELS = list(dm.DETECTORS)
+OIP = ("num_detections", "detection_boxes", "detection_scores", "detection_classes")
+
+THREE = [("red", 0.10, 0.15, 0.40, 0.50), ("green", 0.50, 0.55, 0.70, 0.90),
+         ("blue", 0.72, 0.10, 0.95, 0.40)]
+#: red and green side by side, blue drawn over red's corner: windows of different classes
+#: overlap, so class-aware and class-agnostic NMS keep different boxes
+TOUCHING = [("red", 0.10, 0.20, 0.50, 0.60), ("green", 0.50, 0.20, 0.90, 0.60),
+            ("blue", 0.35, 0.50, 0.60, 0.85)]
+
+#: name -> (width, height, rectangles, encoding)
+FRAMES = {
+    "landscape": (640, 480, THREE, ".png"),
+    "portrait": (360, 480, THREE, ".png"),
+    "banner": (1000, 300, THREE, ".jpg"),  # JPEG: the reference decodes the same bytes
+    "touching": (500, 500, TOUCHING, ".png"),
+    "small": (48, 40, [("green", 0.15, 0.2, 0.85, 0.8)], ".png"),  # smaller than every input
+    "empty": (320, 240, [], ".png"),
+}
+MEDIA = {".png": "image/png", ".jpg": "image/jpeg"}
+
+
+def encoded(name: str) -> bytes:
+    w, h, rects, ext = FRAMES[name]
+    ok, buf = cv2.imencode(ext, dm.scene(w, h, rects))
+    assert ok
+    return buf.tobytes()
+
+
+def decoded(name: str) -> np.ndarray:
+    """The frame as the server sees it (the same decoder, on the same bytes)."""
+    return cv2.imdecode(np.frombuffer(encoded(name), np.uint8), cv2.IMREAD_COLOR)
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory) -> Path:
+    return dm.make_repo(tmp_path_factory.mktemp("detrepo"), MODELS)
+
+
+@pytest.fixture(scope="module")
+def server(repo, tmp_path_factory):
+    s = start_server(repo, tmp_path_factory.mktemp("detsrv"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(repo):
+    """``expected(model, frame)`` -> the reference's objects (computed once each)."""
+    refs = {m: detref.Reference(repo / m) for m in MODELS}
+    cache: dict[tuple[str, str], list[detref.Det]] = {}
+
+    def get(model: str, frame: str) -> list[detref.Det]:
+        if (model, frame) not in cache:
+            cache[model, frame] = refs[model](decoded(frame))
+        return cache[model, frame]
+
+    get.refs = refs  # type: ignore[attr-defined]
+    return get
+
+
+def check(want: list[detref.Det], got: list[dict]) -> None:
+    assert len(got) == len(want), f"expected {len(want)} objects, served {len(got)}"
+    detref.match(want, got, box_tol=BOX_TOL, score_tol=SCORE_TOL)
+    scores = [g["score"] for g in got]
+    assert scores == sorted(scores, reverse=True), "detections not highest score first"
+
+
+def from_oip(arrays: dict[str, np.ndarray], i: int, labels: tuple[str, ...]) -> list[dict]:
+    """Frame ``i``'s detections from the EfficientNMS-style tensors; rows past the count zero."""
+    n = int(arrays["num_detections"][i])
+    boxes, scores = arrays["detection_boxes"][i], arrays["detection_scores"][i]
+    classes = arrays["detection_classes"][i]
+    assert not boxes[n:].any() and not scores[n:].any() and not classes[n:].any()
+    return [{"label": labels[int(classes[j])], "score": float(scores[j]),
+             "box": boxes[j].tolist()} for j in range(n)]
+
+
+def labels_of(model: str) -> tuple[str, ...]:
+    return dm.LABELS
+
+
+# --- the models and the reference agree with the drawing --------------------------------------
+
+@pytest.mark.parametrize("model", MODELS)
+def test_the_reference_finds_the_drawn_rectangles(expected, model):
+    """Not the server: a check that the test models and the reference do what the frames are
+    drawn for, so that the comparisons below compare something. The best object of each colour
+    lies mostly on its rectangle (a centre crop cuts the blue one; the boxes model counts only
+    its best few); the empty frame has none."""
+    w, h, rects, _ = FRAMES["landscape"]
+    dets = expected(model, "landscape")
+    if model == "det-boxes":
+        rects = [r for r in rects if any(d.label == r[0] for d in dets)]
+        assert len(rects) >= 2
+    for label, x1, y1, x2, y2 in rects:
+        b = max((d for d in dets if d.label == label), key=lambda d: d.score).box
+        inter = max(0, min(b[2], x2 * w) - max(b[0], x1 * w)) * \
+            max(0, min(b[3], y2 * h) - max(b[1], y1 * h))
+        assert inter >= 0.4 * (b[2] - b[0]) * (b[3] - b[1]), (label, b)
+    assert expected(model, "empty") == []
+    assert expected(model, "small") != []
+
+
+def test_nms_has_work_to_do_and_the_class_agnostic_model_does_it_across_classes(expected):
+    ref = expected.refs["det-yolo"]
+    boxes, scores, classes, _ = ref.candidates(ref.raw([decoded("landscape")]), 0)
+    passing = detref.select(boxes, scores, classes, threshold=0.3, iou=None, top_k=10_000)
+    kept = detref.select(boxes, scores, classes, threshold=0.3, iou=0.45, top_k=10_000)
+    assert len(passing) - len(kept) >= 10
+    ref = expected.refs["det-objectness"]
+    boxes, scores, classes, _ = ref.candidates(ref.raw([decoded("touching")]), 0)
+    aware = detref.select(boxes, scores, classes, threshold=0.3, iou=0.45, top_k=300)
+    agnostic = detref.select(boxes, scores, classes, threshold=0.3, iou=0.45, agnostic=True,
+                             top_k=300)
+    assert len(agnostic) < len(aware) < 300
+    assert [d.score for d in expected("det-objectness", "touching")] == scores[agnostic].tolist()
+
+
+def test_the_boxes_model_has_rows_past_its_count_that_would_pass_the_threshold(expected):
+    """So a server that read past ``num`` would answer more than the reference."""
+    ref = expected.refs["det-boxes"]
+    out = ref.raw([decoded("landscape")])
+    n = int(out["num"][0])
+    assert n < out["scores"].shape[1] and (out["scores"][0, n:] >= 0.3).any()
+
+
+# --- the same answers over every protocol ----------------------------------------------------
+
+@pytest.mark.parametrize("frame", list(FRAMES))
+@pytest.mark.parametrize("model", MODELS)
+def test_inspect_api(server, expected, model, frame):
+    r = httpx.post(f"{server.url}/v1/models/{model}/inspect", content=encoded(frame),
+                   headers={"Content-Type": MEDIA[FRAMES[frame][3]], "X-Part-Id": frame},
+                   timeout=30)
+    assert r.status_code == 200, r.text
+    a = r.json()
+    want = expected(model, frame)
+    check(want, a["detections"])
+    for d in a["detections"]:
+        assert dm.LABELS[d["class"]] == d["label"]
+        x1, y1, x2, y2 = d["box"]
+        assert d["area"] == pytest.approx((x2 - x1) * (y2 - y1), rel=1e-3, abs=0.5)
+    # no [verdict] section: every label is a defect, so any object makes the part NG
+    assert a["verdict"] == ("NG" if want else "OK") and a["part_id"] == frame
+    assert {x["rule"] for x in a["reasons"]} == {f"defect:{d.label}" for d in want}
+
+
+def bytes_frames() -> list[bytes]:
+    return [encoded(f) for f in FRAMES]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_oip_http_json(server, expected, model):
+    """All frames in one request (mixed sizes in one batch: each keeps its own geometry)."""
+    req = {"inputs": [{"name": "image", "datatype": "BYTES", "shape": [len(FRAMES)],
+                       "data": [base64.b64encode(b).decode() for b in bytes_frames()]}]}
+    r = httpx.post(f"{server.url}/v2/models/{model}/infer", json=req, timeout=60)
+    assert r.status_code == 200, r.text
+    out = {o["name"]: o for o in r.json()["outputs"]}
+    assert list(out) == [*OIP, "reasons", "verdict"]
+    k = next(o for o in out.values() if o["name"] == "detection_scores")["shape"][1]
+    n = len(FRAMES)
+    assert out["detection_boxes"]["shape"] == [n, k, 4]
+    assert (out["num_detections"]["datatype"], out["detection_classes"]["datatype"]) == \
+        ("INT32", "INT32")
+    arrays = {name: np.asarray(out[name]["data"]).reshape(out[name]["shape"]) for name in OIP}
+    for i, frame in enumerate(FRAMES):
+        check(expected(model, frame), from_oip(arrays, i, labels_of(model)))
+    verdicts = out["verdict"]["data"]
+    assert verdicts == ["NG" if expected(model, f) else "OK" for f in FRAMES]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_oip_http_binary_with_tritonclient(server, expected, model):
+    client = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+    try:
+        inp = httpclient.InferInput("image", [len(FRAMES)], "BYTES")
+        inp.set_data_from_numpy(np.array(bytes_frames(), dtype=object), binary_data=True)
+        res = client.infer(model, [inp], outputs=[
+            httpclient.InferRequestedOutput(n, binary_data=True) for n in (*OIP, "verdict")])
+        arrays = {n: res.as_numpy(n) for n in OIP}
+        assert arrays["detection_boxes"].dtype == np.float32
+        for i, frame in enumerate(FRAMES):
+            check(expected(model, frame), from_oip(arrays, i, labels_of(model)))
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_grpc(server, expected, model):
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        inp = grpcclient.InferInput("image", [len(FRAMES)], "BYTES")
+        inp.set_data_from_numpy(np.array(bytes_frames(), dtype=object))
+        res = client.infer(model, [inp])
+        arrays = {n: res.as_numpy(n) for n in OIP}
+        for i, frame in enumerate(FRAMES):
+            check(expected(model, frame), from_oip(arrays, i, labels_of(model)))
+        verdicts = [v.decode() for v in res.as_numpy("verdict")]
+        assert verdicts == ["NG" if expected(model, f) else "OK" for f in FRAMES]
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("model", ["det-yolo", "det-objectness"])
+def test_raw_rgb_frames(server, expected, model):
+    """UINT8 NHWC RGB pixels (no codec) over gRPC: the same boxes as the encoded frames'."""
+    names = ["landscape", "touching"]
+    frames = [cv2.resize(decoded(f), (400, 300), interpolation=cv2.INTER_NEAREST) for f in names]
+    ref = expected.refs[model]
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        pixels = np.stack([cv2.cvtColor(f, cv2.COLOR_BGR2RGB) for f in frames])
+        inp = grpcclient.InferInput("image", list(pixels.shape), "UINT8")
+        inp.set_data_from_numpy(pixels)
+        res = client.infer(model, [inp])
+        arrays = {n: res.as_numpy(n) for n in OIP}
+        for i, f in enumerate(frames):
+            want = ref(f)
+            assert want
+            check(want, from_oip(arrays, i, labels_of(model)))
+    finally:
+        client.close()
+
+
+def test_model_metadata_and_config(server):
+    client = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+    try:
+        md = client.get_model_metadata("det-yolo")
+        assert md["outputs"] == [
+            {"name": "num_detections", "datatype": "INT32", "shape": [-1]},
+            {"name": "detection_boxes", "datatype": "FP32", "shape": [-1, 40, 4]},
+            {"name": "detection_scores", "datatype": "FP32", "shape": [-1, 40]},
+            {"name": "detection_classes", "datatype": "INT32", "shape": [-1, 40]},
+            {"name": "reasons", "datatype": "BYTES", "shape": [-1]},
+            {"name": "verdict", "datatype": "BYTES", "shape": [-1]}]
+        params = client.get_model_config("det-yolo")["parameters"]
+        assert params["labels"] == {"string_value": "red,green,blue"}
+        assert params["format"] == {"string_value": "yolo"}
+    finally:
+        client.close()
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+def test_a_frame_with_nothing_in_it_is_a_normal_answer(server):
+    for model in MODELS:
+        r = httpx.post(f"{server.url}/v1/models/{model}/inspect", content=encoded("empty"),
+                       headers={"Content-Type": "image/png"}, timeout=30)
+        assert r.status_code == 200, r.text
+        a = r.json()
+        assert (a["verdict"], a["detections"], a["reasons"]) == ("OK", [], [])
+
+
+#: the degenerate model's broken anchors are the top row's first three 8x8 windows; a frame of
+#: the model's aspect (no letterbox pad) with red there makes them score
+DEGENERATE_FRAME = dm.scene(480, 320, [("red", 0.0, 0.0, 0.3, 0.2), ("blue", 0.6, 0.5, 0.9, 0.9)])
+
+
+def test_degenerate_boxes_are_dropped_and_counted(server, expected):
+    ref = expected.refs["det-degenerate"]
+    boxes, scores, _, _ = ref.candidates(ref.raw([DEGENERATE_FRAME]), 0)
+    broken = ~detref.valid(boxes, scores) & (scores >= 0.3)
+    assert sorted(np.nonzero(broken)[0].tolist()) == sorted(dm.DEGENERATE)  # they would pass
+    want = ref(DEGENERATE_FRAME)
+    png = cv2.imencode(".png", DEGENERATE_FRAME)[1]
+    r = httpx.post(f"{server.url}/v1/models/det-degenerate/inspect", content=png.tobytes(),
+                   headers={"Content-Type": "image/png"}, timeout=30)
+    assert r.status_code == 200, r.text
+    got = r.json()["detections"]
+    for d in got:
+        x1, y1, x2, y2 = d["box"]
+        assert all(np.isfinite(d["box"])) and x2 > x1 and y2 > y1
+    check(want, got)
+    metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+    m = re.search(r'^visionserve_degenerate_boxes_total\{model="det-degenerate"\} (\S+)$',
+                  metrics, re.MULTILINE)
+    assert m is not None and float(m[1]) >= len(dm.DEGENERATE), \
+        "degenerate boxes not counted in /metrics"
+
+
+# a model.toml that does not fit its model: (model file, [output] lines, labels, task,
+# the field / output named, expected, actual)
+MISFITS = {
+    "wrong rank": ("seg-semantic", 'format = "yolo"', dm.LABELS, "detection",
+                   "output.tensor_name", "[N, 7, A] or [N, A, 7]", "[N, 4, 32, 48]"),
+    "one label too many": ("det-yolo", 'format = "yolo"', (*dm.LABELS, "white"), "detection",
+                           "output.labels", "8 values per anchor", "[N, 7, 414]"),
+    "objectness, one label short": ("det-objectness", 'format = "yolo-objectness"',
+                                    dm.LABELS[:2], "detection", "output.labels",
+                                    "7 values per anchor", "[N, 414, 8]"),
+    "end2end on a raw head": ("det-yolo", 'format = "end2end"', dm.LABELS, "detection",
+                              "output.tensor_name", "[N, K, 6]", "[N, 7, 414]"),
+    "boxes without its count": ("det-boxes", 'format = "boxes"\ncount_tensor = "count"',
+                                dm.LABELS, "detection", "output.count_tensor", "count",
+                                "['boxes', 'scores', 'classes', 'num']"),
+}
+
+
+@pytest.mark.parametrize("case", list(MISFITS))
+async def test_a_model_toml_that_does_not_fit_the_model_is_refused_at_load(tmp_path, case):
+    from visionserve.config import ServerSettings
+    from visionserve.engine import Engine
+    from visionserve.errors import ConfigError
+
+    source, output, labels, task, field, want, got = MISFITS[case]
+    dm.make(source, tmp_path / "misfit", output=output, labels=labels, task=task)
+    eng = Engine(ServerSettings(models=tmp_path), device="cpu")
+    try:
+        with pytest.raises(ConfigError) as info:
+            await eng.start()
+    finally:
+        await eng.close()
+    msg = info.value.message
+    assert "model misfit" in msg and f"field '{field}'" in msg, msg
+    assert want in msg and got in msg, msg
+
+
+def test_the_server_refuses_to_start_on_a_misfit_and_says_why(tmp_path):
+    dm.make("det-yolo", tmp_path / "models" / "misfit", labels=(*dm.LABELS, "white"))
+    s = start_server(tmp_path / "models", tmp_path, grpc=False, wait=False)
+    try:
+        rc = s.proc.wait(120)
+    finally:
+        s.stop(signal.SIGKILL)
+    assert rc != 0
+    log = s.log()
+    assert "misfit" in log and "output.labels" in log and "[N, 7, 414]" in log, log[-2000:]

@@ -36,42 +36,12 @@ from conftest import start_server
 
 from tests.tools import detmodels as dm
 from tests.tools import detref
+from tests.tools.detmodels import FRAMES, MEDIA, decoded, encoded
 
 BOX_TOL = 0.1  # frame pixels
 SCORE_TOL = 1e-4
 MODELS = list(dm.DETECTORS)
 OIP = ("num_detections", "detection_boxes", "detection_scores", "detection_classes")
-
-THREE = [("red", 0.10, 0.15, 0.40, 0.50), ("green", 0.50, 0.55, 0.70, 0.90),
-         ("blue", 0.72, 0.10, 0.95, 0.40)]
-#: red and green side by side, blue drawn over red's corner: windows of different classes
-#: overlap, so class-aware and class-agnostic NMS keep different boxes
-TOUCHING = [("red", 0.10, 0.20, 0.50, 0.60), ("green", 0.50, 0.20, 0.90, 0.60),
-            ("blue", 0.35, 0.50, 0.60, 0.85)]
-
-#: name -> (width, height, rectangles, encoding)
-FRAMES = {
-    "landscape": (640, 480, THREE, ".png"),
-    "portrait": (360, 480, THREE, ".png"),
-    "banner": (1000, 300, THREE, ".jpg"),  # JPEG: the reference decodes the same bytes
-    "touching": (500, 500, TOUCHING, ".png"),
-    "small": (48, 40, [("green", 0.15, 0.2, 0.85, 0.8)], ".png"),  # smaller than every input
-    "empty": (320, 240, [], ".png"),
-}
-MEDIA = {".png": "image/png", ".jpg": "image/jpeg"}
-
-
-def encoded(name: str) -> bytes:
-    w, h, rects, ext = FRAMES[name]
-    ok, buf = cv2.imencode(ext, dm.scene(w, h, rects))
-    assert ok
-    return buf.tobytes()
-
-
-def decoded(name: str) -> np.ndarray:
-    """The frame as the server sees it (the same decoder, on the same bytes)."""
-    return cv2.imdecode(np.frombuffer(encoded(name), np.uint8), cv2.IMREAD_COLOR)
-
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory) -> Path:
@@ -368,3 +338,23 @@ def test_the_server_refuses_to_start_on_a_misfit_and_says_why(tmp_path):
     assert rc != 0
     log = s.log()
     assert "misfit" in log and "output.labels" in log and "[N, 7, 414]" in log, log[-2000:]
+
+
+def test_answers_cross_the_front_end_process_unchanged(repo, expected, server_factory):
+    """With --frontends, answers are made in the engine's process and rendered in another."""
+    s = server_factory(repo, "--frontends", "1")
+    client = grpcclient.InferenceServerClient(s.grpc_url)
+    try:
+        for model in ("det-yolo", "det-boxes"):
+            r = httpx.post(f"{s.url}/v1/models/{model}/inspect", content=encoded("portrait"),
+                           headers={"Content-Type": "image/png"}, timeout=30)
+            assert r.status_code == 200, r.text
+            check(expected(model, "portrait"), r.json()["detections"])
+            inp = grpcclient.InferInput("image", [len(FRAMES)], "BYTES")
+            inp.set_data_from_numpy(np.array(bytes_frames(), dtype=object))
+            res = client.infer(model, [inp])
+            arrays = {n: res.as_numpy(n) for n in OIP}
+            for i, frame in enumerate(FRAMES):
+                check(expected(model, frame), from_oip(arrays, i, labels_of(model)))
+    finally:
+        client.close()

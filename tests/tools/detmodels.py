@@ -217,6 +217,30 @@ def end2end_module(width: int, height: int, k: int = 12, floor: float = 0.2):
     return End2End()
 
 
+def end2end_flat_module(width: int, height: int, k: int = 12, floor: float = 0.2):
+    """YOLOv7's onnxruntime end-to-end export: ``[M, 7]`` rows of batch index, x1, y1, x2, y2,
+    class, score for the whole batch (the K best windows of each frame scoring ``floor`` or
+    more; M varies with the frames), so a server must route rows to frames by their index."""
+    torch = _torch()
+    cand = _module(width, height, FINAL_SCALES)
+
+    class End2EndFlat(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cand = cand
+
+        def forward(self, x):
+            boxes, scores = self.cand(x)
+            top, cls, idx = _top(scores, k)
+            frame = torch.arange(x.shape[0], dtype=top.dtype).unsqueeze(1) * torch.ones_like(top)
+            rows = torch.cat([frame.unsqueeze(2), _gather_rows(_xyxy(boxes), idx),
+                              cls.unsqueeze(2).to(top.dtype), top.unsqueeze(2)], dim=2)
+            rows = rows.reshape(-1, 7)
+            return rows[rows[:, 6] >= floor]
+
+    return End2EndFlat()
+
+
 def boxes_module(width: int, height: int, k: int = 10, count_floor: float = 0.92):
     """Named outputs ``boxes [B, K, 4]`` (x1, y1, x2, y2), ``scores [B, K]``, ``classes [B, K]``
     int64 and ``num [B]`` int32: the K best windows (NMS-free candidates), of which the first
@@ -298,6 +322,8 @@ def export(module, folder: Path, width: int, height: int, outputs: Sequence[str]
     torch = _torch()
     (folder / "1").mkdir(parents=True, exist_ok=True)
     axes = {"images": {0: "batch"}, **{o: {0: "batch"} for o in outputs}}
+    if tuple(outputs) == ("output",):  # YOLOv7's [M, 7]: rows, not frames
+        axes["output"] = {0: "rows"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(module.eval(), (torch.rand(2, 3, height, width),),
@@ -330,6 +356,8 @@ DETECTORS: dict[str, tuple[str, int, int, str, tuple[str, ...]]] = {
                         "max_detections = 300")),
     "det-end2end": ("end2end", 96, 64, "letterbox",
                     ('format = "end2end"', "score_threshold = 0.3", "max_detections = 8")),
+    "det-end2end-v7": ("end2end-v7", 64, 64, "center_crop",
+                       ('format = "end2end"', "score_threshold = 0.3")),
     "det-boxes": ("boxes", 64, 64, "stretch",
                   ('format = "boxes"', 'boxes_tensor = "boxes"', 'scores_tensor = "scores"',
                    'classes_tensor = "classes"', 'count_tensor = "num"',
@@ -351,6 +379,7 @@ BUILDERS = {
     "degenerate": (lambda w, h: yolo_module(w, h, degenerate=True), ("output0",)),
     "objectness": (objectness_module, ("output0",)),
     "end2end": (end2end_module, ("output0",)),
+    "end2end-v7": (end2end_flat_module, ("output",)),
     "boxes": (boxes_module, ("boxes", "scores", "classes", "num")),
     "yolo-seg": (yolo_seg_module, ("output0", "output1")),
     "semantic": (semantic_module, ("logits",)),
@@ -399,6 +428,45 @@ def scene(width: int, height: int, rects: Sequence[tuple[str, float, float, floa
     for label, x1, y1, x2, y2 in rects:
         img[round(y1 * height):round(y2 * height), round(x1 * width):round(x2 * width)] = BGR[label]
     return img
+
+
+THREE = [("red", 0.10, 0.15, 0.40, 0.50), ("green", 0.50, 0.55, 0.70, 0.90),
+         ("blue", 0.72, 0.10, 0.95, 0.40)]
+#: red and green side by side, blue drawn over red's corner: windows of different classes
+#: overlap, so class-aware and class-agnostic NMS keep different boxes
+TOUCHING = [("red", 0.10, 0.20, 0.50, 0.60), ("green", 0.50, 0.20, 0.90, 0.60),
+            ("blue", 0.35, 0.50, 0.60, 0.85)]
+
+#: name -> (width, height, rectangles, encoding)
+FRAMES = {
+    "landscape": (640, 480, THREE, ".png"),
+    "portrait": (360, 480, THREE, ".png"),
+    "banner": (1000, 300, THREE, ".jpg"),  # JPEG: the reference decodes the same bytes
+    "touching": (500, 500, TOUCHING, ".png"),
+    "small": (48, 40, [("green", 0.15, 0.2, 0.85, 0.8)], ".png"),  # smaller than every input
+    "empty": (320, 240, [], ".png"),
+}
+MEDIA = {".png": "image/png", ".jpg": "image/jpeg"}
+
+
+def encoded(name: str) -> bytes:
+    """Frame ``name`` of :data:`FRAMES` as a client sends it."""
+    w, h, rects, ext = FRAMES[name]
+    ok, buf = _cv2().imencode(ext, scene(w, h, rects))
+    assert ok
+    return buf.tobytes()
+
+
+def decoded(name: str) -> np.ndarray:
+    """The frame as the server sees it (the same decoder, on the same bytes)."""
+    cv2 = _cv2()
+    return cv2.imdecode(np.frombuffer(encoded(name), np.uint8), cv2.IMREAD_COLOR)
+
+
+def _cv2():
+    import cv2
+
+    return cv2
 
 
 def main() -> None:

@@ -11,8 +11,12 @@ cropped to the box, thresholded at 0.5), and turn a semantic map into per-class 
 imports nothing of ``visionserve.tasks``.
 
 Conventions it holds the server to: boxes are x1, y1, x2, y2 in frame pixels, clipped to the
-frame; a score at the threshold passes; detections come highest score first; a region's box is
-x1, y1, x2 + 1, y2 + 1 of its pixels.
+frame; a score at the threshold passes; degenerate boxes (no area, NaN) are dropped before NMS;
+detections come highest score first; a YOLO-seg mask is cut to the frame pixels whose centres
+lie in its box; a semantic map's logits are resized to the frame before each pixel takes its
+best class (as HF transformers' and mmsegmentation's post-processing do); a region's box is x1,
+y1, x2 + 1, y2 + 1 of its pixels. YOLOv7's flat end2end rows ``[M, 7]`` go to the frame their
+batch index names.
 """
 
 from __future__ import annotations
@@ -200,6 +204,9 @@ class Reference:
         name = self.session.get_inputs()[0].name
         names = [o.name for o in self.session.get_outputs()]
         per = [self.session.run(None, {name: self.tensor([f])}) for f in frames]
+        if self.format == "end2end" and per[0][0].ndim == 2:  # YOLOv7's rows: number frames
+            for j, p in enumerate(per):
+                p[0][:, 0] = j
         return {n: np.concatenate([p[i] for p in per]) for i, n in enumerate(names)}
 
     def __call__(self, frame: np.ndarray) -> list[Det]:
@@ -247,7 +254,11 @@ class Reference:
                 boxes, scores, classes = boxes[:n], scores[:n], classes[:n]
             return boxes, scores, classes, np.zeros((len(boxes), 0), np.float32)
         head = outputs[o["tensor_name"]] if "tensor_name" in o else self._output(outputs, 0)
-        head = head[row]
+        if fmt == "end2end" and head.ndim == 2:  # YOLOv7: [M, 7] batch, box, class, score
+            rows = head[head[:, 0] == row].astype(np.float32)
+            head = np.concatenate([rows[:, 1:5], rows[:, 6:7], rows[:, 5:6]], axis=1)
+        else:
+            head = head[row]
         if fmt == "end2end":
             rows = head.astype(np.float32)
             cls = np.where(np.isfinite(rows[:, 5]), rows[:, 5], -1).astype(np.int64)
@@ -256,13 +267,28 @@ class Reference:
         return decode_yolo(head, nc, objectness=fmt == "yolo-objectness")
 
     def _semantic(self, outputs: dict[str, np.ndarray], row: int, place: Placement) -> list[Det]:
-        logits = self._output(outputs, 0)[row].astype(np.float32)  # [C, h, w]
-        sampled = place.sample(logits, self.spec.width, self.spec.height)
-        classes = sampled.argmax(axis=0)
+        """Logits sampled onto the frame (bilinear), each pixel its best class, the 8-connected
+        regions of every class but the background; a region's score is the highest
+        probability of its class inside it (probabilities sampled onto the frame too)."""
+        logits = self._output(outputs, 0)[row].astype(np.float64)  # [C, h, w]
+        act = self.out.get("activation", "softmax")
+        if act == "softmax":
+            e = np.exp(logits - logits.max(axis=0, keepdims=True))
+            probs = e / e.sum(axis=0, keepdims=True)
+        elif act == "sigmoid":
+            probs = sigmoid(logits)
+        else:
+            probs = logits
+        w, h = self.spec.width, self.spec.height
+        classes = place.sample(logits, w, h).argmax(axis=0)
+        sampled = place.sample(probs, w, h)
         bg = self.out.get("background")
         background = self.labels.index(bg) if bg in self.labels else None
-        return [Det(label, c, 1.0, box, mask)
-                for label, c, box, mask in regions(classes, self.labels, background)]
+        dets = [Det(label, c, float(sampled[c][mask].max()), box, mask)
+                for label, c, box, mask in regions(classes, self.labels, background)
+                if mask.sum() >= self.out.get("min_area_px", 1)]
+        dets.sort(key=lambda d: -d.score)
+        return dets[:self.out.get("max_detections", 100)]
 
 
 # --- comparing --------------------------------------------------------------------------------

@@ -18,13 +18,9 @@ Every protocol (inspect API, OIP HTTP JSON and binary, gRPC) carries the masks a
 (``detection_masks`` holds the ``counts`` of a frame-sized mask); they are decoded here with
 detref's own decoder.
 
-What is held now, and what is not yet (``test_masks_equal_the_reference``, xfail): the served
-YOLO-seg masks are cut to every frame pixel the box touches (floor/ceil of its corners), not to
-the pixels whose centres lie in it; the served semantic map takes each pixel's class at the
-model's resolution and then resizes the class masks, instead of resizing the logits and then
-taking the best class. Both make masks differ from the reference's by more than
-:data:`MASK_IOU`; the other tests bound those differences to exactly these causes (a ring of
-touched pixels around the box; a band one class-map pixel wide along region borders).
+Masks are held to the reference pixel for pixel (IoU >= MASK_IOU): YOLO-seg masks cut to the
+pixels whose centres lie in the box, semantic maps resized to the frame before each pixel takes
+its best class, and nothing outside what a centre crop kept.
 """
 
 from __future__ import annotations
@@ -207,11 +203,6 @@ def bytes_frames() -> list[bytes]:
     return [encoded(f) for f in FRAMES]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "reported: visionserve/http/v2.py _response writes a BYTES output's JSON data as "
-    "[e.decode() for e in arr], which fails on the 2-D detection_masks [N, K] "
-    "(AttributeError: 'numpy.ndarray' object has no attribute 'decode': a 500); "
-    "arr.reshape(-1) fixes it"))
 @pytest.mark.parametrize("model", MODELS)
 def test_oip_http_json(server, expected, model):
     req = {"inputs": [{"name": "image", "datatype": "BYTES", "shape": [len(FRAMES)],
@@ -263,12 +254,6 @@ def test_grpc(server, expected, model):
         client.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 17, reported to the lead: served YOLO-seg masks are cut to every pixel the box "
-    "touches (floor/ceil), the reference to pixel centres inside the box (IoU 0.94 on 60 px "
-    "boxes, 0.69 on 5 px ones; a box ending at 237.00002 gains a column); served semantic maps "
-    "take the best class at the map's resolution and resize the class masks, the reference "
-    "resizes the logits first (IoU down to 0.85, boxes up to 9 px apart)"))
 @pytest.mark.parametrize("model", MODELS)
 def test_masks_equal_the_reference(server, expected, model):
     """The issue's bar: every mask within IoU 0.98 of the reference's, boxes within 1 px."""

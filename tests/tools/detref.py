@@ -127,9 +127,17 @@ class Placement:
         out[:, 1::2] = np.clip((b[:, 1::2] - self.oy) / self.ky, 0, self.frame_h)
         return out
 
+    def seen(self, input_w: int, input_h: int) -> np.ndarray:
+        """``[frame h, frame w]``: the frame pixels whose centres the model input covers (all of
+        them but what a centre crop cut away)."""
+        u = (np.arange(self.frame_w) + 0.5) * self.kx + self.ox
+        v = (np.arange(self.frame_h) + 0.5) * self.ky + self.oy
+        return ((v >= 0) & (v < input_h))[:, None] & ((u >= 0) & (u < input_w))[None, :]
+
     def sample(self, maps: np.ndarray, input_w: int, input_h: int) -> np.ndarray:
         """``[C, h, w]`` maps over the model input (any resolution proportional to it) ->
-        ``[C, frame h, frame w]``: each frame pixel's centre looked up bilinearly (0 outside)."""
+        ``[C, frame h, frame w]``: each frame pixel's centre looked up bilinearly, the map's
+        edge values extended beyond it (as a resize with align_corners=False does)."""
         _, h, w = maps.shape
         u = (np.arange(self.frame_w) + 0.5) * self.kx + self.ox  # model input pixels
         v = (np.arange(self.frame_h) + 0.5) * self.ky + self.oy
@@ -137,7 +145,7 @@ class Placement:
         my = np.broadcast_to((v * h / input_h - 0.5)[:, None], (self.frame_h, self.frame_w))
         mx, my = mx.astype(np.float32), my.astype(np.float32)
         return np.stack([cv2.remap(np.ascontiguousarray(m, np.float32), mx, my, cv2.INTER_LINEAR,
-                                   borderMode=cv2.BORDER_CONSTANT, borderValue=0.0)
+                                   borderMode=cv2.BORDER_REPLICATE)
                          for m in maps])
 
 
@@ -281,6 +289,7 @@ class Reference:
             probs = logits
         w, h = self.spec.width, self.spec.height
         classes = place.sample(logits, w, h).argmax(axis=0)
+        classes[~place.seen(w, h)] = -1  # what a centre crop cut away is no class
         sampled = place.sample(probs, w, h)
         bg = self.out.get("background")
         background = self.labels.index(bg) if bg in self.labels else None

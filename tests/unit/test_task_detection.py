@@ -323,3 +323,19 @@ def test_new_verdict_rules_apply_from_the_next_batch():
     data = t.config.model_dump() | {"verdict": {"defects": {"a": {"min_score": 0.95}}}}
     t.reconfigure(type(t.config).model_validate(data))
     assert t.postprocess(out, slice(0, 1))[0][0] == "OK"
+
+
+def test_the_presence_check_example_is_valid_and_judges_counts():
+    from visionserve.config import load_model_config
+
+    cfg = load_model_config(Path(__file__).parents[2] / "docs" / "examples" /
+                            "presence-check.model.toml")
+    j = Judge(cfg.verdict, cfg.output.labels)
+    screws = np.array([[200 + 100 * i, 200, 230 + 100 * i, 230] for i in range(4)], np.float32)
+    label = np.array([[600, 500, 700, 560]], np.float32)
+    clamp = np.array([[600, 950, 640, 990]], np.float32)  # in the exclusion zone
+    boxes = np.concatenate([screws, label, clamp])
+    labels = ["screw"] * 4 + ["label", "foreign"]
+    assert j.judge(labels, [0.9] * 6, boxes, [900] * 6)[0] == "OK"
+    verdict, reasons = j.judge(labels[1:], [0.9] * 5, boxes[1:], [900] * 5)
+    assert verdict == "NG" and [r.rule for r in reasons] == ["count:screw"]

@@ -232,7 +232,7 @@ def _response(req: InferenceRequest, served, results, names: list[str]) -> Respo
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         else:
-            entry["data"] = [e.decode() for e in arr] if datatype == "BYTES" \
+            entry["data"] = [e.decode() for e in arr.reshape(-1)] if datatype == "BYTES" \
                 else arr.reshape(-1).tolist()
         outputs.append(entry)
     body: dict[str, Any] = {"model_name": served.name, "model_version": str(served.version),

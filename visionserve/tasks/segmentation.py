@@ -187,42 +187,37 @@ class SegmentationTask(DetectionTask):
         x = outputs[self._name(outputs)]
         n = len(row_ids(rows))
         maps = frame_maps(self.config.input, sizes, n)
-        if type(x).__module__.startswith("torch"):
-            x = self._probabilities_on_device(x, rows)
+        if type(x).__module__.startswith("torch"):  # one copy of the frames' rows to the host
+            import torch
+
+            x = x.index_select(0, torch.as_tensor(row_ids(rows), device=x.device))
+            x = x.float().cpu().numpy()
         else:
-            x = activate_map(np.asarray(x)[rows], self.config.output.activation)
+            x = np.asarray(x, dtype=np.float32)[rows]
         judge = self.judge
         return [self._semantic_frame(x[j], m, judge) for j, m in enumerate(maps)]
 
-    def _probabilities_on_device(self, x: Any, rows: Rows) -> np.ndarray:
-        import torch
-
-        if not isinstance(rows, slice):
-            x = x.index_select(0, torch.as_tensor(row_ids(rows), device=x.device))
-        else:
-            x = x[rows]
-        act = self.config.output.activation
-        x = x.float()
-        if act == "softmax":
-            x = x.softmax(1)
-        elif act == "sigmoid":
-            x = x.sigmoid()
-        return x.cpu().numpy()
-
-    def _semantic_frame(self, probs: np.ndarray, m: FrameMap, judge: Judge
+    def _semantic_frame(self, raw: np.ndarray, m: FrameMap, judge: Judge
                         ) -> tuple[str, Detected]:
-        """One frame's class probabilities ``[C, H, W]`` -> regions of each class present."""
+        """One frame's class map ``[C, H, W]`` as the model gave it -> regions of each class.
+        The map is brought to the frame's pixels first (bilinear), then each pixel takes its
+        best class, as HF transformers' and mmsegmentation's post-processing do; frame pixels a
+        centre crop cut away take none. A region's score: its highest probability."""
         o = self.config.output
-        best = probs.argmax(0)
-        bg = self.labels.index(o.background) if o.background is not None else -1
         iw, ih = self.config.input.width, self.config.input.height
+        logits = np.stack([m.mask(raw[c], iw, ih) for c in range(len(raw))])
+        frame = activate_map(logits[None], o.activation)[0]
+        best = frame.argmax(0)
+        if m.offset_x < 0 or m.offset_y < 0:  # a centre crop: what it cut away is no class
+            seen = m.mask(np.ones(raw.shape[1:], np.float32), iw, ih) > 0.5
+            best[~seen] = -1
+        bg = self.labels.index(o.background) if o.background is not None else -1
         boxes, scores, classes, masks, areas = [], [], [], [], []
-        for c in np.unique(best).tolist():
+        for c in range(len(raw)):  # find_regions of a class that wins nowhere costs an any()
             if c == bg:
                 continue
-            hit = m.mask((best == c).astype(np.float32), iw, ih) > 0.5
-            prob = m.mask(probs[c], iw, ih)
-            for r in find_regions(hit, np.where(hit, prob, 0.0), masks=True):
+            hit = best == c
+            for r in find_regions(hit, np.where(hit, frame[c], 0.0), masks=True):
                 if r.area < o.min_area_px:
                     continue
                 x1, y1, x2, y2 = r.box
@@ -331,10 +326,11 @@ def activate_map(x: np.ndarray, activation: str) -> np.ndarray:
 
 
 def _pixel_window(box: np.ndarray, width: int, height: int) -> tuple[int, int, int, int]:
-    """The frame pixels a box (x1, y1, x2, y2, continuous) touches."""
-    x1 = int(np.clip(np.floor(box[0]), 0, width))
-    y1 = int(np.clip(np.floor(box[1]), 0, height))
-    x2 = int(np.clip(np.ceil(box[2]), x1, width))
-    y2 = int(np.clip(np.ceil(box[3]), y1, height))
+    """The frame pixels whose centres lie in a box (x1, y1, x2, y2, continuous; the rule
+    :func:`.regions.inside` uses for polygons): x from ceil(x1 - 0.5) to floor(x2 - 0.5)."""
+    x1 = int(np.clip(np.ceil(box[0] - 0.5), 0, width))
+    y1 = int(np.clip(np.ceil(box[1] - 0.5), 0, height))
+    x2 = int(np.clip(np.floor(box[2] - 0.5) + 1, x1, width))
+    y2 = int(np.clip(np.floor(box[3] - 0.5) + 1, y1, height))
     return x1, y1, x2, y2
 

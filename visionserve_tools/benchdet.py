@@ -1,0 +1,233 @@
+"""GPU benchmark of a YOLO-class detector (issue 17): bare model and served, in one run.
+
+``python -m visionserve_tools.benchdet --out FILE.json [--quick]`` on a CUDA machine:
+
+- the model: the project's own anchor-free detector (``visionserve_tools/training/detector.py``)
+  at YOLOv8n's scale: 640x640 input, 80 classes, widths 32..512, 8400 anchors, a raw head
+  ``[N, 84, 8400]`` served as ``format = "yolo"`` (torch backend, fp16, CUDA graphs). Its
+  weights are random: speed does not depend on them, and the post-processing is measured at a
+  typical score threshold and at 0.001 (an evaluation's: every anchor a candidate);
+- frames: 1080p JPEGs of the synthetic surfaces with defects (letterboxed to 640);
+- bare: CUDA graph replay of batches of 1 and 32 (images/s), no decode, no post-processing;
+- post-processing per frame, on the device (torch + torchvision ``batched_nms``) against the host
+  (numpy + OpenCV NMS), for a batch of 32 real outputs;
+- served: one closed-loop client (p50/p99), then saturation (many clients), as a ratio to the
+  bare model's bs-32 rate measured above;
+- the annotated JPEG (``Accept: image/jpeg``): decode, draw, encode of a 1080p frame, per frame.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .benchgpu import Server, cuda_time_ms, load, log, wall_ms
+
+LABELS = [f"class{i}" for i in range(80)]
+SIZE = 640
+WIDTHS = (32, 64, 128, 256, 512)
+NECK = 128
+
+TOML = """\
+name = "yolo640"
+task = "detection"
+[input]
+tensor_name = "images"
+width = {size}
+height = {size}
+resize = "letterbox"
+interpolation = "linear"
+mean = [0.0, 0.0, 0.0]
+std = [1.0, 1.0, 1.0]
+[output]
+format = "yolo"
+labels = {labels}
+score_threshold = {threshold}
+iou_threshold = 0.45
+max_detections = 100
+[batching]
+max_batch_size = 32
+preferred_batch_sizes = [1, 2, 4, 8, 16, 32]
+max_queue_delay_ms = 2.0
+max_queue_size = 512
+takt_ms = 200.0
+dispatch_when_idle = true
+[runtime]
+backend = "torch"
+precision = "fp16"
+"""
+
+
+def export_model(root: Path, threshold: float = 0.25) -> Path:
+    """The detector as ``root/yolo640`` (model.toml + 1/model.pt2); returns ``root``."""
+    import torch
+
+    from .training.detector import Detector
+
+    torch.manual_seed(0)
+    net = Detector(len(LABELS), SIZE, SIZE, widths=WIDTHS, neck=NECK).eval()
+    folder = root / "yolo640"
+    (folder / "1").mkdir(parents=True, exist_ok=True)
+    (folder / "model.toml").write_text(TOML.format(size=SIZE, labels=json.dumps(LABELS),
+                                                   threshold=threshold))
+    x = torch.randn(2, 3, SIZE, SIZE)
+    ep = torch.export.export(net, (x,), dynamic_shapes=(
+        {0: torch.export.Dim("batch", min=1, max=1024)},))
+    torch.export.save(ep, str(folder / "1" / "model.pt2"))
+    params = sum(p.numel() for p in net.parameters())
+    log(f"exported the 640x640 detector ({params / 1e6:.2f} M parameters)")
+    return root
+
+
+def make_jpegs(n: int = 16, size: tuple[int, int] = (1920, 1080)) -> list[bytes]:
+    from . import synthetic
+
+    labels = [x for x in synthetic.LABELS if x != "ok"]
+    return [synthetic.encode(synthetic.generate(labels[i % len(labels)], 100 + i, size=size),
+                             "jpeg", 90) for i in range(n)]
+
+
+def bare(root: Path, jpegs: list[bytes], quick: bool) -> dict:
+    import numpy as np
+    import torch
+
+    from visionserve import tasks
+    from visionserve.backends.checks import Subject
+    from visionserve.backends.torch import TorchBackend
+    from visionserve.config import ModelConfig, load_model_config
+    from visionserve.tasks.detection import DetectionConfig
+
+    path = root / "yolo640" / "1" / "model.pt2"
+    cfg = load_model_config(root / "yolo640" / "model.toml")
+    b = TorchBackend()
+    b.load(path, cfg, "cuda:0")
+    res: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    task = tasks.create(cfg)
+    b.select_outputs(task.bind(Subject(path), b.outputs), on_device=True)
+    t0 = time.time()
+    b.warmup(cfg.batching.preferred_batch_sizes)
+    res["capture_s"] = round(time.time() - t0, 2)
+    iters = 30 if quick else 100
+    graph = {}
+    for bs in (1, 32):
+        ms = cuda_time_ms(b._graphs[bs][0].replay, iters, b.stream)
+        graph[bs] = {"graph_replay_ms": round(ms, 3), "img_per_s": round(bs / ms * 1000)}
+    res["bare_torch_fp16_cuda_graph"] = graph
+    # post-processing of a batch of 32, on the device and on the host, at two thresholds
+    with torch.cuda.stream(b.stream):
+        x = torch.rand((32, 3, SIZE, SIZE), device="cuda", dtype=b.input_dtype)
+    sizes = [(1920, 1080)] * 32
+    post = {}
+    assert isinstance(cfg, DetectionConfig)
+    for thr in (0.25, 0.001):
+        tcfg = ModelConfig.model_validate(
+            cfg.model_dump() | {"output": cfg.output.model_dump() | {"score_threshold": thr}})
+        t = tasks.create(tcfg)
+        t.bind(Subject(path), b.outputs)
+        outs = b.run(x)  # device tensors (on_device)
+
+        def on_device(t=t, outs=outs) -> None:
+            with torch.cuda.stream(b.stream):
+                t.postprocess(outs, slice(0, 32), sizes)
+
+        host = {k: v.float().cpu().numpy() for k, v in outs.items()}
+        dev = wall_ms(on_device, 20 if quick else 50)
+        cpu = wall_ms(lambda t=t, host=host: t.postprocess(host, slice(0, 32), sizes), 5)
+        found = sum(len(r.detections) for _, r in t.postprocess(host, slice(0, 32), sizes))
+        cand = int((np.asarray(host[next(iter(host))])[:, 4:].max(1) >= thr).sum())
+        post[str(thr)] = {"device_ms_per_frame": round(dev["p50_ms"] / 32, 4),
+                          "host_ms_per_frame": round(cpu["p50_ms"] / 32, 4),
+                          "candidates_per_frame": round(cand / 32, 1),
+                          "detections_per_frame": round(found / 32, 1)}
+    res["postprocess_batch32"] = post
+    b.close()
+    torch.cuda.empty_cache()
+    return res
+
+
+def annotate_cost(root: Path, jpegs: list[bytes]) -> dict:
+    """Decode + draw + encode of one 1080p frame with 20 detections, ms (host CPU)."""
+    import numpy as np
+
+    from visionserve import imaging, tasks
+    from visionserve.backends.checks import Subject, TensorSpec
+    from visionserve.config import load_model_config
+    from visionserve.http.inspect import annotated
+    from visionserve.runner import FrameResult
+
+    cfg = load_model_config(root / "yolo640" / "model.toml")
+    t = tasks.create(cfg)
+    t.bind(Subject(root / "yolo640" / "1" / "model.pt2"), [TensorSpec("out", None, None)])
+    rng = np.random.default_rng(0)
+    head = np.zeros((1, 84, 8400), np.float32)
+    head[0, 0:2] = rng.uniform(40, 600, (2, 8400))
+    head[0, 2:4] = rng.uniform(10, 60, (2, 8400))
+    head[0, 4 + rng.integers(0, 80, 20), rng.integers(0, 8400, 20)] = 0.9
+    (verdict, det), = t.postprocess({"out": head}, slice(0, 1), [(1920, 1080)])
+    frame = imaging.encoded_frame(jpegs[0])
+    r = FrameResult(verdict, det, 1, 0.0, 0.0, 0.0, True)
+    w = wall_ms(lambda: annotated(t, frame, r), 20)
+    return {"detections": len(det.detections), **w}
+
+
+def served(root: Path, jpegs: list[bytes], log_dir: Path, quick: bool, bare_res: dict,
+           res: dict, frontends: int, procs: int) -> None:
+    dur = 5.0 if quick else 12.0
+    rate = bare_res["bare_torch_fp16_cuda_graph"][32]["img_per_s"]
+    extra = ("--gpu-memory-budget", "16GiB")
+    for fe in sorted({0, frontends}):
+        s = Server(root, log_dir / f"server-fe{fe}.log", *extra,
+                   *(("--frontends", str(fe)) if fe else ()))
+        try:
+            key = f"frontends_{fe}"
+            out: dict = {"start_s": s.start_s}
+            if fe == 0:
+                out["single_client"] = load(s, "yolo640", jpegs, 1, 1, 3.0 if quick else 8.0)
+            sat = load(s, "yolo640", jpegs, procs, 12, dur)
+            sat["ratio_to_bare_bs32"] = round(sat.get("throughput_per_s", 0) / rate, 3)
+            out["saturation"] = sat
+            res[key] = out
+        finally:
+            s.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m visionserve_tools.benchdet",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--frontends", type=int, default=4)
+    ap.add_argument("--client-processes", type=int, default=8)
+    args = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("benchdet: needs a CUDA device", file=sys.stderr)
+        return 2
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
+
+    def save() -> None:
+        args.out.write_text(json.dumps(res, indent=2))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = export_model(Path(tmp) / "repo")
+        jpegs = make_jpegs()
+        res["frames"] = {"count": len(jpegs), "size": "1920x1080",
+                         "mean_jpeg_bytes": sum(map(len, jpegs)) // len(jpegs)}
+        res["bare"] = bare(root, jpegs, args.quick)
+        save()
+        res["annotate_1080p"] = annotate_cost(root, jpegs)
+        save()
+        served(root, jpegs, args.out.parent, args.quick, res["bare"], res, args.frontends,
+               args.client_processes)
+        save()
+    log(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -25,6 +25,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "GPU health check: matmul throughput, memory pattern test"),
     "guard": ("visionserve.guard.cli",
               "training-queue guard: run, submit, list, show, cancel, logs"),
+    "anomaly": ("visionserve_tools.anomaly",
+                "anomaly models from good parts only: fit, evaluate"),
     "plc-sim": ("visionserve_tools.plcsim",
                 "a PLC for tests and demos: OPC UA/Modbus results, acks, latency"),
 }

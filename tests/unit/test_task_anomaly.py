@@ -74,10 +74,14 @@ def test_raw_format_normalised_by_model_toml():
     assert a.map[0, 0] == 0.75 and a.map[1, 1] == 0.0
 
 
-def test_raw_needs_normalization():
-    with pytest.raises(ValueError, match="needs a \\[normalization\\] section"):
-        ModelConfig.model_validate({"task": "anomaly", "input": {"width": 8, "height": 8},
-                                    "output": {"format": "raw"}})
+def test_raw_needs_normalization_at_load(tmp_path):
+    with pytest.raises(ConfigError, match="field 'normalization'.*a raw-scale model needs"):
+        make(output={"format": "raw"}, folder=tmp_path)
+    (tmp_path / "metadata.json").write_text(json.dumps({
+        "image_threshold": 2.0, "pred_scores.min": 0.0, "pred_scores.max": 4.0}))
+    t = make(output={"format": "raw"}, folder=tmp_path)  # the version's own normalisation
+    (_, a), = t.postprocess(batch(np.full((16, 16), 3.0, np.float32)), slice(0, 1))
+    assert (a.score, a.raw_score) == (0.75, 3.0)
 
 
 def test_anomalib_1x_metadata_gives_raw_scores(tmp_path):

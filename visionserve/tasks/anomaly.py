@@ -13,7 +13,7 @@ The model gives an image score ``[N]`` and, where it has one, an anomaly map ``[
   anomalib 2.x bakes them into the graph and writes no file, so without ``[normalization]`` the
   raw score is unknown (null).
 * ``raw``: the model's own scale (``visionserve anomaly fit`` exports this); the server normalises
-  score and map with ``[normalization]``, the same formula.
+  score and map with ``[normalization]`` (or the version's ``metadata.json``), the same formula.
 
 The verdict: NG when the normalised image score is at or above ``verdict.image_threshold``, or
 when a connected region of the map at or above ``verdict.pixel_threshold`` (inside the ROI
@@ -156,15 +156,12 @@ class AnomalyConfig(ModelConfig):
 
     task: Literal["anomaly"] = "anomaly"
     output: AnomalyOutput = AnomalyOutput()
-    normalization: Normalization | None = None
+    normalization: Normalization | None = Field(
+        None, description="The normalisation's values, for every version; default: each "
+        "version's `metadata.json` (anomalib 1.x's keys `image_threshold`, `pixel_threshold`, "
+        "`pred_scores.min/max`, `anomaly_maps.min/max`; `visionserve anomaly fit` writes it). "
+        "Needed for `raw`; for `anomalib` it only gives the raw scores.")
     verdict: AnomalyVerdict = AnomalyVerdict()
-
-    @model_validator(mode="after")
-    def _needs_normalization(self) -> AnomalyConfig:
-        if self.output.format == "raw" and self.normalization is None:
-            raise ValueError("output.format = \"raw\" needs a [normalization] section "
-                             "(image_threshold, min, max): the server normalises the scores")
-        return self
 
 
 def normalize(x: np.ndarray, threshold: float, scale: float) -> np.ndarray:
@@ -267,8 +264,13 @@ class AnomalyDetection(Task):
                 self._map_hw = (h, w)
         self._score = score.name if score is not None else None
         self._map = amap.name if amap is not None else None
-        if self._norm is None and self.config.output.format == "anomalib":
+        if self._norm is None:
             self._norm = _anomalib_metadata(subject.file.parent / ANOMALIB_METADATA)
+        if self._norm is None and self.config.output.format == "raw":
+            raise subject.error("normalization", "a raw-scale model needs the normalisation's "
+                                "values", f"[normalization] or {ANOMALIB_METADATA} next to the "
+                                "model", "neither", "add [normalization] (image_threshold, min, "
+                                "max) to model.toml")
         return tuple(n for n in (self._score, self._map) if n is not None)
 
     @staticmethod
@@ -501,7 +503,7 @@ def _anomalib_metadata(path: Path) -> Normalization | None:
             pixel_min=_opt(meta.get("anomaly_maps.min")),
             pixel_max=_opt(meta.get("anomaly_maps.max")))
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        log.warning("%s: no normalisation read (%s); raw scores will be null", path, exc)
+        log.warning("%s: no normalisation read (%s: %s)", path, type(exc).__name__, exc)
         return None
 
 

@@ -273,6 +273,15 @@ def parse_sizes(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
+def input_toml(spec: InputSpec) -> str:
+    """model.toml's ``[input]`` section for ``spec``: every field set, in the schema's order."""
+    from visionserve.verdicts import toml_value
+
+    fields = spec.model_dump(mode="json")
+    return "[input]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in fields.items()
+                                 if v is not None)
+
+
 def read_model_config(model_dir: Path) -> ModelConfig | None:
     from visionserve.config import load_model_config
 

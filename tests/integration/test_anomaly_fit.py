@@ -1,0 +1,120 @@
+"""``visionserve anomaly fit`` end to end on a small generated folder: a model folder the server
+serves (a spot scores above a good part), and bad folders refused with the files named and
+nothing left in the model repository."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import cv2
+import httpx
+import numpy as np
+import pytest
+from conftest import REPO, start_server
+
+from visionserve.config import load_model_config
+from visionserve_tools import synthetic
+
+SIZE = (320, 240)
+
+
+def good_folder(folder: Path, n: int, size: tuple[int, int] = SIZE) -> Path:
+    folder.mkdir(parents=True)
+    for i in range(n):
+        img = synthetic.generate("ok", synthetic._item_seed(5, i), size)
+        cv2.imwrite(str(folder / f"ok_{i:03d}.png"), img)
+    return folder
+
+
+def fit(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "visionserve", "anomaly", "fit", "--quiet",
+                           "--max-bank", "256", "--threads", "2", *args],
+                          cwd=str(REPO), capture_output=True, text=True, timeout=600)
+
+
+def png(img: np.ndarray) -> bytes:
+    ok, buf = cv2.imencode(".png", img)
+    assert ok
+    return buf.tobytes()
+
+
+def test_fit_writes_a_served_model(tmp_path):
+    good = good_folder(tmp_path / "good", 24)
+    models = tmp_path / "models"
+    r = fit("--good", str(good), "--name", "parts", "--models-dir", str(models),
+            "--false-reject", "0.1")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    v = models / "parts" / "1"
+    for name in ("model.onnx", "model.pt2", "metadata.json", "fit.json", "report.png"):
+        assert (v / name).is_file(), name
+    assert report["memory_bank_rows"] == 256 and report["memory_bank_bytes"] == 256 * 96 * 4
+    assert report["held_out_images"] == 5 and report["fit_images"] == 19
+    meta = json.loads((v / "metadata.json").read_text())
+    assert meta["image_threshold"] == report["threshold"]
+    config = load_model_config(models / "parts" / "model.toml")
+    assert (config.task, config.output.format) == ("anomaly", "raw")  # type: ignore[attr-defined]
+    assert "visionserve anomaly fit" in (models / "parts" / "model.toml").read_text()
+    assert sorted(p.name for p in models.iterdir()) == ["parts"]  # no temporary folder left
+
+    # a second fit is version 2, model.toml kept
+    toml = (models / "parts" / "model.toml").read_text()
+    r = fit("--good", str(good), "--name", "parts", "--models-dir", str(models), "--seed", "1")
+    assert r.returncode == 0, r.stderr
+    assert (models / "parts" / "2" / "model.onnx").is_file()
+    assert (models / "parts" / "model.toml").read_text() == toml
+
+    s = start_server(models, tmp_path, grpc=False)
+    try:
+        def inspect(img: np.ndarray) -> dict:
+            resp = httpx.post(f"{s.url}/v1/models/parts/inspect", content=png(img),
+                              headers={"Content-Type": "image/png"}, timeout=60)
+            assert resp.status_code == 200, resp.text
+            return resp.json()
+
+        ok = inspect(synthetic.generate("ok", 999, SIZE))
+        spot = inspect(synthetic.generate("spot", 999, SIZE))
+        assert spot["raw_score"] > ok["raw_score"]
+        assert spot["verdict"] == "NG" and spot["regions"]
+    finally:
+        s.stop()
+
+
+def test_too_few_images(tmp_path):
+    good = good_folder(tmp_path / "good", 5)
+    r = fit("--good", str(good), "--name", "parts", "--models-dir", str(tmp_path / "models"))
+    assert r.returncode == 2
+    assert "5 image file(s)" in r.stderr and "at least 20" in r.stderr
+    assert not (tmp_path / "models").exists() or not any((tmp_path / "models").iterdir())
+
+
+def test_unreadable_and_mixed_sizes_named(tmp_path):
+    good = good_folder(tmp_path / "good", 22)
+    (good / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really")
+    (good / "notes.jpg").write_text("hello")
+    models = tmp_path / "models"
+    r = fit("--good", str(good), "--name", "parts", "--models-dir", str(models))
+    assert r.returncode == 2
+    assert "2 unreadable image file(s)" in r.stderr
+    assert "broken.png" in r.stderr and "notes.jpg" in r.stderr
+    (good / "broken.png").unlink()
+    (good / "notes.jpg").unlink()
+    cv2.imwrite(str(good / "big.png"), synthetic.generate("ok", 1, (640, 480)))
+    r = fit("--good", str(good), "--name", "parts", "--models-dir", str(models))
+    assert r.returncode == 2
+    assert "2 sizes" in r.stderr and "big.png (640x480)" in r.stderr
+    assert "320x240 for 22" in r.stderr
+    assert not models.exists() or not any(models.iterdir())
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--backbone", "nope.pt2"), "--backbone nope.pt2: no such file"),
+    (("--false-reject", "0.7"), "--false-reject 0.7"),
+])
+def test_bad_options(tmp_path, args, message):
+    good = good_folder(tmp_path / "good", 20)
+    r = fit("--good", str(good), "--name", "p", "--models-dir", str(tmp_path / "m"), *args)
+    assert r.returncode == 2 and message in r.stderr

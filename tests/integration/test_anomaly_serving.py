@@ -208,3 +208,11 @@ def test_verdict_change_applies_to_the_next_frame(server, reference):
     finally:
         httpx.put(f"{server.url}/v1/models/parts/verdict",
                   json={"image_threshold": 0.5, "min_region_area": 50})
+
+
+def test_annotated_jpeg(server):
+    r = httpx.post(f"{server.url}/v1/models/parts/inspect", content=png(frames()[1]),
+                   headers={"Content-Type": "image/png", "Accept": "image/jpeg"}, timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"] == "image/jpeg"
+    img = cv2.imdecode(np.frombuffer(r.content, np.uint8), cv2.IMREAD_COLOR)
+    assert img.shape == (40, 48, 3)  # the frame's size, heat map and boxes drawn on it

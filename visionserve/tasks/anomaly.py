@@ -485,6 +485,21 @@ class AnomalyDetection(Task):
                                   "data": base64.b64encode(m.tobytes()).decode()}
         return out
 
+    def annotate(self, image: np.ndarray, verdict: str, result: Anomaly) -> None:
+        """The normalised map as a heat map over the frame, the ROI (cyan), the regions' boxes
+        with their peaks, the verdict and the reasons in the corner."""
+        from . import annotate
+
+        h, w = image.shape[:2]
+        if result.map is not None:
+            spec = self.config.input
+            fm = FrameMap.of(spec, (w, h))
+            annotate.heat(image, fm.mask(result.map, spec.width, spec.height))
+        annotate.polygons(image, self._rule.verdict.roi, annotate.ROI_COLOUR)
+        for r in result.regions:
+            annotate.box(image, r.box, f"{r.peak:.2f}", annotate.HIT_COLOUR)
+        annotate.banner(image, verdict, [f"score {result.score:.3f}", *result.reasons])
+
     def summary(self, result: Anomaly) -> tuple[str, int, float]:
         return ("anomalous", 1, result.score) if result.anomalous else \
             ("normal", 0, result.score)

@@ -401,8 +401,9 @@ class DetectionTask(Task):
 
     def _topk(self, f: np.ndarray, xyxy: np.ndarray, scores: np.ndarray, classes: np.ndarray,
               a: np.ndarray, dropped: int) -> Kept:
-        """Sort by frame then score (highest first), and keep max_detections per frame."""
-        order = np.lexsort((-scores, f))
+        """Sort by frame, then score (highest first; equal scores by anchor, then class: the same
+        order whichever NMS ran), and keep max_detections per frame."""
+        order = np.lexsort((classes, a, -scores, f))
         f, xyxy, scores, classes, a = f[order], xyxy[order], scores[order], classes[order], \
             a[order]
         if len(f):

@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="share of the patches kept in the memory bank (default 0.1)")
     f.add_argument("--max-bank", type=int, default=4096,
                    help="most rows the memory bank keeps, whatever the share (default 4096)")
+    f.add_argument("--device", default="cpu",
+                   help="where features, coreset and calibration run: cpu, cuda[:N] or auto "
+                        "(default cpu); the export is on the CPU")
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's)")
     f.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -87,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
                 good=args.good, name=args.name, models_dir=args.models_dir,
                 backbone=args.backbone, image_size=args.image_size, holdout=args.holdout,
                 false_reject=args.false_reject, coreset=args.coreset, max_bank=args.max_bank,
-                seed=args.seed, threads=args.threads, command=patchcore.command_line())
+                seed=args.seed, threads=args.threads, device=args.device,
+                command=patchcore.command_line())
             result = patchcore.fit(opts, patchcore.Progress(enabled=not args.quiet))
             print(json.dumps({"version_dir": str(result.version_dir), **result.report},
                              indent=2))

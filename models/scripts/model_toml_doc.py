@@ -31,6 +31,13 @@ CROSS_FIELD_RULES = {
     "batching": [("`preferred_batch_sizes` must be increasing positive integers, the largest "
                   "<= `max_batch_size`.")],
     "runtime": ["`gpu_memory_budget` takes sizes such as `512MiB`, `2GiB`, `800MB` or a byte count."],
+    "anomaly.normalization": ["`max` > `min` (and `pixel_max` > `pixel_min`), all finite.",
+                              "A raw-scale model with neither this section nor a `metadata.json` "
+                              "next to its model file is refused at load."],
+    "anomaly.verdict": ["`area_unit = \"mm2\"` needs `pixels_per_mm`.",
+                        "Each `roi` polygon has 3 or more points; a map pixel counts when its "
+                        "centre is inside one (on an edge counts).",
+                        "Changed while serving with `PUT /v1/models/{m}/verdict` (docs/anomaly.md)."],
     "": ["Unknown fields anywhere are refused (a typo must not be silently ignored)."],
 }
 
@@ -154,8 +161,17 @@ def _exporting() -> list[str]:
 
 
 def _sections(schema: type, skip: set[str] = frozenset()) -> dict[str, type]:
-    return {n: f.annotation for n, f in schema.model_fields.items() if n not in skip
-            and isinstance(f.annotation, type) and hasattr(f.annotation, "model_fields")}
+    """The schema's sections: fields whose type is a model, optional ones too."""
+    out = {}
+    for n, f in schema.model_fields.items():
+        ann = f.annotation
+        args = [a for a in typing.get_args(ann) if a is not type(None)]
+        if len(args) == 1 and typing.get_origin(ann) in (
+                typing.Union, getattr(__import__("types"), "UnionType", None)):
+            ann = args[0]  # an optional section
+        if n not in skip and isinstance(ann, type) and hasattr(ann, "model_fields"):
+            out[n] = ann
+    return out
 
 
 def _section(title: str, model: type, rules: list[str]) -> list[str]:

@@ -76,8 +76,9 @@ class Normalization(_Strict):
 
     image_threshold: float = Field(
         ..., description="Raw image score that normalises to 0.5 (the calibrated threshold).")
-    min: float = Field(..., description="Raw score that normalises to 0.5 - threshold/(max-min).")
-    max: float = Field(..., description="Raw score; (max - min) is the normalisation's scale.")
+    min: float = Field(..., description="Lowest raw score of the calibration; `max - min` is "
+                       "the scale: a score `max - min` above the threshold normalises to 1.")
+    max: float = Field(..., description="Highest raw score of the calibration (see `min`).")
     pixel_threshold: float | None = Field(
         None, description="Raw map value that normalises to 0.5; default `image_threshold`.")
     pixel_min: float | None = Field(None, description="The map's min; default `min`.")

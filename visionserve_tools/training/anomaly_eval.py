@@ -25,6 +25,9 @@ from visionserve.tasks.geometry import FrameMap
 from . import common
 from .common import ScriptError
 
+#: pixels sampled per image and side (defect / not) for the pixel AUROC
+PIXELS = 2000
+
 
 def auroc(neg: Sequence[float], pos: Sequence[float]) -> float:
     """Area under the ROC curve: the chance that a positive scores above a negative (ties
@@ -104,6 +107,10 @@ def evaluate(model_dir: Path, data: Path | None = None, n_per_label: int = 60,
     ious: dict[str, list[float]] = {}
     t0 = time.monotonic()
     pending: list[tuple[str, np.ndarray, np.ndarray | None]] = []
+    annotated = data is None and hasattr(common.synthetic, "generate_annotated")
+    rng = np.random.default_rng(0)
+    pix_pos: list[float] = []
+    pix_neg: list[float] = []
 
     def flush() -> None:
         frames = []
@@ -119,13 +126,23 @@ def evaluate(model_dir: Path, data: Path | None = None, n_per_label: int = 60,
             raw = r.raw_score if np.isfinite(r.raw_score) else r.score
             scores.setdefault(label, []).append(float(raw))
             verdicts.setdefault(label, []).append(verdict)
-            if mask is not None and r.map is not None:
+            if r.map is not None and (mask is not None or label == "ok") and annotated:
                 h, w = img.shape[:2]
-                fm = FrameMap.of(spec, (w, h))
-                pred = fm.mask(r.map, spec.width, spec.height) >= v.pixel_threshold
-                union = (pred | mask).sum()
-                ious.setdefault(label, []).append(float((pred & mask).sum() / union)
-                                                  if union else 1.0)
+                frame_map = FrameMap.of(spec, (w, h)).mask(r.map, spec.width, spec.height)
+                truth = mask if mask is not None else np.zeros((h, w), bool)
+                # pixel AUROC on a sample: the defect's pixels and as many others, per image
+                flat, tflat = frame_map.ravel(), truth.ravel()
+                on = np.flatnonzero(tflat)
+                off = rng.choice(np.flatnonzero(~tflat), size=min(PIXELS, int((~tflat).sum())),
+                                 replace=False)
+                pix_pos.extend(flat[rng.choice(on, min(PIXELS, len(on)), replace=False)]
+                               if len(on) else [])
+                pix_neg.extend(flat[off])
+                if mask is not None:
+                    pred = frame_map >= v.pixel_threshold
+                    union = (pred | mask).sum()
+                    ious.setdefault(label, []).append(float((pred & mask).sum() / union)
+                                                      if union else 1.0)
         pending.clear()
 
     for item in items:
@@ -155,6 +172,7 @@ def evaluate(model_dir: Path, data: Path | None = None, n_per_label: int = 60,
     }
     if ious:
         allv = [x for k in ious for x in ious[k]]
+        report["pixel_auroc"] = round(auroc(pix_neg, pix_pos), 4)
         report["region_iou_mean"] = round(float(np.mean(allv)), 4)
         report["region_iou_by_kind"] = {k: round(float(np.mean(x)), 4) for k, x in ious.items()}
     else:

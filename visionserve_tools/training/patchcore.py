@@ -71,6 +71,7 @@ class FitOptions:
     seed: int = 0
     threads: int = 0
     batch: int = 16
+    device: str = "cpu"  # features, coreset and calibration; the export is always on the CPU
     command: str = ""
 
 
@@ -232,8 +233,8 @@ class OnnxBackbone:
         self.outputs = [o.name for o in self.session.get_outputs()]
 
     def __call__(self, x):
-        outs = self.session.run(self.outputs, {self.input: x.numpy()})
-        return tuple(torch.from_numpy(o) for o in outs)
+        outs = self.session.run(self.outputs, {self.input: x.cpu().numpy()})
+        return tuple(torch.from_numpy(o).to(x.device) for o in outs)
 
 
 def make_head(shapes: Sequence[tuple[int, int, int]]):
@@ -280,12 +281,16 @@ def make_scorer(bank: np.ndarray, grid: tuple[int, int], map_size: tuple[int, in
             self.pad = k.shape[-1] // 2
 
         def forward(self, p):  # [N, P, D]
-            d2 = (p * p).sum(-1, keepdim=True) - 2.0 * torch.matmul(p, self.bank_t) \
-                + self.bank_sq
+            # in float32 whatever the model runs in: |p|^2 - 2 p.b + |b|^2 cancels, and fp16
+            # would lose the small distances that tell good from bad
+            p = p.float()
+            d2 = (p * p).sum(-1, keepdim=True) - 2.0 * torch.matmul(p, self.bank_t.float()) \
+                + self.bank_sq.float()
             dist = d2.min(dim=-1).values.clamp_min(0.0).sqrt()  # [N, P]
             amap = dist.reshape(-1, 1, grid[0], grid[1])
             amap = F.interpolate(amap, size=map_size, mode="bilinear", align_corners=False)
-            amap = F.conv2d(F.pad(amap, [self.pad] * 4, mode="replicate"), self.kernel)
+            amap = F.conv2d(F.pad(amap, [self.pad] * 4, mode="replicate"),
+                            self.kernel.float())
             return amap.amax(dim=(1, 2, 3)), amap
 
     return Scorer().eval()
@@ -294,7 +299,7 @@ def make_scorer(bank: np.ndarray, grid: tuple[int, int], map_size: tuple[int, in
 # --- the memory bank --------------------------------------------------------------------------
 
 def greedy_coreset(x: np.ndarray, m: int, seed: int, tick: Callable[[int], None],
-                   project: int = 32) -> np.ndarray:
+                   project: int = 32, device: str = "cpu") -> np.ndarray:
     """Indices of ``m`` rows of ``x`` chosen by greedy k-center (each next row is the one
     farthest from those chosen), distances taken on a random projection to ``project`` dims
     (Johnson-Lindenstrauss: the order of distances is kept closely, at a fraction of the cost)."""
@@ -302,10 +307,10 @@ def greedy_coreset(x: np.ndarray, m: int, seed: int, tick: Callable[[int], None]
     if m >= n:
         return np.arange(n)
     g = torch.Generator().manual_seed(seed)
-    xt = torch.from_numpy(x)
+    xt = torch.from_numpy(x).to(device)
     if d > project:
         proj = torch.randn(d, project, generator=g) / math.sqrt(project)
-        xt = xt @ proj
+        xt = xt @ proj.to(device)
     xt = xt.contiguous()
     sq = (xt * xt).sum(1)
     first = int(torch.randint(n, (1,), generator=g))
@@ -352,6 +357,11 @@ def fit(opts: FitOptions, progress: Progress | None = None) -> FitResult:
         raise ScriptError(f"--backbone {backbone_file}: no such file" + (
             " (the default is the project's classifier; pass --backbone FILE with a .pt2 or "
             ".onnx whose outputs are feature maps)" if opts.backbone is None else ""))
+    dev = opts.device
+    if dev == "auto":
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev.startswith("cuda") and not torch.cuda.is_available():
+        raise ScriptError(f"--device {dev}: torch sees no CUDA device")
     suffix = backbone_file.suffix.lower()
     onnx_backbone: OnnxBackbone | None = None
     if suffix == ".pt":
@@ -366,6 +376,8 @@ def fit(opts: FitOptions, progress: Progress | None = None) -> FitResult:
         else:
             raise ScriptError(f"--backbone {backbone_file}: a .pt (the project's classifier "
                               "weights), .pt2 or .onnx file")
+    if onnx_backbone is None:
+        net.to(dev)
     if opts.image_size is not None:
         w, h = opts.image_size
         spec = spec.model_copy(update={"width": w, "height": h})
@@ -384,7 +396,7 @@ def fit(opts: FitOptions, progress: Progress | None = None) -> FitResult:
     def feature_maps(x: np.ndarray):
         with torch.no_grad():
             try:
-                return net(torch.from_numpy(x))
+                return net(torch.from_numpy(x).to(dev))
             except Exception as exc:  # noqa: BLE001 - a backbone that does not fit the input
                 raise ScriptError(f"--backbone {backbone_file}: fails on a [{len(x)}, "
                                   f"{spec.channels}, {spec.height}, {spec.width}] input: "
@@ -402,7 +414,7 @@ def fit(opts: FitOptions, progress: Progress | None = None) -> FitResult:
         out = []
         for i in range(0, len(x), opts.batch):
             with torch.no_grad():
-                out.append(head(*feature_maps(x[i:i + opts.batch])).numpy())
+                out.append(head(*feature_maps(x[i:i + opts.batch])).cpu().numpy())
             tick(min(i + opts.batch, len(x)))
         return np.concatenate(out)
 
@@ -410,9 +422,9 @@ def fit(opts: FitOptions, progress: Progress | None = None) -> FitResult:
     all_patches = feats.reshape(-1, feats.shape[-1]).astype(np.float32)
     target = max(1, min(opts.max_bank, math.ceil(opts.coreset * len(all_patches))))
     idx = greedy_coreset(all_patches, target, opts.seed,
-                         progress.step("coreset (memory bank)", target))
+                         progress.step("coreset (memory bank)", target), device=dev)
     bank = all_patches[idx]
-    scorer = make_scorer(bank, grid, map_size)
+    scorer = make_scorer(bank, grid, map_size).to(dev)
 
     # calibration on the held-out good images
     tick = progress.step("calibrating", len(x_hold))
@@ -420,8 +432,8 @@ def fit(opts: FitOptions, progress: Progress | None = None) -> FitResult:
     for i in range(0, len(x_hold), opts.batch):
         with torch.no_grad():
             s, m = scorer(head(*feature_maps(x_hold[i:i + opts.batch])))
-        hold_scores.append(s.numpy())
-        hold_maps.append(m.numpy())
+        hold_scores.append(s.cpu().numpy())
+        hold_maps.append(m.cpu().numpy())
         tick(min(i + opts.batch, len(x_hold)))
     scores = np.concatenate(hold_scores).astype(np.float64)
     threshold = float(np.quantile(scores, 1.0 - opts.false_reject, method="higher"))
@@ -444,6 +456,9 @@ def fit(opts: FitOptions, progress: Progress | None = None) -> FitResult:
         vdir = tmp / str(version)
         vdir.mkdir()
         export_t0 = time.monotonic()
+        if onnx_backbone is None:
+            net.cpu()
+        scorer.cpu()
         full = _full_model(net, onnx_backbone, head, scorer)
         _export(full, onnx_backbone, head, scorer, shapes, x_hold, spec, vdir)
         export_s = time.monotonic() - export_t0

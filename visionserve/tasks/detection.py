@@ -362,18 +362,25 @@ class DetectionTask(Task):
         if fmt_ == "end2end":
             return self._select_end2end(x, rows, n)
         x = x[rows]
-        if self._channels_first:
-            x = x.transpose(0, 2, 1)
+        # the best score of every anchor, reduced along the head's own layout (a transposed
+        # view would make numpy stride across memory); classes only for the candidates
+        cf = self._channels_first
         c0 = self._first_class()
-        boxes, cls = x[..., :4], x[..., c0:c0 + self.nc]
+        cls = x[:, c0:c0 + self.nc, :] if cf else x[..., c0:c0 + self.nc]
+        axis = 1 if cf else 2
+        best = cls.max(axis)
+        if fmt_ == "yolo-objectness":  # max over classes of class x objectness
+            obj = x[:, 4, :] if cf else x[..., 4]
+            best = np.maximum(best * obj, cls.min(axis) * obj)
+        f, a = np.nonzero((best >= self.config.output.score_threshold) | np.isnan(best))
+        cand = cls[f, :, a] if cf else cls[f, a, :]  # [M, nc]
         if fmt_ == "yolo-objectness":
-            cls = cls * x[..., 4:5]
-        classes = cls.argmax(-1)
-        scores = np.take_along_axis(cls, classes[..., None], -1)[..., 0].astype(np.float32)
-        f, a = np.nonzero((scores >= self.config.output.score_threshold) | np.isnan(scores))
-        b = boxes[f, a].astype(np.float32)
+            cand = cand * (x[f, 4, a] if cf else x[f, a, 4])[:, None]
+        classes = cand.argmax(-1) if len(f) else np.zeros(0, np.int64)
+        scores = best[f, a].astype(np.float32)
+        b = (x[f, 0:4, a] if cf else x[f, a, 0:4]).astype(np.float32)
         xyxy = np.concatenate([b[:, :2] - b[:, 2:] / 2, b[:, :2] + b[:, 2:] / 2], 1)
-        return self._nms(f, xyxy, scores[f, a], classes[f, a], a)
+        return self._nms(f, xyxy, scores, classes, a)
 
     def _valid(self, xyxy: np.ndarray, scores: np.ndarray) -> np.ndarray:
         return (np.isfinite(xyxy).all(1) & np.isfinite(scores)

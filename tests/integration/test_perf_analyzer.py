@@ -78,3 +78,24 @@ def test_perf_analyzer_runs_and_reports_throughput(tiny_server, jpeg_bytes, tmp_
     header, row = csv.read_text().splitlines()[:2]
     assert header.startswith("Concurrency,Inferences/Second")
     assert float(row.split(",")[1]) > 0
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_perf_analyzer_runs_against_a_detector(server_factory, jpeg_bytes, tmp_path, protocol):
+    """A detector's outputs (num_detections, fixed-capacity boxes/scores/classes, reasons) as
+    model configuration and answers that perf_analyzer reads unchanged (issue 17)."""
+    from tests.tools import detmodels
+
+    repo = detmodels.make_repo(tmp_path / "repo", ["det-yolo"])
+    s = server_factory(repo)
+    url = s.url.removeprefix("http://") if protocol == "http" else s.grpc_url
+    cmd = [str(WRAPPER), "-m", "det-yolo", "-i", protocol, "-u", url,
+           "--input-data", str(perf_input(jpeg_bytes, tmp_path)), "--shape", "image:1",
+           "--concurrency-range", "2", "--measurement-mode", "count_windows",
+           "--measurement-request-count", "40", "--stability-percentage", "50",
+           "--max-trials", "6"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out
+    m = re.search(r"Concurrency: 2, throughput: ([0-9.]+) infer/sec", out)
+    assert m and float(m.group(1)) > 0, out

@@ -15,6 +15,9 @@ import numpy as np
 import pytest
 from conftest import REPO, start_server
 
+from visionserve import tasks
+from visionserve.backends import base as backends
+from visionserve.backends.checks import Subject
 from visionserve.config import load_model_config
 from visionserve_tools import synthetic
 
@@ -66,6 +69,20 @@ def test_fit_writes_a_served_model(tmp_path):
     assert r.returncode == 0, r.stderr
     assert (models / "parts" / "2" / "model.onnx").is_file()
     assert (models / "parts" / "model.toml").read_text() == toml
+
+    # model.pt2 (the torch backend) answers as model.onnx does: named outputs, same scores
+    x = np.random.default_rng(0).random((2, 3, 160, 160), np.float32)
+    scores = []
+    for backend in ("onnxruntime", "torch"):
+        cfg = config.model_copy(update={"runtime": config.runtime.model_copy(
+            update={"backend": backend})})
+        b = backends.create(backend)
+        path = v / backends.model_file(backend)
+        b.load(path, cfg, "cpu")
+        task = tasks.create(cfg)
+        b.select_outputs(task.bind(Subject(path), b.outputs))
+        scores.append([r.score for _, r in task.postprocess(b.run(x), slice(0, 2))])
+    np.testing.assert_allclose(scores[0], scores[1], atol=1e-4)
 
     s = start_server(models, tmp_path, grpc=False)
     try:

@@ -237,8 +237,9 @@ class AnomalyDetection(Task):
         if outputs and not outputs[0].named:
             raise subject.error("output.score", "an anomaly model's outputs are read by name",
                                 f"outputs named {ANOMALIB_SCORE!r} and/or {ANOMALIB_MAP!r}",
-                                f"{len(outputs)} unnamed outputs", "export the model with "
-                                "output names (torch.onnx.export(..., output_names=[...]))")
+                                f"{len(outputs)} unnamed outputs", "name them: ONNX "
+                                "output_names=[...]; torch.export: return a dict "
+                                "{'pred_score': ..., 'anomaly_map': ...}")
         score = self._pick(subject, by_name, "output.score", out.score, ANOMALIB_SCORE)
         amap = self._pick(subject, by_name, "output.map", out.map, ANOMALIB_MAP)
         if score is None and amap is None:

@@ -55,6 +55,9 @@ OPSET = 17
 #: the map is smoothed with a Gaussian of this sigma, in feature-map pixels (PatchCore: 4 px at
 #: the input's resolution over a map 8 times coarser)
 BLUR_SIGMA = 1.0
+#: bank rows per matrix product in the graph: bounds its largest intermediate to
+#: batch x patches x this floats
+BANK_CHUNK = 1024
 
 
 @dataclass
@@ -284,9 +287,16 @@ def make_scorer(bank: np.ndarray, grid: tuple[int, int], map_size: tuple[int, in
             # in float32 whatever the model runs in: |p|^2 - 2 p.b + |b|^2 cancels, and fp16
             # would lose the small distances that tell good from bad
             p = p.float()
-            d2 = (p * p).sum(-1, keepdim=True) - 2.0 * torch.matmul(p, self.bank_t.float()) \
-                + self.bank_sq.float()
-            dist = d2.min(dim=-1).values.clamp_min(0.0).sqrt()  # [N, P]
+            pp = (p * p).sum(-1, keepdim=True)
+            best = None
+            # the bank in chunks: [N, P, chunk] at a time, not [N, P, M] (838 MB at batch 32)
+            for start in range(0, self.bank_t.shape[1], BANK_CHUNK):
+                d2 = pp - 2.0 * torch.matmul(p, self.bank_t[:, start:start + BANK_CHUNK].float()) \
+                    + self.bank_sq[start:start + BANK_CHUNK].float()
+                m = d2.min(dim=-1).values
+                best = m if best is None else torch.minimum(best, m)
+            assert best is not None
+            dist = best.clamp_min(0.0).sqrt()  # [N, P]
             amap = dist.reshape(-1, 1, grid[0], grid[1])
             amap = F.interpolate(amap, size=map_size, mode="bilinear", align_corners=False)
             amap = F.conv2d(F.pad(amap, [self.pad] * 4, mode="replicate"),
@@ -539,7 +549,7 @@ def _export(full, onnx_backbone: OnnxBackbone | None, head, scorer, shapes, chec
                               opset_version=OPSET, dynamic_axes=axes, do_constant_folding=True,
                               input_names=["input"], output_names=["pred_score", "anomaly_map"])
             batch = torch.export.Dim("batch", min=1, max=4096)
-            ep = torch.export.export(full, (example,), dynamic_shapes=({0: batch},))
+            ep = torch.export.export(_Named(full), (example,), dynamic_shapes=({0: batch},))
             torch.export.save(ep, str(vdir / "model.pt2"))
         else:
             assert onnx_backbone is not None
@@ -554,13 +564,29 @@ def _export(full, onnx_backbone: OnnxBackbone | None, head, scorer, shapes, chec
     import onnxruntime as ort
 
     sess = ort.InferenceSession(str(vdir / "model.onnx"), providers=["CPUExecutionProvider"])
-    got_s, got_m = sess.run(["pred_score", "anomaly_map"], {"input": x})
-    diff = max(float(np.abs(got_s - want_s.numpy()).max()),
-               float(np.abs(got_m - want_m.numpy()).max()))
+    got = [sess.run(["pred_score", "anomaly_map"], {"input": x})]
+    if full is not None:
+        with torch.no_grad():
+            out = torch.export.load(str(vdir / "model.pt2")).module()(torch.from_numpy(x))
+        got.append([out["pred_score"].numpy(), out["anomaly_map"].numpy()])
+    diff = max(max(float(np.abs(s - want_s.numpy()).max()),
+                   float(np.abs(m - want_m.numpy()).max())) for s, m in got)
     scale = max(1e-6, float(np.abs(want_m.numpy()).max()))
     if diff > 1e-3 * scale:
         raise ScriptError(f"the exported model disagrees with the fitted one by {diff:.3g} "
                           f"(scores up to {scale:.3g}); nothing was written")
+
+
+class _Named(nn.Module):
+    """The outputs by name (a dict), so the torch backend serves them as named outputs."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        score, amap = self.inner(x)
+        return {"pred_score": score, "anomaly_map": amap}
 
 
 def _export_composed(backbone: OnnxBackbone, head, scorer, shapes, example, path: Path) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from .config import ModelConfig
-from .errors import InternalError, InvalidInput, describe_validation
+from .errors import ConfigError, InternalError, InvalidInput, describe_validation
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -53,8 +53,11 @@ def change(toml: Path, changes: Any) -> tuple[ModelConfig, str]:
     if not isinstance(changes, Mapping) or not changes:
         raise InvalidInput(f"the body must be a JSON object of [{SECTION}] fields to change, "
                            f"e.g. {{\"image_threshold\": 0.6}}; got {json.dumps(changes)[:80]}")
-    text = toml.read_text(encoding="utf-8")
-    data = tomllib.loads(text)
+    try:
+        text = toml.read_text(encoding="utf-8")
+        data = tomllib.loads(text)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{toml}: cannot be read ({exc}); the change is not applied") from None
     section = dict(data.get(SECTION) or {})
     for key, value in changes.items():
         if value is None:
@@ -78,8 +81,18 @@ def change(toml: Path, changes: Any) -> tuple[ModelConfig, str]:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` in one rename: readers see the old file or the new one."""
-    path = Path(path)
+    """Replace ``path`` with ``text`` in one rename: readers see the old file or the new one.
+    ConfigError (nothing changed) when the folder cannot be written."""
+    try:
+        _write_atomic(Path(path), text)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot be rewritten ({exc.strerror or exc}); the change is "
+                          "not applied. The model repository must be writable by the server to "
+                          "change settings at run time (the container image's shipped models "
+                          "are read-only: mount a writable repository)") from None
+
+
+def _write_atomic(path: Path, text: str) -> None:
     mode = path.stat().st_mode & 0o7777 if path.exists() else 0o644
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from visionserve.errors import InvalidInput
+from visionserve.errors import ConfigError, InvalidInput
 from visionserve.verdicts import change, edit_section, toml_value, write_atomic
 
 if sys.version_info >= (3, 11):
@@ -76,3 +76,17 @@ def test_change_validates_whole_and_writes_nothing(tmp_path):
     with pytest.raises(InvalidInput, match="field 'verdict.colour': unknown field"):
         change(path, {"colour": "red"})
     assert [p.name for p in tmp_path.iterdir()] == ["model.toml"]
+
+
+def test_a_repository_that_cannot_be_written(tmp_path, monkeypatch):
+    path = tmp_path / "model.toml"
+    path.write_text(TEXT)
+
+    def refuse(src, dst):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr("visionserve.verdicts.os.replace", refuse)
+    _, text = change(path, {"image_threshold": 0.8})
+    with pytest.raises(ConfigError, match="cannot be rewritten .*Permission denied.*not applied"):
+        write_atomic(path, text)
+    assert path.read_text() == TEXT and [p.name for p in tmp_path.iterdir()] == ["model.toml"]

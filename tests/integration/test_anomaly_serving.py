@@ -11,6 +11,7 @@ anomalib's ``to_onnx`` exports a model: ``pred_score`` and ``anomaly_map`` norma
 from __future__ import annotations
 
 import base64
+import signal
 import warnings
 from pathlib import Path
 
@@ -216,3 +217,20 @@ def test_annotated_jpeg(server):
     assert r.status_code == 200 and r.headers["content-type"] == "image/jpeg"
     img = cv2.imdecode(np.frombuffer(r.content, np.uint8), cv2.IMREAD_COLOR)
     assert img.shape == (40, 48, 3)  # the frame's size, heat map and boxes drawn on it
+
+
+def test_the_server_refuses_a_misfit_and_says_why(tmp_path):
+    """A model.toml whose map output is not in the model: no start, the field named."""
+    folder = export_anomalib_like(tmp_path / "models" / "misfit")
+    toml = folder / "model.toml"
+    toml.write_text(toml.read_text().replace("format = \"anomalib\"",
+                                             "format = \"anomalib\"\nmap = \"heatmap\""))
+    s = start_server(tmp_path / "models", tmp_path, grpc=False, wait=False)
+    try:
+        rc = s.proc.wait(120)
+    finally:
+        s.stop(signal.SIGKILL)
+    log = s.log()
+    assert rc != 0
+    assert "field 'output.map'" in log and "no model output is named 'heatmap'" in log, log[-2000:]
+    assert "'anomaly_map'" in log and "'pred_score'" in log  # the outputs there are

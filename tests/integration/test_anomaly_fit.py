@@ -100,6 +100,46 @@ def test_fit_writes_a_served_model(tmp_path):
         s.stop()
 
 
+@pytest.mark.parametrize("suffix", [".pt2", ".onnx"])
+def test_a_backbone_of_ones_own(tmp_path, suffix):
+    """A .pt2 or .onnx whose outputs are feature maps (here: the classifier's stages, exported
+    with other names and a narrower batch range than the fit's own)."""
+    import warnings
+
+    import torch
+
+    from visionserve_tools.training import patchcore
+
+    net, _ = patchcore.classifier_backbone(REPO / "models/defect-classifier/1/weights.pt")
+    x = torch.zeros(2, 3, 160, 160)
+    path = tmp_path / f"backbone{suffix}"
+    if suffix == ".pt2":
+        batch = torch.export.Dim("batch", min=1, max=1024)
+        torch.export.save(torch.export.export(net, (x,), dynamic_shapes=({0: batch},)), str(path))
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(net, (x,), str(path), input_names=["images"],
+                              output_names=["f1", "f2"], opset_version=17, dynamo=False,
+                              dynamic_axes={n: {0: "b"} for n in ("images", "f1", "f2")})
+    good = good_folder(tmp_path / "good", 20)
+    models = tmp_path / "models"
+    r = fit("--good", str(good), "--name", "own", "--models-dir", str(models),
+            "--backbone", str(path))
+    assert r.returncode == 0, r.stderr
+    v = models / "own" / "1"
+    assert (v / "model.onnx").is_file() and (v / "model.pt2").is_file() == (suffix == ".pt2")
+    # the written model serves: its outputs fit the task
+    config = load_model_config(models / "own" / "model.toml")
+    b = backends.create("onnxruntime")
+    b.load(v / "model.onnx", config, "cpu")
+    task = tasks.create(config)
+    b.select_outputs(task.bind(Subject(v / "model.onnx"), b.outputs))
+    (verdict, result), = task.postprocess(b.run(np.zeros((1, 3, 160, 160), np.float32)),
+                                          slice(0, 1))
+    assert verdict in ("OK", "NG") and result.map.shape == (80, 80)
+
+
 def test_too_few_images(tmp_path):
     good = good_folder(tmp_path / "good", 5)
     r = fit("--good", str(good), "--name", "parts", "--models-dir", str(tmp_path / "models"))

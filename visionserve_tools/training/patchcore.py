@@ -210,6 +210,12 @@ def pt2_backbone(path: Path):
             super().__init__()
             self.inner = module
 
+        def train(self, mode: bool = True):
+            # an exported program has no train/eval mode (its module refuses .train()): the
+            # flag only, so that .eval() and the ONNX exporter's mode switch pass it by
+            self.training = mode
+            return self
+
         def forward(self, x):
             out = self.inner(x)
             return tuple(out) if isinstance(out, (tuple, list)) else (out,)
@@ -548,7 +554,7 @@ def _export(full, onnx_backbone: OnnxBackbone | None, head, scorer, shapes, chec
             torch.onnx.export(full, (example,), str(vdir / "model.onnx"), dynamo=False,
                               opset_version=OPSET, dynamic_axes=axes, do_constant_folding=True,
                               input_names=["input"], output_names=["pred_score", "anomaly_map"])
-            batch = torch.export.Dim("batch", min=1, max=4096)
+            batch = torch.export.Dim.DYNAMIC  # its range: what the backbone takes (4096 for ours)
             ep = torch.export.export(_Named(full), (example,), dynamic_shapes=({0: batch},))
             torch.export.save(ep, str(vdir / "model.pt2"))
         else:

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .benchgpu import Server, cuda_time_ms, load, log, wall_ms
+from .benchgpu import cuda_time_ms, log, served_runs, wall_ms
 
 MODEL = "surface-anomaly"
 
@@ -86,27 +86,6 @@ def bare(root: Path, quick: bool) -> dict:
     return res
 
 
-def served(root: Path, jpegs: list[bytes], log_dir: Path, quick: bool, rate: float,
-           frontends: int, procs: int) -> dict:
-    dur = 5.0 if quick else 12.0
-    out: dict = {}
-    for fe in sorted({0, frontends}):
-        s = Server(root, log_dir / f"anomaly-server-fe{fe}.log", "--gpu-memory-budget", "16GiB",
-                   *(("--frontends", str(fe)) if fe else ()))
-        try:
-            part: dict = {"start_s": s.start_s}
-            if fe == 0:
-                single = load(s, MODEL, jpegs, 1, 1, 3.0 if quick else 8.0)
-                part["single_client"] = single
-            sat = load(s, MODEL, jpegs, procs, 12, dur)
-            sat["ratio_to_bare_bs32"] = round(sat.get("throughput_per_s", 0) / rate, 3)
-            part["saturation"] = sat
-            out[f"frontends_{fe}"] = part
-        finally:
-            s.stop()
-    return out
-
-
 def fit_time(tmp: Path, n: int, device: str) -> dict:
     import cv2
 
@@ -160,8 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         res["bare"] = bare(root, args.quick)
         save()
         rate = res["bare"]["bare_torch_fp16_cuda_graph"][32]["img_per_s"]
-        res["served"] = served(root, jpegs, args.out.parent, args.quick, rate, args.frontends,
-                               args.client_processes)
+        res["served"] = served_runs(root, MODEL, jpegs, args.out.parent, args.quick, rate,
+                                    args.frontends, args.client_processes,
+                                    "--gpu-memory-budget", "16GiB")
         save()
         if args.fit_images:
             res["fit"] = fit_time(Path(tmp), args.fit_images, "cuda")

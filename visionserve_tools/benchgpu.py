@@ -366,6 +366,28 @@ def load(server: Server, model: str, jpegs: list[bytes], processes: int, threads
             "mean_batch_size": round(statistics.fmean(sizes), 2)}
 
 
+def served_runs(root: Path, model: str, jpegs: list[bytes], log_dir: Path, quick: bool,
+                rate: float, frontends: int, procs: int, *extra: str) -> dict:
+    """One client (p50/p99) in the engine's process, then saturation with and without
+    ``--frontends``, each as a ratio to ``rate`` (the bare model's images/s at bs 32)."""
+    dur = 5.0 if quick else 12.0
+    out: dict = {}
+    for fe in sorted({0, frontends}):
+        s = Server(root, log_dir / f"{model}-server-fe{fe}.log", *extra,
+                   *(("--frontends", str(fe)) if fe else ()))
+        try:
+            part: dict = {"start_s": s.start_s}
+            if fe == 0:
+                part["single_client"] = load(s, model, jpegs, 1, 1, 3.0 if quick else 8.0)
+            sat = load(s, model, jpegs, procs, 12, dur)
+            sat["ratio_to_bare_bs32"] = round(sat.get("throughput_per_s", 0) / rate, 3)
+            part["saturation"] = sat
+            out[f"frontends_{fe}"] = part
+        finally:
+            s.stop()
+    return out
+
+
 def breakdown(before: dict, after: dict) -> dict:
     """Per-frame mean times from the OIP statistics deltas (queue, preprocessing, model, post)."""
     def part(name: str) -> float | None:

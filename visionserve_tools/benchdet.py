@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .benchgpu import Server, cuda_time_ms, load, log, wall_ms
+from .benchgpu import cuda_time_ms, log, served_runs, wall_ms
 
 LABELS = [f"class{i}" for i in range(80)]
 SIZE = 640
@@ -175,28 +175,6 @@ def annotate_cost(root: Path, jpegs: list[bytes]) -> dict:
     return {"detections": len(det.detections), **w}
 
 
-def served(root: Path, jpegs: list[bytes], log_dir: Path, quick: bool, bare_res: dict,
-           res: dict, frontends: int, procs: int) -> None:
-    dur = 5.0 if quick else 12.0
-    rate = bare_res["bare_torch_fp16_cuda_graph"][32]["img_per_s"]
-    extra = ("--gpu-memory-budget", "16GiB")
-    for fe in sorted({0, frontends}):
-        s = Server(root, log_dir / f"server-fe{fe}.log", *extra,
-                   *(("--frontends", str(fe)) if fe else ()))
-        try:
-            key = f"frontends_{fe}"
-            out: dict = {"start_s": s.start_s}
-            if fe == 0:  # one client: the front end in the engine's process is the fastest
-                out["single_client"] = load(s, "yolo640", jpegs, 1, 1, 3.0 if quick else 8.0)
-            if fe == frontends:  # saturation: 1080p bodies need several front-end processes
-                sat = load(s, "yolo640", jpegs, procs, 12, dur)
-                sat["ratio_to_bare_bs32"] = round(sat.get("throughput_per_s", 0) / rate, 3)
-                out["saturation"] = sat
-            res[key] = out
-        finally:
-            s.stop()
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m visionserve_tools.benchdet",
                                  description=__doc__.splitlines()[0])
@@ -224,8 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         save()
         res["annotate_1080p"] = annotate_cost(root, jpegs)
         save()
-        served(root, jpegs, args.out.parent, args.quick, res["bare"], res, args.frontends,
-               args.client_processes)
+        rate = res["bare"]["bare_torch_fp16_cuda_graph"][32]["img_per_s"]
+        res.update(served_runs(root, "yolo640", jpegs, args.out.parent, args.quick, rate,
+                               args.frontends, args.client_processes, "--gpu-memory-budget",
+                               "16GiB", saturate_in_process=False))
         save()
     log(f"wrote {args.out}")
     return 0

@@ -87,24 +87,81 @@ HELDOUT_PARAMS = SurfaceParams(
 )
 
 
+#: the labels that are defects (every label but "ok"), in :data:`LABELS` order: a detector's classes
+DEFECT_LABELS = LABELS[1:]
+#: a defect's drawn mask (0..1, how much of the defect is in a pixel) counts from here on
+MASK_THRESHOLD = 0.25
+#: a scene's number of defects: probabilities of 0, 1, 2, 3
+SCENE_COUNTS = (0.1, 0.35, 0.3, 0.25)
+SCENE_TRIES = 8           # attempts to place a defect clear of the others before leaving it out
+SCENE_GAP = 0.01          # clear space between two defects' masks, fraction of the short side
+SCENE_MAX_IOU = 0.2       # largest overlap of two defects' boxes (a thin diagonal one may share)
+_SCENE_STREAM = 1000      # random stream of scenes: apart from the labels' 0..4
+
+
+@dataclass(frozen=True, eq=False)
+class Defect:
+    """Where the generator drew one defect, in the final image's pixels (after the camera's
+    rotation and shift): ``mask`` is HxW bool, the pixels where the drawn defect reaches
+    :data:`MASK_THRESHOLD`; ``box`` is ``(x1, y1, x2, y2)`` around them on pixel edges (pixel
+    column c spans [c, c+1), so ``x2`` is the last column + 1)."""
+
+    label: str
+    box: tuple[float, float, float, float]
+    mask: np.ndarray
+
+
 # --------------------------------------------------------------------------- public API
 
 
 def generate(label: str, seed: int, size: tuple[int, int] = (640, 480),
              params: SurfaceParams = TRAIN_PARAMS) -> np.ndarray:
     """One ``size = (width, height)`` image of ``label`` as HxWx3 uint8 BGR."""
+    return generate_annotated(label, seed, size, params, annotate=False)[0]
+
+
+def generate_annotated(label: str, seed: int, size: tuple[int, int] = (640, 480),
+                       params: SurfaceParams = TRAIN_PARAMS, *, annotate: bool = True
+                       ) -> tuple[np.ndarray, tuple[Defect, ...]]:
+    """:func:`generate`'s image (the same bytes) and where its defect is: one :class:`Defect`
+    for a defect label, none for ``ok`` (or for a defect the camera moved out of the frame)."""
     if label not in LABELS:
         raise ValueError(f"unknown label {label!r}; choose from {list(LABELS)}")
     w, h = _check_size(size)
+    salt = _check_seed_params(seed, params)
+    # Params are part of the seed so that held-out images are not training images re-scaled.
+    rng = np.random.default_rng([int(seed), LABELS.index(label), w, h, salt])
+    return _render(rng, label, w, h, params, annotate)
+
+
+def generate_scene(seed: int, size: tuple[int, int] = (640, 480),
+                   params: SurfaceParams = TRAIN_PARAMS,
+                   counts: tuple[float, ...] = SCENE_COUNTS
+                   ) -> tuple[np.ndarray, tuple[Defect, ...]]:
+    """A detection scene: one surface with 0..3 defects of mixed kinds (``counts``: the
+    probabilities of 0, 1, 2, ... defects), apart from each other, and where each one is.
+    A pure function of its arguments, like :func:`generate`, with a random stream of its own."""
+    w, h = _check_size(size)
+    salt = _check_seed_params(seed, params)
+    try:
+        weights = tuple(float(c) for c in counts)
+    except (TypeError, ValueError):
+        raise ValueError(f"counts must be probabilities of 0, 1, ... defects, got {counts!r}"
+                         ) from None
+    if not weights or any(not c >= 0 for c in weights) or sum(weights) <= 0:
+        raise ValueError(f"counts must be non-negative with a positive sum, got {counts!r}")
+    rng = np.random.default_rng([int(seed), _SCENE_STREAM, w, h, salt])
+    return _render_scene(rng, w, h, params, weights)
+
+
+def _check_seed_params(seed: object, params: object) -> int:
+    """Refuse a bad seed or params; the params' salt for the random stream."""
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     if not isinstance(params, SurfaceParams):
         raise ValueError(  # noqa: TRY004 -- the callers (and tests) take ValueError for bad input
             f"params must be a SurfaceParams, got {type(params).__name__}")
-    # Params are part of the seed so that held-out images are not training images re-scaled.
-    salt = zlib.crc32(repr(astuple(params)).encode())
-    rng = np.random.default_rng([int(seed), LABELS.index(label), w, h, salt])
-    return _render(rng, label, w, h, params)
+    return zlib.crc32(repr(astuple(params)).encode())
 
 
 def generate_set(n_per_label: int, seed: int,
@@ -181,20 +238,80 @@ def _u(rng: np.random.Generator, r: Range) -> float:
     return float(rng.uniform(r[0], r[1])) if r[1] > r[0] else float(r[0])
 
 
-def _render(rng: np.random.Generator, label: str, w: int, h: int, p: SurfaceParams) -> np.ndarray:
+def _render(rng: np.random.Generator, label: str, w: int, h: int, p: SurfaceParams,
+            annotate: bool = False) -> tuple[np.ndarray, tuple[Defect, ...]]:
     s = min(w, h)
     texture = p.textures[int(rng.integers(len(p.textures)))]
     img = _surface(rng, texture, w, h, p)
-    if label == "scratch":
-        _scratch(rng, img, s)
-    elif label == "spot":
-        _spot(rng, img, s)
-    elif label == "crack":
-        _crack(rng, img, s)
-    elif label == "contamination":
-        _contamination(rng, img, s)
-    img = _camera(rng, img, w, h, p)
-    return img
+    drawn = [(label, _DRAW[label](rng, img, s))] if label in _DRAW else []
+    img, masks = _camera(rng, img, w, h, p, [m for _, m in drawn] if annotate else [])
+    return img, _annotations([lab for lab, _ in drawn], masks)
+
+
+def _render_scene(rng: np.random.Generator, w: int, h: int, p: SurfaceParams,
+                  counts: tuple[float, ...]) -> tuple[np.ndarray, tuple[Defect, ...]]:
+    """A surface with ``k`` defects (``k`` drawn with probabilities ``counts``), kinds drawn
+    uniformly. A defect whose mask would touch an earlier one, or whose box would overlap an
+    earlier box by IoU > :data:`SCENE_MAX_IOU`, is drawn again elsewhere (on a copy, so a refused
+    attempt leaves no trace), at most :data:`SCENE_TRIES` times; then it is left out."""
+    s = min(w, h)
+    texture = p.textures[int(rng.integers(len(p.textures)))]
+    img = _surface(rng, texture, w, h, p)
+    k = int(rng.choice(len(counts), p=np.asarray(counts) / sum(counts)))
+    gap = max(1, round(SCENE_GAP * s))
+    taken = np.zeros((h, w), np.uint8)
+    labels: list[str] = []
+    masks: list[np.ndarray] = []
+    boxes: list[np.ndarray] = []
+    for _ in range(k):
+        kind = DEFECT_LABELS[int(rng.integers(len(DEFECT_LABELS)))]
+        for _ in range(SCENE_TRIES):
+            trial = img.copy()
+            mask = _DRAW[kind](rng, trial, s)
+            on = mask > MASK_THRESHOLD
+            box = _box(on)
+            if box is None:
+                continue
+            if (taken[on].any() or any(_iou(box, b) > SCENE_MAX_IOU for b in boxes)):
+                continue
+            img = trial
+            labels.append(kind)
+            masks.append(mask)
+            boxes.append(box)
+            taken |= cv2.dilate(on.astype(np.uint8), np.ones((2 * gap + 1,) * 2, np.uint8))
+            break
+    img, masks = _camera(rng, img, w, h, p, masks)
+    return img, _annotations(labels, masks)
+
+
+def _box(on: np.ndarray) -> np.ndarray | None:
+    """Bool mask -> [x1, y1, x2, y2] around its pixels (pixel edges: x2 = last column + 1)."""
+    cols = np.flatnonzero(on.any(0))
+    if not len(cols):
+        return None
+    rows = np.flatnonzero(on.any(1))
+    return np.array([cols[0], rows[0], cols[-1] + 1, rows[-1] + 1], np.float64)
+
+
+def _iou(a: np.ndarray, b: np.ndarray) -> float:
+    iw = min(a[2], b[2]) - max(a[0], b[0])
+    ih = min(a[3], b[3]) - max(a[1], b[1])
+    if iw <= 0 or ih <= 0:
+        return 0.0
+    inter = iw * ih
+    return float(inter / ((a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter))
+
+
+def _annotations(labels: list[str], masks: list[np.ndarray]) -> tuple[Defect, ...]:
+    """Camera-space soft masks -> Defects; one that left the frame entirely is not reported."""
+    out = []
+    for label, soft in zip(labels, masks):
+        on = soft > MASK_THRESHOLD
+        box = _box(on)
+        if box is not None:
+            out.append(Defect(label, (float(box[0]), float(box[1]), float(box[2]),
+                                      float(box[3])), on))
+    return tuple(out)
 
 
 def _noise_field(rng: np.random.Generator, w: int, h: int, cell: float) -> np.ndarray:
@@ -316,7 +433,7 @@ def _polyline_mask(h: int, w: int, pts: list[np.ndarray], thickness: float) -> n
     return mask
 
 
-def _scratch(rng: np.random.Generator, img: np.ndarray, s: int) -> None:
+def _scratch(rng: np.random.Generator, img: np.ndarray, s: int) -> np.ndarray:
     h, w = img.shape[:2]
     length = rng.uniform(0.25, 0.65) * s
     thick = rng.uniform(0.004, 0.009) * s
@@ -338,9 +455,10 @@ def _scratch(rng: np.random.Generator, img: np.ndarray, s: int) -> None:
     else:
         tone = lum * rng.uniform(0.25, 0.5)
     _blend(img, mask, np.full(3, tone, np.float32), rng.uniform(0.8, 1.0))
+    return mask
 
 
-def _spot(rng: np.random.Generator, img: np.ndarray, s: int) -> None:
+def _spot(rng: np.random.Generator, img: np.ndarray, s: int) -> np.ndarray:
     h, w = img.shape[:2]
     kind = rng.choice(["dent", "pit", "stain"])
     c = _point(rng, w, h, 0.15)
@@ -354,7 +472,7 @@ def _spot(rng: np.random.Generator, img: np.ndarray, s: int) -> None:
         core = cv2.GaussianBlur(core, (0, 0), r * 0.2)
         _shade(img, np.clip(rim - core, 0, 1), 1.5)
         _shade(img, core, rng.uniform(0.15, 0.35))
-        return
+        return np.maximum(rim, core)
     rx = rng.uniform(0.035, 0.075) * s
     ry = rx * rng.uniform(0.6, 1.0)
     ang = rng.uniform(0, 180)
@@ -378,9 +496,10 @@ def _spot(rng: np.random.Generator, img: np.ndarray, s: int) -> None:
         tint = tint / max(float(tint.mean()), 1e-3)
         factor = rng.uniform(0.3, 0.55)
         img *= (1.0 + (tint[None, None, :] * factor - 1.0) * mask[..., None])
+    return mask
 
 
-def _crack(rng: np.random.Generator, img: np.ndarray, s: int) -> None:
+def _crack(rng: np.random.Generator, img: np.ndarray, s: int) -> np.ndarray:
     h, w = img.shape[:2]
     thick = rng.uniform(0.004, 0.008) * s
     mask = np.zeros((h, w), np.float32)
@@ -406,9 +525,10 @@ def _crack(rng: np.random.Generator, img: np.ndarray, s: int) -> None:
         walk(start, branch, rng.uniform(0.08, 0.25) * s, thick * rng.uniform(0.5, 0.8))
     mask = cv2.GaussianBlur(mask, (0, 0), max(0.4, thick * 0.15))
     _shade(img, mask, rng.uniform(0.05, 0.25))
+    return mask
 
 
-def _contamination(rng: np.random.Generator, img: np.ndarray, s: int) -> None:
+def _contamination(rng: np.random.Generator, img: np.ndarray, s: int) -> np.ndarray:
     h, w = img.shape[:2]
     c = _point(rng, w, h, 0.2)
     spread = rng.uniform(0.08, 0.18) * s
@@ -425,6 +545,7 @@ def _contamination(rng: np.random.Generator, img: np.ndarray, s: int) -> None:
     lum = _local_luminance(img, c, spread)
     visible = [k for k, col in enumerate(colours) if abs(float(col.mean()) - lum) > 0.3]
     base_colour = colours[visible[int(rng.integers(len(visible)))]]
+    film = None
     if rng.random() < 0.4:
         # Smear: an irregular, elongated, translucent film (oil, coolant residue).
         mask = np.zeros((h, w), np.float32)
@@ -433,6 +554,7 @@ def _contamination(rng: np.random.Generator, img: np.ndarray, s: int) -> None:
                     1.0, -1, cv2.LINE_AA, 2)
         mask = _ragged(rng, cv2.GaussianBlur(mask, (0, 0), spread * 0.15), spread * 0.3)
         _blend(img, mask, base_colour, rng.uniform(0.45, 0.7))
+        film = mask
         n = int(rng.integers(6, 15))
     else:
         n = int(rng.integers(12, 35))
@@ -450,10 +572,18 @@ def _contamination(rng: np.random.Generator, img: np.ndarray, s: int) -> None:
     # Particles are usually another (darker) material than the film they sit in.
     particle_colour = colours[visible[int(rng.integers(len(visible)))]]
     _blend(img, mask, particle_colour, rng.uniform(0.8, 0.95))
+    return mask if film is None else np.maximum(mask, film)
 
 
-def _camera(rng: np.random.Generator, img: np.ndarray, w: int, h: int,
-            p: SurfaceParams) -> np.ndarray:
+#: label -> the function that draws it into a float image and returns where (a 0..1 mask)
+_DRAW = {"scratch": _scratch, "spot": _spot, "crack": _crack, "contamination": _contamination}
+
+
+def _camera(rng: np.random.Generator, img: np.ndarray, w: int, h: int, p: SurfaceParams,
+            masks: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Pose, lighting, blur, noise -> uint8; ``masks`` (where defects were drawn) follow the
+    pose exactly: the same warp and border, so a defect reflected in at the edge is in its mask
+    too. They take no random numbers: the image is the same with or without them."""
     s = min(w, h)
     # Part pose: small rotation and shift; the border is reflected surface, not black.
     rot = rng.uniform(-p.max_rotation_deg, p.max_rotation_deg)
@@ -461,6 +591,8 @@ def _camera(rng: np.random.Generator, img: np.ndarray, w: int, h: int,
     m = cv2.getRotationMatrix2D((w / 2, h / 2), rot, 1.0)
     m[:, 2] += (dx, dy)
     img = cv2.warpAffine(img, m, (w, h), flags=cv2.INTER_LINEAR, borderMode=cv2.BORDER_REFLECT_101)
+    masks = [cv2.warpAffine(k, m, (w, h), flags=cv2.INTER_LINEAR,
+                            borderMode=cv2.BORDER_REFLECT_101) for k in masks]
     # Lighting: linear gradient in a random direction, vignetting, exposure. Smooth, so it is
     # computed on a coarse grid and interpolated (full-resolution numpy here was the slow part).
     gw, gh = max(2, w // 8), max(2, h // 8)
@@ -478,7 +610,7 @@ def _camera(rng: np.random.Generator, img: np.ndarray, w: int, h: int,
     img += _sensor_noise(rng, w, h) * _u(rng, p.noise_sigma)
     img += 0.5
     np.clip(img, 0, 255, out=img)
-    return img.astype(np.uint8)
+    return img.astype(np.uint8), masks
 
 
 _NOISE_BANK: np.ndarray | None = None

@@ -109,3 +109,111 @@ def test_import_is_cheap():
             "print(sorted(m for m in ('torch', 'onnxruntime') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# --------------------------------------------------------------------------- annotations
+
+
+def _box_holds_mask_tightly(d: synthetic.Defect, shape: tuple[int, ...]) -> None:
+    assert d.mask.shape == shape[:2] and d.mask.dtype == bool and d.mask.any()
+    x1, y1, x2, y2 = (int(v) for v in d.box)
+    assert (x1, y1, x2, y2) == d.box                 # pixel edges
+    assert 0 <= x1 < x2 <= shape[1] and 0 <= y1 < y2 <= shape[0]
+    outside = d.mask.copy()
+    outside[y1:y2, x1:x2] = False
+    assert not outside.any()                          # the box contains the mask ...
+    inner = d.mask[y1:y2, x1:x2]
+    assert inner[0].any() and inner[-1].any() and inner[:, 0].any() and inner[:, -1].any()
+
+
+@pytest.mark.parametrize("params", [TRAIN_PARAMS, HELDOUT_PARAMS], ids=["train", "heldout"])
+@pytest.mark.parametrize("label", LABELS)
+def test_annotated_image_is_the_same_image(label, params):
+    """Annotating takes no random numbers: the classifier's images stay byte for byte."""
+    for seed, size in ((3, SMALL), (8, (200, 150))):
+        img, defects = synthetic.generate_annotated(label, seed, size, params)
+        assert img.tobytes() == synthetic.generate(label, seed, size, params).tobytes()
+        if label == "ok":
+            assert defects == ()
+        else:
+            (d,) = defects
+            assert d.label == label
+            _box_holds_mask_tightly(d, img.shape)
+
+
+@pytest.mark.parametrize("label", synthetic.DEFECT_LABELS)
+def test_mask_is_where_the_defect_was_drawn(label):
+    """The mask each drawing function returns marks the pixels it changed."""
+    rng = np.random.default_rng(5)
+    surface = synthetic._surface(rng, "painted", 240, 180, TRAIN_PARAMS)
+    img = surface.copy()
+    soft = synthetic._DRAW[label](rng, img, 180)
+    on = soft > synthetic.MASK_THRESHOLD
+    changed = np.abs(img - surface).max(axis=2) > 0.02
+    assert on.any() and changed[on].mean() > 0.9     # the mask is changed surface ...
+    near = cv2.dilate(on.astype(np.uint8), np.ones((7, 7), np.uint8)).astype(bool)
+    assert changed[~near].mean() < 0.01              # ... and little changed outside it
+
+
+def test_masks_follow_the_camera_pose():
+    """A bright square drawn before the camera's rotation and shift: its mask lands where the
+    square is in the final image."""
+    params = SurfaceParams(gradient=(0, 0), vignette=(0, 0), exposure=(1, 1), noise_sigma=(0, 0),
+                           blur_sigma=(0, 0), max_rotation_deg=6.0, max_shift=0.05)
+    img = np.full((120, 160, 3), 0.2, np.float32)
+    mask = np.zeros((120, 160), np.float32)
+    mask[40:70, 60:100] = 1.0
+    img[mask > 0] = 0.9
+    out, (warped,) = synthetic._camera(np.random.default_rng(1), img, 160, 120, params, [mask])
+    bright = out[..., 0] > 140
+    on = warped > 0.5
+    assert (bright != on).mean() < 0.005 and on.sum() > 900
+    assert not np.array_equal(on, mask > 0.5)        # it did move
+
+
+def test_scenes_are_deterministic_and_annotated():
+    kinds, counts = set(), set()
+    for seed in range(16):
+        img, defects = synthetic.generate_scene(seed, SMALL)
+        again, defects2 = synthetic.generate_scene(seed, SMALL)
+        assert img.tobytes() == again.tobytes()
+        assert [(d.label, d.box) for d in defects] == [(d.label, d.box) for d in defects2]
+        assert all(np.array_equal(a.mask, b.mask) for a, b in zip(defects, defects2))
+        assert len(defects) <= 3
+        counts.add(len(defects))
+        for d in defects:
+            assert d.label in synthetic.DEFECT_LABELS
+            kinds.add(d.label)
+            _box_holds_mask_tightly(d, img.shape)
+        for i, a in enumerate(defects):          # defects are drawn apart from each other
+            for b in defects[i + 1:]:
+                assert not (a.mask & b.mask).any()
+    assert kinds == set(synthetic.DEFECT_LABELS) and counts == {0, 1, 2, 3}
+
+
+def test_scenes_differ_by_seed_size_and_params_and_from_single_defect_images():
+    base = synthetic.generate_scene(1, SMALL)[0].tobytes()
+    assert base != synthetic.generate_scene(2, SMALL)[0].tobytes()
+    assert base != synthetic.generate_scene(1, SMALL, HELDOUT_PARAMS)[0].tobytes()
+    assert synthetic.generate_scene(1, (200, 120))[0].shape == (120, 200, 3)
+    assert all(base != synthetic.generate(lab, 1, SMALL).tobytes() for lab in LABELS)
+
+
+def test_scene_counts_choose_the_number_of_defects():
+    for seed in range(4):
+        assert synthetic.generate_scene(seed, SMALL, counts=(1.0,))[1] == ()
+        assert len(synthetic.generate_scene(seed, SMALL, counts=(0, 1.0))[1]) == 1
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: synthetic.generate_scene(-1), "seed"),
+    (lambda: synthetic.generate_scene(1, (8, 8)), "size"),
+    (lambda: synthetic.generate_scene(1, params="heldout"), "SurfaceParams"),
+    (lambda: synthetic.generate_scene(1, counts=()), "counts"),
+    (lambda: synthetic.generate_scene(1, counts=(0.5, -0.1)), "counts"),
+    (lambda: synthetic.generate_scene(1, counts="many"), "counts"),
+    (lambda: synthetic.generate_annotated("dent", 1), "unknown label 'dent'"),
+])
+def test_bad_scene_arguments_raise_value_error(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()

@@ -30,7 +30,8 @@ from .benchgpu import cuda_time_ms, log, served_runs, wall_ms
 
 LABELS = [f"class{i}" for i in range(80)]
 SIZE = 640
-WIDTHS = (32, 64, 128, 256, 512)
+WIDTHS = (32, 64, 128, 256)  # strides 2 to 16; the stride-32 stage: TOP
+TOP = 512
 NECK = 128
 
 TOML = """\
@@ -70,7 +71,7 @@ def export_model(root: Path, threshold: float = 0.25) -> Path:
     from .training.detector import Detector
 
     torch.manual_seed(0)
-    net = Detector(len(LABELS), SIZE, SIZE, widths=WIDTHS, neck=NECK).eval()
+    net = Detector(len(LABELS), SIZE, SIZE, widths=WIDTHS, top=TOP, neck=NECK).eval()
     folder = root / "yolo640"
     (folder / "1").mkdir(parents=True, exist_ok=True)
     (folder / "model.toml").write_text(TOML.format(size=SIZE, labels=json.dumps(LABELS),

@@ -4,8 +4,7 @@
 the repository root (it reads ``models/surface-anomaly`` and the classifier's weights):
 
 - the model: ``models/surface-anomaly`` (PatchCore-style, 160x160, a 4096-row memory bank),
-  served by the torch backend in fp32 with CUDA graphs (fp16 does not run yet: the fitted
-  graph's casts to fp32 around the distances were traced away, see docs/anomaly.md);
+  served by the torch backend in fp16 with CUDA graphs (the distances stay fp32 in the graph);
 - bare: CUDA graph replay of batches of 1 and 32 (images/s), no decode, no post-processing;
 - post-processing on the host per frame (normalisation, regions, frame pixels) for a batch of
   32 real outputs of 640x480 frames;
@@ -31,13 +30,13 @@ MODEL = "surface-anomaly"
 
 
 def make_repo(src: Path, root: Path) -> Path:
-    """A copy of the shipped model served by torch in fp32 (model.toml's [runtime] edited)."""
+    """A copy of the shipped model served by torch in fp16 (model.toml's [runtime] edited)."""
     from visionserve.verdicts import edit_section
 
     dst = root / MODEL
     shutil.copytree(src, dst)
     toml = dst / "model.toml"
-    text = edit_section(toml.read_text(), "runtime", {"backend": "torch", "precision": "fp32"})
+    text = edit_section(toml.read_text(), "runtime", {"backend": "torch", "precision": "fp16"})
     toml.write_text(edit_section(text, "batching", {"max_queue_size": 1024}))
     return root
 
@@ -73,7 +72,7 @@ def bare(root: Path, quick: bool) -> dict:
     for bs in (1, 32):
         ms = cuda_time_ms(b._graphs[bs][0].replay, iters, b.stream)
         graph[bs] = {"graph_replay_ms": round(ms, 3), "img_per_s": round(bs / ms * 1000)}
-    res["bare_torch_fp32_cuda_graph"] = graph
+    res["bare_torch_fp16_cuda_graph"] = graph
     with torch.cuda.stream(b.stream):
         x = torch.rand((32, 3, cfg.input.height, cfg.input.width), device="cuda",
                        dtype=b.input_dtype)
@@ -139,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                          "mean_jpeg_bytes": sum(map(len, jpegs)) // len(jpegs)}
         res["bare"] = bare(root, args.quick)
         save()
-        rate = res["bare"]["bare_torch_fp32_cuda_graph"][32]["img_per_s"]
+        rate = res["bare"]["bare_torch_fp16_cuda_graph"][32]["img_per_s"]
         res["served"] = served_runs(root, MODEL, jpegs, args.out.parent, args.quick, rate,
                                     args.frontends, args.client_processes,
                                     "--gpu-memory-budget", "16GiB")

@@ -213,3 +213,36 @@ def test_server_serves_the_torch_backend(model_dir, server_factory, jpeg_bytes):
     assert body["label"] in ("ok", "dent", "scratch") and body["verdict"] in ("OK", "NG")
     meta = httpx.get(f"{srv.url}/v2/models/tiny", timeout=10).json()
     assert meta["platform"].startswith("pytorch") or "torch" in str(meta)
+
+
+def test_an_exported_cast_runs_in_another_precision():
+    """A model exported in fp32 on the CPU that casts inside (x.float(), to keep a sum in fp32)
+    runs in another dtype (and on a GPU): torch.export's checks of the traced dtype and device
+    before each cast are dropped at load, the casts stay (found serving the anomaly model fitted
+    on the CPU on the H200: "Tensor dtype mismatch", then "Tensor device mismatch")."""
+    import copy
+
+    import torch
+
+    from visionserve.backends.torch import portable
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 3)
+
+        def forward(self, x):
+            y = self.conv(x).float()
+            return (y * y).sum(dim=(1, 2, 3))
+
+    x = torch.rand(2, 3, 8, 8)
+    ep = torch.export.export(Net().eval(), (x,))
+    want = ep.module()(x)
+    raw = copy.deepcopy(ep.module()).to(torch.bfloat16)  # .to() would change ep's weights too
+    with pytest.raises(Exception, match="mismatch"):
+        raw(x.to(torch.bfloat16))
+    fixed = portable(copy.deepcopy(ep.module())).to(torch.bfloat16)
+    assert "_assert_tensor_metadata" not in fixed.code
+    out = fixed(x.to(torch.bfloat16))
+    assert out.dtype == torch.float32
+    assert torch.allclose(out, want, rtol=0.05)

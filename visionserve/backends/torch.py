@@ -81,6 +81,25 @@ def _dims(shape: Any, ranges: dict) -> list[checks.Dim]:
     return dims
 
 
+
+def portable(module: Any) -> Any:
+    """An exported program's module without the checks torch.export puts before each ``.to()``
+    of the traced code (``aten._assert_tensor_metadata``: the dtype and device seen when it was
+    exported). A model exported on the CPU in fp32 that casts inside (``x.float()`` to keep a
+    sum in fp32) would otherwise fail on a GPU, or in fp16, with "Tensor device mismatch" /
+    "Tensor dtype mismatch"; the casts themselves stay."""
+    import torch
+
+    check = torch.ops.aten._assert_tensor_metadata.default
+    graph = module.graph
+    dropped = [n for n in graph.nodes if n.op == "call_function" and n.target is check
+               and not n.users]
+    for node in dropped:
+        graph.erase_node(node)
+    if dropped:
+        module.recompile()
+    return module
+
 class TorchBackend(Backend):
     model_file = "model.pt2"
     platform = "pytorch_libtorch"
@@ -125,7 +144,7 @@ class TorchBackend(Backend):
         self.outputs = tuple(checks.TensorSpec(n, tuple(d) if d is not None else None, None, named)
                              for n, d in zip(self._names, dims))
         self._selected = self._names
-        module = program.module()
+        module = portable(program.module())
         cuda = device.startswith("cuda")
         if cuda:
             if not torch.cuda.is_available():

@@ -282,11 +282,71 @@ def input_toml(spec: InputSpec) -> str:
                                  if v is not None)
 
 
+def toml_list(values: Iterable[object]) -> str:
+    """A TOML array of strings or numbers (floats as ``%g``)."""
+    return "[" + ", ".join(f"{v:g}" if isinstance(v, float) else f'"{v}"' for v in values) + "]"
+
+
+def input_section(spec: InputSpec) -> str:
+    """The ``[input]`` section of model.toml for a model trained here (graph input
+    :data:`ONNX_INPUT`), ending in a newline."""
+    pad = f"pad_value = {spec.pad_value}\n" if spec.resize == "letterbox" else ""
+    return f"""[input]
+name = "{spec.name}"
+tensor_name = "{ONNX_INPUT}"
+width = {spec.width}
+height = {spec.height}
+channels = {spec.channels}
+color_order = "{spec.color_order}"
+resize = "{spec.resize}"
+{pad}interpolation = "{spec.interpolation}"
+layout = "{spec.layout}"
+dtype = "{spec.dtype}"
+scale = {spec.scale!r}
+mean = {toml_list(spec.mean)}
+std = {toml_list(spec.std)}
+"""
+
+
 def read_model_config(model_dir: Path) -> ModelConfig | None:
     from visionserve.config import load_model_config
 
     path = Path(model_dir) / "model.toml"
     return load_model_config(path) if path.is_file() else None
+
+
+def run_facts(model, threads: int, t_start: float, t_data: float, t_train: float) -> dict:
+    """What metrics.json records of every training run: the model's size, where the time went
+    (``t_start``: ``time.perf_counter()`` at the start; seconds making the data, training, and
+    all up to now), torch and the machine."""
+    import platform
+    import time
+
+    import torch
+
+    return {"params": int(sum(p.numel() for p in model.parameters())),
+            "seconds": {"data": round(t_data, 1), "train": round(t_train, 1),
+                        "total": round(time.perf_counter() - t_start, 1)},
+            "torch": torch.__version__, "threads": threads,
+            "machine": f"{platform.machine()} {platform.processor() or ''}".strip()}
+
+
+def check_new_version(model_dir: Path, version: int | None) -> None:
+    """``--version``, if given, must be >= 1 and not exist yet (checked before training)."""
+    if version is not None and (version < 1 or (Path(model_dir) / str(version)).exists()):
+        raise ScriptError(f"--version {version}: must be >= 1 and not exist yet in "
+                          f"{model_dir} (move the old one away first)")
+
+
+def make_version_dir(model_dir: Path, version: int | None) -> Path:
+    """Create the version folder a training run writes: ``version``, or highest + 1."""
+    versions = version_dirs(model_dir)
+    version_dir = Path(model_dir) / str(version or (versions[-1] if versions else 0) + 1)
+    try:
+        version_dir.mkdir(parents=True)
+    except FileExistsError:
+        raise ScriptError(f"{version_dir} appeared while training; not overwriting it") from None
+    return version_dir
 
 
 def version_dirs(model_dir: Path) -> list[int]:

@@ -30,20 +30,30 @@ class ExportMismatch(Exception):
     """An exported model disagrees with the eager model."""
 
 
-def export_onnx(model, example, path: Path) -> None:
+def export_onnx(model, example, path: Path, output_name: str = common.ONNX_OUTPUT) -> None:
     import torch
 
     # The classic exporter gives a plain opset-17 graph with a named dynamic batch dimension and
     # no external-data side files; the dynamo exporter needs more care for the same result.
     torch.onnx.export(
         model, (example,), str(path), dynamo=False, opset_version=OPSET,
-        input_names=[common.ONNX_INPUT], output_names=[common.ONNX_OUTPUT],
-        dynamic_axes={common.ONNX_INPUT: {0: "batch"}, common.ONNX_OUTPUT: {0: "batch"}},
+        input_names=[common.ONNX_INPUT], output_names=[output_name],
+        dynamic_axes={common.ONNX_INPUT: {0: "batch"}, output_name: {0: "batch"}},
         do_constant_folding=True,
     )
     import onnx
 
     m = onnx.load(str(path))
+    # The exporter can leave an output's fixed axes symbolic (a detector's concatenated head:
+    # 'Concatoutput0_dim_1'); the server checks a model's declared shape against model.toml at
+    # load, so every axis but the batch is declared with the size the model gives.
+    shape = model(example).shape
+    dims = m.graph.output[0].type.tensor_type.shape.dim
+    if len(dims) == len(shape) and any(d.dim_param for d in list(dims)[1:]):
+        for d, n in zip(list(dims)[1:], shape[1:]):
+            d.Clear()
+            d.dim_value = int(n)
+        onnx.save(m, str(path))
     onnx.checker.check_model(m)
     dim0 = m.graph.input[0].type.tensor_type.shape.dim[0]
     if dim0.dim_param != "batch" or m.opset_import[0].version < OPSET:
@@ -59,14 +69,15 @@ def export_pt2(model, example, path: Path) -> None:
     torch.export.save(ep, str(path))
 
 
-def run_onnx(path: Path, x: np.ndarray, threads: int = 1) -> np.ndarray:
+def run_onnx(path: Path, x: np.ndarray, threads: int = 1,
+             output_name: str = common.ONNX_OUTPUT) -> np.ndarray:
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    return np.concatenate([sess.run([common.ONNX_OUTPUT], {common.ONNX_INPUT: x[i:i + 16]})[0]
+    return np.concatenate([sess.run([output_name], {common.ONNX_INPUT: x[i:i + 16]})[0]
                            for i in range(0, len(x), 16)])
 
 
@@ -81,24 +92,32 @@ def run_pt2(path: Path, x: np.ndarray) -> np.ndarray:
 
 def export_version(version_dir: Path, check_x: np.ndarray, tolerance: float = 1e-3) -> dict:
     """Write model.onnx and model.pt2 next to weights.pt; raise ExportMismatch on disagreement."""
+    model, _ = common.load_checkpoint(version_dir / "weights.pt")
+    return export_checked(model, version_dir, check_x, tolerance)
+
+
+def export_checked(model, version_dir: Path, check_x: np.ndarray, tolerance: float,
+                   output_name: str = common.ONNX_OUTPUT) -> dict:
+    """Export an eval-mode model to ``version_dir``'s model.onnx and model.pt2, check both (and
+    batch 1 against batched) on ``check_x``, write export.json; raise ExportMismatch when they
+    disagree by more than ``tolerance`` (max abs difference of any output value)."""
     import torch
 
-    model, _ = common.load_checkpoint(version_dir / "weights.pt")
     if len(check_x) < 2:  # torch.export specialises a batch of 1; trace with 2
         check_x = np.concatenate([check_x, check_x])
     example = torch.from_numpy(check_x[:2].copy())
     t0 = time.perf_counter()
     with torch.no_grad():
-        export_onnx(model, example, version_dir / "model.onnx")
+        export_onnx(model, example, version_dir / "model.onnx", output_name)
         export_pt2(model, example, version_dir / "model.pt2")
     seconds = time.perf_counter() - t0
     with torch.no_grad():
         eager = torch.cat([model(torch.from_numpy(check_x[i:i + 16]))
                            for i in range(0, len(check_x), 16)]).numpy()
-    onnx_out = run_onnx(version_dir / "model.onnx", check_x)
+    onnx_out = run_onnx(version_dir / "model.onnx", check_x, output_name=output_name)
     pt2_out = run_pt2(version_dir / "model.pt2", check_x)
     # Batch sizes the server pads to must give the same answers as batch 1.
-    single = run_onnx(version_dir / "model.onnx", check_x[:1])
+    single = run_onnx(version_dir / "model.onnx", check_x[:1], output_name=output_name)
     diffs = {
         "onnx_vs_eager": float(np.abs(onnx_out - eager).max()),
         "pt2_vs_eager": float(np.abs(pt2_out - eager).max()),

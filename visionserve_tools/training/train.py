@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shlex
 import sys
 import time
@@ -110,30 +109,13 @@ def split(ds: common.Dataset, val_fraction: float,
 
 def write_model_toml(model_dir: Path, labels: tuple[str, ...], spec) -> None:
     ok = ["ok"] if "ok" in labels else [labels[0]]
-
-    def fmt(t) -> str:
-        return "[" + ", ".join(f"{v:g}" if isinstance(v, float) else f'"{v}"' for v in t) + "]"
-
+    fmt = common.toml_list
     text = f"""# Written by visionserve_tools.training.train; see docs/model-toml.md for every \
 field.
 description = "Surface defect classifier trained with visionserve_tools.training.train"
 task = "classification"
 
-[input]
-name = "{spec.name}"
-tensor_name = "{common.ONNX_INPUT}"
-width = {spec.width}
-height = {spec.height}
-channels = {spec.channels}
-color_order = "{spec.color_order}"
-resize = "{spec.resize}"
-interpolation = "{spec.interpolation}"
-layout = "{spec.layout}"
-dtype = "{spec.dtype}"
-scale = {spec.scale!r}
-mean = {fmt(spec.mean)}
-std = {fmt(spec.std)}
-
+{common.input_section(spec)}
 [output]
 tensor_name = "{common.ONNX_OUTPUT}"
 labels = {fmt(labels)}
@@ -191,10 +173,7 @@ def train(args: argparse.Namespace, argv: list[str]) -> int:
                  "check_per_label"):
         if getattr(args, name) < 1:
             raise ScriptError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.version is not None and (
-            args.version < 1 or (args.models_dir / args.name / str(args.version)).exists()):
-        raise ScriptError(f"--version {args.version}: must be >= 1 and not exist yet in "
-                          f"{args.models_dir / args.name} (move the old one away first)")
+    common.check_new_version(args.models_dir / args.name, args.version)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ScriptError(f"--device {args.device}: CUDA is not available here")
     common.set_determinism(args.seed, args.threads)
@@ -282,12 +261,7 @@ def train(args: argparse.Namespace, argv: list[str]) -> int:
         print(json.dumps(history[-1]), flush=True)
     t_train = time.perf_counter() - t_start - t_data
 
-    versions = common.version_dirs(model_dir)
-    version_dir = model_dir / str(args.version or (versions[-1] if versions else 0) + 1)
-    try:
-        version_dir.mkdir(parents=True)
-    except FileExistsError:
-        raise ScriptError(f"{version_dir} appeared while training; not overwriting it") from None
+    version_dir = common.make_version_dir(model_dir, args.version)
     model = model.cpu().eval()
     meta = {"labels": list(labels), "widths": list(widths), "input": spec.model_dump(mode="json"),
             "seed": args.seed}
@@ -301,13 +275,9 @@ def train(args: argparse.Namespace, argv: list[str]) -> int:
         "data": str(args.data) if args.data else "synthetic",
         "train_images": len(train_ds.targets), "val_images": len(val_ds.targets),
         "labels": list(labels), "input": meta["input"], "widths": list(widths),
-        "params": int(sum(p.numel() for p in model.parameters())),
         "macs": common.count_macs(widths, spec.width, spec.height, spec.channels),
-        "seconds": {"data": round(t_data, 1), "train": round(t_train, 1),
-                    "total": round(time.perf_counter() - t_start, 1)},
-        "history": history, "final_val_acc": history[-1]["val_acc"],
-        "torch": torch.__version__, "threads": args.threads, "device": str(device),
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "history": history, "final_val_acc": history[-1]["val_acc"], "device": str(device),
+        **common.run_facts(model, args.threads, t_start, t_data, t_train),
         "export": report,
     }
     (version_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")

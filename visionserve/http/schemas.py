@@ -97,9 +97,9 @@ class InspectResult(BaseModel):
         None, description="Detection, segmentation: what was found, highest score first: label, "
         "class, score, box [x1, y1, x2, y2] and area in the frame's pixels (size_mm, area_mm2 "
         "with verdict.pixels_per_mm; segmentation: mask as COCO RLE)")
-    reasons: list[dict[str, Any]] | None = Field(
-        None, description="Detection, segmentation: each rule that made the part NG (rule, "
-        "message, detections: indices into detections)")
+    reasons: list[Any] | None = Field(
+        None, description="Why the part is NG. Detection, segmentation: each rule that made it "
+        "NG (rule, message, detections: indices into detections); anomaly: one sentence each")
     batch_size: int
     deadline_met: bool = Field(..., description="Always true in a 200 answer (a late frame is "
                                "answered 504 LATE); kept for clients that read it")

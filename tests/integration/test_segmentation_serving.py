@@ -39,7 +39,7 @@ from conftest import start_server
 
 from tests.tools import detmodels as dm
 from tests.tools import detref
-from tests.tools.detmodels import FRAMES, MEDIA, decoded, encoded
+from tests.tools.detmodels import FRAMES, MEDIA, encoded
 from visionserve.config import InputSpec
 
 BOX_TOL = 0.1  # frame pixels, YOLO-seg boxes
@@ -64,16 +64,8 @@ def server(repo, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def expected(repo):
-    refs = {m: detref.Reference(repo / m) for m in MODELS}
-    cache: dict[tuple[str, str], list[detref.Det]] = {}
-
-    def get(model: str, frame: str) -> list[detref.Det]:
-        if (model, frame) not in cache:
-            cache[model, frame] = refs[model](decoded(frame))
-        return cache[model, frame]
-
-    get.refs = refs  # type: ignore[attr-defined]
-    return get
+    """``expected(model, frame)`` -> the reference's objects (computed once each)."""
+    return dm.expectations(repo, MODELS)
 
 
 def semantic(model: str) -> bool:
@@ -199,14 +191,10 @@ def test_inspect_api(server, expected, model, frame):
     assert {x["rule"] for x in a["reasons"]} == {f"defect:{d.label}" for d in want}
 
 
-def bytes_frames() -> list[bytes]:
-    return [encoded(f) for f in FRAMES]
-
-
 @pytest.mark.parametrize("model", MODELS)
 def test_oip_http_json(server, expected, model):
     req = {"inputs": [{"name": "image", "datatype": "BYTES", "shape": [len(FRAMES)],
-                       "data": [base64.b64encode(b).decode() for b in bytes_frames()]}]}
+                       "data": [base64.b64encode(b).decode() for b in dm.encoded_frames()]}]}
     r = httpx.post(f"{server.url}/v2/models/{model}/infer", json=req, timeout=60)
     assert r.status_code == 200, r.text
     out = {o["name"]: o for o in r.json()["outputs"]}
@@ -228,7 +216,7 @@ def test_oip_http_binary_with_tritonclient(server, expected, model):
     client = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
     try:
         inp = httpclient.InferInput("image", [len(FRAMES)], "BYTES")
-        inp.set_data_from_numpy(np.array(bytes_frames(), dtype=object), binary_data=True)
+        inp.set_data_from_numpy(np.array(dm.encoded_frames(), dtype=object), binary_data=True)
         res = client.infer(model, [inp], outputs=[
             httpclient.InferRequestedOutput(n, binary_data=True) for n in OIP])
         arrays = {n: res.as_numpy(n) for n in OIP}
@@ -243,7 +231,7 @@ def test_grpc(server, expected, model):
     client = grpcclient.InferenceServerClient(server.grpc_url)
     try:
         inp = grpcclient.InferInput("image", [len(FRAMES)], "BYTES")
-        inp.set_data_from_numpy(np.array(bytes_frames(), dtype=object))
+        inp.set_data_from_numpy(np.array(dm.encoded_frames(), dtype=object))
         res = client.infer(model, [inp])
         arrays = {n: res.as_numpy(n) for n in OIP}
         for i, frame in enumerate(FRAMES):

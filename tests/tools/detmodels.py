@@ -158,22 +158,33 @@ def _gather_rows(xyxy, idx):
     return _torch().gather(xyxy, 1, idx.unsqueeze(2).expand(-1, -1, 4))
 
 
-def yolo_module(width: int, height: int, transposed: bool = False, degenerate: bool = False):
-    """``[B, 4+nc, A]`` (``transposed``: ``[B, A, 4+nc]``): cx, cy, w, h, class scores."""
+def _on_candidates(cand, head, name: str):
+    """A module giving ``head(boxes, scores, x)`` of the candidate windows ``cand`` finds."""
     torch = _torch()
-    cand = _module(width, height, NMS_SCALES, degenerate)
 
-    class Yolo(torch.nn.Module):
+    class Head(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.cand = cand
 
         def forward(self, x):
             boxes, scores = self.cand(x)
-            out = torch.cat([boxes, scores], dim=1)
-            return out.transpose(1, 2) if transposed else out
+            return head(boxes, scores, x)
 
-    return Yolo()
+    Head.__name__ = Head.__qualname__ = name
+    return Head()
+
+
+def yolo_module(width: int, height: int, transposed: bool = False, degenerate: bool = False):
+    """``[B, 4+nc, A]`` (``transposed``: ``[B, A, 4+nc]``): cx, cy, w, h, class scores."""
+    torch = _torch()
+    cand = _module(width, height, NMS_SCALES, degenerate)
+
+    def head(boxes, scores, x):
+        out = torch.cat([boxes, scores], dim=1)
+        return out.transpose(1, 2) if transposed else out
+
+    return _on_candidates(cand, head, "Yolo")
 
 
 def objectness_module(width: int, height: int):
@@ -182,18 +193,12 @@ def objectness_module(width: int, height: int):
     torch = _torch()
     cand = _module(width, height, NMS_SCALES)
 
-    class Objectness(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.cand = cand
+    def head(boxes, scores, x):
+        obj = scores.sum(dim=1, keepdim=True).clamp(max=1.0)
+        cls = scores / (obj + 1e-6)
+        return torch.cat([boxes, obj, cls], dim=1).transpose(1, 2)
 
-        def forward(self, x):
-            boxes, scores = self.cand(x)
-            obj = scores.sum(dim=1, keepdim=True).clamp(max=1.0)
-            cls = scores / (obj + 1e-6)
-            return torch.cat([boxes, obj, cls], dim=1).transpose(1, 2)
-
-    return Objectness()
+    return _on_candidates(cand, head, "Objectness")
 
 
 def end2end_module(width: int, height: int, k: int = 12, floor: float = 0.2):
@@ -202,19 +207,13 @@ def end2end_module(width: int, height: int, k: int = 12, floor: float = 0.2):
     torch = _torch()
     cand = _module(width, height, FINAL_SCALES)
 
-    class End2End(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.cand = cand
+    def head(boxes, scores, x):
+        top, cls, idx = _top(scores, k)
+        rows = torch.cat([_gather_rows(_xyxy(boxes), idx), top.unsqueeze(2),
+                          cls.unsqueeze(2).to(top.dtype)], dim=2)
+        return rows * (top >= floor).unsqueeze(2).to(top.dtype)
 
-        def forward(self, x):
-            boxes, scores = self.cand(x)
-            top, cls, idx = _top(scores, k)
-            rows = torch.cat([_gather_rows(_xyxy(boxes), idx), top.unsqueeze(2),
-                              cls.unsqueeze(2).to(top.dtype)], dim=2)
-            return rows * (top >= floor).unsqueeze(2).to(top.dtype)
-
-    return End2End()
+    return _on_candidates(cand, head, "End2End")
 
 
 def end2end_flat_module(width: int, height: int, k: int = 12, floor: float = 0.2):
@@ -224,21 +223,15 @@ def end2end_flat_module(width: int, height: int, k: int = 12, floor: float = 0.2
     torch = _torch()
     cand = _module(width, height, FINAL_SCALES)
 
-    class End2EndFlat(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.cand = cand
+    def head(boxes, scores, x):
+        top, cls, idx = _top(scores, k)
+        frame = torch.arange(x.shape[0], dtype=top.dtype).unsqueeze(1) * torch.ones_like(top)
+        rows = torch.cat([frame.unsqueeze(2), _gather_rows(_xyxy(boxes), idx),
+                          cls.unsqueeze(2).to(top.dtype), top.unsqueeze(2)], dim=2)
+        rows = rows.reshape(-1, 7)
+        return rows[rows[:, 6] >= floor]
 
-        def forward(self, x):
-            boxes, scores = self.cand(x)
-            top, cls, idx = _top(scores, k)
-            frame = torch.arange(x.shape[0], dtype=top.dtype).unsqueeze(1) * torch.ones_like(top)
-            rows = torch.cat([frame.unsqueeze(2), _gather_rows(_xyxy(boxes), idx),
-                              cls.unsqueeze(2).to(top.dtype), top.unsqueeze(2)], dim=2)
-            rows = rows.reshape(-1, 7)
-            return rows[rows[:, 6] >= floor]
-
-    return End2EndFlat()
+    return _on_candidates(cand, head, "End2EndFlat")
 
 
 def boxes_module(width: int, height: int, k: int = 10, count_floor: float = 0.92):
@@ -250,18 +243,12 @@ def boxes_module(width: int, height: int, k: int = 10, count_floor: float = 0.92
     torch = _torch()
     cand = _module(width, height, FINAL_SCALES)
 
-    class Boxes(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.cand = cand
+    def head(boxes, scores, x):
+        top, cls, idx = _top(scores, k)
+        num = (top >= count_floor).sum(dim=1).to(torch.int32)
+        return _gather_rows(_xyxy(boxes), idx), top, cls, num
 
-        def forward(self, x):
-            boxes, scores = self.cand(x)
-            top, cls, idx = _top(scores, k)
-            num = (top >= count_floor).sum(dim=1).to(torch.int32)
-            return _gather_rows(_xyxy(boxes), idx), top, cls, num
-
-    return Boxes()
+    return _on_candidates(cand, head, "Boxes")
 
 
 def yolo_seg_module(width: int, height: int):
@@ -480,3 +467,25 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def encoded_frames() -> list[bytes]:
+    """Every frame of :data:`FRAMES`, encoded, in order."""
+    return [encoded(f) for f in FRAMES]
+
+
+def expectations(repo: Path, models: Sequence[str]):
+    """``get(model, frame)`` -> the reference's objects for a frame of :data:`FRAMES`, computed
+    once each (``get.refs``: the :class:`detref.Reference` of each model)."""
+    from tests.tools import detref
+
+    refs = {m: detref.Reference(repo / m) for m in models}
+    cache: dict[tuple[str, str], list[detref.Det]] = {}
+
+    def get(model: str, frame: str) -> list[detref.Det]:
+        if (model, frame) not in cache:
+            cache[model, frame] = refs[model](decoded(frame))
+        return cache[model, frame]
+
+    get.refs = refs  # type: ignore[attr-defined]
+    return get

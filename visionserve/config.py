@@ -16,9 +16,17 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -65,6 +73,16 @@ def parse_bytes(value: str | float) -> int:
 
 #: the task of a model.toml that names none
 DEFAULT_TASK = "classification"
+
+
+def _unique_labels(v: tuple[str, ...]) -> tuple[str, ...]:
+    if len(set(v)) != len(v):
+        raise ValueError("labels must be unique")
+    return v
+
+
+#: a model's class labels, in its output order: each once
+Labels = Annotated[tuple[str, ...], AfterValidator(_unique_labels)]
 
 
 class _Strict(BaseModel):

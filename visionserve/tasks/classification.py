@@ -11,30 +11,23 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from ..backends.checks import Dim, Subject, TensorSpec, fmt
-from ..config import ModelConfig, _Strict
+from ..config import Labels, ModelConfig, _Strict
 from ..errors import ConfigError
 from .base import OipOutput, Rows, Task
 from .geometry import Size
 
 
 class OutputSpec(_Strict):
-    labels: tuple[str, ...] = Field(
+    labels: Labels = Field(
         ..., min_length=1, description="Class labels in model output order.")
     tensor_name: str | None = Field(
         None, description="Model graph output name; default: the first output.")
     activation: Literal["softmax", "sigmoid", "none"] = Field(
         "softmax", description="Applied to the model's output to get scores: softmax for logits, "
         "none if the model already outputs probabilities.")
-
-    @field_validator("labels")
-    @classmethod
-    def _unique(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        if len(set(v)) != len(v):
-            raise ValueError("labels must be unique")
-        return v
 
 
 class VerdictSpec(_Strict):

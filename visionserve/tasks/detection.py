@@ -35,10 +35,10 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 from prometheus_client import Counter
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from ..backends.checks import Dim, Subject, TensorSpec, fmt
-from ..config import ModelConfig, _Strict
+from ..config import Labels, ModelConfig, _Strict
 from ..errors import ConfigError
 from .base import OipOutput, Rows, Task
 from .geometry import FrameMap, Size, frame_maps
@@ -62,7 +62,7 @@ class DetectionOutput(_Strict):
         "[N, anchors, 4+classes]; NMS here), `yolo-objectness` ([N, anchors, 5+classes]), "
         "`end2end` (NMS in the graph: [N, K, 6] x1,y1,x2,y2,score,class, or YOLOv7's [M, 7] "
         "batch,x1,y1,x2,y2,class,score), `boxes` (separate boxes/scores/classes/count outputs).")
-    labels: tuple[str, ...] = Field(
+    labels: Labels = Field(
         ..., min_length=1, description="Class labels in the model's class index order.")
     tensor_name: str | None = Field(
         None, description="The output holding the detections (yolo, yolo-objectness, end2end); "
@@ -88,13 +88,6 @@ class DetectionOutput(_Strict):
     max_detections: int = Field(
         100, ge=1, le=10_000, description="Most detections per frame (the highest scores); the "
                                           "OIP outputs' capacity K.")
-
-    @field_validator("labels")
-    @classmethod
-    def _unique(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        if len(set(v)) != len(v):
-            raise ValueError("labels must be unique")
-        return v
 
 
 class DetectionConfig(ModelConfig):

@@ -17,14 +17,13 @@ the repository root (it reads ``models/surface-anomaly`` and the classifier's we
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from .benchgpu import cuda_time_ms, log, served_runs, wall_ms
+from .benchgpu import cuda_time_ms, log, model_bench_start, served_runs, wall_ms
 
 MODEL = "surface-anomaly"
 
@@ -112,24 +111,14 @@ def fit_time(tmp: Path, n: int, device: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m visionserve_tools.benchanomaly",
-                                 description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--model-dir", type=Path, default=Path("models") / MODEL)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--frontends", type=int, default=4)
-    ap.add_argument("--client-processes", type=int, default=8)
-    ap.add_argument("--fit-images", type=int, default=200, help="0: no fit timing")
-    args = ap.parse_args(argv)
-    import torch
+    def options(ap: argparse.ArgumentParser) -> None:
+        ap.add_argument("--model-dir", type=Path, default=Path("models") / MODEL)
+        ap.add_argument("--fit-images", type=int, default=200, help="0: no fit timing")
 
-    if not torch.cuda.is_available():
-        print("benchanomaly: needs a CUDA device", file=sys.stderr)
+    started = model_bench_start("benchanomaly", __doc__, argv, frontends=4, add=options)
+    if started is None:
         return 2
-    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
-
-    def save() -> None:
-        args.out.write_text(json.dumps(res, indent=2))
+    args, res, save = started
 
     with tempfile.TemporaryDirectory() as tmp:
         root = make_repo(args.model_dir, Path(tmp) / "repo")

@@ -19,14 +19,13 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from .benchgpu import cuda_time_ms, log, served_runs, wall_ms
+from .benchgpu import cuda_time_ms, log, model_bench_start, served_runs, wall_ms
 
 LABELS = [f"class{i}" for i in range(80)]
 SIZE = 640
@@ -177,22 +176,10 @@ def annotate_cost(root: Path, jpegs: list[bytes]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m visionserve_tools.benchdet",
-                                 description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--frontends", type=int, default=8)
-    ap.add_argument("--client-processes", type=int, default=8)
-    args = ap.parse_args(argv)
-    import torch
-
-    if not torch.cuda.is_available():
-        print("benchdet: needs a CUDA device", file=sys.stderr)
+    started = model_bench_start("benchdet", __doc__, argv, frontends=8)
+    if started is None:
         return 2
-    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
-
-    def save() -> None:
-        args.out.write_text(json.dumps(res, indent=2))
+    args, res, save = started
 
     with tempfile.TemporaryDirectory() as tmp:
         root = export_model(Path(tmp) / "repo")

@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 LABELS = ["ok", "scratch", "spot", "crack", "contamination"]
@@ -364,6 +365,31 @@ def load(server: Server, model: str, jpegs: list[bytes], processes: int, threads
             "throughput_per_s": round(len(lat) / duration, 1), "wall_s": round(wall, 1),
             "p50_ms": q(0.5), "p90_ms": q(0.9), "p99_ms": q(0.99), "max_ms": round(lat[-1], 3),
             "mean_batch_size": round(statistics.fmean(sizes), 2)}
+
+
+def model_bench_start(prog: str, doc: str | None, argv: list[str] | None, frontends: int,
+                      add: Callable[[argparse.ArgumentParser], None] = lambda ap: None):
+    """The command line and the record every model's GPU benchmark shares (benchdet,
+    benchanomaly): ``(args, res, save)``, or None (said on stderr) where CUDA is absent."""
+    ap = argparse.ArgumentParser(prog=f"python -m visionserve_tools.{prog}",
+                                 description=(doc or "").splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--frontends", type=int, default=frontends)
+    ap.add_argument("--client-processes", type=int, default=8)
+    add(ap)
+    args = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"{prog}: needs a CUDA device", file=sys.stderr)
+        return None
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
+
+    def save() -> None:
+        args.out.write_text(json.dumps(res, indent=2))
+
+    return args, res, save
 
 
 def served_runs(root: Path, model: str, jpegs: list[bytes], log_dir: Path, quick: bool,

@@ -69,12 +69,25 @@ class FrameMap:
         out = cv2.warpAffine(src, a, (max(0, x2 - x1), max(0, y2 - y1)),
                              flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP,
                              borderMode=cv2.BORDER_REPLICATE)
-        if self.offset_x < 0 or self.offset_y < 0:  # a centre crop: the frame outside it is 0
-            mx = (np.arange(x1, x2) + 0.5) / self.scale_x + self.offset_x
-            my = (np.arange(y1, y2) + 0.5) / self.scale_y + self.offset_y
-            out[:, (mx < 0) | (mx >= input_w)] = 0.0
-            out[(my < 0) | (my >= input_h), :] = 0.0
+        if self.cropped:  # the frame outside the crop is 0
+            cols, rows = self.seen(input_w, input_h, (x1, y1, x2, y2))
+            out[:, ~cols] = 0.0
+            out[~rows, :] = 0.0
         return out
+
+    @property
+    def cropped(self) -> bool:
+        """A centre crop cut part of the frame away."""
+        return self.offset_x < 0 or self.offset_y < 0
+
+    def seen(self, input_w: int, input_h: int, window: tuple[int, int, int, int] | None = None
+             ) -> tuple[np.ndarray, np.ndarray]:
+        """(columns, rows) of the frame (or of ``window``) whose pixel centres the model input
+        covers: all but what a centre crop cut away."""
+        x1, y1, x2, y2 = window if window is not None else (0, 0, self.width, self.height)
+        mx = (np.arange(x1, x2) + 0.5) / self.scale_x + self.offset_x
+        my = (np.arange(y1, y2) + 0.5) / self.scale_y + self.offset_y
+        return (mx >= 0) & (mx < input_w), (my >= 0) & (my < input_h)
 
 
 def frame_maps(spec: InputSpec, sizes: Sequence[Size] | None, n: int) -> list[FrameMap]:

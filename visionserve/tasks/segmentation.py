@@ -208,9 +208,10 @@ class SegmentationTask(DetectionTask):
         logits = np.stack([m.mask(raw[c], iw, ih) for c in range(len(raw))])
         frame = activate_map(logits[None], o.activation)[0]
         best = frame.argmax(0)
-        if m.offset_x < 0 or m.offset_y < 0:  # a centre crop: what it cut away is no class
-            seen = m.mask(np.ones(raw.shape[1:], np.float32), iw, ih) > 0.5
-            best[~seen] = -1
+        if m.cropped:  # what a centre crop cut away is no class
+            cols, rows = m.seen(iw, ih)
+            best[:, ~cols] = -1
+            best[~rows, :] = -1
         bg = self.labels.index(o.background) if o.background is not None else -1
         boxes, scores, classes, masks, areas = [], [], [], [], []
         for c in range(len(raw)):  # find_regions of a class that wins nowhere costs an any()
@@ -251,10 +252,11 @@ class SegmentationTask(DetectionTask):
             masks, areas = [], []
             for k in range(a, b):
                 x1, y1, x2, y2 = _pixel_window(boxes[k - a], m.width, m.height)
+                inside = m.mask(low[k], iw, ih, (x1, y1, x2, y2)) > thr
                 full = np.zeros((m.height, m.width), dtype=bool)
-                full[y1:y2, x1:x2] = m.mask(low[k], iw, ih, (x1, y1, x2, y2)) > thr
+                full[y1:y2, x1:x2] = inside
                 masks.append(rle(full))
-                areas.append(float(full[y1:y2, x1:x2].sum()))
+                areas.append(float(inside.sum()))
             out.append(self.frame(judge, boxes, kept.scores[a:b], kept.classes[a:b], masks, areas))
         return out
 

@@ -329,6 +329,12 @@ class ServerSettings(BaseSettings):
         description="Python's thread switch interval in the serving process: how long one thread "
                     "(the busy event loop) may hold the interpreter while the decode/compute "
                     "threads wait for it. Python's own 5 ms starved the runner threads under load.")
+    worker_nice: int = Field(
+        5, ge=0, le=19,
+        description="Nice levels below the event loop for the model's threads in the serving "
+                    "process (decode, compute, the runtime's thread pools; Linux): when the "
+                    "loop wakes up for a request it runs first instead of waiting for a core "
+                    "behind them. 0: all threads at one priority.")
     frontends: int = Field(
         0, ge=0, le=64,
         description="HTTP/gRPC front-end processes handing frames to this process's engine through "

@@ -42,6 +42,7 @@ from .imaging import Frame
 from .latency import LatencyWindow
 from .repository import ModelEntry, scan
 from .runner import BatchRecord, FrameResult, Runner, device_fault, padded_size
+from .threads import run_lowered
 
 if TYPE_CHECKING:
     from .gpu.reservation import GpuReservation
@@ -177,11 +178,12 @@ class Engine(ModelLookup):
         pad_to: tuple[int, ...] = ()
         cost: CostModel | None = None
         runners = []
+        nice = self.settings.worker_nice  # the model's threads below the event loop's priority
         for i in range(config.runtime.instances):
             backend = backends.create(config.runtime.backend)
             t0 = time.monotonic()
             load_config = self.gpu.instance_config(entry.name, config) if self.gpu else config
-            await asyncio.to_thread(backend.load, path, load_config, self.device)
+            await run_lowered(nice, backend.load, path, load_config, self.device)
             # the task checks the outputs the model file declares, and names those it reads
             backend.select_outputs(task.bind(checks.Subject(path), backend.outputs),
                                    on_device=task.on_device)
@@ -190,7 +192,7 @@ class Engine(ModelLookup):
                     self.device != "cpu" or backend.static_shapes))
                 pad_to = preferred if pad else ()
                 cost = CostModel(functools.partial(padded_size, preferred=pad_to))
-            await asyncio.to_thread(self._warmup, backend, preferred, cost, path, task)
+            await run_lowered(nice, self._warmup, backend, preferred, cost, path, task)
             prep = await asyncio.to_thread(self.gpu.preprocessor, backend, config, preferred) \
                 if self.gpu else None
             log.info("%s:%d instance %d loaded and warmed up in %.1f s (%s)", entry.name, version,
@@ -198,7 +200,8 @@ class Engine(ModelLookup):
             runners.append(Runner(name=f"{entry.name}:{version}#{i}", backend=backend,
                                   config=config, preferred=pad_to, cost=cost,
                                   on_batch=lambda r: None,
-                                  prepare=prep.prepare if prep is not None else None, task=task))
+                                  prepare=prep.prepare if prep is not None else None, task=task,
+                                  nice=nice))
 
         async def execute(batch):
             # the instance with the fewest batches in flight (a batch a prep thread took is no

@@ -6,14 +6,34 @@ serving process (and each front-end process) that way."""
 from __future__ import annotations
 
 import contextvars
+import itertools
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Iterable
 
 #: the id of the request the running code serves (``-`` outside a request)
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+
+# new request ids: a random prefix per process and a counter, 16 hex digits (uuid4 read the
+# kernel's random source for every request)
+_id_prefix = os.urandom(5).hex()
+_id_counter = itertools.count(1)
+
+
+def _new_id_prefix() -> None:
+    global _id_prefix
+    _id_prefix = os.urandom(5).hex()
+
+
+os.register_at_fork(after_in_child=_new_id_prefix)  # a forked process makes its own ids
+
+
+def new_request_id() -> str:
+    """An id for a request that came without one, unique across the server's processes."""
+    return f"{_id_prefix}{next(_id_counter):06x}"
 
 
 class RequestIdFilter(logging.Filter):

@@ -29,6 +29,7 @@ from .batching import CostModel, Pending, resolve
 from .config import ModelConfig
 from .errors import DeadlineExceeded, InternalError, Unavailable, VisionServeError
 from .logs import batch_ids
+from .threads import lower_this_thread
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +78,12 @@ class Runner:
     def __init__(self, *, name: str, backend: Backend, config: ModelConfig,
                  preferred: tuple[int, ...], cost: CostModel,
                  on_batch: Callable[[BatchRecord], None],
-                 prepare: Callable | None = None, task: tasks.Task | None = None) -> None:
+                 prepare: Callable | None = None, task: tasks.Task | None = None,
+                 nice: int = 0) -> None:
         self.name = name
+        # the prep and compute threads (and the decode pool they start) this many nice levels
+        # below the event loop (threads.py)
+        self.nice = nice
         # the model's outputs -> (verdict, result) per frame; the engine's is bound to the model
         self.task = task if task is not None else tasks.create(config)
         # a task that reads device outputs does so on the stream the backend wrote them on
@@ -137,6 +142,7 @@ class Runner:
             pass
 
     def _prep_loop(self) -> None:
+        lower_this_thread(self.nice)
         spec = self.config.input
         while True:
             job = self._inbox.get()
@@ -175,6 +181,7 @@ class Runner:
             self._handoff.put((batch, done, items, tensor, t0, time.monotonic() - t0, len(errors)))
 
     def _compute_loop(self) -> None:
+        lower_this_thread(self.nice)
         while True:
             job = self._handoff.get()
             if job is _STOP:

@@ -15,11 +15,10 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
-import uuid
 from pathlib import Path
 
 from .errors import ConfigError
-from .logs import request_id
+from .logs import new_request_id, request_id
 
 HEALTH_PATHS = ("/v2/health/live", "/v2/health/ready")
 GRPC_HEALTH_METHODS = ("/inference.GRPCInferenceService/ServerLive",
@@ -83,25 +82,52 @@ class HttpSecurity:
             ({METRICS_PATH} if metrics_open else set())
         self.guard_refusal = guard_refusal
 
+    def answer_from_head(self, scope) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+        """(status, headers, body) of a request that the app answers from its head alone
+        (``answer_from_head`` of the app inside, the inspect API's), once it passes the checks
+        here; None: serve the request as usual (then it keeps the request id given here). The
+        HTTP protocol asks this as a request's head arrives (:mod:`.http.connections`)."""
+        inner = getattr(self.app, "answer_from_head", None)
+        if inner is None or scope["type"] != "http":
+            return None
+        headers = dict(scope.get("headers") or [])
+        if self._refusal(scope["path"], headers) is not None:
+            return None  # __call__ says it
+        rid = scope[_RID_KEY] = _request_id(headers)
+        reset = request_id.set(rid)
+        try:
+            response = inner(scope)
+        finally:
+            request_id.reset(reset)
+        if response is None:
+            return None
+        return (response.status_code,
+                [*response.raw_headers, (b"x-request-id", rid.encode("latin-1"))], response.body)
+
+    def _refusal(self, path: str, headers: dict[bytes, bytes]) -> tuple | None:
+        """(status, message, extra headers) of a request refused here, or None."""
+        if self.guard_refusal and (path == GUARD_PREFIX or path.startswith(GUARD_PREFIX + "/")):
+            return 403, self.guard_refusal, ()
+        if self.token and path not in self.open_paths:
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            if not bearer_ok(auth, self.token):
+                return (401, "missing or wrong bearer token (Authorization: Bearer <token>)",
+                        ((b"www-authenticate", b'Bearer realm="visionserve"'),))
+        return None
+
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        rid = headers.get(b"x-request-id", b"").decode("latin-1")[:64] or uuid.uuid4().hex[:16]
+        rid = scope.get(_RID_KEY) or _request_id(headers)
         reset = request_id.set(rid)
         try:
-            path = scope["path"]
-            if self.guard_refusal and (path == GUARD_PREFIX or path.startswith(GUARD_PREFIX + "/")):
-                await _reply(send, rid, 403, self.guard_refusal)
+            refused = self._refusal(scope["path"], headers)
+            if refused is not None:
+                status, message, extra = refused
+                await _reply(send, rid, status, message, *extra)
                 return
-            if self.token and path not in self.open_paths:
-                auth = headers.get(b"authorization", b"").decode("latin-1")
-                if not bearer_ok(auth, self.token):
-                    await _reply(send, rid, 401,
-                                 "missing or wrong bearer token (Authorization: Bearer <token>)",
-                                 (b"www-authenticate", b'Bearer realm="visionserve"'))
-                    return
 
             async def send_with_id(message) -> None:
                 if message["type"] == "http.response.start":
@@ -113,6 +139,15 @@ class HttpSecurity:
             await self.app(scope, receive, send_with_id)
         finally:
             request_id.reset(reset)
+
+
+# where answer_from_head leaves the request id it gave, for __call__ (scope key)
+_RID_KEY = "visionserve.request_id"
+
+
+def _request_id(headers: dict[bytes, bytes]) -> str:
+    """The client's X-Request-Id (up to 64 characters), else a new one."""
+    return headers.get(b"x-request-id", b"").decode("latin-1")[:64] or new_request_id()
 
 
 async def _reply(send, rid: str, status: int, message: str, *headers: tuple[bytes, bytes]) -> None:

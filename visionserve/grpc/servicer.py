@@ -12,7 +12,6 @@ import contextlib
 import inspect
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +20,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from .. import oip
 from ..errors import INTERNAL_MESSAGE, NotFound, VisionServeError, grpc_code, retry_after
-from ..logs import request_id
+from ..logs import new_request_id, request_id
 from . import convert
 
 if TYPE_CHECKING:
@@ -189,7 +188,7 @@ def _request_id(context: grpc.aio.ServicerContext, oip_id: str = "") -> str:
     for key, value in context.invocation_metadata() or ():
         if key == "x-request-id" and value:
             return str(value)[:64]
-    return oip_id[:64] or uuid.uuid4().hex[:16]
+    return oip_id[:64] or new_request_id()
 
 
 async def _call(context: grpc.aio.ServicerContext, work: Callable[[], Any],

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
 
 from ..config import ServerSettings
 from ..errors import (
@@ -38,10 +39,10 @@ def error_response(exc: VisionServeError, extra: dict | None = None) -> JSONResp
                         status_code=http_status(exc), headers=headers)
 
 
-def check_declared_length(request: Request, limit: int) -> None:
+def check_declared_length(headers: Headers, limit: int) -> None:
     """413 for a body whose Content-Length is over ``limit``, from the head alone (a request
     that can never be taken is told so before it would be told to retry later)."""
-    declared = request.headers.get("content-length")
+    declared = headers.get("content-length")
     if declared is not None:
         try:
             if int(declared) > limit:
@@ -60,7 +61,7 @@ async def read_body(request: Request, limit: int, timeout_s: float | None = None
         except (asyncio.TimeoutError, TimeoutError):
             raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} "
                                  "s") from None
-    check_declared_length(request, limit)
+    check_declared_length(request.headers, limit)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)

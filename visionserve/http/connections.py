@@ -23,6 +23,7 @@ import http
 import json
 import logging
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
@@ -35,18 +36,27 @@ log = logging.getLogger(__name__)
 REPORT_EVERY_S = 10.0
 
 
-def protocol_class(header_timeout_s: float, max_connections: int | None) -> type:
-    """The uvicorn HTTP protocol class for one server: its connections share one table."""
+def protocol_class(header_timeout_s: float, max_connections: int | None,
+                   answer_from_head: AnswerFromHead | None = None) -> type:
+    """The uvicorn HTTP protocol class for one server: its connections share one table.
+    ``answer_from_head(scope)``: the answer to a request that its head decides, or None (see
+    :meth:`GuardedHTTPProtocol._start_asgi_task`)."""
     return type("HTTPConnection", (GuardedHTTPProtocol,),
-                {"table": ConnectionTable(header_timeout_s, max_connections)})
+                {"table": ConnectionTable(header_timeout_s, max_connections, answer_from_head)})
+
+
+# scope -> (status, headers, body) | None
+AnswerFromHead = Callable[[dict], "tuple[int, list[tuple[bytes, bytes]], bytes] | None"]
 
 
 class ConnectionTable:
     """One server's connections with no request in progress, oldest first, and what was cut."""
 
-    def __init__(self, header_timeout_s: float, limit: int | None) -> None:
+    def __init__(self, header_timeout_s: float, limit: int | None,
+                 answer_from_head: AnswerFromHead | None = None) -> None:
         self.header_timeout_s = header_timeout_s
         self.limit = limit
+        self.answer_from_head = answer_from_head
         self.heads: dict[GuardedHTTPProtocol, None] = {}  # waiting for a request head
         self.idle: dict[GuardedHTTPProtocol, None] = {}   # kept alive between requests
         self.closing = 0  # closed here, still counted by uvicorn until their connection_lost
@@ -112,6 +122,7 @@ class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
 
     table: ConnectionTable
     app: Any  # the ASGI app; uvicorn's protocol sets it
+    _in_message = False  # httptools: between a request's first byte and its body's last
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -135,12 +146,62 @@ class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         super().data_received(data)
         if waiting and self.cycle is not cycle:  # the head is complete: a request is in progress
             self._forget()
+            if self._between_requests() and not self.transport.is_closing():
+                self.table.idle[self] = None  # ... and was answered already, from its head
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
         if not self.transport.is_closing() and self._head_timer is None \
                 and self._between_requests():
             self.table.idle[self] = None
+
+    # httptools parser callbacks (h11 has none of these): a request's body may still be arriving
+    # after its answer (refused from its head); those bytes are no new request head
+    def on_message_begin(self) -> None:
+        self._in_message = True
+        super().on_message_begin()
+
+    def on_message_complete(self) -> None:
+        self._in_message = False
+        super().on_message_complete()
+        if self.cycle is not None and self.cycle.response_complete \
+                and self._head_timer is None and not self.transport.is_closing():
+            self.table.idle[self] = None
+
+    def _start_asgi_task(self, cycle, app) -> None:
+        """httptools' protocol starts every request's task here (h11's has no such method, and
+        goes on as before). A request that the app answers from its head alone (an overloaded
+        model's 503) is answered at once, before any task: under overload most requests end
+        here, and that costs the event loop a fraction of a task through the app stack, and the
+        answer leaves without waiting for the loop's next turn."""
+        answer = None
+        if self.table.answer_from_head is not None and app is self._app:
+            try:
+                answer = self.table.answer_from_head(cycle.scope)
+            except Exception:  # a bug there: the app serves the request as usual
+                log.exception("answering a request from its head failed; the app serves it")
+        if answer is None:
+            super()._start_asgi_task(cycle, app)
+        else:
+            self._answer_now(cycle, *answer)
+
+    def _answer_now(self, cycle, status: int, headers: list[tuple[bytes, bytes]],
+                    body: bytes) -> None:
+        """Write a whole response for ``cycle`` and end it as uvicorn's ``send`` would."""
+        lines = [f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\n".encode("latin-1")]
+        for name, value in [*cycle.default_headers, *headers]:
+            if name.lower() != b"content-length":
+                lines.append(b"%s: %s\r\n" % (name, value))
+        lines.append(b"content-length: %d\r\n" % len(body))
+        if not cycle.keep_alive:
+            lines.append(b"connection: close\r\n")
+        lines.append(b"\r\n")
+        self.transport.write(b"".join(lines) + body)
+        cycle.response_started = cycle.response_complete = True
+        cycle.message_event.set()
+        if not cycle.keep_alive:
+            self.transport.close()
+        cycle.on_response()
 
     def connection_lost(self, exc) -> None:
         self._forget()
@@ -167,7 +228,7 @@ class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
             self.table.closing += 1
 
     def _between_requests(self) -> bool:
-        return self.cycle is None or self.cycle.response_complete
+        return not self._in_message and (self.cycle is None or self.cycle.response_complete)
 
     def _await_head(self) -> None:
         self.table.idle.pop(self, None)

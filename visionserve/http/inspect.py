@@ -7,11 +7,13 @@ import json
 import math
 import re
 import time
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from starlette.datastructures import Headers
 
 from .. import imaging
 from ..errors import DeadlineExceeded, InvalidInput, VisionServeError
@@ -62,8 +64,8 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
 _N = TypeVar("_N", int, float)
 
 
-def _header_number(request: Request, name: str, kind: type[_N]) -> _N | None:
-    raw = request.headers.get(name)
+def _header_number(headers: Headers, name: str, kind: type[_N]) -> _N | None:
+    raw = headers.get(name)
     if raw is None or raw.strip() == "":
         return None
     try:
@@ -76,28 +78,66 @@ def _header_number(request: Request, name: str, kind: type[_N]) -> _N | None:
     return value
 
 
+@dataclass(frozen=True, slots=True)
+class InspectHead:
+    """What an inspect request's head says, checked (and the frame admitted) before its body."""
+
+    arrival: float
+    part_id: str | None
+    camera_id: str | None
+    kind: imaging.Kind
+    deadline_ms: float | None
+    priority: int | None
+
+
+# where InspectFastPath leaves a head it read and admitted, for the route (scope key)
+_HEAD_KEY = "visionserve.inspect_head"
+
+
+def read_head(headers: Headers, engine, settings, model_name: str,
+              model_version: str) -> InspectHead:
+    """Check an inspect request from its head alone, and ask the engine for admission: raises
+    the request's error (counted by the engine when it is its refusal), 503 for an overloaded
+    model above all, so that a refused frame costs no body read, no image check and no copy.
+    What is wrong with the request itself is said first (it never succeeds; a 503 says "try
+    again"), so a body of unknown size (chunked) is read, and its size checked, before admission
+    (``engine.infer`` admits it then)."""
+    arrival = time.monotonic()
+    part_id, camera_id = headers.get("x-part-id"), headers.get("x-camera-id")
+    engine.get(model_name, model_version)
+    kind = imaging.media_kind(headers.get("content-type"))
+    deadline_ms = _header_number(headers, "X-Deadline-Ms", float)
+    priority = _header_number(headers, "X-Priority", int)
+    if headers.get("content-length") is not None:
+        check_declared_length(headers, settings.max_body_bytes)
+        engine.precheck(model_name, model_version, 1, deadline_ms=deadline_ms,
+                        priority=priority, arrival=arrival, origin=(part_id, camera_id))
+    return InspectHead(arrival, part_id, camera_id, kind, deadline_ms, priority)
+
+
+def head_error_response(exc: VisionServeError, engine, headers: Headers,
+                        model_name: str) -> Response:
+    if not exc.counted:  # refused here, before the engine (which counts what it answers)
+        engine.count_error(model_name, exc)
+    return error_response(exc, {"part_id": headers.get("x-part-id"), "model": model_name})
+
+
 @router.post("/v1/models/{model_name}/inspect", response_model=InspectResult, responses=_RESPONSES,
              openapi_extra=_BODY, summary="Inspect one frame")
 @router.post("/v1/models/{model_name}/versions/{model_version}/inspect",
              response_model=InspectResult, responses=_RESPONSES, openapi_extra=_BODY,
              summary="Inspect one frame with a model version")
 async def inspect(request: Request, model_name: str, model_version: str = "") -> Response:
-    arrival = time.monotonic()
-    part_id = request.headers.get("x-part-id")
-    camera_id = request.headers.get("x-camera-id")
     engine, settings = engine_of(request), settings_of(request)
+    head = request.scope.get(_HEAD_KEY)  # the protocol read the head already (InspectFastPath)
+    if head is None:
+        try:
+            head = read_head(request.headers, engine, settings, model_name, model_version)
+        except VisionServeError as exc:
+            return head_error_response(exc, engine, request.headers, model_name)
+    part_id, camera_id, arrival = head.part_id, head.camera_id, head.arrival
+    deadline_ms, priority, kind = head.deadline_ms, head.priority, head.kind
     try:
-        engine.get(model_name, model_version)
-        kind = imaging.media_kind(request.headers.get("content-type"))
-        deadline_ms = _header_number(request, "X-Deadline-Ms", float)
-        priority = _header_number(request, "X-Priority", int)
-        # refused from the head (overload above all): the body is never read. What is wrong
-        # with the request itself is said first (it never succeeds; a 503 says "try again"), so
-        # a body of unknown size (chunked) is read, and its size checked, before admission
-        if request.headers.get("content-length") is not None:
-            check_declared_length(request, settings.max_body_bytes)
-            engine.precheck(model_name, model_version, 1, deadline_ms=deadline_ms,
-                            priority=priority, arrival=arrival, origin=(part_id, camera_id))
         body = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
         if kind == "raw":
             shape = imaging.parse_shape(request.headers.get("x-image-shape"))
@@ -174,6 +214,24 @@ class InspectFastPath:
 
     def __init__(self, app) -> None:
         self.app = app
+
+    def answer_from_head(self, scope) -> Response | None:
+        """The answer to an inspect request that its head decides (an overloaded model's 503
+        above all, or a 4xx), made at once as the head arrives; None for a request whose frame
+        was admitted, or any other request (the app serves it; an inspect route finds its head
+        read in the scope). The HTTP protocol calls this before it starts the request's task:
+        under overload most requests end here, without a task, the app stack or a read body."""
+        match = self.PATH.match(scope["path"]) if scope["method"] == "POST" else None
+        if match is None:
+            return None
+        state = self.app.state
+        headers = Headers(scope=scope)
+        try:
+            scope[_HEAD_KEY] = read_head(headers, state.engine, state.settings, match[1],
+                                         match[2] or "")
+        except VisionServeError as exc:
+            return head_error_response(exc, state.engine, headers, match[1])
+        return None
 
     async def __call__(self, scope, receive, send) -> None:
         match = self.PATH.match(scope["path"]) \

@@ -38,7 +38,8 @@ def http_server(app, engine, settings: ServerSettings) -> DrainingServer:
         access_log=settings.log_level == "debug", timeout_keep_alive=30,
         # uvicorn waits with asyncio.timeout, which takes float seconds; its annotation says int
         timeout_graceful_shutdown=max(1.0, settings.drain_timeout_s),  # type: ignore[arg-type]
-        http=protocol_class(settings.header_timeout_s, settings.max_connections), ws="none",
+        http=protocol_class(settings.header_timeout_s, settings.max_connections,
+                            getattr(app, "answer_from_head", None)), ws="none",
         log_config=None, **tls,
     ), engine, settings.drain_timeout_s)
 

@@ -4,6 +4,7 @@ loop."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 
@@ -64,11 +65,16 @@ async def start_engine(engine) -> int:
     """Load and warm up every model; 0 when ready, else the exit code (3), the reason logged."""
     try:
         await engine.start()
-        return 0
     except VisionServeError as exc:
         log.error("start-up failed: %s", exc.message)
     except Exception:
         log.exception("start-up failed")
+    else:
+        # what start-up made (modules, models) lives as long as the process: out of the garbage
+        # collector's way, so that its full collections, which paused the event loop for 30-70 ms
+        # under load, walk only what serving allocates
+        gc.freeze()
+        return 0
     return 3
 
 

@@ -1,0 +1,76 @@
+"""The serving process's threads by what they wait on: the event loop (and the front ends on it)
+at the process's own priority, the model's threads below it.
+
+On a small edge CPU the decode, compute and runtime threads keep every core busy under load.
+When the event loop wakes up for a request, it then waited for a core behind them, and so did its
+answers: refusals of an overloaded model took 60-100 ms at p99 on the 2-core machine, and
+admitted frames that the server had answered in time reached their clients late. With those
+threads a few nice levels down (``worker_nice``), the kernel runs the loop first when it wakes up;
+the loop uses little CPU, so the model's threads still get the rest.
+
+Linux sets a nice value per thread, and a new thread inherits its creator's: the runner threads
+lower their own at start (the decode pool they create follows), and models load and warm up in a
+thread of their own at that level (:func:`run_lowered`), so the thread pools that onnxruntime and
+torch create on the way inherit it too. Elsewhere this does nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_warned = False
+
+
+def lower_this_thread(nice: int) -> None:
+    """Put the calling thread (and the threads it creates from now on) ``nice`` levels below the
+    process's priority; 0: leave it. Lowering needs no privilege; a failure is logged once."""
+    global _warned
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        base = os.getpriority(os.PRIO_PROCESS, os.getpid())
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, base + nice))
+    except OSError as exc:
+        if not _warned:
+            _warned = True
+            log.warning("could not lower the priority of the model's threads (worker_nice): %s",
+                        exc)
+
+
+def thread_nice(tid: int | None = None) -> int:
+    """The nice value of a thread of this process (default: the calling one); Linux."""
+    return os.getpriority(os.PRIO_PROCESS, tid or threading.get_native_id())
+
+
+async def run_lowered(nice: int, fn: Callable[..., T], *args) -> T:
+    """``fn(*args)`` in a new thread at ``nice`` levels down, awaited (``asyncio.to_thread`` for
+    work whose own threads must not outrank the event loop: loading and warming up a model)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(value=None, exc: BaseException | None = None) -> None:
+        if not done.done():
+            done.set_exception(exc) if exc is not None else done.set_result(value)
+
+    def run() -> None:
+        lower_this_thread(nice)
+        try:
+            value = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+            loop.call_soon_threadsafe(settle, None, exc)
+        else:
+            loop.call_soon_threadsafe(settle, value)
+
+    threading.Thread(target=run, name=f"load:{getattr(fn, '__name__', 'fn')}", daemon=True).start()
+    return await done

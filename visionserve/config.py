@@ -329,6 +329,10 @@ class ServerSettings(BaseSettings):
         description="Python's thread switch interval in the serving process: how long one thread "
                     "(the busy event loop) may hold the interpreter while the decode/compute "
                     "threads wait for it. Python's own 5 ms starved the runner threads under load.")
+    recipes: Path | None = Field(
+        None, description="The recipes file: each product variant's model, version and verdict "
+                          "settings, and the stations that run them (docs/recipes.md). Default: "
+                          "recipes.toml in the model repository, when there is one.")
     worker_nice: int = Field(
         5, ge=0, le=19,
         description="Nice levels below the event loop for the model's threads in the serving "

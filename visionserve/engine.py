@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from . import imaging, metrics, tasks, verdicts
+from . import imaging, metrics, recipes, tasks, verdicts
 from .backends import base as backends
 from .backends import checks
 from .batching import Batcher, CostModel
@@ -33,7 +33,9 @@ from .config import BatchingSpec, ModelConfig, ServerSettings
 from .dataplane import Duration, ModelLookup, ModelStats
 from .errors import (
     ConfigError,
+    Conflict,
     InvalidInput,
+    NotFound,
     Unavailable,
     VisionServeError,
     describe_validation,
@@ -126,6 +128,11 @@ class Engine(ModelLookup):
         # the models again when it moves; one lock per model serialises the changes
         self.generation = 0
         self._verdict_locks: dict[str, asyncio.Lock] = {}
+        # the stations' recipes (recipes.toml): replaced whole by a switch; the front-end
+        # processes are sent it with the models
+        self.recipes = recipes.NO_RECIPES
+        self._recipes_file: Path | None = None
+        self._recipes_lock = asyncio.Lock()
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -142,10 +149,108 @@ class Engine(ModelLookup):
         return self._draining
 
     def scan(self) -> None:
-        """Read the repository (fast, synchronous): bad model.toml files fail start-up here."""
+        """Read the repository (fast, synchronous): bad model.toml files fail start-up here, and
+        so does a recipes file whose recipes name what the repository does not hold."""
         self.entries = scan(Path(self.settings.models))
         for entry in self.entries.values():  # bad command-line overrides fail here too, not at load
             effective_config(entry.config.model_copy(update={"name": entry.name}), self.settings)
+        path = self.settings.recipes or Path(self.settings.models) / "recipes.toml"
+        if self.settings.recipes is not None or path.is_file():
+            book = recipes.load(path)
+            for recipe in book.recipes.values():
+                self._check_recipe(path, recipe)
+            self._recipes_file, self.recipes = path, book
+
+    def _check_recipe(self, path: Path, recipe: recipes.Recipe) -> None:
+        where = f"recipes file {path}: recipe {recipe.id!r}"
+        if recipe.model not in self.entries:
+            raise ConfigError(f"{where} names model {recipe.model!r}, which the repository does "
+                              f"not hold (models: {sorted(self.entries)})")
+        entry = self.entries[recipe.model]
+        if recipe.version is not None and recipe.version not in entry.versions:
+            raise ConfigError(f"{where} names version {recipe.version} of {recipe.model}, which "
+                              f"the repository does not hold (versions: {sorted(entry.versions)})")
+        if recipe.verdict:
+            try:
+                verdicts.change(entry.path / "model.toml", recipe.verdict)
+            except VisionServeError as exc:
+                raise ConfigError(f"{where}: its verdict settings do not fit model "
+                                  f"{recipe.model}: {exc.message}") from None
+
+    async def _resume_recipes(self) -> None:
+        """The verdict settings of the recipes the stations run (from the state file, else the
+        recipes file) in force before the first frame; stations that share a model with
+        different settings fail start-up."""
+        wanted: dict[str, dict] = {}
+        for station, rid in sorted(self.recipes.stations.items()):
+            recipe = None if rid is None else self.recipes.recipes[rid]
+            if recipe is None or not recipe.verdict:
+                continue
+            merged = wanted.setdefault(recipe.model, {})
+            for key, value in recipe.verdict.items():
+                if key in merged and merged[key] != value:
+                    raise ConfigError(f"recipes file {self._recipes_file}: stations share model "
+                                      f"{recipe.model} with different verdict settings ({key}); "
+                                      f"station {station!r} runs recipe {rid!r}")
+                merged[key] = value
+        for model, values in wanted.items():
+            now = verdicts.current(self.entries[model].config)
+            if any(now.get(k) != v for k, v in values.items()):
+                await self.verdict(model, values, {"client": "start-up (recipes)"})
+
+    async def switch_recipe(self, station: str, recipe_id: str,
+                            caller: Mapping | None = None) -> dict:
+        """Make ``station`` run recipe ``recipe_id``: its version must be served (503 otherwise:
+        load it first), its verdict settings are set on the model (as ``verdict`` does) unless
+        another station's recipe on that model needs other values (409), then the station's
+        frames are decided under it from the next admitted one. Kept in the state file."""
+        t0 = time.monotonic()
+        async with self._recipes_lock:
+            book = self.recipes
+            if station not in book.stations:
+                raise NotFound(f"unknown station {station!r}; stations: {sorted(book.stations)}")
+            recipe = book.recipes.get(recipe_id)
+            if recipe is None:
+                raise NotFound(f"unknown recipe {recipe_id!r}; recipes: {sorted(book.recipes)}")
+            served = self.get(recipe.model, recipe.version)
+            for other, rid in book.stations.items():
+                theirs = None if other == station or rid is None else book.recipes[rid]
+                if theirs is None or theirs.model != recipe.model:
+                    continue
+                clash = {k for k in set(theirs.verdict) | set(recipe.verdict)
+                         if theirs.verdict.get(k) != recipe.verdict.get(k)}
+                if clash:
+                    raise Conflict(
+                        f"station {other!r} runs recipe {theirs.id!r} on model {recipe.model} "
+                        f"with other verdict settings ({', '.join(sorted(clash))}); two stations "
+                        "share a model's verdict settings: switch that station first, or give "
+                        "both recipes the same values")
+            old = book.stations[station]
+            if recipe.verdict:
+                now = verdicts.current(self.entries[recipe.model].config)
+                if any(now.get(k) != v for k, v in recipe.verdict.items()):
+                    await self.verdict(recipe.model, recipe.verdict, caller)
+            self.recipes = dataclasses.replace(book, stations={**book.stations,
+                                                                station: recipe_id})
+            self.generation += 1
+            persisted = True
+            if self._recipes_file is not None:
+                try:
+                    await asyncio.to_thread(recipes.write_state,
+                                            recipes.state_path(self._recipes_file),
+                                            self.recipes.stations)
+                except ConfigError as exc:
+                    persisted = False
+                    log.warning("station %s runs recipe %s, but after a restart it would not: %s",
+                                station, recipe_id, exc.message)
+        ms = (time.monotonic() - t0) * 1000
+        who = dict(caller or {})
+        audit.info("station %s switched from recipe %s to %s by %s in %.1f ms", station, old,
+                   recipe_id, who.get("client", "?"), ms,
+                   extra={"audit": {"action": "recipe", "station": station, "old": old,
+                                    "new": recipe_id, "caller": who}})
+        return {"station": station, **recipe.view(), "version": served.version,
+                "previous": old, "changeover_ms": round(ms, 3), "persisted": persisted}
 
     async def start(self) -> None:
         if not self.entries:
@@ -166,6 +271,7 @@ class Engine(ModelLookup):
                 metrics.READY.labels(entry.name, str(version)).set(1)
         if self.gpu is not None:
             self.gpu.ready()  # allocator state marked: serving should add no device memory
+        await self._resume_recipes()
         self._ready = True
         log.info("ready: %s on %s", ", ".join(f"{n}:{v}" for n, v in self.served), self.device)
 

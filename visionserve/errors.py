@@ -72,6 +72,12 @@ class DeadlineExceeded(VisionServeError):
         self.late_ms = late_ms
 
 
+class Conflict(VisionServeError):
+    """The request contradicts the server's state (e.g. a station's recipe); nothing changed."""
+
+    kind = "conflict"
+
+
 class RequestTimeout(VisionServeError):
     """The client did not send its request in time (slow body)."""
 
@@ -105,6 +111,7 @@ STATUS_TABLE: dict[str, tuple[int, str]] = {
     "too_large": (413, "RESOURCE_EXHAUSTED"),
     "unsupported_media_type": (415, "INVALID_ARGUMENT"),
     "not_found": (404, "NOT_FOUND"),
+    "conflict": (409, "FAILED_PRECONDITION"),
     "unavailable": (503, "UNAVAILABLE"),
     "deadline": (504, "DEADLINE_EXCEEDED"),
     "request_timeout": (408, "DEADLINE_EXCEEDED"),

@@ -24,7 +24,7 @@ from .imaging import Frame
 from .tasks import VERDICT, OipOutput
 
 if TYPE_CHECKING:
-    from .dataplane import ServedModel
+    from .dataplane import Route, ServedModel
     from .runner import FrameResult
     from .tasks import Task
 
@@ -151,6 +151,22 @@ def parameters(params: dict[str, Any] | None) -> tuple[float | None, int | None]
             raise InvalidInput(f"parameter 'priority' must be an integer, got {p!r}")
         priority = p
     return deadline_ms, priority
+
+
+def route(engine, model: str, version: str, params: dict[str, Any] | None) -> Route:
+    """Where an OIP request goes: parameter ``station_id`` (else ``camera_id``, when a station
+    lists it) makes it a station's, decided under the recipe the station runs
+    (:meth:`~visionserve.dataplane.ModelLookup.route`)."""
+    params = params or {}
+    station, camera = params.get("station_id"), params.get("camera_id")
+    return engine.route(model, version, str(station) if station not in (None, "") else None,
+                        str(camera) if camera not in (None, "") else None)
+
+
+def answer_parameters(route: Route) -> dict[str, str]:
+    """What an OIP answer says of its station and recipe (nothing for a frame of none)."""
+    return {} if route.station is None else {"station_id": route.station,
+                                             "recipe": route.recipe or ""}
 
 
 def origin(params: dict[str, Any] | None, request_id: str | None) -> tuple[str | None, str | None]:

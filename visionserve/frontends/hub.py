@@ -15,10 +15,12 @@ Messages (tuples) a front end sends:
   ``("stats", rid, model, version)`` and ``("metrics", rid)``.
   ``("verdict", rid, model, changes, caller)``: the model's ``[verdict]`` (``changes`` None), or
   set (``Engine.verdict``); every front end is then sent the models again.
+  ``("recipe", rid, station, recipe, caller)``: switch a station's recipe
+  (``Engine.switch_recipe``); every front end is then sent the stations' recipes.
 and what the hub sends back:
   ``("state", ready, draining, {(model, version): ready}, models)``: on connect and on every
-  change; ``models`` (the repository entries and the served versions' configs) only when they
-  change.
+  change; ``models`` (the repository entries, the served versions' configs and the stations'
+  recipes) only when they change.
   ``("result", rid, [FrameResult])``, ``("error", rid, error class name, message, retry_after_s,
   late_ms)`` exactly once per ``infer``, counted in the metrics here before it is sent;
   ``("reply", rid, value)`` or an error for the others.
@@ -107,9 +109,11 @@ class Link:
                 self.ch.send(("reply", rid, stats))
             except VisionServeError as exc:
                 self._error(rid, exc)
-        elif kind == "verdict":
-            _, rid, name, changes, caller = msg
-            task = asyncio.get_running_loop().create_task(self._verdict(rid, name, changes, caller))
+        elif kind in ("verdict", "recipe"):
+            _, rid, *args = msg
+            engine = self.hub.engine
+            call = engine.verdict if kind == "verdict" else engine.switch_recipe
+            task = asyncio.get_running_loop().create_task(self._change(rid, kind, call, args))
             self.hub.background.add(task)
             task.add_done_callback(self.hub.background.discard)
         elif kind == "metrics":
@@ -119,17 +123,21 @@ class Link:
         else:
             log.error("front end %d sent an unknown message %r", self.index, kind)
 
-    async def _verdict(self, rid: int, name: str, changes, caller) -> None:
+    async def _change(self, rid: int, kind: str, call, args: list) -> None:
+        """A verdict or recipe call of the engine, for a front end; the new settings (models,
+        stations' recipes) then go to every front end."""
         try:
-            self.ch.send(("reply", rid, await self.hub.engine.verdict(name, changes, caller)))
+            reply = await call(*args)
         except VisionServeError as exc:
             self._error(rid, exc)
         except Exception:
-            log.exception("verdict of model %s for front end %d failed", name, self.index)
+            log.exception("%s call %r for front end %d failed", kind, args[:2], self.index)
             self._error(rid, InternalError(INTERNAL_MESSAGE))
         else:
-            if changes is not None:
-                self.hub.publish()  # the new settings to every front end (their tasks render)
+            # every front end is sent the change before the caller hears it is done (only what
+            # changed: the engine's generation moved)
+            self.hub.publish()
+            self.ch.send(("reply", rid, reply))
 
     def _frame(self, desc: tuple) -> Frame:
         kind, width, height, channels, shape, off, n, inline = desc
@@ -221,7 +229,7 @@ class Hub:
         if link.models_sent != (len(served), generation):
             models = (self.engine.entries, {
                 k: ModelView.of(s)
-                for k, s in served.items()})
+                for k, s in served.items()}, self.engine.recipes)
             link.models_sent = (len(served), generation)
         link.ch.send(("state", ready, draining, per_model, models))
 

@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from .. import errors
+from .. import errors, recipes
 from ..dataplane import ModelLookup, ModelView
 from ..errors import DeadlineExceeded, Unavailable, VisionServeError
 from ..imaging import Frame
@@ -52,6 +52,7 @@ class RemoteEngine(ModelLookup):
         self.channel: Channel | None = None
         self.entries: dict = {}
         self.served: dict[tuple[str, int], ModelView] = {}
+        self.recipes = recipes.NO_RECIPES  # the stations' recipes, as the engine last sent them
         self._ready = False
         self._engine_draining = False
         self._draining = False
@@ -74,7 +75,7 @@ class RemoteEngine(ModelLookup):
         if kind == "state":
             _, ready, draining, per_model, models = msg
             if models is not None:
-                entries, infos = models
+                entries, infos, self.recipes = models
                 self.entries = entries
                 served = {}
                 for k, view in infos.items():
@@ -278,6 +279,11 @@ class RemoteEngine(ModelLookup):
         self.entry(name)
         fut, _ = self._call("verdict", name, None if changes is None else dict(changes),
                             None if caller is None else dict(caller))
+        return await fut
+
+    async def switch_recipe(self, station: str, recipe_id: str, caller=None) -> dict:
+        """Asked of the engine process, which tells every front end the new recipe."""
+        fut, _ = self._call("recipe", station, recipe_id, None if caller is None else dict(caller))
         return await fut
 
     async def metrics_text(self) -> bytes:

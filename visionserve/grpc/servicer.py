@@ -94,16 +94,18 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def _answer(self, request: service_pb2.ModelInferRequest, arrival: float,
                       time_remaining_s: float | None) -> service_pb2.ModelInferResponse:
         engine = self.engine
-        served = engine.get(request.model_name, request.model_version)
+        params = convert.parameters(request.parameters)
+        route = oip.route(engine, request.model_name, request.model_version, params)
+        served = engine.get(route.model, route.version)
         frames = convert.frames(served, request, self.settings.max_image_pixels)
         names = oip.requested(served, [o.name for o in request.outputs] or None)
-        params = convert.parameters(request.parameters)
         param_ms, priority = oip.parameters(params)
         served, results = await engine.infer(
-            request.model_name, request.model_version, frames,
+            route.model, route.version, frames,
             deadline_ms=convert.deadline_ms(param_ms, time_remaining_s), priority=priority,
             arrival=arrival, origin=oip.origin(params, request.id))
-        return convert.infer_response(served, results, names, request.id)
+        return convert.infer_response(served, results, names, request.id,
+                                      oip.answer_parameters(route))
 
     async def ModelStreamInfer(self, request_iterator, context) -> AsyncIterator[Any]:
         """One long-lived stream, many requests: each is answered as soon as its frames are done

@@ -139,10 +139,13 @@ async def infer(request: Request, model_name: str, model_version: str = "") -> R
 async def _infer(request: Request, model_name: str, model_version: str = "") -> Response:
     arrival = time.monotonic()
     engine, settings = engine_of(request), settings_of(request)
-    served = engine.get(model_name, model_version)
+    engine.get(model_name, model_version)
     body = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
     header, binary = _split(body, request.headers.get(_HEADER_LEN))
     req = _parse_request(header)
+    route = oip.route(engine, model_name, model_version, req.parameters)
+    model_name, model_version = route.model, route.version
+    served = engine.get(model_name, model_version)
     if len(req.inputs) != 1:
         raise InvalidInput(f"model {served.name} takes exactly one input "
                            f"({served.config.input.name!r}), got {len(req.inputs)}")
@@ -155,7 +158,7 @@ async def _infer(request: Request, model_name: str, model_version: str = "") -> 
         request, engine.infer(model_name, model_version, frames, deadline_ms=deadline_ms,
                               priority=priority, arrival=arrival,
                               origin=oip.origin(req.parameters, req.id)))
-    return _response(req, served, results, names)
+    return _response(req, served, results, names, oip.answer_parameters(route))
 
 
 def _split(body: bytes, header_len: str | None) -> tuple[bytes, memoryview]:
@@ -218,7 +221,8 @@ def _n(shape: list[int]) -> list[int]:
     return [shape[0]]
 
 
-def _response(req: InferenceRequest, served, results, names: list[str]) -> Response:
+def _response(req: InferenceRequest, served, results, names: list[str],
+              parameters: dict[str, str]) -> Response:
     tensors = oip.outputs(served, results)
     want_binary = bool((req.parameters or {}).get("binary_data_output", False))
     out_params = {o.name: (o.parameters or {}) for o in (req.outputs or [])}
@@ -239,6 +243,8 @@ def _response(req: InferenceRequest, served, results, names: list[str]) -> Respo
                             "outputs": outputs}
     if req.id is not None:
         body["id"] = req.id
+    if parameters:
+        body["parameters"] = parameters
     head = json.dumps(body, separators=(",", ":")).encode()
     if not blobs:
         return Response(head, media_type="application/json")

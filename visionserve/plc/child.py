@@ -9,7 +9,8 @@ Messages from the serving process (pickled tuples on a Unix socket pair, the fra
 - ``("p", probe, outstanding, last_progress, busy_since, busy)``: the watchdog's probe of the
   engine's loop, every period, with the bus's counters;
 - ``("a", {station: recipe})``: the stations' recipes, when one was switched;
-- ``("reply", rid, answer, error)``: the answer to a ``recipe`` call (``error``: (kind, message));
+- ``("reply", rid, answer, error)``: the answer to a ``recipe`` call (``error``: (the error
+  class's name, message));
 - ``("stop",)``.
 
 To it: ``("listening", None)`` or ``("failed", why)`` once at start, then ``("m", updates)``:
@@ -35,14 +36,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import (
-    ConfigError,
-    Conflict,
-    InvalidInput,
-    NotFound,
-    Unavailable,
-    VisionServeError,
-)
+from .. import errors
+from ..errors import Unavailable, VisionServeError
 from . import metrics, require
 from .bus import BusMirror, ResultEvent, Stations
 from .handshake import Fault, LineStatus
@@ -186,9 +181,10 @@ class Asker:
         finally:
             self._waiting.pop(rid, None)
         if error is not None:
-            kind, message = error
-            cls = next((c for c in (NotFound, Conflict, Unavailable, InvalidInput, ConfigError)
-                        if c.kind == kind), VisionServeError)
+            name, message = error
+            cls = getattr(errors, name, None)
+            if not (isinstance(cls, type) and issubclass(cls, VisionServeError)):
+                cls = VisionServeError
             raise cls(message)
         return answer
 

@@ -158,16 +158,17 @@ class PlcProcess:
 
     async def _switch(self, rid: int, station: str, recipe: str, caller: dict) -> None:
         """A station's recipe switched for the PLC: ``("reply", rid, answer, None)``, or
-        ``("reply", rid, None, (error kind, message))``."""
+        ``("reply", rid, None, (error class name, message))``."""
         try:
             if self.engine is None:
                 raise Conflict("this server switches no recipes")
             answer = await self.engine.switch_recipe(station, recipe, caller)
         except VisionServeError as exc:
-            self.send(("reply", rid, None, (exc.kind, exc.message)))
+            self.send(("reply", rid, None, (type(exc).__name__, exc.message)))
         except Exception:
             log.exception("recipe switch for the %s PLC failed", self.protocol)
-            self.send(("reply", rid, None, ("internal", "the switch failed; see the server log")))
+            self.send(("reply", rid, None, ("InternalError",
+                                            "the switch failed; see the server log")))
         else:
             self.send(("reply", rid, answer, None))
 

@@ -268,10 +268,10 @@ async def test_a_plc_activates_a_stations_recipe(tmp_path, pki):
     HTTP shows on the PLC side too."""
     import httpx
     from asyncua import ua
-    from test_recipes import RECIPES, _versioned
+    from tests.tools.recipe_repo import RECIPES, versioned_tiny
 
     repo = tmp_path / "repo"
-    _versioned(repo / "tiny")
+    versioned_tiny(repo / "tiny")
     (repo / "recipes.toml").write_text(RECIPES)
     s = start_plc_server(repo, tmp_path, "--plc-stations", "cam1", opcua=True, modbus=False)
     client = await opcua_client(s.opcua_url, pki)

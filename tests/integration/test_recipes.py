@@ -12,60 +12,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import TINY_TOML, export_onnx, start_server
+from conftest import start_server
 
-RECIPES = """\
-[recipe.housing-black]
-description = "Housing, black"
-model = "tiny"
-version = 1
-verdict = { ok_threshold = 0.5 }
-
-[recipe.housing-white]
-model = "tiny"
-version = 2
-verdict = { ok_threshold = 0.6 }
-
-[recipe.housing-grey]
-model = "tiny"
-version = 1
-verdict = { ok_threshold = 0.55 }
-
-[station.st1]
-recipe = "housing-black"
-cameras = ["cam-1"]
-
-[station.st2]
-"""
-
-# what each version answers for any frame: version 1 says "ok", version 2 says "dent"
-LOGITS = {1: [2.0, 0.0, 0.0], 2: [0.0, 2.0, 0.0]}
-
-
-def _versioned(folder: Path) -> Path:
-    """Model ``tiny`` with versions 1 and 2, whose answers tell which version computed them."""
-    import torch
-
-    class Constant(torch.nn.Module):
-        def __init__(self, logits) -> None:
-            super().__init__()
-            self.register_buffer("logits", torch.tensor(logits))
-
-        def forward(self, x):
-            return x.mean(dim=(1, 2, 3))[:, None] * 0 + self.logits
-
-    for v, logits in LOGITS.items():
-        export_onnx(Constant(logits), folder / "tmp", (2, 3, 32, 32), TINY_TOML)
-        shutil.move(folder / "tmp" / "1", folder / str(v))
-    shutil.move(folder / "tmp" / "model.toml", folder / "model.toml")
-    (folder / "tmp").rmdir()
-    return folder
-
+from tests.tools.recipe_repo import RECIPES, versioned_tiny
 
 @pytest.fixture(scope="module")
 def recipe_repo(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("reciperepo")
-    _versioned(root / "tiny")
+    versioned_tiny(root / "tiny")
     (root / "recipes.toml").write_text(RECIPES)
     return root
 
@@ -84,7 +38,7 @@ def _inspect(url: str, jpeg: bytes, path: str = "/v1/stations/st1/inspect", **he
 
 
 def _version_of(answer: dict) -> int:
-    """The version that computed an answer, from its scores (see LOGITS)."""
+    """The version that computed an answer, from its scores (see recipe_repo.LOGITS)."""
     return 1 if answer["scores"]["ok"] > answer["scores"]["dent"] else 2
 
 

@@ -164,6 +164,20 @@ class DataPlane(Protocol):
     async def statistics(self, name: str = "", version: str | int | None = None
                          ) -> Sequence[ServedModel]: ...
 
+    async def repository_index(self, ready: bool = False) -> list[dict[str, str]]:
+        """The repository's models: ``{"name", "version", "state", "reason"}`` rows (Triton's
+        index; ``ready``: only the READY ones)."""
+        ...
+
+    async def load_model(self, name: str, parameters: Mapping | None = None) -> dict:
+        """Load model ``name`` (again) from the repository, as one swap; returns what changed and
+        ``switched_at``, the ``time.monotonic()`` of the switch."""
+        ...
+
+    async def unload_model(self, name: str, parameters: Mapping | None = None) -> dict:
+        """Unload every version of model ``name`` (``parameters["force"]``: even in use)."""
+        ...
+
     async def metrics_text(self) -> bytes: ...
 
     async def drain(self, timeout_s: float) -> bool: ...
@@ -205,7 +219,8 @@ class ModelLookup:
         v = parse_version(entry, version)
         served = self.served.get((name, v))
         if served is None:
-            raise Unavailable(f"model {name} version {v} is not loaded yet")
+            raise Unavailable(f"model {name} version {v} is not loaded (not yet, or unloaded: "
+                              "POST /v2/repository/index says which)", retry_after_s=1.0)
         return served
 
     def recipe_for(self, station: str | None, camera: str | None

@@ -72,16 +72,19 @@ class DeadlineExceeded(VisionServeError):
         self.late_ms = late_ms
 
 
-class Conflict(VisionServeError):
-    """The request contradicts the server's state (e.g. a station's recipe); nothing changed."""
-
-    kind = "conflict"
-
-
 class RequestTimeout(VisionServeError):
     """The client did not send its request in time (slow body)."""
 
     kind = "request_timeout"
+
+
+class Conflict(VisionServeError):
+    """The request cannot be done in the server's present state: a model load or unload that the
+    model control mode does not allow, the unload of a model in use, a swap that does not fit
+    the GPU memory budget, a frame for another model than its station's recipe, a recipe switch
+    that would change the verdict settings under another station. Nothing was changed."""
+
+    kind = "conflict"
 
 
 class Unauthenticated(VisionServeError):
@@ -111,11 +114,11 @@ STATUS_TABLE: dict[str, tuple[int, str]] = {
     "too_large": (413, "RESOURCE_EXHAUSTED"),
     "unsupported_media_type": (415, "INVALID_ARGUMENT"),
     "not_found": (404, "NOT_FOUND"),
-    "conflict": (409, "FAILED_PRECONDITION"),
     "unavailable": (503, "UNAVAILABLE"),
     "deadline": (504, "DEADLINE_EXCEEDED"),
     "request_timeout": (408, "DEADLINE_EXCEEDED"),
     "unauthenticated": (401, "UNAUTHENTICATED"),
+    "conflict": (409, "FAILED_PRECONDITION"),
     "config": (500, "FAILED_PRECONDITION"),
     "internal": (500, "INTERNAL"),
 }

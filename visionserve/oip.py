@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .tasks import Task
 
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "schedule_policy",
-              "health", "metadata"]
+              "health", "metadata", "model_repository"]
 
 DTYPE_SIZES = {"BOOL": 1, "UINT8": 1, "UINT16": 2, "UINT32": 4, "UINT64": 8, "INT8": 1, "INT16": 2,
                "INT32": 4, "INT64": 8, "FP16": 2, "FP32": 4, "FP64": 8, "BF16": 2, "BYTES": -1}

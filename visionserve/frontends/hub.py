@@ -17,11 +17,15 @@ Messages (tuples) a front end sends:
   set (``Engine.verdict``); every front end is then sent the models again.
   ``("recipe", rid, station, recipe, caller)``: switch a station's recipe
   (``Engine.switch_recipe``); every front end is then sent the stations' recipes.
+  ``("repository", rid, call, args)``: ``call`` one of ``repository_index``, ``load_model``,
+  ``unload_model`` of the engine, with ``args``; a swap sends every front end the models before
+  any frame reaches the new versions (``Engine.on_change``).
 and what the hub sends back:
   ``("state", ready, draining, {(model, version): ready}, models)``: on connect and on every
   change; ``models`` (the repository entries, the served versions' configs and the stations'
   recipes) only when they change.
-  ``("result", rid, [FrameResult])``, ``("error", rid, error class name, message, retry_after_s,
+  ``("result", rid, [FrameResult], version)`` (the version that answered: the one current when
+  the engine admitted the frames), ``("error", rid, error class name, message, retry_after_s,
   late_ms)`` exactly once per ``infer``, counted in the metrics here before it is sent;
   ``("reply", rid, value)`` or an error for the others.
   ``("beat",)`` every ``HEARTBEAT_S``: a front end that hears nothing for a while stops taking work.
@@ -50,6 +54,8 @@ log = logging.getLogger(__name__)
 STATE_POLL_S = 0.05
 #: how often every front end is told that this process is alive (see remote.HEARTBEAT_TIMEOUT_S)
 HEARTBEAT_S = 0.2
+#: the engine's calls a front end may make with a "repository" message
+REPOSITORY_CALLS = ("repository_index", "load_model", "unload_model")
 
 
 class Link:
@@ -113,15 +119,32 @@ class Link:
             _, rid, *args = msg
             engine = self.hub.engine
             call = engine.verdict if kind == "verdict" else engine.switch_recipe
-            task = asyncio.get_running_loop().create_task(self._change(rid, kind, call, args))
-            self.hub.background.add(task)
-            task.add_done_callback(self.hub.background.discard)
+            self._background(self._change(rid, kind, call, args))
+        elif kind == "repository":
+            _, rid, call, args = msg
+            self._background(self._repository(rid, call, args))
         elif kind == "metrics":
             from prometheus_client import generate_latest
 
             self.ch.send(("reply", msg[1], generate_latest()))
         else:
             log.error("front end %d sent an unknown message %r", self.index, kind)
+
+    def _background(self, work) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self.hub.background.add(task)
+        task.add_done_callback(self.hub.background.discard)
+
+    async def _repository(self, rid: int, call: str, args: tuple) -> None:
+        try:
+            if call not in REPOSITORY_CALLS:
+                raise InternalError(f"unknown repository call {call!r}")
+            self.ch.send(("reply", rid, await getattr(self.hub.engine, call)(*args)))
+        except VisionServeError as exc:
+            self._error(rid, exc)
+        except Exception:
+            log.exception("repository call %s for front end %d failed", call, self.index)
+            self._error(rid, InternalError(INTERNAL_MESSAGE))
 
     async def _change(self, rid: int, kind: str, call, args: list) -> None:
         """A verdict or recipe call of the engine, for a front end; the new settings (models,
@@ -172,7 +195,8 @@ class Link:
                 log.error("inference for front end %d failed", self.index, exc_info=exc)
                 self._error(rid, InternalError(INTERNAL_MESSAGE))
             else:
-                self.ch.send(("result", rid, f.result()[1]))
+                served, results = f.result()
+                self.ch.send(("result", rid, results, served.version))
 
         answer.add_done_callback(answered)
 
@@ -206,6 +230,8 @@ class Hub:
         link = Link(self, index, ArenaReader(arena_fd, arena_size))
         link.channel = await connect(sock, link.on_message, link.on_lost)
         self.links[index] = link
+        if self.publish not in self.engine.on_change:
+            self.engine.on_change.append(self.publish)
         self._send_state(link)
         if self._watcher is None:
             self._watcher = asyncio.get_running_loop().create_task(self._watch())

@@ -13,8 +13,10 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..config import ModelConfig
+from ..config import ModelConfig, parse_bytes
+from ..errors import ConfigError, Conflict
 from .memory import (
+    MIB,
     AllocationWatch,
     BudgetPlan,
     allocator_stats,
@@ -88,6 +90,50 @@ class GpuReservation:
         runtime = config.runtime.model_copy(
             update={"gpu_memory_budget": str(share.ort_limit_per_instance)})
         return config.model_copy(update={"runtime": runtime})
+
+    def share(self, name: str, config: ModelConfig) -> int:
+        """Device bytes one served version of model ``name`` holds: its own
+        ``runtime.gpu_memory_budget``, else its share of the start-up plan."""
+        if config.runtime.gpu_memory_budget is not None:
+            return parse_bytes(config.runtime.gpu_memory_budget)
+        planned = self.plan.share_of(name)
+        if planned is None:
+            raise ConfigError(f"model {name} was not planned into the GPU memory budget at "
+                              "start-up: give it runtime.gpu_memory_budget to load it later")
+        return planned.share
+
+    def check_beside(self, name: str, serving: Sequence[tuple[str, ModelConfig]],
+                     adding: Sequence[ModelConfig]) -> None:
+        """Conflict unless ``adding`` (versions of model ``name`` to load) fits the budget beside
+        every version ``serving`` now: a swap holds the old and the new versions at once, until
+        the old has drained. Nothing to check without a budget (nothing is capped)."""
+        if self.plan.total is None or not adding:
+            return
+        try:
+            held = sum(self.share(n, c) for n, c in serving)
+            need = sum(self.share(name, c) for c in adding)
+        except ConfigError as exc:
+            raise Conflict(f"model {name} not loaded: {exc.message}") from None
+        if held + need > self.plan.total:
+            raise Conflict(
+                f"model {name} not loaded: its {len(adding)} version(s) need {need / MIB:.0f} "
+                f"MiB of GPU memory beside the {held / MIB:.0f} MiB the serving versions hold, "
+                f"over the budget of {self.plan.total / MIB:.0f} MiB (--gpu-memory-budget); the "
+                "serving versions keep serving. A swap holds the old and the new version at "
+                "once: leave room for both, or unload a model first")
+
+    async def released(self) -> None:
+        """A model version was unloaded: the torch allocator's cached blocks go back to the
+        device, and the allocator's state now is the one to keep."""
+        import asyncio
+
+        def empty() -> None:
+            import torch
+
+            torch.cuda.empty_cache()
+
+        await asyncio.to_thread(empty)
+        self.watch.mark()
 
     def preprocessor(self, backend: Backend, config: ModelConfig,
                      preferred: tuple[int, ...]) -> Any:

@@ -75,6 +75,31 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
         return await _call(context, statistics)
 
+    # --- model repository extension -----------------------------------------------------------
+
+    async def RepositoryIndex(self, request, context):
+        async def index():
+            rows = await self.engine.repository_index(request.ready)
+            return pb.RepositoryIndexResponse(
+                models=[pb.RepositoryIndexResponse.ModelIndex(**row) for row in rows])
+
+        return await _call(context, index)
+
+    async def RepositoryModelLoad(self, request, context):
+        async def load():
+            await self.engine.load_model(request.model_name, convert.parameters(request.parameters))
+            return pb.RepositoryModelLoadResponse()
+
+        return await _call(context, load)
+
+    async def RepositoryModelUnload(self, request, context):
+        async def unload():
+            await self.engine.unload_model(request.model_name,
+                                           convert.parameters(request.parameters))
+            return pb.RepositoryModelUnloadResponse()
+
+        return await _call(context, unload)
+
     # --- inference ---------------------------------------------------------------------------
 
     async def ModelInfer(self, request, context):
@@ -171,7 +196,7 @@ def _unimplemented(method: str):
     return handler
 
 
-# Triton's repository, shared-memory, trace and log RPCs: answered UNIMPLEMENTED with a clear
+# Triton's shared-memory, trace and log RPCs: answered UNIMPLEMENTED with a clear
 # message (the generated base class would raise NotImplementedError and log a traceback).
 for _method in service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
     if _method.name not in InferenceServicer.__dict__:

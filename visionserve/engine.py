@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import time
@@ -73,6 +74,9 @@ def _file_stamp(path: Path) -> tuple[int, int]:
     return st.st_size, st.st_mtime_ns
 
 
+_load_ids = itertools.count(1)
+
+
 @dataclass
 class Served:
     """One loaded model version."""
@@ -89,6 +93,8 @@ class Served:
     task: tasks.Task | None = None
     #: the model file's (size, modification time) when it was loaded
     source: tuple[int, int] = (0, 0)
+    #: this load of it, for the GPU reservation's streams (a version reloaded is another load)
+    load_id: int = 0
 
     def __post_init__(self) -> None:
         self.series = metrics.ModelSeries(self.entry.name)
@@ -338,6 +344,7 @@ class Engine(ModelLookup):
         pad_to: tuple[int, ...] = ()
         cost: CostModel | None = None
         runners = []
+        load_id = next(_load_ids)
         nice = self.settings.worker_nice  # the model's threads below the event loop's priority
         for i in range(config.runtime.instances):
             backend = backends.create(config.runtime.backend)
@@ -354,7 +361,8 @@ class Engine(ModelLookup):
                 pad_to = preferred if pad else ()
                 cost = CostModel(functools.partial(padded_size, preferred=pad_to))
             await run_lowered(nice, self._warmup, backend, preferred, cost, path, task)
-            prep = await asyncio.to_thread(self.gpu.preprocessor, backend, config, preferred) \
+            prep = await asyncio.to_thread(self.gpu.preprocessor, backend, config, preferred,
+                                           load_id) \
                 if self.gpu else None
             log.info("%s:%d instance %d loaded and warmed up in %.1f s (%s)", entry.name, version,
                      i, time.monotonic() - t0, backend.describe())
@@ -379,7 +387,7 @@ class Engine(ModelLookup):
                           dispatch_when_idle=b.dispatch_when_idle)
         served = Served(entry, version, config, batcher, runners,
                         backend_info=runners[0].backend.describe(), task=task,
-                        source=_file_stamp(path))
+                        source=_file_stamp(path), load_id=load_id)
         for r in runners:
             r.on_batch = functools.partial(self._record_batch, served)
             r.start(loop)
@@ -675,8 +683,9 @@ class Engine(ModelLookup):
         t0 = time.monotonic()
         for s in gone:
             await self._release(s, self.settings.drain_timeout_s)
-        if gone and self.gpu is not None:
-            await self.gpu.released()
+        if self.gpu is not None and (gone or loaded):
+            # the gone versions' memory back to the budget; from here serving allocates nothing
+            await self.gpu.settled([s.load_id for s in gone])
         if gone:
             log.info("model %s: version(s) %s drained and unloaded in %.2f s", name,
                      sorted(s.version for s in gone), time.monotonic() - t0)

@@ -49,7 +49,9 @@ class GpuReservation:
         self._nvml = nvml
         self.plan = BudgetPlan(total=None)
         self.watch = AllocationWatch(device)
-        self.streams: list[Any] = []  # the runners' CUDA streams (each has its own block pool)
+        # the serving runners' CUDA streams (each has its own block pool), by the load of the
+        # model version whose runner they serve (Served.load_id)
+        self.streams: dict[int, list[Any]] = {}
         self.gpu: GpuInfo | None = None
         self.telemetry: Any = None
 
@@ -122,23 +124,35 @@ class GpuReservation:
                 "serving versions keep serving. A swap holds the old and the new version at "
                 "once: leave room for both, or unload a model first")
 
-    async def released(self) -> None:
-        """A model version was unloaded: the torch allocator's cached blocks go back to the
-        device, and the allocator's state now is the one to keep."""
+    async def settled(self, gone: list[int]) -> None:
+        """After a swap: the versions ``gone`` were unloaded (their streams forgotten, the torch
+        allocator's cached blocks given back to the device), the serving streams' small-block
+        pools reserved again (``empty_cache`` gives those back too, and a new version's were
+        never reserved), and the allocator's state now is the one to keep: serving adds no
+        device memory from here until the next swap."""
         import asyncio
 
-        def empty() -> None:
+        for key in gone:
+            self.streams.pop(key, None)
+
+        def settle() -> None:
             import torch
 
-            torch.cuda.empty_cache()
+            if gone:
+                torch.cuda.empty_cache()
+            reserve_small_pool(self.device, self._serving_streams())
 
-        await asyncio.to_thread(empty)
+        await asyncio.to_thread(settle)
         self.watch.mark()
 
+    def _serving_streams(self) -> list[Any]:
+        return [s for streams in self.streams.values() for s in streams]
+
     def preprocessor(self, backend: Backend, config: ModelConfig,
-                     preferred: tuple[int, ...]) -> Any:
-        """A warmed-up GPU preprocessor for ``backend``, or None where the backend cannot take
-        device tensors (no stream: e.g. onnxruntime without torch CUDA)."""
+                     preferred: tuple[int, ...], owner: int) -> Any:
+        """A warmed-up GPU preprocessor for ``backend`` of the load ``owner``, or None where
+        the backend cannot take device tensors (no stream: e.g. onnxruntime without torch
+        CUDA)."""
         if not backend.takes_device_input:
             return None
         from .preprocess import TorchPreprocessor
@@ -147,16 +161,17 @@ class GpuReservation:
                                             stream=backend.stream,
                                             channels_last=backend.channels_last)
         prep.warmup(preferred)
-        self.streams.append(backend.stream)
+        streams = self.streams.setdefault(owner, [])
+        streams.append(backend.stream)
         if prep.decode_stream is not None:  # the decoded images' blocks live in its pool
-            self.streams.append(prep.decode_stream)
+            streams.append(prep.decode_stream)
         return prep
 
     def ready(self) -> None:
         """Call when every model is warm: the allocator's state now is the one to keep."""
         from .telemetry import GpuTelemetry
 
-        reserve_small_pool(self.device, self.streams)
+        reserve_small_pool(self.device, self._serving_streams())
         self.watch.mark()
         self.telemetry = GpuTelemetry(self.nvml, self.gpu.index if self.gpu else None,
                                       self.plan.total,

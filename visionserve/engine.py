@@ -345,6 +345,7 @@ class Engine(ModelLookup):
         cost: CostModel | None = None
         runners = []
         load_id = next(_load_ids)
+        device_before = self.gpu.device_bytes() if self.gpu else 0  # what this load takes
         nice = self.settings.worker_nice  # the model's threads below the event loop's priority
         for i in range(config.runtime.instances):
             backend = backends.create(config.runtime.backend)
@@ -379,6 +380,8 @@ class Engine(ModelLookup):
             await runner.execute(batch)
 
         assert cost is not None  # made with the first instance (instances >= 1)
+        if self.gpu is not None:
+            self.gpu.measure(load_id, device_before)
         batcher = Batcher(name=f"{entry.name}:{version}", execute=execute,
                           max_batch_size=b.max_batch_size,
                           max_queue_delay_s=b.max_queue_delay_ms / 1000,
@@ -624,8 +627,8 @@ class Engine(ModelLookup):
                 if v in entry.versions and s.config == config and s.source == stamps[v]}
         todo = sorted(v for v in entry.versions if v not in keep)
         if self.gpu is not None:
-            self.gpu.check_beside(name, [(s.name, s.config) for s in self.served.values()],
-                                  [config] * len(todo))
+            self.gpu.check_beside(name, [(s.name, s.config, s.load_id)
+                                         for s in self.served.values()], [config] * len(todo))
         new: dict[int, Served] = {}
         self._loading[name] = todo
         loop = asyncio.get_running_loop()

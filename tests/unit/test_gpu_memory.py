@@ -351,10 +351,16 @@ def test_a_swap_must_fit_beside_the_serving_versions():
 
     res = GpuReservation("8GiB", "cuda:0", nvml=SimulatedNvml([simulated_gpu(0)]))
     res.plan = plan_budget("8GiB", [("a", cfg(budget="3GiB")), ("b", cfg())])  # b's share: 5 GiB
-    res.check_beside("a", [("a", cfg(budget="3GiB"))], [cfg(budget="3GiB")])  # 6 of 8 GiB
+    res.check_beside("a", [("a", cfg(budget="3GiB"), 1)], [cfg(budget="3GiB")])  # 6 of 8 GiB
     with pytest.raises(Conflict, match=r"need 5120 MiB .* beside the 8192 MiB .* over the budget "
                                        r"of 8192 MiB .* the serving versions keep serving"):
-        res.check_beside("b", [("a", cfg(budget="3GiB")), ("b", cfg())], [cfg()])
+        res.check_beside("b", [("a", cfg(budget="3GiB"), 1), ("b", cfg(), 2)], [cfg()])
+    # measured: b's version took 1.5 GiB, so its next one is reckoned at that, and fits
+    res.footprints[2] = 1536 * 1024**2
+    res.check_beside("b", [("a", cfg(budget="3GiB"), 1), ("b", cfg(), 2)], [cfg()])  # 6 of 8
+    res.footprints[2] = 3 * 1024**3
+    with pytest.raises(Conflict, match=r"need 3072 MiB .* beside the 6144 MiB"):
+        res.check_beside("b", [("a", cfg(budget="3GiB"), 1), ("b", cfg(), 2)], [cfg()])
     with pytest.raises(Conflict, match="give it runtime.gpu_memory_budget"):
         res.check_beside("new", [], [cfg()])
     GpuReservation(None, "cuda:0").check_beside("x", [], [cfg()])  # no budget: nothing to check

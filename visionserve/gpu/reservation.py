@@ -52,6 +52,8 @@ class GpuReservation:
         # the serving runners' CUDA streams (each has its own block pool), by the load of the
         # model version whose runner they serve (Served.load_id)
         self.streams: dict[int, list[Any]] = {}
+        # device bytes each load took (Served.load_id -> bytes), for the swaps' budget check
+        self.footprints: dict[int, int] = {}
         self.gpu: GpuInfo | None = None
         self.telemetry: Any = None
 
@@ -93,27 +95,35 @@ class GpuReservation:
             update={"gpu_memory_budget": str(share.ort_limit_per_instance)})
         return config.model_copy(update={"runtime": runtime})
 
-    def share(self, name: str, config: ModelConfig) -> int:
+    def share(self, name: str, config: ModelConfig, measured: int | None = None) -> int:
         """Device bytes one served version of model ``name`` holds: its own
-        ``runtime.gpu_memory_budget``, else its share of the start-up plan."""
+        ``runtime.gpu_memory_budget``, else what a load of it was measured to take
+        (``measured``), else its share of the start-up plan."""
         if config.runtime.gpu_memory_budget is not None:
             return parse_bytes(config.runtime.gpu_memory_budget)
+        if measured is not None:
+            return measured
         planned = self.plan.share_of(name)
         if planned is None:
             raise ConfigError(f"model {name} was not planned into the GPU memory budget at "
                               "start-up: give it runtime.gpu_memory_budget to load it later")
         return planned.share
 
-    def check_beside(self, name: str, serving: Sequence[tuple[str, ModelConfig]],
+    def check_beside(self, name: str, serving: Sequence[tuple[str, ModelConfig, int]],
                      adding: Sequence[ModelConfig]) -> None:
         """Conflict unless ``adding`` (versions of model ``name`` to load) fits the budget beside
-        every version ``serving`` now: a swap holds the old and the new versions at once, until
-        the old has drained. Nothing to check without a budget (nothing is capped)."""
+        every version ``serving`` now ((name, config, load id)): a swap holds the old and the new
+        versions at once, until the old has drained. A version without a budget of its own
+        counts what its load was measured to take (:meth:`measure`), and a new version of a
+        model what its serving version takes: a model's share of the start-up plan is all that
+        was free for it, so with it no swap would ever fit. Nothing to check without a budget
+        (nothing is capped)."""
         if self.plan.total is None or not adding:
             return
+        same = [self.footprints[i] for n, _, i in serving if n == name and i in self.footprints]
         try:
-            held = sum(self.share(n, c) for n, c in serving)
-            need = sum(self.share(name, c) for c in adding)
+            held = sum(self.share(n, c, self.footprints.get(i)) for n, c, i in serving)
+            need = sum(self.share(name, c, max(same) if same else None) for c in adding)
         except ConfigError as exc:
             raise Conflict(f"model {name} not loaded: {exc.message}") from None
         if held + need > self.plan.total:
@@ -123,6 +133,16 @@ class GpuReservation:
                 f"over the budget of {self.plan.total / MIB:.0f} MiB (--gpu-memory-budget); the "
                 "serving versions keep serving. A swap holds the old and the new version at "
                 "once: leave room for both, or unload a model first")
+
+    def device_bytes(self) -> int:
+        """What the torch allocator holds on the device now (CUDA graphs, buffers, prep)."""
+        import torch
+
+        return int(torch.cuda.memory_reserved(self.device))
+
+    def measure(self, load_id: int, before: int) -> None:
+        """Record what load ``load_id`` took: the allocator's bytes now over ``before``."""
+        self.footprints[load_id] = max(0, self.device_bytes() - before)
 
     async def settled(self, gone: list[int]) -> None:
         """After a swap: the versions ``gone`` were unloaded (their streams forgotten, the torch
@@ -134,6 +154,7 @@ class GpuReservation:
 
         for key in gone:
             self.streams.pop(key, None)
+            self.footprints.pop(key, None)
 
         def settle() -> None:
             import torch

@@ -207,26 +207,34 @@ class TorchBackend(Backend):
             self._static_in = torch.zeros(shape, dtype=self.input_dtype, device=self.device
                                           ).contiguous(memory_format=fmt)
             self._done = torch.cuda.Event()
-            # Warm-up iterations on a side stream, as torch.cuda.graphs recommends: lazy
-            # initialisation and cuDNN autotuning must not happen inside a capture.
-            side = torch.cuda.Stream(device=self.device)
-            side.wait_stream(self.stream)
-            with torch.cuda.stream(side):
-                for bs in batch_sizes:
-                    for _ in range(WARMUP_ITERS):
-                        self._module(self._static_in[:bs])
-            self.stream.wait_stream(side)
-            # Largest first: later (smaller) captures reuse the shared pool's blocks.
-            for bs in sorted(batch_sizes, reverse=True):
-                graph = torch.cuda.CUDAGraph()
-                static_in = self._static_in[:bs]
-                # thread_local: other runners' threads may touch CUDA while this one captures
-                with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                    # the float32 cast is part of the graph: no temporary at fetch time
-                    static_out = self._named(self._module(static_in))
-                if self._pool is None:
-                    self._pool = graph.pool()
-                self._graphs[bs] = (graph, static_in, static_out)
+            # Eager warm-up before any capture (lazy initialisation and cuDNN autotuning must
+            # not happen inside one), on this runner's stream: the activations it leaves cached
+            # are reused there by the GPU preprocessing.
+            for bs in batch_sizes:
+                for _ in range(WARMUP_ITERS):
+                    self._module(self._static_in[:bs])
+            # Captured on a stream of their own, without torch.cuda.graph's context manager: it
+            # synchronises the device and empties the allocator's cache before every capture,
+            # which, for a version loaded beside serving ones (a swap), stalled their batches
+            # and made them allocate their cached blocks again.
+            capture = torch.cuda.Stream(device=self.device)
+            capture.wait_stream(self.stream)
+            with torch.cuda.stream(capture):
+                # Largest first: later (smaller) captures reuse the shared pool's blocks.
+                for bs in sorted(batch_sizes, reverse=True):
+                    graph = torch.cuda.CUDAGraph()
+                    static_in = self._static_in[:bs]
+                    # thread_local: other runners' threads may touch CUDA while this captures
+                    graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                    try:
+                        # the float32 cast is part of the graph: no temporary at fetch time
+                        static_out = self._named(self._module(static_in))
+                    finally:
+                        graph.capture_end()
+                    if self._pool is None:
+                        self._pool = graph.pool()
+                    self._graphs[bs] = (graph, static_in, static_out)
+            self.stream.wait_stream(capture)
             # pinned host buffers, one per output, as large as the largest batch's
             self._out_host = {n: torch.empty(tuple(t.shape), dtype=t.dtype, pin_memory=True)
                               for n, t in self._graphs[top][2].items()}
@@ -235,9 +243,6 @@ class TorchBackend(Backend):
             for bs in batch_sizes:
                 self._replay(bs, None)
             self.stream.synchronize()
-        # the eager warm-up's activations were cached for the side stream, where nothing will
-        # reuse them; the graphs' private pool is not affected
-        torch.cuda.empty_cache()
         log.info("torch captured CUDA graphs for batch sizes %s", sorted(self._graphs))
 
     # -- run ----------------------------------------------------------------------------------

@@ -135,35 +135,30 @@ class GpuReservation:
                 "once: leave room for both, or unload a model first")
 
     def device_bytes(self) -> int:
-        """What the torch allocator holds on the device now (CUDA graphs, buffers, prep)."""
+        """What live blocks of the torch allocator hold on the device now (CUDA graphs' pools,
+        buffers): cached free blocks are not counted, any load may reuse them."""
         import torch
 
-        return int(torch.cuda.memory_reserved(self.device))
+        return int(torch.cuda.memory_allocated(self.device))
 
     def measure(self, load_id: int, before: int) -> None:
         """Record what load ``load_id`` took: the allocator's bytes now over ``before``."""
         self.footprints[load_id] = max(0, self.device_bytes() - before)
 
     async def settled(self, gone: list[int]) -> None:
-        """After a swap: the versions ``gone`` were unloaded (their streams forgotten, the torch
-        allocator's cached blocks given back to the device), the serving streams' small-block
-        pools reserved again (``empty_cache`` gives those back too, and a new version's were
-        never reserved), and the allocator's state now is the one to keep: serving adds no
-        device memory from here until the next swap."""
+        """After a swap: the versions ``gone`` were unloaded (their streams forgotten; their
+        memory stays with the torch allocator, within its cap, which gives it back to the device
+        when a later load needs the room: an ``empty_cache`` here would give back the serving
+        versions' cached blocks too, which they would then allocate again under load, and it
+        synchronises the device), the new version's streams got their small-block pools, and
+        the allocator's state now is the one to keep: serving adds no device memory from here
+        until the next swap."""
         import asyncio
 
         for key in gone:
             self.streams.pop(key, None)
             self.footprints.pop(key, None)
-
-        def settle() -> None:
-            import torch
-
-            if gone:
-                torch.cuda.empty_cache()
-            reserve_small_pool(self.device, self._serving_streams())
-
-        await asyncio.to_thread(settle)
+        await asyncio.to_thread(reserve_small_pool, self.device, self._serving_streams())
         self.watch.mark()
 
     def _serving_streams(self) -> list[Any]:
@@ -189,9 +184,13 @@ class GpuReservation:
         return prep
 
     def ready(self) -> None:
-        """Call when every model is warm: the allocator's state now is the one to keep."""
+        """Call when every model is warm: the allocator's state now is the one to keep (the
+        blocks the warm-ups left cached, nothing serves yet, go back to the device first)."""
+        import torch
+
         from .telemetry import GpuTelemetry
 
+        torch.cuda.empty_cache()
         reserve_small_pool(self.device, self._serving_streams())
         self.watch.mark()
         self.telemetry = GpuTelemetry(self.nvml, self.gpu.index if self.gpu else None,

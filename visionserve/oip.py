@@ -153,13 +153,19 @@ def parameters(params: dict[str, Any] | None) -> tuple[float | None, int | None]
     return deadline_ms, priority
 
 
-def origin(params: dict[str, Any] | None, request_id: str | None) -> tuple[str | None, str | None]:
-    """(part id, camera id) for the PLC result bus: parameters ``part_id`` (else the request id)
-    and ``camera_id``, what the inspect API's X-Part-Id and X-Camera-Id headers carry."""
+def origin(params: dict[str, Any] | None,
+           request_id: str | None) -> tuple[str | None, str | None, str | None]:
+    """(part id, camera id, station id) for the PLC result bus and the part's record: parameters
+    ``part_id`` (else the request id), ``camera_id`` and ``station_id``, what the inspect API's
+    X-Part-Id, X-Camera-Id and X-Station-Id headers carry."""
     params = params or {}
-    part, camera = params.get("part_id"), params.get("camera_id")
+    part = params.get("part_id")
     part = str(part) if part not in (None, "") else (request_id or None)
-    return part, (str(camera) if camera not in (None, "") else None)
+    return part, _text(params.get("camera_id")), _text(params.get("station_id"))
+
+
+def _text(value: Any) -> str | None:
+    return str(value) if value not in (None, "") else None
 
 
 def check_input(served: ServedModel, name: str, datatype: str, shape: list[int]) -> None:

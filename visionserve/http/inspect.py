@@ -46,6 +46,8 @@ _BODY = {
         {"name": "X-Part-Id", "in": "header", "required": False, "schema": {"type": "string"},
          "description": "Echoed in the answer."},
         {"name": "X-Camera-Id", "in": "header", "required": False, "schema": {"type": "string"}},
+        {"name": "X-Station-Id", "in": "header", "required": False, "schema": {"type": "string"},
+         "description": "The station the frame comes from; kept in the part's record."},
         {"name": "X-Deadline-Ms", "in": "header", "required": False, "schema": {"type": "number"},
          "description": "Budget from arrival in ms; default: the model's takt_ms."},
         {"name": "X-Priority", "in": "header", "required": False, "schema": {"type": "integer"},
@@ -85,6 +87,7 @@ class InspectHead:
     arrival: float
     part_id: str | None
     camera_id: str | None
+    station_id: str | None
     kind: imaging.Kind
     deadline_ms: float | None
     priority: int | None
@@ -104,6 +107,7 @@ def read_head(headers: Headers, engine, settings, model_name: str,
     (``engine.infer`` admits it then)."""
     arrival = time.monotonic()
     part_id, camera_id = headers.get("x-part-id"), headers.get("x-camera-id")
+    station_id = headers.get("x-station-id")
     engine.get(model_name, model_version)
     kind = imaging.media_kind(headers.get("content-type"))
     deadline_ms = _header_number(headers, "X-Deadline-Ms", float)
@@ -111,8 +115,9 @@ def read_head(headers: Headers, engine, settings, model_name: str,
     if headers.get("content-length") is not None:
         check_declared_length(headers, settings.max_body_bytes)
         engine.precheck(model_name, model_version, 1, deadline_ms=deadline_ms,
-                        priority=priority, arrival=arrival, origin=(part_id, camera_id))
-    return InspectHead(arrival, part_id, camera_id, kind, deadline_ms, priority)
+                        priority=priority, arrival=arrival,
+                        origin=(part_id, camera_id, station_id))
+    return InspectHead(arrival, part_id, camera_id, station_id, kind, deadline_ms, priority)
 
 
 def head_error_response(exc: VisionServeError, engine, headers: Headers,
@@ -146,7 +151,8 @@ async def inspect(request: Request, model_name: str, model_version: str = "") ->
             frame = imaging.encoded_frame(body, max_pixels=settings.max_image_pixels, expected=kind)
         served, (r,) = await unless_disconnected(
             request, engine.infer(model_name, model_version, [frame], deadline_ms=deadline_ms,
-                                  priority=priority, arrival=arrival, origin=(part_id, camera_id)))
+                                  priority=priority, arrival=arrival,
+                                  origin=(part_id, camera_id, head.station_id)))
     except DeadlineExceeded as exc:  # no decision for the PLC, whenever the deadline passed
         late_ms = None if exc.late_ms is None else round(exc.late_ms, 3)
         return error_response(exc, {"part_id": part_id, "model": model_name, "verdict": "LATE",

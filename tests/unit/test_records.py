@@ -210,7 +210,8 @@ def test_the_capture_policies_pick_what_they_say():
     near = _result("NG", (0.55, 0.45, 0.0))  # best OK score 0.55, threshold 0.6
     assert not Policy("none").wants("NG", TASK, ng.result)
     assert Policy("all").wants("OK", TASK, ok.result)
-    assert Policy("ng").wants("NG", TASK, ng.result) and not Policy("ng").wants("OK", TASK, ok.result)
+    assert Policy("ng").wants("NG", TASK, ng.result)
+    assert not Policy("ng").wants("OK", TASK, ok.result)
     unsure = Policy("uncertain", band=0.1)
     assert unsure.wants("NG", TASK, near.result)
     assert not unsure.wants("NG", TASK, ng.result) and not unsure.wants("OK", TASK, ok.result)

@@ -52,8 +52,9 @@ def export_onnx(module, folder: Path, input_shape: tuple[int, ...], toml: str) -
     return folder
 
 
-def make_tiny_model(folder: Path, toml: str = TINY_TOML) -> Path:
-    """Export a tiny random-weight CNN to ``folder/1/model.onnx`` (+ model.toml); returns folder."""
+def make_tiny_model(folder: Path, toml: str = TINY_TOML, seed: int = 0) -> Path:
+    """Export a tiny random-weight CNN to ``folder/1/model.onnx`` (+ model.toml); returns folder.
+    Another ``seed``: other weights, so other scores for the same frame."""
     import torch
 
     class Tiny(torch.nn.Module):
@@ -65,7 +66,7 @@ def make_tiny_model(folder: Path, toml: str = TINY_TOML) -> Path:
         def forward(self, x):
             return self.fc(torch.relu(self.conv(x)).mean(dim=(2, 3)))
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return export_onnx(Tiny(), folder, (2, 3, 32, 32), toml)
 
 

@@ -47,9 +47,9 @@ log = logging.getLogger(__name__)
 
 #: the quantile of (answer time / admission's prediction) that admission scales predictions by.
 #: Under sustained overload every admitted frame is admitted at the edge, so about 1 - q of them
-#: end late, each after costing the server its compute. At 0.9, 20% of the admitted frames were
-#: late at 3x capacity on the CPU machine (goodput 0.56-0.69 of the goodput at 1x); at 0.98 the
-#: queue is a little shorter, which costs nothing while it never runs dry, and goodput held 0.94.
+#: end late, each after costing the server its compute. At 0.9, 622 admitted frames ended late in
+#: three 6 s rounds at 3x capacity on the CPU machine; at 0.98, 126 (docs/benchmarks.md). The queue
+#: is a little shorter for it, which costs nothing while it never runs dry.
 MARGIN_QUANTILE = 0.98
 
 

@@ -206,6 +206,43 @@ class RuntimeSpec(_Strict):
         return v
 
 
+class VersionPolicy(_Strict):
+    """Which version folders of the model are served (Triton's `version_policy`): the newest
+    `latest` of them, the `specific` ones, or `all`. Set one; none set serves all of them.
+    Changed while the server runs, it takes effect at the model's next load (a load call, or
+    the next poll with `--model-control-mode poll`), as a swap."""
+
+    latest: int | None = Field(
+        None, ge=1, le=1000, description="Serve the newest N version folders (e.g. 1: only the "
+        "newest, so that a new folder replaces the old version).")
+    specific: tuple[int, ...] | None = Field(
+        None, min_length=1, description="Serve exactly these versions; each must have its folder "
+        "with the model file.")
+    all: bool = Field(False, description="Serve every version folder (also what an empty section "
+                                         "means).")
+
+    @model_validator(mode="after")
+    def _one(self) -> VersionPolicy:
+        given = [n for n, v in (("latest", self.latest), ("specific", self.specific),
+                                ("all", self.all or None)) if v is not None]
+        if len(given) > 1:
+            raise ValueError(f"set one of latest, specific, all (got {' and '.join(given)})")
+        if self.specific is not None and (any(v < 1 for v in self.specific)
+                                          or len(set(self.specific)) != len(self.specific)):
+            raise ValueError("specific versions must be distinct integers >= 1")
+        return self
+
+    def select(self, versions: typing.Iterable[int]) -> list[int]:
+        """The versions of ``versions`` (the folders there are) it serves, ascending; a specific
+        version without its folder is left out (the caller names it)."""
+        have = sorted(versions)
+        if self.latest is not None:
+            return have[-self.latest:]
+        if self.specific is not None:
+            return sorted(v for v in self.specific if v in have)
+        return have
+
+
 class ModelConfig(_Strict):
     """Schema of ``models/<name>/model.toml``: the sections every task shares.
 
@@ -224,6 +261,7 @@ class ModelConfig(_Strict):
         "docs/architecture.md).")
     default_version: int | None = Field(
         None, ge=1, description="Version served when none is asked; default: highest.")
+    version_policy: VersionPolicy = VersionPolicy()
     input: InputSpec
     batching: BatchingSpec = BatchingSpec()
     runtime: RuntimeSpec = RuntimeSpec()
@@ -285,6 +323,22 @@ class ServerSettings(BaseSettings):
     grpc_port: int = Field(8001, ge=-1, le=65535, description="gRPC port; -1 disables gRPC.")
     models: Path = Field(default_factory=default_models_dir, description="Model repository folder.",
                          json_schema_extra={"default_text": "shipped default model, else ./models"})
+    model_control_mode: Literal["none", "poll", "explicit"] = Field(
+        "none", description="Changing the served models while the server runs (Triton's model "
+        "repository extension, docs/triton-compat.md): none: the models of the start are served "
+        "until it stops, load/unload calls are refused (409); explicit: POST "
+        "/v2/repository/models/{m}/load and .../unload (and the gRPC calls) load, swap and "
+        "unload models; poll: the repository folder is read again every "
+        "--repository-poll-secs, and a model whose model.toml or version files changed is "
+        "swapped (a removed folder is unloaded). A swap loads and warms up the new versions beside "
+        "the old, then switches traffic at once; frames already admitted finish on the old.")
+    load_model: str | None = Field(
+        None, description="With --model-control-mode explicit: the models loaded at start-up, "
+                          "comma-separated (unset: every model of the repository; Triton would "
+                          "load none). The others are loaded by a load call.")
+    repository_poll_secs: float = Field(
+        15.0, gt=0, le=86_400, description="With --model-control-mode poll: seconds between two "
+                                           "reads of the model repository.")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N | GPU-<uuid> | PCI bus id.")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level.")
@@ -341,6 +395,10 @@ class ServerSettings(BaseSettings):
         description="Python's thread switch interval in the serving process: how long one thread "
                     "(the busy event loop) may hold the interpreter while the decode/compute "
                     "threads wait for it. Python's own 5 ms starved the runner threads under load.")
+    recipes: Path | None = Field(
+        None, description="The recipes file: each product variant's model, version and verdict "
+                          "settings, and the stations that run them (docs/recipes.md). Default: "
+                          "recipes.toml in the model repository, when there is one.")
     worker_nice: int = Field(
         5, ge=0, le=19,
         description="Nice levels below the event loop for the model's threads in the serving "
@@ -475,6 +533,19 @@ class ServerSettings(BaseSettings):
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together")
         return self
+
+    @model_validator(mode="after")
+    def _load_model(self) -> ServerSettings:
+        if self.load_model is not None and self.model_control_mode != "explicit":
+            raise ValueError("load_model goes with model_control_mode explicit (the other modes "
+                             "load every model of the repository)")
+        return self
+
+    def startup_models(self) -> set[str] | None:
+        """The models to load at start-up (None: all of them)."""
+        if self.load_model is None:
+            return None
+        return {n.strip() for n in self.load_model.split(",") if n.strip()}
 
     @field_validator("gpu_memory_budget")
     @classmethod

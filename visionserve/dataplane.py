@@ -17,7 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .errors import NotFound, Unavailable, VisionServeError
+from .errors import Conflict, NotFound, Unavailable, VisionServeError
+from .recipes import Assignments, Recipe
 from .repository import ModelEntry, parse_version
 
 if TYPE_CHECKING:
@@ -100,6 +101,8 @@ class DataPlane(Protocol):
     #: the repository's models by name, and the served versions by (name, version)
     entries: dict[str, ModelEntry]
     served: dict[tuple[str, int], Any]
+    #: the stations' recipes (recipes.toml), replaced whole by a switch
+    recipes: Assignments
 
     @property
     def live(self) -> bool: ...
@@ -147,8 +150,33 @@ class DataPlane(Protocol):
         line)."""
         ...
 
+    def recipe_for(self, station: str | None, camera: str | None
+                   ) -> tuple[str | None, Recipe | None]: ...
+
+    def route(self, name: str | None, version: str | int | None, station: str | None,
+              camera: str | None) -> Route: ...
+
+    async def switch_recipe(self, station: str, recipe_id: str,
+                            caller: Mapping | None = None) -> dict:
+        """Make ``station`` run recipe ``recipe_id`` (see :mod:`visionserve.recipes`)."""
+        ...
+
     async def statistics(self, name: str = "", version: str | int | None = None
                          ) -> Sequence[ServedModel]: ...
+
+    async def repository_index(self, ready: bool = False) -> list[dict[str, str]]:
+        """The repository's models: ``{"name", "version", "state", "reason"}`` rows (Triton's
+        index; ``ready``: only the READY ones)."""
+        ...
+
+    async def load_model(self, name: str, parameters: Mapping | None = None) -> dict:
+        """Load model ``name`` (again) from the repository, as one swap; returns what changed and
+        ``switched_at``, the ``time.monotonic()`` of the switch."""
+        ...
+
+    async def unload_model(self, name: str, parameters: Mapping | None = None) -> dict:
+        """Unload every version of model ``name`` (``parameters["force"]``: even in use)."""
+        ...
 
     async def metrics_text(self) -> bytes: ...
 
@@ -157,12 +185,24 @@ class DataPlane(Protocol):
     async def close(self) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where a request goes (:meth:`ModelLookup.route`): the model and version ("" = default),
+    and the station and recipe it is decided under when it is a station's frame."""
+
+    model: str
+    version: str
+    station: str | None = None
+    recipe: str | None = None
+
+
 class ModelLookup:
     """Finding a served version by name and version, the same answers (and errors) on both sides
     of :class:`DataPlane`. Needs ``entries``, ``served`` and ``ready``."""
 
     entries: dict[str, ModelEntry]
     served: dict[tuple[str, int], Any]
+    recipes: Assignments
 
     if TYPE_CHECKING:  # the users' own read-only property
         @property
@@ -179,8 +219,38 @@ class ModelLookup:
         v = parse_version(entry, version)
         served = self.served.get((name, v))
         if served is None:
-            raise Unavailable(f"model {name} version {v} is not loaded yet")
+            raise Unavailable(f"model {name} version {v} is not loaded (not yet, or unloaded: "
+                              "POST /v2/repository/index says which)", retry_after_s=1.0)
         return served
+
+    def recipe_for(self, station: str | None, camera: str | None
+                   ) -> tuple[str | None, Recipe | None]:
+        """(station, the recipe it runs) of a frame from ``station`` or ``camera``; (None, None)
+        for a frame of no station. 404 for an unknown station."""
+        book = self.recipes
+        name = book.station_of(station, camera)
+        return name, book.recipe_of(name)
+
+    def route(self, name: str | None, version: str | int | None, station: str | None,
+              camera: str | None) -> Route:
+        """Where a request goes: a frame of a station (named, or by its camera) to the model and
+        version of the recipe that station runs now; a request that names another model or
+        version is a 409 (``name`` None: the station's own URL, which needs a recipe). Any other
+        request to the model and version it names."""
+        station, recipe = self.recipe_for(station, camera)
+        wanted = "" if version is None else str(version)
+        if recipe is None:
+            if name is None:
+                raise Conflict(f"station {station!r} runs no recipe: switch one in first "
+                               f"(POST /v1/stations/{station}/recipe)")
+            return Route(name, wanted, station, None)
+        version_of_recipe = "" if recipe.version is None else str(recipe.version)
+        if name not in (None, recipe.model) or wanted not in ("", version_of_recipe):
+            raise Conflict(
+                f"station {station!r} runs recipe {recipe.id!r}: model {recipe.model} version "
+                f"{version_of_recipe or 'default'}, not {name} {wanted}; send its frames to "
+                f"/v1/stations/{station}/inspect, or name no version")
+        return Route(recipe.model, version_of_recipe, station, recipe.id)
 
     def model_ready(self, name: str, version: str | int | None = None) -> bool:
         try:

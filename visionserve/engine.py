@@ -8,6 +8,12 @@ model, and the answer counted and recorded once, from the frames' futures (no ta
 ``infer()`` awaits it for the front ends of this process, the hub of the front-end processes
 calls it directly. ``drain()`` is the shutdown path: readiness goes false first, queued work
 finishes.
+
+The served versions change while it serves (``load_model``, ``unload_model``, the repository
+poll: ``--model-control-mode``), always as a swap: the new versions load and warm up beside the
+old ones, then one assignment of ``served`` switches traffic (a request resolves its version
+once, at admission, and stays on it), then the old versions drain (their batchers answer what
+they hold) and are released. A load that fails or does not fit changes nothing.
 """
 
 from __future__ import annotations
@@ -15,17 +21,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from pydantic import ValidationError
 
-from . import imaging, metrics, tasks, verdicts
+from . import imaging, metrics, recipes, tasks, verdicts
 from .backends import base as backends
 from .backends import checks
 from .batching import Batcher, CostModel
@@ -33,14 +40,16 @@ from .config import BatchingSpec, ModelConfig, ServerSettings
 from .dataplane import Duration, ModelLookup, ModelStats
 from .errors import (
     ConfigError,
+    Conflict,
     InvalidInput,
+    NotFound,
     Unavailable,
     VisionServeError,
     describe_validation,
 )
 from .imaging import Frame
 from .latency import LatencyWindow
-from .repository import ModelEntry, scan
+from .repository import ModelEntry, folder_of, load_entry, model_folders, scan, signature
 from .runner import BatchRecord, FrameResult, Runner, device_fault, padded_size
 from .threads import run_lowered
 
@@ -52,6 +61,20 @@ log = logging.getLogger(__name__)
 audit = logging.getLogger("visionserve.audit")
 
 MAX_DEADLINE_MS = 3_600_000.0
+#: a model that answered a frame this recently (or has frames queued or running) is in use: its
+#: unload is refused unless forced
+IN_USE_S = 30.0
+#: load parameters (Triton's) that ask for a model other than the repository's: not supported
+_OVERRIDES = ("config", "file:")
+
+
+def _file_stamp(path: Path) -> tuple[int, int]:
+    """(size, modification time) of a version's model file: a changed file is a new model."""
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns
+
+
+_load_ids = itertools.count(1)
 
 
 @dataclass
@@ -68,6 +91,10 @@ class Served:
     series: metrics.ModelSeries = field(init=False)  # made in __post_init__
     #: what the outputs mean: the front ends have it render answers (bound to the model at load)
     task: tasks.Task | None = None
+    #: the model file's (size, modification time) when it was loaded
+    source: tuple[int, int] = (0, 0)
+    #: this load of it, for the GPU reservation's streams (a version reloaded is another load)
+    load_id: int = 0
 
     def __post_init__(self) -> None:
         self.series = metrics.ModelSeries(self.entry.name)
@@ -157,7 +184,23 @@ class Engine(ModelLookup):
         # changes of the served models' settings ([verdict]): the front-end processes are sent
         # the models again when it moves; one lock per model serialises the changes
         self.generation = 0
-        self._verdict_locks: dict[str, asyncio.Lock] = {}
+        # one lock per model serialises its changes: [verdict] settings, loads, unloads
+        self._locks: dict[str, asyncio.Lock] = {}
+        # model -> versions loading beside the served ones now (the repository index says so)
+        self._loading: dict[str, list[int]] = {}
+        # model -> why it serves no version (unloaded, or its last load failed)
+        self.reasons: dict[str, str] = {}
+        # model -> its folder's signature when last read (the repository poll compares it)
+        self._signatures: dict[str, tuple] = {}
+        self._poller: asyncio.Task | None = None
+        #: called (on the loop) right after every swap, before any frame reaches a new version:
+        #: the hub tells the front-end processes the served versions there
+        self.on_change: list[Callable[[], None]] = []
+        # the stations' recipes (recipes.toml): replaced whole by a switch; the front-end
+        # processes are sent it with the models
+        self.recipes = recipes.NO_RECIPES
+        self._recipes_file: Path | None = None
+        self._recipes_lock = asyncio.Lock()
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -174,35 +217,158 @@ class Engine(ModelLookup):
         return self._draining
 
     def scan(self) -> None:
-        """Read the repository (fast, synchronous): bad model.toml files fail start-up here."""
-        self.entries = scan(Path(self.settings.models))
+        """Read the repository (fast, synchronous): bad model.toml files fail start-up here, and
+        so does a recipes file whose recipes name what the repository does not hold."""
+        root = Path(self.settings.models)
+        # before the files are read: a change meanwhile is a change to the next poll
+        self._signatures = {f.name: signature(f) for f in model_folders(root)}
+        self.entries = scan(root)
         for entry in self.entries.values():  # bad command-line overrides fail here too, not at load
             effective_config(entry.config.model_copy(update={"name": entry.name}), self.settings)
+        path = self.settings.recipes or Path(self.settings.models) / "recipes.toml"
+        if self.settings.recipes is not None or path.is_file():
+            book = recipes.load(path)
+            for recipe in book.recipes.values():
+                self._check_recipe(path, recipe)
+            self._recipes_file, self.recipes = path, book
+
+    def _check_recipe(self, path: Path, recipe: recipes.Recipe) -> None:
+        where = f"recipes file {path}: recipe {recipe.id!r}"
+        if recipe.model not in self.entries:
+            raise ConfigError(f"{where} names model {recipe.model!r}, which the repository does "
+                              f"not hold (models: {sorted(self.entries)})")
+        entry = self.entries[recipe.model]
+        if recipe.version is not None and recipe.version not in entry.versions:
+            raise ConfigError(f"{where} names version {recipe.version} of {recipe.model}, which "
+                              f"the repository does not hold (versions: {sorted(entry.versions)})")
+        if recipe.verdict:
+            try:
+                verdicts.change(entry.path / "model.toml", recipe.verdict)
+            except VisionServeError as exc:
+                raise ConfigError(f"{where}: its verdict settings do not fit model "
+                                  f"{recipe.model}: {exc.message}") from None
+
+    async def _resume_recipes(self) -> None:
+        """The verdict settings of the recipes the stations run (from the state file, else the
+        recipes file) in force before the first frame; stations that share a model with
+        different settings fail start-up."""
+        wanted: dict[str, dict] = {}
+        for station, rid in sorted(self.recipes.stations.items()):
+            recipe = None if rid is None else self.recipes.recipes[rid]
+            if recipe is None or not recipe.verdict:
+                continue
+            merged = wanted.setdefault(recipe.model, {})
+            for key, value in recipe.verdict.items():
+                if key in merged and merged[key] != value:
+                    raise ConfigError(f"recipes file {self._recipes_file}: stations share model "
+                                      f"{recipe.model} with different verdict settings ({key}); "
+                                      f"station {station!r} runs recipe {rid!r}")
+                merged[key] = value
+        for model, values in wanted.items():
+            now = verdicts.current(self.entries[model].config)
+            if any(now.get(k) != v for k, v in values.items()):
+                await self.verdict(model, values, {"client": "start-up (recipes)"})
+
+    async def switch_recipe(self, station: str, recipe_id: str,
+                            caller: Mapping | None = None) -> dict:
+        """Make ``station`` run recipe ``recipe_id``: its version must be served (503 otherwise:
+        load it first), its verdict settings are set on the model (as ``verdict`` does) unless
+        another station's recipe on that model needs other values (409), then the station's
+        frames are decided under it from the next admitted one. Kept in the state file."""
+        t0 = time.monotonic()
+        async with self._recipes_lock:
+            book = self.recipes
+            if station not in book.stations:
+                raise NotFound(f"unknown station {station!r}; stations: {sorted(book.stations)}")
+            recipe = book.recipes.get(recipe_id)
+            if recipe is None:
+                raise NotFound(f"unknown recipe {recipe_id!r}; recipes: {sorted(book.recipes)}")
+            served = self.get(recipe.model, recipe.version)
+            for other, rid in book.stations.items():
+                theirs = None if other == station or rid is None else book.recipes[rid]
+                if theirs is None or theirs.model != recipe.model:
+                    continue
+                clash = {k for k in set(theirs.verdict) | set(recipe.verdict)
+                         if theirs.verdict.get(k) != recipe.verdict.get(k)}
+                if clash:
+                    raise Conflict(
+                        f"station {other!r} runs recipe {theirs.id!r} on model {recipe.model} "
+                        f"with other verdict settings ({', '.join(sorted(clash))}); two stations "
+                        "share a model's verdict settings: switch that station first, or give "
+                        "both recipes the same values")
+            old = book.stations[station]
+            if recipe.verdict:
+                now = verdicts.current(self.entries[recipe.model].config)
+                if any(now.get(k) != v for k, v in recipe.verdict.items()):
+                    await self.verdict(recipe.model, recipe.verdict, caller)
+            self.recipes = dataclasses.replace(book, stations={**book.stations,
+                                                                station: recipe_id})
+            self.generation += 1
+            persisted = True
+            if self._recipes_file is not None:
+                try:
+                    await asyncio.to_thread(recipes.write_state,
+                                            recipes.state_path(self._recipes_file),
+                                            self.recipes.stations)
+                except ConfigError as exc:
+                    persisted = False
+                    log.warning("station %s runs recipe %s, but after a restart it would not: %s",
+                                station, recipe_id, exc.message)
+        ms = (time.monotonic() - t0) * 1000
+        who = dict(caller or {})
+        audit.info("station %s switched from recipe %s to %s by %s in %.1f ms", station, old,
+                   recipe_id, who.get("client", "?"), ms,
+                   extra={"audit": {"action": "recipe", "station": station, "old": old,
+                                    "new": recipe_id, "caller": who}})
+        return {"station": station, **recipe.view(), "version": served.version,
+                "previous": old, "changeover_ms": round(ms, 3), "persisted": persisted}
 
     async def start(self) -> None:
         if not self.entries:
             self.scan()
         imaging.configure_opencv(self.settings.max_image_pixels)
         loop = asyncio.get_running_loop()
+        wanted = self.settings.startup_models()
+        if wanted is not None and wanted - set(self.entries):
+            raise ConfigError(f"--load-model names model(s) the repository does not hold: "
+                              f"{sorted(wanted - set(self.entries))} (have {sorted(self.entries)})")
+        entries = [e for e in self.entries.values() if wanted is None or e.name in wanted]
+        for e in self.entries.values():
+            if e not in entries:
+                self.reasons[e.name] = "unloaded (not in --load-model)"
         if self.device.startswith("cuda"):
             # budget: planned, checked free (else not ready, the reason logged), allocators capped
             from .gpu.reservation import GpuReservation
 
             self.gpu = GpuReservation(self.settings.gpu_memory_budget, self.device)
             await self.gpu.reserve([(e.name, effective_config(e.config, self.settings))
-                                    for e in self.entries.values()])
-        for entry in self.entries.values():
+                                    for e in entries])
+        for entry in entries:
             for version, path in sorted(entry.versions.items()):
                 served = await self._load(entry, version, path, loop)
                 self.served[(entry.name, version)] = served
                 metrics.READY.labels(entry.name, str(version)).set(1)
         if self.gpu is not None:
             self.gpu.ready()  # allocator state marked: serving should add no device memory
+        await self._resume_recipes()
         self._ready = True
         log.info("ready: %s on %s", ", ".join(f"{n}:{v}" for n, v in self.served), self.device)
+        if self.settings.model_control_mode == "poll":
+            self._poller = loop.create_task(self._poll(), name="repository-poll")
 
     async def _load(self, entry: ModelEntry, version: int, path: Path,
                     loop: asyncio.AbstractEventLoop) -> Served:
+        """Load, warm up and start one version; on failure what it loaded is released."""
+        made: list[backends.Backend] = []
+        try:
+            return await self._build(entry, version, path, loop, made)
+        except BaseException:
+            for backend in made:
+                backend.close()
+            raise
+
+    async def _build(self, entry: ModelEntry, version: int, path: Path,
+                     loop: asyncio.AbstractEventLoop, made: list[backends.Backend]) -> Served:
         config = effective_config(entry.config, self.settings)
         b = config.batching
         preferred = b.preferred_batch_sizes or (b.max_batch_size,)
@@ -210,9 +376,11 @@ class Engine(ModelLookup):
         pad_to: tuple[int, ...] = ()
         cost: CostModel | None = None
         runners = []
+        load_id = next(_load_ids)
         nice = self.settings.worker_nice  # the model's threads below the event loop's priority
         for i in range(config.runtime.instances):
             backend = backends.create(config.runtime.backend)
+            made.append(backend)
             t0 = time.monotonic()
             load_config = self.gpu.instance_config(entry.name, config) if self.gpu else config
             await run_lowered(nice, backend.load, path, load_config, self.device)
@@ -225,7 +393,8 @@ class Engine(ModelLookup):
                 pad_to = preferred if pad else ()
                 cost = CostModel(functools.partial(padded_size, preferred=pad_to))
             await run_lowered(nice, self._warmup, backend, preferred, cost, path, task)
-            prep = await asyncio.to_thread(self.gpu.preprocessor, backend, config, preferred) \
+            prep = await asyncio.to_thread(self.gpu.preprocessor, backend, config, preferred,
+                                           load_id) \
                 if self.gpu else None
             log.info("%s:%d instance %d loaded and warmed up in %.1f s (%s)", entry.name, version,
                      i, time.monotonic() - t0, backend.describe())
@@ -249,7 +418,8 @@ class Engine(ModelLookup):
                           max_inflight=2 * len(runners),
                           dispatch_when_idle=b.dispatch_when_idle)
         served = Served(entry, version, config, batcher, runners,
-                        backend_info=runners[0].backend.describe(), task=task)
+                        backend_info=runners[0].backend.describe(), task=task,
+                        source=_file_stamp(path), load_id=load_id)
         for r in runners:
             r.on_batch = functools.partial(self._record_batch, served)
             r.start(loop)
@@ -306,12 +476,10 @@ class Engine(ModelLookup):
 
     async def close(self) -> None:
         self._draining = True
+        if self._poller is not None:
+            self._poller.cancel()
         for s in self.served.values():
-            await s.batcher.close()
-            for r in s.runners:
-                await asyncio.to_thread(r.stop)
-                r.backend.close()
-            metrics.READY.labels(s.name, str(s.version)).set(0)
+            await self._release(s)
         if self.gpu is not None:
             await self.gpu.close()
         self._ready = False
@@ -331,6 +499,20 @@ class Engine(ModelLookup):
     def _set_results(self) -> None:
         taps = tuple(self._taps)
         self.results = None if not taps else taps[0] if len(taps) == 1 else _Tee(taps)
+
+    async def _release(self, served: Served, drain_s: float | None = None) -> None:
+        """Stop a version: with ``drain_s``, its batcher first answers what it holds (up to that
+        long); then what is left is answered 503, its runner threads stop and its backends are
+        released."""
+        if drain_s is None:
+            await served.batcher.close()
+        else:
+            await served.batcher.drain(drain_s)
+        for r in served.runners:
+            await asyncio.to_thread(r.stop)
+            r.backend.close()
+        if self.served.get((served.name, served.version)) is not served:
+            metrics.READY.labels(served.name, str(served.version)).set(0)
 
     # --- statistics and metrics for the front ends ----------------------------------------------
 
@@ -365,8 +547,7 @@ class Engine(ModelLookup):
         entry = self.entry(name)
         if changes is None:
             return verdicts.current(entry.config)
-        lock = self._verdict_locks.setdefault(name, asyncio.Lock())
-        async with lock:
+        async with self._lock(name):
             entry = self.entries[name]
             old = verdicts.current(entry.config)
             toml = entry.path / "model.toml"
@@ -388,6 +569,216 @@ class Engine(ModelLookup):
                    extra={"model": name, "audit": {"action": "verdict", "model": name,
                                                    "old": old, "new": new, "caller": who}})
         return new
+
+    # --- the model repository: index, load, unload, poll -----------------------------------
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        return self._locks.setdefault(name, asyncio.Lock())
+
+    def _control(self, action: str) -> None:
+        mode = self.settings.model_control_mode
+        if mode != "explicit":
+            why = ("the repository is polled: change its folder instead" if mode == "poll"
+                   else "the models of the start are served until it stops")
+            raise Conflict(f"model {action} is not allowed with --model-control-mode {mode} "
+                           f"({why}); start the server with --model-control-mode explicit")
+        if self._draining or not self._ready:
+            raise Unavailable(f"model {action} refused: the server is "
+                              f"{'shutting down' if self._draining else 'starting'}",
+                              retry_after_s=1.0)
+
+    async def repository_index(self, ready: bool = False) -> list[dict[str, str]]:
+        """Triton's repository index: a row per served (or loading) version, and one without a
+        version for a model of the repository that serves none, with the reason."""
+        try:
+            names = set(self.entries) | {f.name for f in await asyncio.to_thread(
+                model_folders, Path(self.settings.models))}
+        except ConfigError:
+            names = set(self.entries)
+        rows = []
+        for name in sorted(names):
+            versions = sorted(v for n, v in self.served if n == name)
+            for v in versions:
+                ok = self._ready and self.served[(name, v)].ready
+                rows.append({"name": name, "version": str(v),
+                             "state": "READY" if ok else "UNAVAILABLE",
+                             "reason": "" if ok else "not ready"})
+            for v in self._loading.get(name, ()):
+                rows.append({"name": name, "version": str(v), "state": "LOADING", "reason": ""})
+            if not versions and name not in self._loading:
+                rows.append({"name": name, "version": "", "state": "UNAVAILABLE",
+                             "reason": self.reasons.get(name, "unloaded")})
+        return [r for r in rows if r["state"] == "READY"] if ready else rows
+
+    async def load_model(self, name: str, parameters: Mapping | None = None) -> dict:
+        """Load model ``name`` from the repository, or load it again: the versions its
+        model.toml and files select now, as one swap (see the module's docstring). A version
+        whose file and effective config are unchanged is kept as it serves. InvalidInput for a
+        model that does not load (the reason, and the old versions keep serving), Conflict for
+        one that does not fit the GPU memory budget beside the old versions."""
+        self._control("load")
+        for key in parameters or {}:
+            if key.startswith(_OVERRIDES):
+                raise InvalidInput(f"load parameter {key!r} (a model given in the request) is not "
+                                   "supported: change the model's folder in the repository, then "
+                                   "load it")
+        folder = folder_of(Path(self.settings.models), name)
+        async with self._lock(name):
+            return await self._swap(name, folder)
+
+    async def unload_model(self, name: str, parameters: Mapping | None = None) -> dict:
+        """Unload every version of model ``name``; its requests are answered 503 from then on.
+        A model in use (frames queued or running, or answered in the last ``IN_USE_S`` s) is
+        refused (Conflict) unless ``parameters["force"]`` is true."""
+        self._control("unload")
+        self.entry(name)
+        force = (parameters or {}).get("force", False)
+        if not isinstance(force, bool):
+            raise InvalidInput(f"parameter force must be true or false, got {force!r}")
+        async with self._lock(name):
+            gone = [s for (n, _), s in self.served.items() if n == name]
+            if gone and not force:
+                busy = self._in_use(gone)
+                if busy:
+                    raise Conflict(f"model {name} is in use ({busy}): not unloaded. Unloading it "
+                                   "stops its line: its requests get 503. Send parameters "
+                                   '{"force": true} to unload it all the same')
+            return await self._switch(name, None, gone, "unloaded" + (" (forced)" if force
+                                                                       and gone else ""))
+
+    def _in_use(self, served: list[Served]) -> str:
+        """Why ``served`` counts as in use ('' when it does not)."""
+        queued = sum(s.batcher.queue_depth + s.batcher.inflight for s in served)
+        if queued:
+            return f"{queued} frames or batches queued or running"
+        last = max(s.stats.last_inference_ms for s in served) / 1000
+        ago = time.time() - last
+        return f"last frame answered {ago:.0f} s ago" if ago < IN_USE_S else ""
+
+    async def _swap(self, name: str, folder: Path, sig: tuple | None = None) -> dict:
+        """Read ``folder`` again and serve what it says (called under the model's lock)."""
+        if sig is None:
+            sig = await asyncio.to_thread(signature, folder)
+        old = {v: s for (n, v), s in self.served.items() if n == name}
+        try:
+            entry = await asyncio.to_thread(load_entry, folder)
+            config = effective_config(entry.config, self.settings)
+            stamps = await asyncio.to_thread(lambda: {v: _file_stamp(p)
+                                                      for v, p in entry.versions.items()})
+        except (ConfigError, OSError) as exc:
+            reason = exc.message if isinstance(exc, ConfigError) else str(exc)
+            raise self._failed(name, sig, reason, sorted(old)) from None
+        keep = {v: s for v, s in old.items()
+                if v in entry.versions and s.config == config and s.source == stamps[v]}
+        todo = sorted(v for v in entry.versions if v not in keep)
+        if self.gpu is not None:
+            self.gpu.check_beside(name, [(s.name, s.config) for s in self.served.values()],
+                                  [config] * len(todo))
+        new: dict[int, Served] = {}
+        self._loading[name] = todo
+        loop = asyncio.get_running_loop()
+        try:
+            for v in todo:
+                new[v] = await self._load(entry, v, entry.versions[v], loop)
+        except BaseException as exc:
+            for s in new.values():
+                await self._release(s)
+            if not isinstance(exc, Exception):
+                raise
+            reason = exc.message if isinstance(exc, VisionServeError) else \
+                f"{type(exc).__name__}: {exc}"
+            raise self._failed(name, sig, reason, sorted(old)) from None
+        finally:
+            self._loading.pop(name, None)
+        self._signatures[name] = sig
+        gone = [s for v, s in old.items() if v not in keep]
+        return await self._switch(name, entry, gone, "", {**keep, **new}, todo)
+
+    def _failed(self, name: str, sig: tuple, reason: str, serving: list[int]) -> InvalidInput:
+        """A load of model ``name`` failed (``reason``): logged, remembered (a poll tries again
+        once its folder changes), and the error to answer."""
+        self._signatures[name] = sig
+        keeps = f"; version(s) {serving} keep serving" if serving else ""
+        if not serving:
+            self.reasons[name] = f"load failed: {reason}"
+        log.error("model %s not loaded: %s%s", name, reason, keeps)
+        return InvalidInput(f"model {name} not loaded: {reason}{keeps}")
+
+    async def _switch(self, name: str, entry: ModelEntry | None, gone: list[Served],
+                      reason: str, serving: Mapping[int, Served] | None = None,
+                      loaded: Iterable[int] = ()) -> dict:
+        """Serve ``serving`` as model ``name``'s versions from now on (none: ``reason`` says
+        why), in one step; then drain and release ``gone``."""
+        served = {k: s for k, s in self.served.items() if k[0] != name}
+        served.update({(name, v): s for v, s in sorted((serving or {}).items())})
+        # the switch: nothing is awaited from here to the assignment, so a request admitted
+        # before it is on the old versions and one admitted after it on the new
+        if entry is not None:
+            self.entries[name] = entry
+        if serving:
+            self.reasons.pop(name, None)
+        else:
+            self.reasons[name] = reason
+        self.served = served
+        switched = time.monotonic()
+        self.generation += 1
+        for fn in self.on_change:
+            fn()
+        for v in serving or {}:
+            metrics.READY.labels(name, str(v)).set(1)
+        log.info("model %s: serving version(s) %s from now on (loaded %s, unloading %s)", name,
+                 sorted(serving or ()), sorted(loaded), sorted(s.version for s in gone))
+        t0 = time.monotonic()
+        for s in gone:
+            await self._release(s, self.settings.drain_timeout_s)
+        if self.gpu is not None and (gone or loaded):
+            # the gone versions' memory back to the budget; from here serving allocates nothing
+            await self.gpu.settled([s.load_id for s in gone])
+        if gone:
+            log.info("model %s: version(s) %s drained and unloaded in %.2f s", name,
+                     sorted(s.version for s in gone), time.monotonic() - t0)
+        return {"model": name, "versions": [str(v) for v in sorted(serving or ())],
+                "loaded": [str(v) for v in loaded],
+                "unloaded": [str(s.version) for s in gone if (name, s.version) not in served],
+                "switched_at": switched}
+
+    async def _poll(self) -> None:
+        """--model-control-mode poll: read the repository every repository_poll_secs."""
+        while True:
+            await asyncio.sleep(self.settings.repository_poll_secs)
+            try:
+                await self.poll_once()
+            except Exception:
+                log.exception("reading the model repository failed; trying again in %g s",
+                              self.settings.repository_poll_secs)
+
+    async def poll_once(self) -> None:
+        """Swap each model whose folder changed since it was read (a new folder is loaded), and
+        unload the models whose folder is gone. A failure is logged; the old versions serve."""
+        root = Path(self.settings.models)
+        try:
+            folders = {f.name: f for f in await asyncio.to_thread(model_folders, root)}
+        except ConfigError as exc:
+            log.error("model repository poll: %s; the models keep serving", exc.message)
+            return
+        for name, folder in folders.items():
+            sig = await asyncio.to_thread(signature, folder)
+            if sig == self._signatures.get(name) or sig == ("unreadable",):
+                continue
+            log.info("model repository poll: model %s changed on disk; loading it", name)
+            try:
+                async with self._lock(name):
+                    await self._swap(name, folder, sig)
+            except VisionServeError as exc:
+                log.error("model repository poll: %s", exc.message)
+        for name in [n for n in self._signatures if n not in folders]:
+            del self._signatures[name]
+            gone = [s for (n, _), s in self.served.items() if n == name]
+            if gone:
+                log.warning("model repository poll: the folder of model %s is gone; unloading it "
+                            "(its requests get 503)", name)
+                async with self._lock(name):
+                    await self._switch(name, None, gone, "unloaded (its folder was removed)")
 
     # --- inference ---------------------------------------------------------------------------
 

@@ -78,6 +78,15 @@ class RequestTimeout(VisionServeError):
     kind = "request_timeout"
 
 
+class Conflict(VisionServeError):
+    """The request cannot be done in the server's present state: a model load or unload that the
+    model control mode does not allow, the unload of a model in use, a swap that does not fit
+    the GPU memory budget, a frame for another model than its station's recipe, a recipe switch
+    that would change the verdict settings under another station. Nothing was changed."""
+
+    kind = "conflict"
+
+
 class Unauthenticated(VisionServeError):
     kind = "unauthenticated"
 
@@ -109,6 +118,7 @@ STATUS_TABLE: dict[str, tuple[int, str]] = {
     "deadline": (504, "DEADLINE_EXCEEDED"),
     "request_timeout": (408, "DEADLINE_EXCEEDED"),
     "unauthenticated": (401, "UNAUTHENTICATED"),
+    "conflict": (409, "FAILED_PRECONDITION"),
     "config": (500, "FAILED_PRECONDITION"),
     "internal": (500, "INTERNAL"),
 }

@@ -24,12 +24,12 @@ from .imaging import Frame
 from .tasks import VERDICT, OipOutput
 
 if TYPE_CHECKING:
-    from .dataplane import ServedModel
+    from .dataplane import Route, ServedModel
     from .runner import FrameResult
     from .tasks import Task
 
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "schedule_policy",
-              "health", "metadata"]
+              "health", "metadata", "model_repository"]
 
 DTYPE_SIZES = {"BOOL": 1, "UINT8": 1, "UINT16": 2, "UINT32": 4, "UINT64": 8, "INT8": 1, "INT16": 2,
                "INT32": 4, "INT64": 8, "FP16": 2, "FP32": 4, "FP64": 8, "BF16": 2, "BYTES": -1}
@@ -153,15 +153,33 @@ def parameters(params: dict[str, Any] | None) -> tuple[float | None, int | None]
     return deadline_ms, priority
 
 
-def origin(params: dict[str, Any] | None,
-           request_id: str | None) -> tuple[str | None, str | None, str | None]:
-    """(part id, camera id, station id) for the PLC result bus and the part's record: parameters
-    ``part_id`` (else the request id), ``camera_id`` and ``station_id``, what the inspect API's
-    X-Part-Id, X-Camera-Id and X-Station-Id headers carry."""
+def route(engine, model: str, version: str, params: dict[str, Any] | None) -> Route:
+    """Where an OIP request goes: parameter ``station_id`` (else ``camera_id``, when a station
+    lists it) makes it a station's, decided under the recipe the station runs
+    (:meth:`~visionserve.dataplane.ModelLookup.route`)."""
     params = params or {}
-    part = params.get("part_id")
-    part = str(part) if part not in (None, "") else (request_id or None)
-    return part, _text(params.get("camera_id")), _text(params.get("station_id"))
+    station, camera = params.get("station_id"), params.get("camera_id")
+    return engine.route(model, version, str(station) if station not in (None, "") else None,
+                        str(camera) if camera not in (None, "") else None)
+
+
+def answer_parameters(route: Route) -> dict[str, str]:
+    """What an OIP answer says of its station and recipe (nothing for a frame of none)."""
+    return {} if route.station is None else {"station_id": route.station,
+                                             "recipe": route.recipe or ""}
+
+
+def origin(params: dict[str, Any] | None, request_id: str | None,
+           route: Route | None = None) -> tuple[str | None, ...]:
+    """(part id, camera id, station id, recipe) for the PLC result bus and the part's record:
+    parameters ``part_id`` (else the request id), ``camera_id`` and ``station_id`` (the station
+    the route found, else the parameter), what the inspect API's X-Part-Id, X-Camera-Id and
+    X-Station-Id headers carry; the recipe the route decided under."""
+    params = params or {}
+    part = _text(params.get("part_id")) or request_id or None
+    station = (route.station if route is not None else None) or _text(params.get("station_id"))
+    return (part, _text(params.get("camera_id")), station,
+            route.recipe if route is not None else None)
 
 
 def _text(value: Any) -> str | None:

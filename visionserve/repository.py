@@ -1,5 +1,10 @@
 """The model repository: ``<root>/<name>/model.toml`` +
-``<root>/<name>/<version>/model.{onnx,pt2}``."""
+``<root>/<name>/<version>/model.{onnx,pt2}``.
+
+A model's served versions are the version folders its ``[version_policy]`` selects
+(:attr:`ModelEntry.versions`); :func:`signature` tells a poll of the repository whether a model
+changed on disk since it was read.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ class ModelEntry:
     name: str
     path: Path
     config: ModelConfig
-    versions: dict[int, Path]  # version -> model file
+    versions: dict[int, Path]  # version -> model file: the versions the version policy serves
 
     @property
     def default_version(self) -> int:
@@ -33,21 +38,26 @@ def scan(root: Path) -> dict[str, ModelEntry]:
     if not root.is_dir():
         raise ConfigError(f"model repository {root} is not a folder")
     entries: dict[str, ModelEntry] = {}
+    for folder in model_folders(root):
+        entry = load_entry(folder)
+        entries[entry.name] = entry
+    if not entries:
+        raise ConfigError(f"model repository {root} holds no model (expected <name>/model.toml)")
+    return entries
+
+
+def model_folders(root: Path) -> list[Path]:
+    """The folders of ``root`` that hold a ``model.toml``, by name."""
     try:
-        for folder in sorted(p for p in root.iterdir() if p.is_dir()):
-            toml = folder / "model.toml"
-            if not toml.is_file():
-                continue
-            entry = load_entry(folder)
-            entries[entry.name] = entry
+        return [p for p in sorted(Path(root).iterdir())
+                if p.is_dir() and (p / "model.toml").is_file()]
+    except FileNotFoundError:
+        raise ConfigError(f"model repository {root} is not a folder") from None
     except PermissionError as exc:
         # typically a host folder mounted into a container that runs as another user
         raise ConfigError(f"model repository {root}: {exc.filename or root} is not readable by "
                           f"this process (uid {os.getuid()}, gid {os.getgid()}): "
                           f"{exc.strerror}") from None
-    if not entries:
-        raise ConfigError(f"model repository {root} holds no model (expected <name>/model.toml)")
-    return entries
 
 
 def load_entry(folder: Path) -> ModelEntry:
@@ -60,15 +70,46 @@ def load_entry(folder: Path) -> ModelEntry:
         raise ConfigError(f"{toml}: field 'name': {config.name!r} differs from the folder name "
                           f"{name!r}")
     filename = model_file(config.runtime.backend)
-    versions = {int(v.name): v / filename for v in folder.iterdir()
-                if v.is_dir() and v.name.isdigit() and int(v.name) > 0 and (v / filename).is_file()}
-    if not versions:
+    found = {int(v.name): v / filename for v in folder.iterdir()
+             if v.is_dir() and v.name.isdigit() and int(v.name) > 0 and (v / filename).is_file()}
+    if not found:
         raise ConfigError(f"{folder}: no version folder holds {filename} "
                           f"(expected {folder}/1/{filename})")
+    policy = config.version_policy
+    missing = sorted(set(policy.specific or ()) - set(found))
+    if missing:
+        raise ConfigError(f"{toml}: field 'version_policy.specific': version(s) {missing} not "
+                          f"found (have {sorted(found)} with {filename})")
+    versions = {v: found[v] for v in policy.select(found)}
     if config.default_version is not None and config.default_version not in versions:
+        of = f": the versions [version_policy] serves of {sorted(found)}" \
+            if len(versions) != len(found) else ""
         raise ConfigError(f"{toml}: field 'default_version': version {config.default_version} "
-                          f"not found (have {sorted(versions)})")
+                          f"not found (have {sorted(versions)}{of})")
     return ModelEntry(name, folder, config, versions)
+
+
+def signature(folder: Path) -> tuple:
+    """What a poll compares to see whether model ``folder`` changed: the size and modification
+    time of its model.toml and of every file in its version folders (empty: no such model)."""
+    out = []
+    try:
+        for path in sorted(Path(folder).glob("model.toml")) + sorted(Path(folder).glob("*/*")):
+            st = path.stat()
+            out.append((str(path.relative_to(folder)), st.st_size, st.st_mtime_ns))
+    except OSError:  # removed or changing while read: the next poll sees it settled
+        return ("unreadable",)
+    return tuple(out)
+
+
+def folder_of(root: Path, name: str) -> Path:
+    """Model ``name``'s folder in the repository at ``root`` (NotFound when there is none: a name
+    is never a path, so ``..`` or ``/`` find nothing)."""
+    folder = Path(root) / name
+    if not _NAME_RE.match(name) or not (folder / "model.toml").is_file():
+        raise NotFound(f"no model {name!r} in the model repository {root} (expected "
+                       f"{folder}/model.toml)")
+    return folder
 
 
 def parse_version(entry: ModelEntry, version: str | int | None) -> int:

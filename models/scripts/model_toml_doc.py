@@ -38,6 +38,9 @@ CROSS_FIELD_RULES = {
                         "Each `roi` polygon has 3 or more points; a map pixel counts when its "
                         "centre is inside one (on an edge counts).",
                         "Changed while serving with `PUT /v1/models/{m}/verdict` (docs/anomaly.md)."],
+    "version_policy": ["Set one of `latest`, `specific`, `all`; `specific` versions must each "
+                       "have their folder, and `default_version` must be one of the served "
+                       "versions."],
     "": ["Unknown fields anywhere are refused (a typo must not be silently ignored)."],
 }
 
@@ -176,7 +179,7 @@ def _sections(schema: type, skip: set[str] = frozenset()) -> dict[str, type]:
 
 def _section(title: str, model: type, rules: list[str]) -> list[str]:
     out = ["", title, ""]
-    doc = (model.__doc__ or "").strip()
+    doc = inspect.cleandoc(model.__doc__ or "")
     if doc and not doc.startswith("!!!") and "A base class" not in doc:
         out += [doc, ""]
     out += _table(model, set())

@@ -6,6 +6,8 @@
 #   integrity.jsonl  the frame-integrity test's counts (answers checked, wrong answers)
 #   bench.json    benchmark results;  bench.txt  its progress log
 #   server.log    the benchmark servers' logs
+#   swap.json / swap.txt / swap.server.log  with SWAP=1: model swaps under load
+#                 (python -m visionserve_tools.benchswap, up to SWAP_T s (240))
 #   guard.json / guard.txt  with GUARD_ARGS set (e.g. GUARD_ARGS="--latency-budget-ms 20"): the
 #                 guard's acceptance run (python -m visionserve_tools.benchguard), up to GUARD_T s (300)
 # SKIP_TESTS=1 / SKIP_BENCH=1 leave those parts out (one call may run 10 minutes at most: the
@@ -51,6 +53,13 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     ${BENCH_ARGS:-} >"$OUT/bench.txt" 2>&1
   echo "benchgpu exit $?" >>"$OUT/bench.txt"
   tail -n 60 "$OUT/bench.txt"
+fi
+
+if [ -n "${SWAP:-}" ]; then  # model swaps under load (issue 21), about 2.5 minutes
+  timeout ${SWAP_T:-240} python3 -m visionserve_tools.benchswap --out "$OUT/swap.json" \
+    ${SWAP_ARGS:-} >"$OUT/swap.txt" 2>&1
+  echo "benchswap exit $?" >>"$OUT/swap.txt"
+  tail -n 20 "$OUT/swap.txt"
 fi
 
 if [ -n "${GUARD_ARGS+x}" ]; then

@@ -273,6 +273,49 @@ def test_serving_adds_no_device_memory_after_warm_up(repo):
     assert after == {"new_segments": 0, "reserved_growth_bytes": 0, "alloc_retries": 0, "ooms": 0}, after
 
 
+def test_a_swap_on_the_gpu_returns_the_old_memory_and_serving_adds_none_after_it(tmp_path):
+    """Model control on the GPU: version 2 loads beside version 1 within the budget, traffic
+    switches, version 1 is released (its memory back: reserved bytes fall again), and from then
+    on serving mixed loads makes no cudaMalloc (the new version's streams got their small-block
+    pools as the first ones did)."""
+    import shutil
+
+    from visionserve.config import ServerSettings
+    from visionserve.engine import Engine
+
+    folder = _export(tmp_path / "net")
+    toml = folder / "model.toml"
+    toml.write_text(toml.read_text() + "\n[version_policy]\nlatest = 1\n")
+    mixed = _frames(("jpeg", "raw", "png"), 16)
+
+    async def scenario():
+        engine = Engine(ServerSettings(models=tmp_path, device="cuda", gpu_memory_budget="4GiB",
+                                       model_control_mode="explicit"), device="cuda:0")
+        await engine.start()
+        try:
+            import torch
+
+            for k in range(0, 16, 4):
+                await engine.infer("net", None, mixed[k:k + 4])
+            one = torch.cuda.memory_reserved()
+            shutil.copytree(folder / "1", folder / "2")
+            swap = await engine.load_model("net")
+            assert swap["versions"] == ["2"] and swap["unloaded"] == ["1"], swap
+            after_swap = torch.cuda.memory_reserved()
+            for n in (1, 3, 16, 7, 2, 16, 5):
+                for k in range(0, len(mixed), n):
+                    served, results = await engine.infer("net", None, mixed[k:k + n])
+                    assert served.version == 2 and len(results) == len(mixed[k:k + n])
+            await asyncio.gather(*(engine.infer("net", None, mixed[i:i + 2]) for i in range(0, 16, 2)))
+            return one, after_swap, engine.gpu.watch.new_since_mark()
+        finally:
+            await engine.close()
+
+    one, after_swap, after = asyncio.run(scenario())
+    assert after_swap <= one * 1.5, (one, after_swap)  # not both versions' memory kept
+    assert after == {"new_segments": 0, "reserved_growth_bytes": 0, "alloc_retries": 0, "ooms": 0}, after
+
+
 def test_budget_not_free_keeps_the_server_not_ready(repo, caplog):
     from visionserve.gpu.reservation import GpuReservation
 

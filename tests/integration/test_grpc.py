@@ -103,10 +103,12 @@ def test_health_service_says_serving(tiny_server):
 
 
 def test_unsupported_rpcs_answer_unimplemented(client):
-    for call in (client.get_model_repository_index, client.get_system_shared_memory_status,
-                 lambda: client.load_model(MODEL)):
+    for call in (client.get_system_shared_memory_status, client.get_trace_settings):
         status, message = _status(call)
         assert status == "StatusCode.UNIMPLEMENTED" and "visionserve does not implement" in message
+    # the repository extension is there (test_repository_control.py); this server's mode refuses
+    status, message = _status(lambda: client.load_model(MODEL))
+    assert status == "StatusCode.FAILED_PRECONDITION" and "--model-control-mode none" in message
 
 
 # --- inference ----------------------------------------------------------------------------------

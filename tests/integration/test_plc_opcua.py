@@ -260,3 +260,50 @@ def test_state_and_ready_follow_start_up_and_drain(tiny_repo, tmp_path, jpeg_byt
         plc.close()
     finally:
         s.server.stop()
+
+
+async def test_a_plc_activates_a_stations_recipe(tmp_path, pki):
+    """RecipeManagement with a recipes file: the recipes, what each station runs, and the
+    ActivateRecipe method, which switches as POST /v1/stations/{s}/recipe does; a switch over
+    HTTP shows on the PLC side too."""
+    import httpx
+    from asyncua import ua
+    from tests.tools.recipe_repo import RECIPES, versioned_tiny
+
+    repo = tmp_path / "repo"
+    versioned_tiny(repo / "tiny")
+    (repo / "recipes.toml").write_text(RECIPES)
+    s = start_plc_server(repo, tmp_path, "--plc-stations", "cam1", opcua=True, modbus=False)
+    client = await opcua_client(s.opcua_url, pki)
+    try:
+        ns, system = await vision_system(client)
+        assert await read(system, ns, "RecipeManagement", "Recipes") == \
+            ["housing-black", "housing-grey", "housing-white"]
+        assert await read(system, ns, "RecipeManagement", "Stations") == ["st1", "st2"]
+        assert await read(system, ns, "RecipeManagement", "ActiveRecipes") == ["housing-black", ""]
+        manager = await system.get_child(f"{ns}:RecipeManagement")
+        activate = await manager.get_child(f"{ns}:ActivateRecipe")
+        answer = json.loads(await manager.call_method(activate, "st1", "housing-white"))
+        assert (answer["station"], answer["recipe"], answer["version"]) == ("st1", "housing-white", 2)
+        assert httpx.get(s.server.url + "/v1/stations/st1").json()["recipe"] == "housing-white"
+        assert await read(system, ns, "RecipeManagement", "ActiveRecipes") == ["housing-white", ""]
+        for args, status in ((("st1", "nope"), "BadNotFound"), (("st9", "housing-white"), "BadNotFound"),
+                             (("st2", "housing-black"), "BadInvalidState")):  # st1's verdict differs
+            with pytest.raises(ua.UaStatusCodeError, match=status):
+                await manager.call_method(activate, *args)
+        assert httpx.post(s.server.url + "/v1/stations/st2/recipe",
+                          json={"recipe": "housing-white"}).status_code == 200
+
+        async def both_white():
+            return await read(system, ns, "RecipeManagement", "ActiveRecipes") == \
+                ["housing-white", "housing-white"]
+
+        for _ in range(100):
+            if await both_white():
+                break
+            await asyncio.sleep(0.05)
+        assert await both_white()
+        assert "switched from recipe housing-black to housing-white by opcua" in s.server.log()
+    finally:
+        await client.disconnect()
+        s.server.stop()

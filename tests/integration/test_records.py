@@ -53,25 +53,25 @@ def test_answers_are_recorded_and_read_back_by_part(server_factory, tiny_repo, t
                             "--capture", "all", "--auth-token", TOKEN,
                             "--frontends", str(frontends))
     r = _inspect(server, jpeg_bytes, "A-0042", **{"X-Camera-Id": "cam-1",
-                                                  "X-Station-Id": "st-3",
                                                   "X-Request-Id": "req-xyz"})
     assert r.status_code == 200, r.text
     answer = r.json()
     client = grpcclient.InferenceServerClient(server.grpc_url)
     inp = grpcclient.InferInput("image", [1], "BYTES")
     inp.set_data_from_numpy(np.array([jpeg_bytes], dtype=object))
-    client.infer("tiny", [inp], parameters={"part_id": "A-0042", "station_id": "st-4"},
+    client.infer("tiny", [inp], parameters={"part_id": "A-0042", "camera_id": "cam-2"},
                  headers={"authorization": f"Bearer {TOKEN}"})
     got = wait_for(lambda: (h := _history(server, "A-0042")).status_code == 200
                    and h.json()["count"] == 2 and h.json(), 20, "both records")
     grpc_rec, http_rec = got["records"]  # newest first
     assert http_rec["verdict"] == answer["verdict"] and http_rec["label"] == answer["label"]
     assert http_rec["result"]["scores"] == answer["scores"]
-    assert (http_rec["camera"], http_rec["station"], http_rec["request_id"]) == \
-        ("cam-1", "st-3", "req-xyz")
+    # no recipes.toml here: no station (tests/integration/test_recipes.py has stations)
+    assert (http_rec["camera"], http_rec["station"], http_rec["recipe"], http_rec["request_id"]) \
+        == ("cam-1", None, None, "req-xyz")
     assert (http_rec["model"], http_rec["version"]) == ("tiny", answer["version"])
     assert http_rec["timings"]["compute_ms"] == answer["timing"]["compute_ms"]
-    assert grpc_rec["station"] == "st-4" and grpc_rec["verdict"] == answer["verdict"]
+    assert grpc_rec["camera"] == "cam-2" and grpc_rec["verdict"] == answer["verdict"]
     image = tmp_path / "data" / "captures" / http_rec["image"]
     assert image.read_bytes() == jpeg_bytes  # as received, no re-encode
     assert json.loads(Path(f"{image}.json").read_text())["request_id"] == "req-xyz"
@@ -90,7 +90,7 @@ def test_a_full_disk_does_not_stop_serving_and_records_resume(request, server_fa
     wait_for(lambda: _history(server, "before").status_code == 200, 20, "the first record")
     disk.fail()
     for i in range(30):  # more than a page of records: the full disk must refuse them
-        r = _inspect(server, jpeg_bytes, f"during-{i}", **{"X-Station-Id": "x" * 3000})
+        r = _inspect(server, jpeg_bytes, f"during-{i}", **{"X-Camera-Id": "x" * 3000})
         assert r.status_code == 200, r.text
     wait_for(lambda: _metric(server, "visionserve_records_store_fault") == 1, 20,
              "the fault in /metrics")

@@ -262,6 +262,34 @@ def test_refused_from_the_head_without_reading_the_body(tiny_repo, server_factor
     assert b"overloaded" in shed[0] and b"retry-after" in shed[0].lower()
 
 
+def test_a_connection_answered_from_the_head_serves_its_next_request(tiny_repo, server_factory,
+                                                                     jpeg_bytes):
+    """The body of a request answered from its head may still come after the answer: those bytes
+    are the end of that request, not the start of a next one. The connection stays open past
+    the header timeout (no 408), and its next request is served."""
+    s = server_factory(tiny_repo, "--header-timeout-s", "1", grpc=False)
+    sock = socket.create_connection(("127.0.0.1", s.http_port))
+    try:
+        sock.settimeout(10)
+        head = ("POST /v1/models/tiny/inspect HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
+                f"Content-Length: {len(jpeg_bytes)}\r\n")
+        sock.sendall((head + "X-Priority: 99\r\n\r\n").encode())
+        first = sock.recv(65536)
+        assert first.startswith(b"HTTP/1.1 400"), first[:200]
+        sock.sendall(jpeg_bytes)  # the refused request's body, after its answer
+        sock.settimeout(2.5)
+        with pytest.raises(TimeoutError):  # nothing more: no 408 after the header timeout
+            print(sock.recv(65536)[:200])
+        sock.settimeout(10)
+        sock.sendall((head + "\r\n").encode() + jpeg_bytes)
+        second = b""
+        while b"\r\n\r\n" not in second:
+            second += sock.recv(65536)
+        assert second.startswith(b"HTTP/1.1 200"), second[:200]
+    finally:
+        sock.close()
+
+
 # --- slow and idle clients -------------------------------------------------------------------
 
 

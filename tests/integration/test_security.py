@@ -36,6 +36,23 @@ def test_missing_or_wrong_token_is_401(auth_server, jpeg_bytes):
     assert r.status_code == 401
 
 
+def test_answers_from_the_head_come_after_the_token_check(auth_server, jpeg_bytes):
+    """Inspect requests that their head decides are answered in the HTTP protocol, before the
+    app's task: the token is still checked first, and the answer names its request."""
+    bad_priority = {"Content-Type": "image/jpeg", "X-Priority": "99", "X-Request-Id": "rq-7"}
+    r = httpx.post(auth_server.url + "/v1/models/tiny/inspect", content=jpeg_bytes,
+                   headers=bad_priority)
+    assert r.status_code == 401 and r.headers["x-request-id"] == "rq-7"
+    r = httpx.post(auth_server.url + "/v1/models/tiny/inspect", content=jpeg_bytes,
+                   headers={**bad_priority, "Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 400 and "priority 99 is out of range" in r.json()["error"]
+    assert r.json()["model"] == "tiny" and r.headers["x-request-id"] == "rq-7"
+    r = httpx.post(auth_server.url + "/v1/models/tiny/inspect", content=jpeg_bytes,
+                   headers={"Content-Type": "image/jpeg", "X-Priority": "99",
+                            "Authorization": f"Bearer {TOKEN}"})
+    assert len(r.headers["x-request-id"]) == 16  # one made for it
+
+
 def test_right_token_passes(auth_server, jpeg_bytes):
     r = httpx.post(auth_server.url + "/v1/models/tiny/inspect", content=jpeg_bytes,
                    headers={"Content-Type": "image/jpeg", "Authorization": f"Bearer {TOKEN}"})

@@ -344,3 +344,17 @@ def test_resize_weight_cache_is_bounded_by_bytes(monkeypatch):
         assert prep._weight_bytes <= 400_000
     assert prep._weight_bytes == sum(t.numel() * t.element_size() for t in prep._weights.values())
     assert 0 < len(prep._weights) < 40
+
+
+def test_a_swap_must_fit_beside_the_serving_versions():
+    from visionserve.errors import Conflict
+
+    res = GpuReservation("8GiB", "cuda:0", nvml=SimulatedNvml([simulated_gpu(0)]))
+    res.plan = plan_budget("8GiB", [("a", cfg(budget="3GiB")), ("b", cfg())])  # b's share: 5 GiB
+    res.check_beside("a", [("a", cfg(budget="3GiB"))], [cfg(budget="3GiB")])  # 6 of 8 GiB
+    with pytest.raises(Conflict, match=r"need 5120 MiB .* beside the 8192 MiB .* over the budget "
+                                       r"of 8192 MiB .* the serving versions keep serving"):
+        res.check_beside("b", [("a", cfg(budget="3GiB")), ("b", cfg())], [cfg()])
+    with pytest.raises(Conflict, match="give it runtime.gpu_memory_budget"):
+        res.check_beside("new", [], [cfg()])
+    GpuReservation(None, "cuda:0").check_beside("x", [], [cfg()])  # no budget: nothing to check

@@ -27,9 +27,9 @@ PACKAGE = "visionserve"
 #: MODULE_LAYERS names the module itself.
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("foundation", frozenset({"", "errors", "config", "plugins", "logs", "metrics", "latency",
-                              "extras", "process", "storage"})),
+                              "extras", "process", "threads", "storage"})),
     ("frames and devices", frozenset({"imaging", "gpu"})),
-    ("models", frozenset({"backends", "tasks", "repository", "verdicts"})),
+    ("models", frozenset({"backends", "tasks", "repository", "verdicts", "recipes"})),
     ("data plane", frozenset({"dataplane", "batching", "runner", "engine", "oip"})),
     ("front ends", frozenset({"http", "grpc", "frontends", "security"})),
     ("services", frozenset({"guard", "plc", "ops", "records"})),

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from visionserve.errors import ConfigError, NotFound
-from visionserve.repository import load_entry, parse_version, scan
+from visionserve.repository import folder_of, load_entry, parse_version, scan, signature
 
 TOML = """\
 {extra}
@@ -124,3 +124,70 @@ def test_bad_model_toml_names_the_file_and_field(tmp_path):
     add_model(tmp_path, "m", extra="colour = 3")
     with pytest.raises(ConfigError, match=r"m/model.toml: field 'colour': unknown field"):
         scan(tmp_path)
+
+
+# --- version policy ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("policy, served", [
+    ("", [1, 2, 5]),
+    ("all = true", [1, 2, 5]),
+    ("latest = 1", [5]),
+    ("latest = 2", [2, 5]),
+    ("latest = 9", [1, 2, 5]),
+    ("specific = [2, 1]", [1, 2]),
+])
+def test_version_policy_selects_the_served_versions(tmp_path, policy, served):
+    folder = add_model(tmp_path, "m", versions=(1, 2, 5), extra=f"[version_policy]\n{policy}\n")
+    entry = load_entry(folder)
+    assert sorted(entry.versions) == served
+    assert entry.default_version == served[-1]
+    with pytest.raises(NotFound, match=r"have \[" + ", ".join(map(str, served))):
+        parse_version(entry, 99)
+
+
+@pytest.mark.parametrize("policy, message", [
+    ("latest = 1\nspecific = [1]", "set one of latest, specific, all"),
+    ("latest = 0", "version_policy.latest"),
+    ("specific = []", "version_policy.specific"),
+    ("specific = [1, 1]", "distinct integers"),
+    ("newest = 1", "field 'version_policy.newest': unknown field"),
+])
+def test_bad_version_policy_is_refused_with_the_field(tmp_path, policy, message):
+    add_model(tmp_path, "m", extra=f"[version_policy]\n{policy}\n")
+    with pytest.raises(ConfigError, match=message):
+        scan(tmp_path)
+
+
+def test_specific_version_without_its_folder(tmp_path):
+    folder = add_model(tmp_path, "m", versions=(1, 2), extra="[version_policy]\nspecific = [3]\n")
+    with pytest.raises(ConfigError, match=r"'version_policy.specific': version\(s\) \[3\] not found "
+                                          r"\(have \[1, 2\]"):
+        load_entry(folder)
+
+
+def test_default_version_must_be_served(tmp_path):
+    folder = add_model(tmp_path, "m", versions=(1, 2),
+                       extra="default_version = 1\n[version_policy]\nlatest = 1\n")
+    with pytest.raises(ConfigError, match="'default_version': version 1 not found"):
+        load_entry(folder)
+
+
+def test_folder_of_takes_names_only(tmp_path):
+    add_model(tmp_path, "m")
+    assert folder_of(tmp_path, "m") == tmp_path / "m"
+    for bad in ("missing", "..", "m/..", "../m", ".hidden"):
+        with pytest.raises(NotFound, match="no model"):
+            folder_of(tmp_path, bad)
+
+
+def test_signature_changes_with_the_model_files(tmp_path):
+    folder = add_model(tmp_path, "m", versions=(1,))
+    before = signature(folder)
+    assert signature(folder) == before
+    (folder / "2").mkdir()
+    (folder / "2" / "model.onnx").write_bytes(b"new version")
+    assert signature(folder) != before
+    after = signature(folder)
+    (folder / "model.toml").write_text((folder / "model.toml").read_text() + "\n# edited\n")
+    assert signature(folder) != after
+    assert signature(tmp_path / "gone") == ()

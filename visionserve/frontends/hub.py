@@ -6,7 +6,8 @@ Messages (tuples) a front end sends:
   ``frames`` are ``(kind, width, height, channels, shape, offset, length, inline)`` with the
   bytes in the arena at ``offset`` (or, when the arena was full, ``inline``); ``arrival`` is
   ``time.monotonic()``, which is one clock for all processes of a machine; ``request_id`` is the
-  client's (for log lines); ``origin`` is (part id, camera id) for the PLC result bus, or None.
+  client's (for log lines); ``origin`` is (part id, camera id, station id, recipe) for the PLC
+  result bus and the records, or None.
   ``("cancel", rid)``: the client went away; ``("cancel", rid, kind)``: the front end answered the
   request itself (``kind`` "deadline": its own deadline timer, "unavailable": this process was
   silent), and the engine counts that answer unless it had answered first.
@@ -15,11 +16,17 @@ Messages (tuples) a front end sends:
   ``("stats", rid, model, version)`` and ``("metrics", rid)``.
   ``("verdict", rid, model, changes, caller)``: the model's ``[verdict]`` (``changes`` None), or
   set (``Engine.verdict``); every front end is then sent the models again.
+  ``("recipe", rid, station, recipe, caller)``: switch a station's recipe
+  (``Engine.switch_recipe``); every front end is then sent the stations' recipes.
+  ``("repository", rid, call, args)``: ``call`` one of ``repository_index``, ``load_model``,
+  ``unload_model`` of the engine, with ``args``; a swap sends every front end the models before
+  any frame reaches the new versions (``Engine.on_change``).
 and what the hub sends back:
   ``("state", ready, draining, {(model, version): ready}, models)``: on connect and on every
-  change; ``models`` (the repository entries and the served versions' configs) only when they
-  change.
-  ``("result", rid, [FrameResult])``, ``("error", rid, error class name, message, retry_after_s,
+  change; ``models`` (the repository entries, the served versions' configs and the stations'
+  recipes) only when they change.
+  ``("result", rid, [FrameResult], version)`` (the version that answered: the one current when
+  the engine admitted the frames), ``("error", rid, error class name, message, retry_after_s,
   late_ms)`` exactly once per ``infer``, counted in the metrics here before it is sent;
   ``("reply", rid, value)`` or an error for the others.
   ``("beat",)`` every ``HEARTBEAT_S``: a front end that hears nothing for a while stops taking work.
@@ -48,6 +55,8 @@ log = logging.getLogger(__name__)
 STATE_POLL_S = 0.05
 #: how often every front end is told that this process is alive (see remote.HEARTBEAT_TIMEOUT_S)
 HEARTBEAT_S = 0.2
+#: the engine's calls a front end may make with a "repository" message
+REPOSITORY_CALLS = ("repository_index", "load_model", "unload_model")
 
 
 class Link:
@@ -107,11 +116,14 @@ class Link:
                 self.ch.send(("reply", rid, stats))
             except VisionServeError as exc:
                 self._error(rid, exc)
-        elif kind == "verdict":
-            _, rid, name, changes, caller = msg
-            task = asyncio.get_running_loop().create_task(self._verdict(rid, name, changes, caller))
-            self.hub.background.add(task)
-            task.add_done_callback(self.hub.background.discard)
+        elif kind in ("verdict", "recipe"):
+            _, rid, *args = msg
+            engine = self.hub.engine
+            call = engine.verdict if kind == "verdict" else engine.switch_recipe
+            self._background(self._change(rid, kind, call, args))
+        elif kind == "repository":
+            _, rid, call, args = msg
+            self._background(self._repository(rid, call, args))
         elif kind == "metrics":
             from prometheus_client import generate_latest
 
@@ -119,17 +131,37 @@ class Link:
         else:
             log.error("front end %d sent an unknown message %r", self.index, kind)
 
-    async def _verdict(self, rid: int, name: str, changes, caller) -> None:
+    def _background(self, work) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self.hub.background.add(task)
+        task.add_done_callback(self.hub.background.discard)
+
+    async def _repository(self, rid: int, call: str, args: tuple) -> None:
         try:
-            self.ch.send(("reply", rid, await self.hub.engine.verdict(name, changes, caller)))
+            if call not in REPOSITORY_CALLS:
+                raise InternalError(f"unknown repository call {call!r}")
+            self.ch.send(("reply", rid, await getattr(self.hub.engine, call)(*args)))
         except VisionServeError as exc:
             self._error(rid, exc)
         except Exception:
-            log.exception("verdict of model %s for front end %d failed", name, self.index)
+            log.exception("repository call %s for front end %d failed", call, self.index)
+            self._error(rid, InternalError(INTERNAL_MESSAGE))
+
+    async def _change(self, rid: int, kind: str, call, args: list) -> None:
+        """A verdict or recipe call of the engine, for a front end; the new settings (models,
+        stations' recipes) then go to every front end."""
+        try:
+            reply = await call(*args)
+        except VisionServeError as exc:
+            self._error(rid, exc)
+        except Exception:
+            log.exception("%s call %r for front end %d failed", kind, args[:2], self.index)
             self._error(rid, InternalError(INTERNAL_MESSAGE))
         else:
-            if changes is not None:
-                self.hub.publish()  # the new settings to every front end (their tasks render)
+            # every front end is sent the change before the caller hears it is done (only what
+            # changed: the engine's generation moved)
+            self.hub.publish()
+            self.ch.send(("reply", rid, reply))
 
     def _frame(self, desc: tuple) -> Frame:
         kind, width, height, channels, shape, off, n, inline = desc
@@ -164,7 +196,8 @@ class Link:
                 log.error("inference for front end %d failed", self.index, exc_info=exc)
                 self._error(rid, InternalError(INTERNAL_MESSAGE))
             else:
-                self.ch.send(("result", rid, f.result()[1]))
+                served, results = f.result()
+                self.ch.send(("result", rid, results, served.version))
 
         answer.add_done_callback(answered)
 
@@ -198,6 +231,8 @@ class Hub:
         link = Link(self, index, ArenaReader(arena_fd, arena_size))
         link.channel = await connect(sock, link.on_message, link.on_lost)
         self.links[index] = link
+        if self.publish not in self.engine.on_change:
+            self.engine.on_change.append(self.publish)
         self._send_state(link)
         if self._watcher is None:
             self._watcher = asyncio.get_running_loop().create_task(self._watch())
@@ -221,7 +256,7 @@ class Hub:
         if link.models_sent != (len(served), generation):
             models = (self.engine.entries, {
                 k: ModelView.of(s)
-                for k, s in served.items()})
+                for k, s in served.items()}, self.engine.recipes)
             link.models_sent = (len(served), generation)
         link.ch.send(("state", ready, draining, per_model, models))
 

@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from .. import errors
+from .. import errors, recipes
 from ..dataplane import ModelLookup, ModelView
 from ..errors import DeadlineExceeded, Unavailable, VisionServeError
 from ..imaging import Frame
@@ -52,6 +52,7 @@ class RemoteEngine(ModelLookup):
         self.channel: Channel | None = None
         self.entries: dict = {}
         self.served: dict[tuple[str, int], ModelView] = {}
+        self.recipes = recipes.NO_RECIPES  # the stations' recipes, as the engine last sent them
         self._ready = False
         self._engine_draining = False
         self._draining = False
@@ -74,13 +75,14 @@ class RemoteEngine(ModelLookup):
         if kind == "state":
             _, ready, draining, per_model, models = msg
             if models is not None:
-                entries, infos = models
+                entries, infos, self.recipes = models
                 self.entries = entries
                 served = {}
                 for k, view in infos.items():
                     mine = self.served.get(k)
-                    if mine is not None:  # kept (its stats), with the settings now in force
-                        mine.config, mine.task = view.config, view.task
+                    if mine is not None:  # kept (its stats), with what is in force now
+                        mine.entry, mine.config, mine.task = view.entry, view.config, view.task
+                        mine.backend_info = view.backend_info
                     served[k] = mine or view
                 self.served = served
             for k, r in per_model.items():
@@ -100,7 +102,9 @@ class RemoteEngine(ModelLookup):
             self.arena.free(off, n)
         if fut.done():
             return
-        if kind in ("result", "reply"):
+        if kind == "result":
+            fut.set_result((msg[3], msg[2]))  # (the version that answered, the results)
+        elif kind == "reply":
             fut.set_result(msg[2])
         elif kind == "error":
             _, _, name, message, retry_after, *rest = msg
@@ -249,11 +253,12 @@ class RemoteEngine(ModelLookup):
         fut, rid = self._call("infer", name, version, descs, deadline_ms, priority, arrival,
                               request_id.get(), origin, extents=extents, expires=expires)
         try:
-            results = await asyncio.shield(fut)
+            version, results = await asyncio.shield(fut)
         except asyncio.CancelledError:
             self._abandon(rid)  # the client went away: the engine drops its frames
             raise
-        return served, results
+        # the version the engine admitted the frames to (the models of a swap come before)
+        return self.served.get((served.name, version), served), results
 
     def count_error(self, model: str, exc: VisionServeError, frames: int = 0) -> None:
         """A request this front end answered with ``exc`` before sending it to the engine: counted
@@ -278,6 +283,23 @@ class RemoteEngine(ModelLookup):
         self.entry(name)
         fut, _ = self._call("verdict", name, None if changes is None else dict(changes),
                             None if caller is None else dict(caller))
+        return await fut
+
+    async def switch_recipe(self, station: str, recipe_id: str, caller=None) -> dict:
+        """Asked of the engine process, which tells every front end the new recipe."""
+        fut, _ = self._call("recipe", station, recipe_id, None if caller is None else dict(caller))
+        return await fut
+
+    async def repository_index(self, ready: bool = False) -> list[dict[str, str]]:
+        fut, _ = self._call("repository", "repository_index", (ready,))
+        return await fut
+
+    async def load_model(self, name: str, parameters=None) -> dict:
+        fut, _ = self._call("repository", "load_model", (name, dict(parameters or {})))
+        return await fut
+
+    async def unload_model(self, name: str, parameters=None) -> dict:
+        fut, _ = self._call("repository", "unload_model", (name, dict(parameters or {})))
         return await fut
 
     async def metrics_text(self) -> bytes:

@@ -13,8 +13,10 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..config import ModelConfig
+from ..config import ModelConfig, parse_bytes
+from ..errors import ConfigError, Conflict
 from .memory import (
+    MIB,
     AllocationWatch,
     BudgetPlan,
     allocator_stats,
@@ -47,7 +49,9 @@ class GpuReservation:
         self._nvml = nvml
         self.plan = BudgetPlan(total=None)
         self.watch = AllocationWatch(device)
-        self.streams: list[Any] = []  # the runners' CUDA streams (each has its own block pool)
+        # the serving runners' CUDA streams (each has its own block pool), by the load of the
+        # model version whose runner they serve (Served.load_id)
+        self.streams: dict[int, list[Any]] = {}
         self.gpu: GpuInfo | None = None
         self.telemetry: Any = None
 
@@ -89,10 +93,66 @@ class GpuReservation:
             update={"gpu_memory_budget": str(share.ort_limit_per_instance)})
         return config.model_copy(update={"runtime": runtime})
 
+    def share(self, name: str, config: ModelConfig) -> int:
+        """Device bytes one served version of model ``name`` holds: its own
+        ``runtime.gpu_memory_budget``, else its share of the start-up plan."""
+        if config.runtime.gpu_memory_budget is not None:
+            return parse_bytes(config.runtime.gpu_memory_budget)
+        planned = self.plan.share_of(name)
+        if planned is None:
+            raise ConfigError(f"model {name} was not planned into the GPU memory budget at "
+                              "start-up: give it runtime.gpu_memory_budget to load it later")
+        return planned.share
+
+    def check_beside(self, name: str, serving: Sequence[tuple[str, ModelConfig]],
+                     adding: Sequence[ModelConfig]) -> None:
+        """Conflict unless ``adding`` (versions of model ``name`` to load) fits the budget beside
+        every version ``serving`` now: a swap holds the old and the new versions at once, until
+        the old has drained. Nothing to check without a budget (nothing is capped)."""
+        if self.plan.total is None or not adding:
+            return
+        try:
+            held = sum(self.share(n, c) for n, c in serving)
+            need = sum(self.share(name, c) for c in adding)
+        except ConfigError as exc:
+            raise Conflict(f"model {name} not loaded: {exc.message}") from None
+        if held + need > self.plan.total:
+            raise Conflict(
+                f"model {name} not loaded: its {len(adding)} version(s) need {need / MIB:.0f} "
+                f"MiB of GPU memory beside the {held / MIB:.0f} MiB the serving versions hold, "
+                f"over the budget of {self.plan.total / MIB:.0f} MiB (--gpu-memory-budget); the "
+                "serving versions keep serving. A swap holds the old and the new version at "
+                "once: leave room for both, or unload a model first")
+
+    async def settled(self, gone: list[int]) -> None:
+        """After a swap: the versions ``gone`` were unloaded (their streams forgotten, the torch
+        allocator's cached blocks given back to the device), the serving streams' small-block
+        pools reserved again (``empty_cache`` gives those back too, and a new version's were
+        never reserved), and the allocator's state now is the one to keep: serving adds no
+        device memory from here until the next swap."""
+        import asyncio
+
+        for key in gone:
+            self.streams.pop(key, None)
+
+        def settle() -> None:
+            import torch
+
+            if gone:
+                torch.cuda.empty_cache()
+            reserve_small_pool(self.device, self._serving_streams())
+
+        await asyncio.to_thread(settle)
+        self.watch.mark()
+
+    def _serving_streams(self) -> list[Any]:
+        return [s for streams in self.streams.values() for s in streams]
+
     def preprocessor(self, backend: Backend, config: ModelConfig,
-                     preferred: tuple[int, ...]) -> Any:
-        """A warmed-up GPU preprocessor for ``backend``, or None where the backend cannot take
-        device tensors (no stream: e.g. onnxruntime without torch CUDA)."""
+                     preferred: tuple[int, ...], owner: int) -> Any:
+        """A warmed-up GPU preprocessor for ``backend`` of the load ``owner``, or None where
+        the backend cannot take device tensors (no stream: e.g. onnxruntime without torch
+        CUDA)."""
         if not backend.takes_device_input:
             return None
         from .preprocess import TorchPreprocessor
@@ -101,16 +161,17 @@ class GpuReservation:
                                             stream=backend.stream,
                                             channels_last=backend.channels_last)
         prep.warmup(preferred)
-        self.streams.append(backend.stream)
+        streams = self.streams.setdefault(owner, [])
+        streams.append(backend.stream)
         if prep.decode_stream is not None:  # the decoded images' blocks live in its pool
-            self.streams.append(prep.decode_stream)
+            streams.append(prep.decode_stream)
         return prep
 
     def ready(self) -> None:
         """Call when every model is warm: the allocator's state now is the one to keep."""
         from .telemetry import GpuTelemetry
 
-        reserve_small_pool(self.device, self.streams)
+        reserve_small_pool(self.device, self._serving_streams())
         self.watch.mark()
         self.telemetry = GpuTelemetry(self.nvml, self.gpu.index if self.gpu else None,
                                       self.plan.total,

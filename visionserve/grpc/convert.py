@@ -90,11 +90,14 @@ def _has_contents(inp: service_pb2.ModelInferRequest.InferInputTensor) -> bool:
 
 
 def infer_response(served: ServedModel, results: list[FrameResult], names: list[str],
-                   request_id: str) -> service_pb2.ModelInferResponse:
+                   request_id: str, parameters: dict[str, str] | None = None
+                   ) -> service_pb2.ModelInferResponse:
     """All requested outputs in ``raw_output_contents`` (what Triton does over gRPC)."""
     tensors = oip.outputs(served, results)
     response = pb.ModelInferResponse(model_name=served.name, model_version=str(served.version),
                                      id=request_id)
+    for key, value in (parameters or {}).items():
+        response.parameters[key].string_param = value
     for name in names:
         datatype, shape, arr = tensors[name]
         response.outputs.add(name=name, datatype=datatype, shape=shape)

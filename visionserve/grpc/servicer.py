@@ -75,6 +75,31 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
         return await _call(context, statistics)
 
+    # --- model repository extension -----------------------------------------------------------
+
+    async def RepositoryIndex(self, request, context):
+        async def index():
+            rows = await self.engine.repository_index(request.ready)
+            return pb.RepositoryIndexResponse(
+                models=[pb.RepositoryIndexResponse.ModelIndex(**row) for row in rows])
+
+        return await _call(context, index)
+
+    async def RepositoryModelLoad(self, request, context):
+        async def load():
+            await self.engine.load_model(request.model_name, convert.parameters(request.parameters))
+            return pb.RepositoryModelLoadResponse()
+
+        return await _call(context, load)
+
+    async def RepositoryModelUnload(self, request, context):
+        async def unload():
+            await self.engine.unload_model(request.model_name,
+                                           convert.parameters(request.parameters))
+            return pb.RepositoryModelUnloadResponse()
+
+        return await _call(context, unload)
+
     # --- inference ---------------------------------------------------------------------------
 
     async def ModelInfer(self, request, context):
@@ -94,16 +119,18 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def _answer(self, request: service_pb2.ModelInferRequest, arrival: float,
                       time_remaining_s: float | None) -> service_pb2.ModelInferResponse:
         engine = self.engine
-        served = engine.get(request.model_name, request.model_version)
+        params = convert.parameters(request.parameters)
+        route = oip.route(engine, request.model_name, request.model_version, params)
+        served = engine.get(route.model, route.version)
         frames = convert.frames(served, request, self.settings.max_image_pixels)
         names = oip.requested(served, [o.name for o in request.outputs] or None)
-        params = convert.parameters(request.parameters)
         param_ms, priority = oip.parameters(params)
         served, results = await engine.infer(
-            request.model_name, request.model_version, frames,
+            route.model, route.version, frames,
             deadline_ms=convert.deadline_ms(param_ms, time_remaining_s), priority=priority,
-            arrival=arrival, origin=oip.origin(params, request.id))
-        return convert.infer_response(served, results, names, request.id)
+            arrival=arrival, origin=oip.origin(params, request.id, route))
+        return convert.infer_response(served, results, names, request.id,
+                                      oip.answer_parameters(route))
 
     async def ModelStreamInfer(self, request_iterator, context) -> AsyncIterator[Any]:
         """One long-lived stream, many requests: each is answered as soon as its frames are done
@@ -169,7 +196,7 @@ def _unimplemented(method: str):
     return handler
 
 
-# Triton's repository, shared-memory, trace and log RPCs: answered UNIMPLEMENTED with a clear
+# Triton's shared-memory, trace and log RPCs: answered UNIMPLEMENTED with a clear
 # message (the generated base class would raise NotImplementedError and log a traceback).
 for _method in service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
     if _method.name not in InferenceServicer.__dict__:

@@ -11,7 +11,7 @@ from .. import __version__
 from ..config import ServerSettings
 from ..dataplane import DataPlane
 from ..errors import VisionServeError, describe_validation
-from . import inspect, v2, verdict
+from . import inspect, recipes, v2, verdict
 from .common import (
     ClientGone,
     client_gone_response,
@@ -56,6 +56,7 @@ def create_app(engine: DataPlane, settings: ServerSettings, routers: tuple = ())
     app.include_router(v2.router)
     app.include_router(inspect.router)
     app.include_router(verdict.router)
+    app.include_router(recipes.router)
     for extra in routers:
         app.include_router(extra)
 

@@ -72,6 +72,24 @@ async def read_body(request: Request, limit: int, timeout_s: float | None = None
     return b"".join(chunks)
 
 
+async def read_json_object(request: Request, limit: int, what: str = "",
+                           empty: dict | None = None) -> dict:
+    """The body as a JSON object (400 otherwise; ``what`` says what it must hold); ``empty``:
+    the value of an empty body, which is refused when None."""
+    import json
+
+    body = await read_body(request, limit, request.app.state.settings.body_timeout_s)
+    if empty is not None and not body.strip():
+        return empty
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidInput(f"the body is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidInput(f"the body must be a JSON object{what}")
+    return data
+
+
 class ClientGone(Exception):
     """The client disconnected before its answer: nothing can be sent back.
 

@@ -45,9 +45,12 @@ _BODY = {
     "parameters": [
         {"name": "X-Part-Id", "in": "header", "required": False, "schema": {"type": "string"},
          "description": "Echoed in the answer."},
-        {"name": "X-Camera-Id", "in": "header", "required": False, "schema": {"type": "string"}},
+        {"name": "X-Camera-Id", "in": "header", "required": False, "schema": {"type": "string"},
+         "description": "Echoed in the answer; a station's camera (recipes.toml) makes the frame "
+                        "that station's."},
         {"name": "X-Station-Id", "in": "header", "required": False, "schema": {"type": "string"},
-         "description": "The station the frame comes from; kept in the part's record."},
+         "description": "The frame's station: decided under the recipe it runs; kept in the "
+                        "part's record."},
         {"name": "X-Deadline-Ms", "in": "header", "required": False, "schema": {"type": "number"},
          "description": "Budget from arrival in ms; default: the model's takt_ms."},
         {"name": "X-Priority", "in": "header", "required": False, "schema": {"type": "integer"},
@@ -58,6 +61,8 @@ _BODY = {
 }
 _RESPONSES: dict[int | str, dict[str, Any]] = {
     **ERRORS, 415: {"model": InspectError, "description": "Unsupported media type"},
+    409: {"model": InspectError, "description": "The frame's station runs a recipe on another "
+          "model or version (send it to /v1/stations/{station}/inspect)"},
     504: {"model": InspectError,
           "description": "Deadline missed (in the queue, during decode, or before the verdict was "
           "ready): verdict LATE, no decision; late_ms says how late"}}
@@ -87,27 +92,36 @@ class InspectHead:
     arrival: float
     part_id: str | None
     camera_id: str | None
-    station_id: str | None
     kind: imaging.Kind
     deadline_ms: float | None
     priority: int | None
+    model: str  # the model and version it goes to: the URL's, or its station's recipe's
+    version: str
+    station: str | None = None  # the station it belongs to, and the recipe that station runs
+    recipe: str | None = None
 
 
 # where InspectFastPath leaves a head it read and admitted, for the route (scope key)
 _HEAD_KEY = "visionserve.inspect_head"
 
 
-def read_head(headers: Headers, engine, settings, model_name: str,
-              model_version: str) -> InspectHead:
+def read_head(headers: Headers, engine, settings, model_name: str | None,
+              model_version: str, station: str | None = None) -> InspectHead:
     """Check an inspect request from its head alone, and ask the engine for admission: raises
     the request's error (counted by the engine when it is its refusal), 503 for an overloaded
     model above all, so that a refused frame costs no body read, no image check and no copy.
     What is wrong with the request itself is said first (it never succeeds; a 503 says "try
     again"), so a body of unknown size (chunked) is read, and its size checked, before admission
-    (``engine.infer`` admits it then)."""
+    (``engine.infer`` admits it then).
+
+    A frame of a station (``station`` from the URL, else ``X-Station-Id``, else its camera's)
+    goes to the model and version of the recipe the station runs now (``model_name`` None: the
+    station's URL); a URL that names another is a 409."""
     arrival = time.monotonic()
     part_id, camera_id = headers.get("x-part-id"), headers.get("x-camera-id")
-    station_id = headers.get("x-station-id")
+    route = engine.route(model_name, model_version, station or headers.get("x-station-id"),
+                         camera_id)
+    model_name, model_version = route.model, route.version
     engine.get(model_name, model_version)
     kind = imaging.media_kind(headers.get("content-type"))
     deadline_ms = _header_number(headers, "X-Deadline-Ms", float)
@@ -116,14 +130,22 @@ def read_head(headers: Headers, engine, settings, model_name: str,
         check_declared_length(headers, settings.max_body_bytes)
         engine.precheck(model_name, model_version, 1, deadline_ms=deadline_ms,
                         priority=priority, arrival=arrival,
-                        origin=(part_id, camera_id, station_id))
-    return InspectHead(arrival, part_id, camera_id, station_id, kind, deadline_ms, priority)
+                        origin=origin(part_id, camera_id, route.station, route.recipe, headers))
+    return InspectHead(arrival, part_id, camera_id, kind, deadline_ms, priority, model_name,
+                       model_version, route.station, route.recipe)
+
+
+def origin(part_id: str | None, camera_id: str | None, station: str | None, recipe: str | None,
+           headers: Headers) -> tuple[str | None, ...]:
+    """(part id, camera id, station id, recipe) for the PLC result bus and the part's record: the
+    station the route found, else the X-Station-Id header."""
+    return part_id, camera_id, station or headers.get("x-station-id") or None, recipe
 
 
 def head_error_response(exc: VisionServeError, engine, headers: Headers,
-                        model_name: str) -> Response:
+                        model_name: str | None) -> Response:
     if not exc.counted:  # refused here, before the engine (which counts what it answers)
-        engine.count_error(model_name, exc)
+        engine.count_error(model_name or "", exc)
     return error_response(exc, {"part_id": headers.get("x-part-id"), "model": model_name})
 
 
@@ -133,15 +155,29 @@ def head_error_response(exc: VisionServeError, engine, headers: Headers,
              response_model=InspectResult, responses=_RESPONSES, openapi_extra=_BODY,
              summary="Inspect one frame with a model version")
 async def inspect(request: Request, model_name: str, model_version: str = "") -> Response:
+    return await inspect_frame(request, model_name, model_version)
+
+
+@router.post("/v1/stations/{station}/inspect", response_model=InspectResult,
+             responses=_RESPONSES, openapi_extra=_BODY,
+             summary="Inspect one frame with the station's recipe")
+async def inspect_station(request: Request, station: str) -> Response:
+    return await inspect_frame(request, None, "", station)
+
+
+async def inspect_frame(request: Request, model_name: str | None, model_version: str = "",
+                        station: str | None = None) -> Response:
     engine, settings = engine_of(request), settings_of(request)
     head = request.scope.get(_HEAD_KEY)  # the protocol read the head already (InspectFastPath)
     if head is None:
         try:
-            head = read_head(request.headers, engine, settings, model_name, model_version)
+            head = read_head(request.headers, engine, settings, model_name, model_version,
+                             station)
         except VisionServeError as exc:
             return head_error_response(exc, engine, request.headers, model_name)
     part_id, camera_id, arrival = head.part_id, head.camera_id, head.arrival
     deadline_ms, priority, kind = head.deadline_ms, head.priority, head.kind
+    model_name, model_version = head.model, head.version
     try:
         body = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
         if kind == "raw":
@@ -152,7 +188,8 @@ async def inspect(request: Request, model_name: str, model_version: str = "") ->
         served, (r,) = await unless_disconnected(
             request, engine.infer(model_name, model_version, [frame], deadline_ms=deadline_ms,
                                   priority=priority, arrival=arrival,
-                                  origin=(part_id, camera_id, head.station_id)))
+                                  origin=origin(part_id, camera_id, head.station, head.recipe,
+                                                request.headers)))
     except DeadlineExceeded as exc:  # no decision for the PLC, whenever the deadline passed
         late_ms = None if exc.late_ms is None else round(exc.late_ms, 3)
         return error_response(exc, {"part_id": part_id, "model": model_name, "verdict": "LATE",
@@ -169,6 +206,8 @@ async def inspect(request: Request, model_name: str, model_version: str = "") ->
                    "X-Model-Version": str(served.version)}
         if part_id is not None:
             headers["X-Part-Id"] = part_id
+        if head.recipe is not None:
+            headers["X-Recipe"] = head.recipe
         return Response(jpeg, media_type="image/jpeg", headers=headers)
     answer = {
         "part_id": part_id,
@@ -177,6 +216,7 @@ async def inspect(request: Request, model_name: str, model_version: str = "") ->
         "version": str(served.version),
         "verdict": r.verdict,
         **task.inspect_fields(r.result),  # what the model's task says of the frame
+        **({} if head.station is None else {"station": head.station, "recipe": head.recipe}),
         "batch_size": r.batch_size,
         "deadline_met": r.deadline_met,
         "timing": {"queue_ms": round(r.queue_ms, 3), "compute_ms": round(r.compute_ms, 3),
@@ -216,7 +256,7 @@ class InspectFastPath:
     itself, and the inspect API is the line's hot path. FastAPI keeps the route for the OpenAPI
     schema, and every other path goes to it unchanged."""
 
-    PATH = re.compile(r"^/v1/models/([^/]+)(?:/versions/([^/]+))?/inspect$")
+    PATH = re.compile(r"^/v1/(?:models/([^/]+)(?:/versions/([^/]+))?|stations/([^/]+))/inspect$")
 
     def __init__(self, app) -> None:
         self.app = app
@@ -234,7 +274,7 @@ class InspectFastPath:
         headers = Headers(scope=scope)
         try:
             scope[_HEAD_KEY] = read_head(headers, state.engine, state.settings, match[1],
-                                         match[2] or "")
+                                         match[2] or "", match[3])
         except VisionServeError as exc:
             return head_error_response(exc, state.engine, headers, match[1])
         return None
@@ -248,7 +288,7 @@ class InspectFastPath:
         scope["app"] = self.app  # engine_of / settings_of read the app's state
         request = Request(scope, receive, send)
         try:
-            response = await inspect(request, match[1], match[2] or "")
+            response = await inspect_frame(request, match[1], match[2] or "", match[3])
         except ClientGone:
             response = client_gone_response()
         except Exception:  # noqa: BLE001 - a bug: 500, the traceback in the log

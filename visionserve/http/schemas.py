@@ -100,6 +100,9 @@ class InspectResult(BaseModel):
     reasons: list[Any] | None = Field(
         None, description="Why the part is NG. Detection, segmentation: each rule that made it "
         "NG (rule, message, detections: indices into detections); anomaly: one sentence each")
+    station: str | None = Field(None, description="The station the frame belongs to (only "
+                                "for frames of a station: X-Station-Id, its camera, or the URL)")
+    recipe: str | None = Field(None, description="The recipe it was decided under (with station)")
     batch_size: int
     deadline_met: bool = Field(..., description="Always true in a 200 answer (a late frame is "
                                "answered 504 LATE); kept for clients that read it")

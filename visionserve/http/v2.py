@@ -1,4 +1,5 @@
-"""Open Inference Protocol v2 over HTTP/REST, with the binary tensor data extension."""
+"""Open Inference Protocol v2 over HTTP/REST, with the binary tensor data extension and Triton's
+model repository extension (index, load, unload)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ from pydantic import BaseModel, ValidationError
 
 from .. import oip
 from ..errors import InvalidInput, VisionServeError, describe_validation
-from .common import engine_of, read_body, settings_of, unless_disconnected
+from .common import (
+    engine_of,
+    read_body,
+    read_json_object,
+    settings_of,
+    unless_disconnected,
+)
 from .schemas import ERRORS, InferenceRequest, InferenceResponse, ModelMetadata, ServerMetadata
 
 router = APIRouter(tags=["Open Inference Protocol v2"])
@@ -139,10 +146,13 @@ async def infer(request: Request, model_name: str, model_version: str = "") -> R
 async def _infer(request: Request, model_name: str, model_version: str = "") -> Response:
     arrival = time.monotonic()
     engine, settings = engine_of(request), settings_of(request)
-    served = engine.get(model_name, model_version)
+    engine.get(model_name, model_version)
     body = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
     header, binary = _split(body, request.headers.get(_HEADER_LEN))
     req = _parse_request(header)
+    route = oip.route(engine, model_name, model_version, req.parameters)
+    model_name, model_version = route.model, route.version
+    served = engine.get(model_name, model_version)
     if len(req.inputs) != 1:
         raise InvalidInput(f"model {served.name} takes exactly one input "
                            f"({served.config.input.name!r}), got {len(req.inputs)}")
@@ -154,8 +164,49 @@ async def _infer(request: Request, model_name: str, model_version: str = "") -> 
     served, results = await unless_disconnected(
         request, engine.infer(model_name, model_version, frames, deadline_ms=deadline_ms,
                               priority=priority, arrival=arrival,
-                              origin=oip.origin(req.parameters, req.id)))
-    return _response(req, served, results, names)
+                              origin=oip.origin(req.parameters, req.id, route)))
+    return _response(req, served, results, names, oip.answer_parameters(route))
+
+
+# --- model repository extension (Triton's paths and bodies) ---------------------------------------
+
+#: a repository call's body: a few parameters (a model sent in the body is refused anyway)
+_REPOSITORY_BODY = 1024**2
+
+
+async def _repository_body(request: Request) -> dict[str, Any]:
+    """The JSON object a repository call carries ({} for an empty body, as tritonclient sends
+    to the index)."""
+    return await read_json_object(request, _REPOSITORY_BODY, empty={})
+
+
+def _parameters(data: dict[str, Any]) -> dict[str, Any]:
+    params = data.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise InvalidInput("'parameters' must be a JSON object")
+    return params
+
+
+@router.post("/v2/repository/index", responses=ERRORS, summary="Model repository index")
+async def repository_index(request: Request) -> JSONResponse:
+    ready = (await _repository_body(request)).get("ready", False)
+    if not isinstance(ready, bool):
+        raise InvalidInput(f"'ready' must be true or false, got {ready!r}")
+    return JSONResponse(await engine_of(request).repository_index(ready))
+
+
+@router.post("/v2/repository/models/{model_name}/load", responses=ERRORS,
+             summary="Load or reload a model (a swap: docs/triton-compat.md)")
+async def repository_load(request: Request, model_name: str) -> JSONResponse:
+    params = _parameters(await _repository_body(request))
+    return JSONResponse(await engine_of(request).load_model(model_name, params))
+
+
+@router.post("/v2/repository/models/{model_name}/unload", responses=ERRORS,
+             summary="Unload a model (parameters.force: even while in use)")
+async def repository_unload(request: Request, model_name: str) -> JSONResponse:
+    params = _parameters(await _repository_body(request))
+    return JSONResponse(await engine_of(request).unload_model(model_name, params))
 
 
 def _split(body: bytes, header_len: str | None) -> tuple[bytes, memoryview]:
@@ -218,7 +269,8 @@ def _n(shape: list[int]) -> list[int]:
     return [shape[0]]
 
 
-def _response(req: InferenceRequest, served, results, names: list[str]) -> Response:
+def _response(req: InferenceRequest, served, results, names: list[str],
+              parameters: dict[str, str]) -> Response:
     tensors = oip.outputs(served, results)
     want_binary = bool((req.parameters or {}).get("binary_data_output", False))
     out_params = {o.name: (o.parameters or {}) for o in (req.outputs or [])}
@@ -239,6 +291,8 @@ def _response(req: InferenceRequest, served, results, names: list[str]) -> Respo
                             "outputs": outputs}
     if req.id is not None:
         body["id"] = req.id
+    if parameters:
+        body["parameters"] = parameters
     head = json.dumps(body, separators=(",", ":")).encode()
     if not blobs:
         return Response(head, media_type="application/json")

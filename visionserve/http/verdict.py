@@ -10,16 +10,14 @@ header when sent) goes to the audit line.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from ..errors import InvalidInput
 from ..logs import request_id
-from .common import engine_of, read_body, settings_of
+from .common import engine_of, read_json_object
 from .schemas import ERRORS
 
 router = APIRouter(tags=["Verdict"])
@@ -56,13 +54,7 @@ async def get_verdict(request: Request, model_name: str) -> JSONResponse:
 async def put_verdict(request: Request, model_name: str) -> JSONResponse:
     engine = engine_of(request)
     engine.entry(model_name)  # 404 before the body
-    body = await read_body(request, MAX_BODY, settings_of(request).body_timeout_s)
-    try:
-        changes = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidInput(f"the body is not JSON: {exc}") from None
-    if not isinstance(changes, dict):
-        raise InvalidInput("the body must be a JSON object of [verdict] fields to change")
+    changes = await read_json_object(request, MAX_BODY, " of [verdict] fields to change")
     client = request.client
     caller = {"client": f"{client.host}:{client.port}" if client else "?",
               "request_id": request_id.get(),

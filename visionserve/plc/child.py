@@ -8,10 +8,15 @@ Messages from the serving process (pickled tuples on a Unix socket pair, the fra
 - ``("b", station, busy)``: a station's frames in flight went from none to some, or back to none;
 - ``("p", probe, outstanding, last_progress, busy_since, busy)``: the watchdog's probe of the
   engine's loop, every period, with the bus's counters;
+- ``("a", {station: recipe})``: the stations' recipes, when one was switched;
+- ``("reply", rid, answer, error)``: the answer to a ``recipe`` call (``error``: (the error
+  class's name, message));
 - ``("stop",)``.
 
 To it: ``("listening", None)`` or ``("failed", why)`` once at start, then ``("m", updates)``:
-the process's metric updates (:func:`.metrics.apply` repeats them where ``/metrics`` is served).
+the process's metric updates (:func:`.metrics.apply` repeats them where ``/metrics`` is served),
+and ``("recipe", rid, station, recipe, caller)``: a PLC switches a station's recipe (OPC UA's
+``ActivateRecipe``), answered by ``reply``.
 
 The process lives no longer than the serving process: at the end of the socket pair (or SIGHUP
 through ``PR_SET_PDEATHSIG``, :func:`visionserve.process.child_main`) it closes its server and
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import signal
 import socket
@@ -30,7 +36,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import VisionServeError
+from .. import errors
+from ..errors import Unavailable, VisionServeError
 from . import metrics, require
 from .bus import BusMirror, ResultEvent, Stations
 from .handshake import Fault, LineStatus
@@ -48,7 +55,7 @@ METRICS_FLUSH_S = 0.05
 
 
 def build_publisher(protocol: str, settings, stations: Stations, mirror: BusMirror,
-                    recipes: list[str]):
+                    recipes: dict, ask=None):
     """The server for ``protocol``, its settings checked (ConfigError names the bad one)."""
     from .service import default_data_dir, parse_address, parse_endpoint
 
@@ -67,7 +74,7 @@ def build_publisher(protocol: str, settings, stations: Stations, mirror: BusMirr
         endpoint, stations, mirror, policies=settings.opcua_security,
         anonymous=settings.opcua_anonymous, user=settings.opcua_user,
         password_file=settings.opcua_password_file, max_clients=settings.plc_max_clients,
-        data_dir=Path(settings.plc_data_dir or default_data_dir()), recipes=recipes)
+        data_dir=Path(settings.plc_data_dir or default_data_dir()), recipes=recipes, ask=ask)
 
 
 class PlcService:
@@ -75,8 +82,9 @@ class PlcService:
     following the engine as the watchdog judges it."""
 
     def __init__(self, publisher, mirror: BusMirror, watchdog: Watchdog,
-                 heartbeat_s: float) -> None:
+                 heartbeat_s: float, asker: Asker | None = None) -> None:
         self.publisher = publisher
+        self.asker = asker or Asker()
         self.mirror = mirror
         self.watchdog = watchdog
         self.heartbeat_s = heartbeat_s
@@ -93,6 +101,12 @@ class PlcService:
             _, probe, m.outstanding, m.last_progress, m.busy_since, busy = msg
             m.inflight[:] = [1 if b else 0 for b in busy]
             self.watchdog.observe(_Probe(*probe))
+        elif kind == "a":
+            changed = getattr(self.publisher, "recipes_changed", None)  # OPC UA shows them
+            if changed is not None:
+                changed(msg[1])
+        elif kind == "reply":
+            self.asker.answer(*msg[1:])
         elif kind == "stop":
             self.stop.set()
 
@@ -143,6 +157,43 @@ class PlcService:
             log.exception("the %s server could not update its status", self.publisher.protocol)
 
 
+class Asker:
+    """Calls the serving process makes for a PLC (a recipe switch), and their replies."""
+
+    def __init__(self) -> None:
+        self.channel: Channel | None = None
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future] = {}
+
+    async def switch_recipe(self, station: str, recipe: str, caller: dict,
+                            timeout_s: float = 30.0) -> dict:
+        """The serving process's answer (as ``POST /v1/stations/{s}/recipe``'s), or its error
+        as a VisionServeError of the same kind."""
+        if self.channel is None or self.channel.closed:
+            raise Unavailable("the serving process is gone")
+        rid = next(self._ids)
+        fut = self._waiting[rid] = asyncio.get_running_loop().create_future()
+        self.channel.send(("recipe", rid, station, recipe, caller))
+        try:
+            answer, error = await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            raise Unavailable(f"no answer from the serving process in {timeout_s:g} s") from None
+        finally:
+            self._waiting.pop(rid, None)
+        if error is not None:
+            name, message = error
+            cls = getattr(errors, name, None)
+            if not (isinstance(cls, type) and issubclass(cls, VisionServeError)):
+                cls = VisionServeError
+            raise cls(message)
+        return answer
+
+    def answer(self, rid: int, answer, error) -> None:
+        fut = self._waiting.get(rid)
+        if fut is not None and not fut.done():
+            fut.set_result((answer, error))
+
+
 class _MetricsOut:
     """Collects the process's metric updates; histogram observations go every
     :data:`METRICS_FLUSH_S`, anything else (rare: overflows, clients, stalls) at once."""
@@ -190,13 +241,16 @@ async def run(spec: dict, settings) -> int:
     lost = asyncio.Event()
     channel = await connect(socket.socket(fileno=spec["channel_fd"]), on_message, lost.set)
     out.channel = channel
+    asker = Asker()
+    asker.channel = channel
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGHUP, lost.set)
     for sig in (signal.SIGINT, signal.SIGTERM):  # the serving process says when to stop
         loop.add_signal_handler(sig, lambda: None)
     try:
-        publisher = build_publisher(spec["protocol"], settings, stations, mirror, spec["recipes"])
-        service = PlcService(publisher, mirror, watchdog, settings.plc_heartbeat_ms / 1000)
+        publisher = build_publisher(spec["protocol"], settings, stations, mirror, spec["recipes"],
+                                    asker.switch_recipe)
+        service = PlcService(publisher, mirror, watchdog, settings.plc_heartbeat_ms / 1000, asker)
         await service.start()
     except (VisionServeError, OSError) as exc:
         channel.send(("failed", exc.message if isinstance(exc, VisionServeError) else str(exc)))

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import hmac
+import json
 import logging
 import math
 import os
@@ -52,7 +53,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from ..errors import ConfigError
+from ..errors import ConfigError, VisionServeError
 from . import metrics
 from .bus import RESULT_STATE, RESULT_STATE_FAILED, ResultCode, ResultEvent, Stations
 from .handshake import LineStatus
@@ -201,7 +202,7 @@ class OpcUaPublisher:
 
     def __init__(self, endpoint: str, stations: Stations, bus, *, policies: str, anonymous: bool,
                  user: str | None, password_file: Path | None, data_dir: Path,
-                 recipes: list[str], max_clients: int = 8) -> None:
+                 recipes: dict, max_clients: int = 8, ask=None) -> None:
         self.endpoint = endpoint
         self.stations = stations
         self.bus = bus
@@ -215,7 +216,8 @@ class OpcUaPublisher:
                               "--opcua-password-file, or allow --opcua-anonymous")
         self.users = _Users(anonymous, user, password)
         self.data_dir = data_dir / "opcua"
-        self.recipes = recipes
+        self.recipes = recipes  # {"recipes": [...], "stations": {station: recipe or None}}
+        self.ask = ask  # ask(station, recipe, caller): the serving process switches (awaitable)
         self.max_clients = max_clients
         self.server: Server | None = None
         self._nodes: dict[str, ua.NodeId] = {}
@@ -301,7 +303,19 @@ class OpcUaPublisher:
                                    ("HeartbeatCount", 0, _U), ("Fault", False, _B),
                                    ("FaultReason", "", _S)):
             n[name] = await var(status, name, value, vtype)
-        await var(recipes, "Recipes", self.recipes, _S)
+        await var(recipes, "Recipes", list(self.recipes["recipes"]), _S)
+        stations = self.recipes["stations"]
+        n["RecipeStations"] = await var(recipes, "Stations", sorted(stations), _S)
+        n["ActiveRecipes"] = await var(recipes, "ActiveRecipes",
+                                       [stations[k] or "" for k in sorted(stations)], _S)
+        if self.ask is not None and stations:
+            string = ua.NodeId(ua.Int32(ua.ObjectIds.String))
+
+            def arg(name: str) -> ua.Argument:
+                return ua.Argument(Name=name, DataType=string, ValueRank=-1)
+
+            await recipes.add_method(idx, "ActivateRecipe", self._activate_recipe,
+                                     [arg("Station"), arg("Recipe")], [arg("Result")])
         for i, camera in enumerate(self.stations.names):
             station = await results.add_object(idx, f"Station{i + 1}")
             await station.add_property(idx, "CameraId", camera)
@@ -316,6 +330,40 @@ class OpcUaPublisher:
             self._station_nodes.append(nodes)
             self._station_events.append(await server.get_event_generator(etype, station.nodeid))
         self._system_events = await server.get_event_generator(etype, system.nodeid)
+
+    async def _activate_recipe(self, parent, station: ua.Variant, recipe: ua.Variant):
+        """ActivateRecipe(Station, Recipe) -> Result: the station runs the recipe from its next
+        frame (as ``POST /v1/stations/{station}/recipe``; Result: that call's JSON answer). A
+        refusal is a Bad status with the server's message: BadNotFound (unknown station or
+        recipe), BadInvalidState (the version is not loaded, or another station needs other
+        verdict settings), BadInvalidArgument."""
+        assert self.ask is not None
+        try:
+            answer = await self.ask(str(station.Value), str(recipe.Value), {"client": "opcua"})
+        except VisionServeError as exc:
+            code = {"not_found": ua.StatusCodes.BadNotFound,
+                    "conflict": ua.StatusCodes.BadInvalidState,
+                    "unavailable": ua.StatusCodes.BadInvalidState,
+                    }.get(exc.kind, ua.StatusCodes.BadInvalidArgument)
+            log.info("OPC UA ActivateRecipe(%s, %s) refused: %s", station.Value, recipe.Value,
+                     exc.message)
+            return ua.StatusCode(ua.UInt32(code))  # asyncua answers it as the call's status
+        self.recipes_changed({**self.recipes["stations"], answer["station"]: answer["recipe"]})
+        return [ua.Variant(json.dumps(answer), _S)]
+
+    def recipes_changed(self, stations: dict) -> None:
+        """What each station runs now (switched by any client)."""
+        self.recipes = {**self.recipes, "stations": stations}
+        if self.server is not None and "ActiveRecipes" in self._nodes:
+            order = sorted(stations)
+            asyncio.get_running_loop().create_task(self._write_many({
+                self._nodes["RecipeStations"]: (order, _S),
+                self._nodes["ActiveRecipes"]: ([stations[k] or "" for k in order], _S)}))
+
+    async def _write_many(self, values: dict) -> None:
+        assert self.server is not None
+        for node, (value, vtype) in values.items():
+            await self.server.write_attribute_value(node, _value(value, vtype))
 
     def accept(self, events: list[ResultEvent]) -> None:
         """Results, as they arrive: published in order by :meth:`_forward`."""

@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 
 from ..config import data_home
-from ..errors import ConfigError, VisionServeError
+from ..errors import ConfigError, Conflict, VisionServeError
 from ..frontends.channel import Channel, connect
 from . import metrics
 from .bus import ResultBus, Stations
@@ -84,13 +84,25 @@ def protocols(settings) -> list[str]:
     return out
 
 
+def recipe_spec(engine) -> dict:
+    """What a PLC server shows of the recipes: the recipes file's recipes and what each station
+    runs; without a recipes file, the served model:version pairs (no stations)."""
+    book = engine.recipes
+    if book.recipes or book.stations:
+        return {"recipes": sorted(book.recipes), "stations": dict(book.stations)}
+    return {"recipes": [f"{e.name}:{v}" for e in engine.entries.values()
+                        for v in sorted(e.versions)], "stations": {}}
+
+
 class PlcProcess:
     """One protocol's server in a child process (:mod:`.child`), and the socket pair to it."""
 
-    def __init__(self, protocol: str, settings, recipes: list[str]) -> None:
+    def __init__(self, protocol: str, settings, recipes: dict, engine=None) -> None:
         self.protocol = protocol
         self.settings = settings
-        self.recipes = recipes
+        self.recipes = recipes  # {"recipes": [...], "stations": {station: recipe or None}}
+        self.engine = engine  # switches recipes for the PLC (OPC UA's ActivateRecipe)
+        self._calls: set[asyncio.Task] = set()
         self.proc: subprocess.Popen | None = None
         self.channel: Channel | None = None
         self.stopping = False
@@ -134,9 +146,29 @@ class PlcProcess:
         kind = msg[0]
         if kind == "m":
             metrics.apply(msg[1])
+        elif kind == "recipe":
+            task = asyncio.get_running_loop().create_task(self._switch(*msg[1:]))
+            self._calls.add(task)
+            task.add_done_callback(self._calls.discard)
         elif kind in ("listening", "failed") and self._started is not None \
                 and not self._started.done():
             self._started.set_result(msg[1] if kind == "failed" else None)
+
+    async def _switch(self, rid: int, station: str, recipe: str, caller: dict) -> None:
+        """A station's recipe switched for the PLC: ``("reply", rid, answer, None)``, or
+        ``("reply", rid, None, (error class name, message))``."""
+        try:
+            if self.engine is None:
+                raise Conflict("this server switches no recipes")
+            answer = await self.engine.switch_recipe(station, recipe, caller)
+        except VisionServeError as exc:
+            self.send(("reply", rid, None, (type(exc).__name__, exc.message)))
+        except Exception:
+            log.exception("recipe switch for the %s PLC failed", self.protocol)
+            self.send(("reply", rid, None, ("InternalError",
+                                            "the switch failed; see the server log")))
+        else:
+            self.send(("reply", rid, answer, None))
 
     def _on_lost(self) -> None:
         code = self.proc.poll() if self.proc is not None else None
@@ -170,9 +202,11 @@ class PlcLink:
     """The engine's side of the PLC processes: results from the bus, busy edges and the
     watchdog's probes, each sent to every process; all on the engine's event loop, none waits."""
 
-    def __init__(self, bus: ResultBus, procs: list[PlcProcess]) -> None:
+    def __init__(self, bus: ResultBus, procs: list[PlcProcess], engine=None) -> None:
         self.bus = bus
         self.procs = procs
+        self.engine = engine
+        self._recipes = None if engine is None else engine.recipes
         bus.bind(self._flush)
         bus.on_busy = self._busy
 
@@ -198,6 +232,12 @@ class PlcLink:
                bus.busy_since, tuple(n > 0 for n in bus.inflight))
         for p in self.procs:
             p.send(msg)
+        if self.engine is not None and self.engine.recipes is not self._recipes:
+            # a station switched (from any front end, or a PLC): the PLCs see what runs now
+            self._recipes = self.engine.recipes
+            stations = ("a", dict(self._recipes.stations))
+            for p in self.procs:
+                p.send(stations)
 
     def close(self) -> None:
         self.bus.unbind()
@@ -214,9 +254,8 @@ async def plc_running(engine, settings):
     procs: list[PlcProcess] = []
     try:
         bus = ResultBus(Stations(settings.plc_stations))
-        recipes = [f"{e.name}:{v}" for e in engine.entries.values() for v in sorted(e.versions)]
         for protocol in protocols(settings):
-            p = PlcProcess(protocol, settings, recipes)
+            p = PlcProcess(protocol, settings, recipe_spec(engine), engine)
             procs.append(p)
             await p.start()
     except (VisionServeError, OSError) as exc:
@@ -225,7 +264,7 @@ async def plc_running(engine, settings):
             await p.stop()
         yield 2
         return
-    link = PlcLink(bus, procs)
+    link = PlcLink(bus, procs, engine)
     watchdog = Watchdog(engine, bus, settings.plc_watchdog_ms / 1000,
                         min(0.1, settings.plc_watchdog_ms / 4000), on_probe=link.probe)
     watchdog.start()

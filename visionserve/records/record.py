@@ -22,7 +22,7 @@ class Record:
     camera: str | None
     model: str
     version: str
-    recipe: str | None  #: the recipe in force (none yet: recipes come with issue 22)
+    recipe: str | None  #: the recipe its station ran (recipes.toml), None for no station's
     verdict: str  #: one of VERDICTS
     label: str | None  #: the task's summary: the deciding label and its score
     score: float | None

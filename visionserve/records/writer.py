@@ -177,14 +177,14 @@ class Recorder:
 
     def _record(self, item: tuple) -> Record | None:
         wall, served, origin, rid, index, r, exc, total_s, frame = item
-        part, camera, station = (tuple(origin) + (None, None, None))[:3] if origin \
-            else (None, None, None)
+        part, camera, station, recipe = (tuple(origin) + (None,) * 4)[:4] if origin \
+            else (None,) * 4
         try:
             if r is not None:
                 task = served.task
                 label, _, score = task.summary(r.result)
                 record = Record(
-                    wall, part, station, camera, served.name, str(served.version), None,
+                    wall, part, station, camera, served.name, str(served.version), recipe,
                     r.verdict, label or None, None if math.isnan(score) else score,
                     task.inspect_fields(r.result),
                     {"queue_ms": round(r.queue_ms, 3), "compute_ms": round(r.compute_ms, 3),
@@ -195,7 +195,7 @@ class Recorder:
                 message = (getattr(exc, "message", "") or "internal server error") \
                     if exc is not None else "the client hung up before the answer"
                 record = Record(
-                    wall, part, station, camera, served.name, str(served.version), None,
+                    wall, part, station, camera, served.name, str(served.version), recipe,
                     "LATE" if kind == "deadline" else "ERROR", None, None, None,
                     {"total_ms": round(total_s * 1000, 3)}, rid, index, f"{kind}: {message}")
         except Exception:

@@ -1,0 +1,68 @@
+"""The model's threads below the event loop's priority (visionserve/threads.py; Linux)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+
+import pytest
+
+from visionserve.threads import lower_this_thread, run_lowered, thread_nice
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice: Linux")
+
+
+def _nice_of(tid: int) -> int:
+    stat = open(f"/proc/self/task/{tid}/stat").read()
+    return int(stat.rsplit(")", 1)[1].split()[16])  # field 19: nice
+
+
+def test_run_lowered_runs_below_the_caller_and_so_do_the_threads_it_starts():
+    base = thread_nice()
+
+    def work():
+        seen = {}
+        child = threading.Thread(target=lambda: seen.setdefault("child", thread_nice()))
+        child.start()
+        child.join()
+        return thread_nice(), seen["child"]
+
+    own, child = asyncio.run(run_lowered(3, work))
+    assert own == child == min(19, base + 3)
+    assert thread_nice() == base  # the event loop's thread is left as it was
+    assert _nice_of(threading.get_native_id()) == base
+
+
+def test_run_lowered_hands_the_exception_to_the_caller():
+    def broken():
+        raise ValueError("bad model file")
+
+    with pytest.raises(ValueError, match="bad model file"):
+        asyncio.run(run_lowered(2, broken))
+
+
+def test_nice_zero_leaves_threads_alone():
+    got = {}
+
+    def probe():
+        lower_this_thread(0)
+        got["nice"] = thread_nice()
+
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join()
+    assert got["nice"] == thread_nice()
+
+
+def test_the_serving_process_runs_its_model_threads_below_the_event_loop(tiny_repo, server_factory):
+    s = server_factory(tiny_repo, "--worker-nice", "7", grpc=False)
+    pid = s.proc.pid
+    nice = {int(tid): int(open(f"/proc/{pid}/task/{tid}/stat").read().rsplit(")", 1)[1].split()[16])
+            for tid in os.listdir(f"/proc/{pid}/task")}
+    names = {tid: open(f"/proc/{pid}/task/{tid}/comm").read().strip() for tid in nice}
+    assert nice[pid] == 0, "the event loop's thread keeps the process's priority"
+    lowered = [tid for tid, n in nice.items() if n == 7]
+    # the runner's prep and compute threads and onnxruntime's intra-op pool at least
+    assert len(lowered) >= 3, (nice, names)

@@ -23,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("visionserve.ops.doctor", "diagnose GPU/driver/environment faults, with a fix each"),
     "stress": ("visionserve.ops.stress",
                "GPU health check: matmul throughput, memory pattern test"),
+    "records": ("visionserve.records.cli",
+                "traceability records: export (CSV, Parquet), show a part's history"),
     "guard": ("visionserve.guard.cli",
               "training-queue guard: run, submit, list, show, cancel, logs"),
     "anomaly": ("visionserve_tools.anomaly",

@@ -48,6 +48,18 @@ def default_models_dir() -> Path:
     install run from its checkout). Never a path of the source checkout."""
     return SHIPPED_MODELS_DIR if SHIPPED_MODELS_DIR.is_dir() else Path("models")
 
+
+def data_home() -> Path:
+    """``$XDG_DATA_HOME/visionserve`` (``~/.local/share/visionserve``): where the server keeps
+    what it writes (guard queue, PLC certificates, records) unless told otherwise."""
+    import os
+
+    data = os.environ.get("XDG_DATA_HOME", "")
+    if not os.path.isabs(data):  # the XDG spec: unset or relative means the default
+        data = os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(data) / "visionserve"
+
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
           "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
@@ -455,11 +467,66 @@ class ServerSettings(BaseSettings):
                           "trusted/ and rejected/ client certificates (default "
                           "$XDG_DATA_HOME/visionserve/plc).")
 
-    @field_validator("guard_margin")
+    # --- traceability records and image capture (visionserve/records, docs/records.md) ---
+    records: bool = Field(
+        False, description="Keep a traceability record of every answered frame (part, station, "
+                           "camera, time, model, version, verdict, scores or detections, timings, "
+                           "request id), written off the hot path; GET /v1/parts/{part_id} reads "
+                           "them.")
+    records_dir: Path | None = Field(
+        None, description="Folder of the records database (records.sqlite) and of captured "
+                          "images (captures/) (default $XDG_DATA_HOME/visionserve).")
+    records_url: str | None = Field(
+        None, description="The record store: sqlite:///path/records.sqlite, or "
+                          "postgresql://user@host/db (the records-pg extra; password from "
+                          "PGPASSWORD or ~/.pgpass). Default: records.sqlite in --records-dir.")
+    records_max_age_days: float = Field(
+        365.0, gt=0, description="Records older than this are deleted.")
+    records_max_bytes: str = Field(
+        "10GiB", description="The record store's size limit: the oldest records are deleted past "
+                             "it.")
+    records_queue: int = Field(
+        10_000, ge=100, le=10_000_000,
+        description="Answered frames waiting for the record writer; past it records are dropped "
+                    "and counted (visionserve_records_dropped_total), inference never waits.")
+    capture: Literal["none", "ng", "uncertain", "sample", "all"] = Field(
+        "none", description="Which frames are kept for retraining, with their record as a JSON "
+                            "sidecar (needs --records): ng, uncertain (deciding score within "
+                            "--capture-band of the threshold), sample (--capture-sample-percent "
+                            "of frames), all.")
+    capture_band: float = Field(
+        0.1, gt=0, le=1, description="--capture uncertain: the band around the verdict's threshold "
+                                     "(on the score's scale).")
+    capture_sample_percent: float = Field(
+        1.0, gt=0, le=100, description="--capture sample: the share of frames kept, in percent.")
+    capture_target: str | None = Field(
+        None, description="Where captured images go: a folder, or s3://bucket/prefix (the s3 "
+                          "extra; endpoint --capture-s3-endpoint, credentials from "
+                          "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY). Default: captures/ in "
+                          "--records-dir.")
+    capture_s3_endpoint: str | None = Field(
+        None, description="The S3-compatible server of an s3:// target, e.g. "
+                          "https://minio.plant:9000 (default: AWS S3).")
+    capture_quota: str = Field(
+        "20GiB", description="A capture folder's size limit: the oldest images are deleted past "
+                             "it, so a full disk never stops the line.")
+    capture_queue: int = Field(
+        256, ge=1, le=100_000,
+        description="Captured images waiting to be written; past it images are dropped and "
+                    "counted, inference never waits.")
+
+    @field_validator("guard_margin", "records_max_bytes", "capture_quota")
     @classmethod
     def _margin(cls, v: str) -> str:
         parse_bytes(v)
         return v
+
+    @model_validator(mode="after")
+    def _capture_needs_records(self) -> ServerSettings:
+        if self.capture != "none" and not self.records:
+            raise ValueError(f"capture {self.capture!r} needs records on (--records): each "
+                             "captured image carries its record")
+        return self
 
     @model_validator(mode="after")
     def _tls_pair(self) -> ServerSettings:

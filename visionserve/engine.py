@@ -25,10 +25,10 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from pydantic import ValidationError
 
@@ -135,6 +135,36 @@ def effective_config(config: ModelConfig, settings: ServerSettings) -> ModelConf
     return config.model_copy(update={"batching": batching})
 
 
+#: where a request's frames come from, as the front ends say it: (part id, camera id, station
+#: id), each None when not sent
+Origin = tuple
+
+
+class ResultTap(Protocol):
+    """What hears every frame's final answer (``Engine.tap``); called on the engine's loop."""
+
+    def watch(self, served, pending: Sequence, origin: Origin | None) -> None: ...
+
+    def refused(self, served, count: int, origin: Origin | None,
+                exc: VisionServeError) -> None: ...
+
+
+class _Tee:
+    """Several taps as one."""
+
+    def __init__(self, taps: tuple[ResultTap, ...]) -> None:
+        self.taps = taps
+
+    def watch(self, served, pending: Sequence, origin: Origin | None) -> None:
+        for t in self.taps:
+            t.watch(served, pending, origin)
+
+    def refused(self, served, count: int, origin: Origin | None,
+                exc: VisionServeError) -> None:
+        for t in self.taps:
+            t.refused(served, count, origin, exc)
+
+
 class Engine(ModelLookup):
     def __init__(self, settings: ServerSettings, device: str = "cpu") -> None:
         self.settings = settings
@@ -146,9 +176,11 @@ class Engine(ModelLookup):
         self.gpu: GpuReservation | None = None  # when the device is a GPU
         # the last second's answers, kept only when someone reads them (the guard's latency budget)
         self.latency: LatencyWindow | None = None
-        # the PLC result bus (visionserve.plc.bus.ResultBus) while a PLC server runs: every frame's
-        # final answer (verdict, LATE, error) is handed to it here, whichever front end asked
-        self.results = None
+        # who hears every frame's final answer (verdict, LATE, error), whichever front end asked:
+        # the PLC result bus (visionserve.plc.bus.ResultBus) while a PLC server runs, the
+        # traceability records (visionserve.records) while they are on; see ``tap``
+        self.results: ResultTap | None = None
+        self._taps: list[ResultTap] = []
         # changes of the served models' settings ([verdict]): the front-end processes are sent
         # the models again when it moves; one lock per model serialises the changes
         self.generation = 0
@@ -454,6 +486,22 @@ class Engine(ModelLookup):
         if self.gpu is not None:
             await self.gpu.close()
         self._ready = False
+
+    def tap(self, listener: ResultTap) -> None:
+        """Hand every frame's final answer to ``listener`` from now on (its ``watch`` for admitted
+        frames, ``refused`` for frames refused at admission), on the event loop: it must never
+        wait. With none, an answer costs nothing more; with one, one call."""
+        self._taps.append(listener)
+        self._set_results()
+
+    def untap(self, listener: ResultTap) -> None:
+        if listener in self._taps:
+            self._taps.remove(listener)
+        self._set_results()
+
+    def _set_results(self) -> None:
+        taps = tuple(self._taps)
+        self.results = None if not taps else taps[0] if len(taps) == 1 else _Tee(taps)
 
     async def _release(self, served: Served, drain_s: float | None = None) -> None:
         """Stop a version: with ``drain_s``, its batcher first answers what it holds (up to that
@@ -804,8 +852,9 @@ class Engine(ModelLookup):
 
     def admit(self, served: Served, frames: list[Frame], deadline_ms: float | None,
               priority: int | None, arrival: float, origin: tuple | None = None) -> list:
-        """``_admit``, and each frame's final answer to the PLC result bus when one runs (refused
-        frames too: the PLC must hear "no decision"). ``origin``: (part id, camera id)."""
+        """``_admit``, and each frame's final answer to the taps when any listen (refused frames
+        too: the PLC must hear "no decision"). ``origin``: (part id, camera id, station id), each
+        optional (``Origin``)."""
         if self.results is None:
             return self._admit(served, frames, deadline_ms, priority, arrival)
         try:

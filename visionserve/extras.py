@@ -20,12 +20,15 @@ log = logging.getLogger(__name__)
 
 #: top-level module -> the extra that installs it
 EXTRA_OF = {"torch": "gpu", "torchvision": "gpu", "onnx": "train", "onnxscript": "train",
-            "locust": "load"}
+            "locust": "load", "psycopg": "records-pg", "minio": "s3", "pyarrow": "records-parquet"}
 
 #: what each extra is for, said in the message
 PURPOSE = {"gpu": "torch and torchvision; from PyPI with their CUDA libraries, about 4 GB",
            "train": "training and exporting models",
-           "load": "the load-test tools"}
+           "load": "the load-test tools",
+           "records-pg": "the PostgreSQL record store (psycopg 3)",
+           "s3": "image capture to an S3-compatible bucket (the MinIO client)",
+           "records-parquet": "records export to Parquet (pyarrow)"}
 
 
 def install_hint(extra: str) -> str:

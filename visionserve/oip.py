@@ -169,13 +169,21 @@ def answer_parameters(route: Route) -> dict[str, str]:
                                              "recipe": route.recipe or ""}
 
 
-def origin(params: dict[str, Any] | None, request_id: str | None) -> tuple[str | None, str | None]:
-    """(part id, camera id) for the PLC result bus: parameters ``part_id`` (else the request id)
-    and ``camera_id``, what the inspect API's X-Part-Id and X-Camera-Id headers carry."""
+def origin(params: dict[str, Any] | None, request_id: str | None,
+           route: Route | None = None) -> tuple[str | None, ...]:
+    """(part id, camera id, station id, recipe) for the PLC result bus and the part's record:
+    parameters ``part_id`` (else the request id), ``camera_id`` and ``station_id`` (the station
+    the route found, else the parameter), what the inspect API's X-Part-Id, X-Camera-Id and
+    X-Station-Id headers carry; the recipe the route decided under."""
     params = params or {}
-    part, camera = params.get("part_id"), params.get("camera_id")
-    part = str(part) if part not in (None, "") else (request_id or None)
-    return part, (str(camera) if camera not in (None, "") else None)
+    part = _text(params.get("part_id")) or request_id or None
+    station = (route.station if route is not None else None) or _text(params.get("station_id"))
+    return (part, _text(params.get("camera_id")), station,
+            route.recipe if route is not None else None)
+
+
+def _text(value: Any) -> str | None:
+    return str(value) if value not in (None, "") else None
 
 
 def check_input(served: ServedModel, name: str, datatype: str, shape: list[int]) -> None:

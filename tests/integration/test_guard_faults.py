@@ -8,14 +8,11 @@ open (a mount with a writer open cannot be made read-only).
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from conftest import wait_for
@@ -23,6 +20,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
 
+from tests.tools.disks import mount_disk
 from visionserve.guard import proc
 from visionserve.guard.http import make_router
 from visionserve.guard.memory import SimulatedMemorySource, write_simulation
@@ -32,71 +30,9 @@ from visionserve.guard.supervisor import Supervisor, SupervisorConfig
 GIB = 1024**3
 
 
-class Disk:
-    """A folder on a file system of its own: ``full`` (a 4 MiB tmpfs, filled on :meth:`fail`)
-    or ``readonly`` (a bind mount, remounted read-only on :meth:`fail`)."""
-
-    def __init__(self, root: Path, kind: str) -> None:
-        self.kind, self.dir = kind, root / "disk"
-        self.dir.mkdir()
-        if kind == "full":
-            self._mount("-t", "tmpfs", "-o", "size=4m", "tmpfs", str(self.dir))
-        else:
-            (root / "backing").mkdir()
-            self._mount("--bind", str(root / "backing"), str(self.dir))
-        self.mounted = True
-
-    @staticmethod
-    def _mount(*args: str) -> None:
-        r = subprocess.run(["mount", *args], capture_output=True, text=True, check=False)
-        if r.returncode:
-            raise OSError(errno.EPERM, f"mount {' '.join(args)}: {r.stderr.strip()}")
-
-    def _remount(self, mode: str) -> None:
-        # EBUSY while a connection of the guard is open for writing: try again
-        end = time.monotonic() + 10
-        while True:
-            try:
-                return self._mount("-o", f"remount,{mode},bind", str(self.dir))
-            except OSError:
-                if time.monotonic() > end:
-                    raise
-                time.sleep(0.01)
-
-    def fail(self) -> None:
-        if self.kind == "readonly":
-            return self._remount("ro")
-        fd = os.open(self.dir / "filler", os.O_WRONLY | os.O_CREAT)
-        try:
-            while True:
-                os.write(fd, b"\0" * 65536)
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC
-        finally:
-            os.close(fd)
-
-    def mend(self) -> None:
-        if self.kind == "readonly":
-            self._remount("rw")
-        else:
-            os.remove(self.dir / "filler")
-
-    def close(self) -> None:
-        if self.mounted:
-            subprocess.run(["umount", "-l", str(self.dir)], check=False)
-            self.mounted = False
-
-
 @pytest.fixture(params=["full", "readonly"])
 def disk(request, tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a file system that can fail")
-    try:
-        d = Disk(tmp_path, request.param)
-    except OSError as exc:
-        pytest.skip(f"cannot mount here: {exc}")
-    request.addfinalizer(d.close)
-    return d
+    return mount_disk(request, tmp_path, request.param)
 
 
 def metric(name: str) -> float | None:

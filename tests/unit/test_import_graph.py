@@ -27,12 +27,12 @@ PACKAGE = "visionserve"
 #: MODULE_LAYERS names the module itself.
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("foundation", frozenset({"", "errors", "config", "plugins", "logs", "metrics", "latency",
-                              "extras", "process", "threads"})),
+                              "extras", "process", "threads", "storage"})),
     ("frames and devices", frozenset({"imaging", "gpu"})),
     ("models", frozenset({"backends", "tasks", "repository", "verdicts", "recipes"})),
     ("data plane", frozenset({"dataplane", "batching", "runner", "engine", "oip"})),
     ("front ends", frozenset({"http", "grpc", "frontends", "security"})),
-    ("services", frozenset({"guard", "plc", "ops"})),
+    ("services", frozenset({"guard", "plc", "ops", "records"})),
     ("assembly", frozenset({"runtime", "cli", "__main__"})),
 )
 MODULE_LAYERS = {

@@ -128,7 +128,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         served, results = await engine.infer(
             route.model, route.version, frames,
             deadline_ms=convert.deadline_ms(param_ms, time_remaining_s), priority=priority,
-            arrival=arrival, origin=oip.origin(params, request.id))
+            arrival=arrival, origin=oip.origin(params, request.id, route))
         return convert.infer_response(served, results, names, request.id,
                                       oip.answer_parameters(route))
 

@@ -25,7 +25,9 @@ from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..config import data_home
 from ..errors import InvalidInput, NotFound, Unavailable, VisionServeError
+from ..storage import open_sqlite, sqlite_fault
 
 DB_ENV = "VISIONSERVE_GUARD_DB"
 DEFAULT_DB = "$XDG_DATA_HOME/visionserve/guard.sqlite"  # how help texts name the default
@@ -89,12 +91,6 @@ class StoreFault(Unavailable):
         super().__init__(f"the guard's job database cannot be used now ({cause}): {path}; "
                          "nothing was changed, retry later", retry_after_s=self.RETRY_AFTER_S)
         self.cause = str(cause)
-
-
-def _fault(exc: BaseException) -> bool:
-    """SQLite's errors that are the file's or the disk's (full, read-only, I/O, cannot open,
-    locked, corrupt), not a wrong statement or a broken constraint (a bug: left to propagate)."""
-    return isinstance(exc, sqlite3.OperationalError) or type(exc) is sqlite3.DatabaseError
 
 
 class SupervisorRunning(VisionServeError):
@@ -213,10 +209,7 @@ def default_db_path() -> str:
     working directory made `guard list` elsewhere show an empty queue without a word."""
     if os.environ.get(DB_ENV):
         return os.environ[DB_ENV]
-    data = os.environ.get("XDG_DATA_HOME", "")
-    if not os.path.isabs(data):  # the XDG spec: unset or relative means the default
-        data = os.path.join(os.path.expanduser("~"), ".local", "share")
-    folder = os.path.join(data, "visionserve")
+    folder = os.fspath(data_home())
     try:
         os.makedirs(folder, mode=0o700, exist_ok=True)
     except OSError:
@@ -255,16 +248,13 @@ class JobStore:
     @contextmanager
     def _conn(self) -> Iterator[sqlite3.Connection]:
         try:
-            c = sqlite3.connect(self.path, timeout=self._timeout, isolation_level=None)
+            c = open_sqlite(self.path, self._timeout)
         except sqlite3.Error as exc:
             raise StoreFault(self.path, exc) from exc
         try:
-            c.row_factory = sqlite3.Row
-            c.execute(f"PRAGMA busy_timeout={int(self._timeout * 1000)}")
-            c.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across process crashes
             yield c
         except sqlite3.DatabaseError as exc:
-            if not _fault(exc):
+            if not sqlite_fault(exc):
                 raise
             raise StoreFault(self.path, exc) from exc
         finally:

@@ -49,7 +49,8 @@ _BODY = {
          "description": "Echoed in the answer; a station's camera (recipes.toml) makes the frame "
                         "that station's."},
         {"name": "X-Station-Id", "in": "header", "required": False, "schema": {"type": "string"},
-         "description": "The frame's station: decided under the recipe it runs."},
+         "description": "The frame's station: decided under the recipe it runs; kept in the "
+                        "part's record."},
         {"name": "X-Deadline-Ms", "in": "header", "required": False, "schema": {"type": "number"},
          "description": "Budget from arrival in ms; default: the model's takt_ms."},
         {"name": "X-Priority", "in": "header", "required": False, "schema": {"type": "integer"},
@@ -128,9 +129,17 @@ def read_head(headers: Headers, engine, settings, model_name: str | None,
     if headers.get("content-length") is not None:
         check_declared_length(headers, settings.max_body_bytes)
         engine.precheck(model_name, model_version, 1, deadline_ms=deadline_ms,
-                        priority=priority, arrival=arrival, origin=(part_id, camera_id))
+                        priority=priority, arrival=arrival,
+                        origin=origin(part_id, camera_id, route.station, route.recipe, headers))
     return InspectHead(arrival, part_id, camera_id, kind, deadline_ms, priority, model_name,
                        model_version, route.station, route.recipe)
+
+
+def origin(part_id: str | None, camera_id: str | None, station: str | None, recipe: str | None,
+           headers: Headers) -> tuple[str | None, ...]:
+    """(part id, camera id, station id, recipe) for the PLC result bus and the part's record: the
+    station the route found, else the X-Station-Id header."""
+    return part_id, camera_id, station or headers.get("x-station-id") or None, recipe
 
 
 def head_error_response(exc: VisionServeError, engine, headers: Headers,
@@ -178,7 +187,9 @@ async def inspect_frame(request: Request, model_name: str | None, model_version:
             frame = imaging.encoded_frame(body, max_pixels=settings.max_image_pixels, expected=kind)
         served, (r,) = await unless_disconnected(
             request, engine.infer(model_name, model_version, [frame], deadline_ms=deadline_ms,
-                                  priority=priority, arrival=arrival, origin=(part_id, camera_id)))
+                                  priority=priority, arrival=arrival,
+                                  origin=origin(part_id, camera_id, head.station, head.recipe,
+                                                request.headers)))
     except DeadlineExceeded as exc:  # no decision for the PLC, whenever the deadline passed
         late_ms = None if exc.late_ms is None else round(exc.late_ms, 3)
         return error_response(exc, {"part_id": part_id, "model": model_name, "verdict": "LATE",

@@ -164,7 +164,7 @@ async def _infer(request: Request, model_name: str, model_version: str = "") -> 
     served, results = await unless_disconnected(
         request, engine.infer(model_name, model_version, frames, deadline_ms=deadline_ms,
                               priority=priority, arrival=arrival,
-                              origin=oip.origin(req.parameters, req.id)))
+                              origin=oip.origin(req.parameters, req.id, route)))
     return _response(req, served, results, names, oip.answer_parameters(route))
 
 

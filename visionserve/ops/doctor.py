@@ -103,6 +103,8 @@ class Facts:
     gpu_memory_budget: int | None = None
     pid: int = field(default_factory=os.getpid)
     kernel_log: Sequence[str] | None = None  # None: not readable here
+    #: the server's settings (VISIONSERVE_*), for the records and capture checks; None: skipped
+    settings: Any = None
 
 
 def read_kernel_log() -> list[str] | None:
@@ -539,10 +541,25 @@ def check_xid(c: _Ctx) -> Check:
     return Check(name, status, "; ".join(parts), "; ".join(fixes))  # type: ignore[arg-type]
 
 
+def check_records(c: _Ctx) -> Check:
+    """The record store: writable, room on its disk, retention keeping up (records.health)."""
+    from ..records.health import check_records as records
+
+    return Check("records", *records(c.facts.settings))
+
+
+def check_capture(c: _Ctx) -> Check:
+    """The capture target: writable or reachable, its quota against the disk's free space."""
+    from ..records.health import check_capture as capture
+
+    return Check("capture", *capture(c.facts.settings))
+
+
 CHECKS: tuple[Callable[[_Ctx], Check], ...] = (
     check_nvml, check_driver_cuda, check_torch_cuda, check_compute_capability,
     check_visible_devices, check_device_order, check_device, check_stray_contexts,
     check_temperature, check_throttling, check_pcie, check_memory_budget, check_ecc, check_xid,
+    check_records, check_capture,
 )
 
 
@@ -576,6 +593,19 @@ def render_text(checks: Sequence[Check], facts: Facts) -> str:
     return "\n".join(lines)
 
 
+def server_settings():
+    """The server's settings from VISIONSERVE_* (what ``serve`` would run with), or None when
+    they do not validate (``serve`` says why)."""
+    from pydantic import ValidationError
+
+    from ..config import ServerSettings
+
+    try:
+        return ServerSettings()
+    except ValidationError:
+        return None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None,
                         help="device the server will use (default: VISIONSERVE_DEVICE or auto)")
@@ -597,6 +627,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"visionserve doctor: --gpu-memory-budget: {exc}")
         return 2
     facts = gather_facts(device, budget, args.pid)
+    facts.settings = server_settings()
     checks = run_checks(facts)
     code = exit_code(checks)
     if args.json:

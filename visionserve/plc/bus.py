@@ -196,7 +196,7 @@ class ResultBus:
 
     def watch(self, served, pending: Sequence, origin: tuple | None) -> None:
         """Publish each admitted frame (``Pending``: future, arrival) once its answer is final."""
-        part_id, camera_id = origin or (None, None)
+        part_id, camera_id = origin[:2] if origin else (None, None)
         station = self.stations.route(camera_id)
         if self.outstanding == 0:
             self.busy_since = time.monotonic()
@@ -211,7 +211,7 @@ class ResultBus:
 
     def refused(self, served, count: int, origin: tuple | None, exc: VisionServeError) -> None:
         """Frames the engine refused at admission (not ready, draining, overloaded, bad request)."""
-        part_id, camera_id = origin or (None, None)
+        part_id, camera_id = origin[:2] if origin else (None, None)
         station = self.stations.route(camera_id)
         if station is None:
             metrics.UNROUTED.inc(count)

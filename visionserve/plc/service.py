@@ -34,6 +34,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..config import data_home
 from ..errors import ConfigError, Conflict, VisionServeError
 from ..frontends.channel import Channel, connect
 from . import metrics
@@ -53,10 +54,7 @@ STOP_TIMEOUT_S = 10.0
 
 def default_data_dir() -> Path:
     """$XDG_DATA_HOME/visionserve/plc (~/.local/share/visionserve/plc)."""
-    data = os.environ.get("XDG_DATA_HOME", "")
-    if not os.path.isabs(data):  # the XDG spec: unset or relative means the default
-        data = os.path.join(os.path.expanduser("~"), ".local", "share")
-    return Path(data) / "visionserve" / "plc"
+    return data_home() / "plc"
 
 
 def parse_address(spec: str) -> tuple[str, int]:
@@ -270,11 +268,11 @@ async def plc_running(engine, settings):
     watchdog = Watchdog(engine, bus, settings.plc_watchdog_ms / 1000,
                         min(0.1, settings.plc_watchdog_ms / 4000), on_probe=link.probe)
     watchdog.start()
-    engine.results = bus  # from here every answered frame is published
+    engine.tap(bus)  # from here every answered frame is published
     try:
         yield 0
     finally:
-        engine.results = None
+        engine.untap(bus)
         watchdog.stop()
         link.close()
         for p in procs:

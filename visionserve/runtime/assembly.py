@@ -41,12 +41,15 @@ def assemble(settings: ServerSettings):
 
 async def serve(engine, settings: ServerSettings, guard: HostedGuard | None = None) -> int:
     """Run HTTP (+ gRPC) until a signal, then drain; returns the exit code. The PLC servers
-    (--opcua, --modbus) run alongside, in either front-end mode: the engine publishes to them."""
+    (--opcua, --modbus) and the record writer (--records) run alongside, in either front-end
+    mode: the engine hands them every answer."""
     from ..plc.service import plc_running
+    from ..records.service import records_running
 
-    async with plc_running(engine, settings) as failed:
-        if failed:
-            return failed
+    async with records_running(engine, settings) as failed, \
+            plc_running(engine, settings) as plc_failed:
+        if failed or plc_failed:
+            return failed or plc_failed
         if settings.frontends:
             from .procs import serve_with_frontends
 
@@ -54,11 +57,27 @@ async def serve(engine, settings: ServerSettings, guard: HostedGuard | None = No
         return await serve_here(engine, settings, guard)
 
 
+def service_routers(settings: ServerSettings, guard_store=None) -> tuple:
+    """The services' HTTP routes of a process's app: the guard's job API (with ``guard_store``),
+    the part records (``--records``)."""
+    routers = []
+    if guard_store is not None:
+        from ..guard.http import make_router
+
+        routers.append(make_router(guard_store))
+    if settings.records:
+        from ..records.http import make_router as records_router
+        from ..records.service import store_of
+
+        routers.append(records_router(store_of(settings)))
+    return tuple(routers)
+
+
 async def serve_here(engine, settings: ServerSettings, guard: HostedGuard | None = None) -> int:
     """The front ends in this process, beside the engine."""
     from ..http.server import http_app, http_server
 
-    routers = (guard.router(),) if guard is not None else ()
+    routers = service_routers(settings, guard.store if guard is not None else None)
     server = http_server(http_app(engine, settings, routers), engine, settings)
     grpc_server = None
     if settings.grpc_port >= 0:

@@ -25,6 +25,7 @@ from ..frontends.channel import connect
 from ..frontends.remote import RemoteEngine
 from ..http.server import http_app, http_server
 from ..process import child_main
+from .assembly import service_routers
 from .hosted import open_guard_store
 from .procs import SETTINGS_ENV, SPEC_ENV
 
@@ -49,11 +50,8 @@ async def run(spec: dict, settings: ServerSettings) -> int:
     assert transport is not None  # connect() returns a connected channel
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, transport.abort)
     heartbeat = asyncio.ensure_future(remote.watch())
-    routers: tuple[APIRouter, ...] = ()
-    if settings.guard:
-        from ..guard.http import make_router
-
-        routers = (make_router(open_guard_store(settings)),)
+    routers: tuple[APIRouter, ...] = service_routers(
+        settings, open_guard_store(settings) if settings.guard else None)
     server = http_server(http_app(remote, settings, routers), remote, settings)
     # Ctrl-C in a terminal reaches the whole process group: the serving process drains and then
     # sends SIGTERM here; taking SIGINT too would make that SIGTERM a second signal (leave now)

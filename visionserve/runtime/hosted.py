@@ -37,11 +37,6 @@ class HostedGuard:
             latency_budget_ms=settings.guard_latency_budget_ms), latency=latency)
         self._thread: threading.Thread | None = None
 
-    def router(self):
-        from ..guard.http import make_router
-
-        return make_router(self.store)
-
     def start(self) -> None:
         import threading
 

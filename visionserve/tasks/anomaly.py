@@ -506,6 +506,10 @@ class AnomalyDetection(Task):
         return ("anomalous", 1, result.score) if result.anomalous else \
             ("normal", 0, result.score)
 
+    def margin(self, result: Anomaly) -> float | None:
+        """The normalised image score against ``verdict.image_threshold``."""
+        return abs(result.score - self._rule.verdict.image_threshold)
+
 
 def _anomalib_metadata(path: Path) -> Normalization | None:
     """anomalib 1.x's ``metadata.json`` next to the model -> its normalisation, if it has one."""

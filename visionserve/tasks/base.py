@@ -125,3 +125,9 @@ class Task(ABC):
     def summary(self, result: Any) -> tuple[str, int, float]:
         """(label, class index, score) for the PLC's result registers; ("", -1, nan) if none."""
         return "", -1, float("nan")
+
+    def margin(self, result: Any) -> float | None:
+        """How far the frame's deciding score lies from the verdict's threshold, on the score's
+        own scale (0: on the threshold); image capture's ``uncertain`` policy keeps frames within
+        a band of it. None: the task has no single score threshold."""
+        return None

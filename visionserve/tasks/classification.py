@@ -195,3 +195,11 @@ class Classification(Task):
     def summary(self, result: Classified) -> tuple[str, int, float]:
         return result.label, result.index, result.score
 
+    def margin(self, result: Classified) -> float | None:
+        """The best OK label's score against ``ok_threshold``: near it, the verdict could have
+        gone either way (a clear NG has its OK scores near 0, a clear OK near 1)."""
+        ok_labels, threshold = self._rule
+        best = max((float(s) for label, s in zip(self.labels, result.scores)
+                    if label in ok_labels), default=None)
+        return None if best is None else abs(best - threshold)
+

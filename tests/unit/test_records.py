@@ -1,0 +1,295 @@
+"""Traceability records: what a record holds, the SQLite store (history, export range,
+retention by age and size, a full or deleted file), the writer (off the loop, bounded, faults
+counted and survived), the capture policy and the capture folder's quota, and the export."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import dataclasses
+import json
+import os
+import random
+import time
+from argparse import Namespace
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from conftest import wait_for
+from prometheus_client import REGISTRY
+
+from visionserve.config import ModelConfig
+from visionserve.errors import DeadlineExceeded, Unavailable
+from visionserve.imaging import Frame
+from visionserve.logs import request_id
+from visionserve.records import cli
+from visionserve.records.capture import FolderTarget, Policy, image_key
+from visionserve.records.record import Record, parse_time
+from visionserve.records.store import SqliteStore, StoreFault
+from visionserve.records.writer import Recorder
+from visionserve.runner import FrameResult
+from visionserve.tasks.classification import Classification, Classified
+
+LABELS = ("ok", "dent", "scratch")
+TASK = Classification(ModelConfig.model_validate({
+    "input": {"width": 8, "height": 8}, "output": {"labels": LABELS},
+    "verdict": {"ok_labels": ["ok"], "ok_threshold": 0.6}}))
+SERVED = SimpleNamespace(name="tiny", version=3, task=TASK)
+JPEG = b"\xff\xd8\xff\xe0" + b"x" * 1000
+
+
+def metric(name: str, **labels) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def _result(verdict="NG", scores=(0.05, 0.9, 0.05)) -> FrameResult:
+    s = np.array(scores, dtype=np.float32)
+    top = int(s.argmax())
+    return FrameResult(verdict, Classified(LABELS[top], top, float(s[top]), s), 2, 0.5, 2.0, 2.6,
+                       True)
+
+
+def _pending(n: int, data: bytes = JPEG):
+    loop = asyncio.get_running_loop()
+    return [SimpleNamespace(future=loop.create_future(), arrival=time.monotonic(),
+                            payload=Frame("jpeg", data, 64, 48)) for _ in range(n)]
+
+
+def _record(t: float, part: str = "P-1", verdict: str = "OK", **kw) -> Record:
+    return Record(t, part, "st-1", "cam-1", "tiny", "3", None, verdict, "ok", 0.9,
+                  {"label": "ok", "score": 0.9}, {"total_ms": 3.0}, "rid", **kw)
+
+
+# --- the store -----------------------------------------------------------------------------------
+
+def test_history_is_the_parts_records_newest_first_and_select_takes_a_time_range(tmp_path):
+    store = SqliteStore(tmp_path / "r.sqlite")
+    store.write([_record(100.0 + i, part="A" if i % 2 else "B") for i in range(10)])
+    hist = store.history("A")
+    assert [r.time for r in hist] == [109.0, 107.0, 105.0, 103.0, 101.0]
+    assert hist[0] == _record(109.0, part="A")  # every field back as written (JSON decoded)
+    assert [r.time for r in store.history("A", limit=2)] == [109.0, 107.0]
+    assert store.history("nobody") == []
+    assert [r.time for r in store.select(102.0, 105.0)] == [102.0, 103.0, 104.0]
+    assert len(list(store.select())) == 10
+    mode = store._writer().execute("PRAGMA journal_mode").fetchone()[0]
+    assert mode == "wal"
+    store.close()
+
+
+def test_retention_deletes_by_age_and_shrinks_the_file_by_size(tmp_path):
+    store = SqliteStore(tmp_path / "r.sqlite")
+    now = time.time()
+    old = [_record(now - 10 * 86400 + i, part=f"old{i}") for i in range(50)]
+    store.write(old)
+    big = {"label": "ok", "blob": "x" * 2000}
+    for k in range(10):
+        store.write([Record(now + k * 100 + i, f"new{k}-{i}", None, None, "tiny", "3", None, "OK",
+                            None, None, big, {}, None) for i in range(100)])
+    assert store.retain(max_age_s=5 * 86400, max_bytes=1 << 40) == 50
+    assert store.history("old0") == []
+    before = store.size()
+    assert before > 2_000_000
+    deleted = store.retain(max_age_s=5 * 86400, max_bytes=1_000_000)
+    assert deleted > 500
+    assert store.size() < 1_000_000  # incremental vacuum and the WAL truncated: on disk too
+    kept = list(store.select())
+    assert kept and kept[0].part_id.startswith("new") and kept[-1].part_id == "new9-99"
+    assert int(kept[0].part_id[3]) >= 4  # the oldest went first
+    store.close()
+
+
+def test_a_full_database_is_a_store_fault_that_says_so(tmp_path):
+    store = SqliteStore(tmp_path / "r.sqlite")
+    store.write([_record(1.0)])
+    store._writer().execute("PRAGMA max_page_count=8")  # a disk with no more room for the file
+    with pytest.raises(StoreFault) as err:
+        store.write([_record(2.0 + i, part="x" * 3000) for i in range(50)])
+    assert err.value.full and "full" in err.value.message
+    assert isinstance(err.value, Unavailable)
+    store.write([_record(3.0)])  # a new connection: the limit was that connection's
+    assert [r.time for r in store.history("P-1")] == [3.0, 1.0]
+
+
+def test_a_database_deleted_under_the_writer_is_made_anew_not_written_into_the_void(tmp_path):
+    path = tmp_path / "r.sqlite"
+    store = SqliteStore(path)
+    store.write([_record(1.0)])
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+    store.write([_record(2.0)])
+    assert path.exists()
+    assert [r.time for r in SqliteStore(path).history("P-1")] == [2.0]
+
+
+# --- the writer ----------------------------------------------------------------------------------
+
+async def test_every_answer_becomes_a_record_with_its_origin_result_and_request_id(tmp_path):
+    store = SqliteStore(tmp_path / "r.sqlite")
+    rec = Recorder(store, max_age_s=1e9, max_bytes=1 << 30)
+    rec.start()
+    try:
+        token = request_id.set("req-7")
+        items = _pending(4)
+        rec.watch(SERVED, items, ("P-42", "cam-2", "station-3"))
+        request_id.reset(token)
+        items[0].future.set_result(_result("NG"))
+        items[1].future.set_result(_result("OK", (0.95, 0.03, 0.02)))
+        items[2].future.set_exception(DeadlineExceeded("too late", late_ms=3.0))
+        items[3].future.cancel()
+        rec.refused(SERVED, 1, ("P-43", None, None), Unavailable("queue full", retry_after_s=1))
+        await asyncio.sleep(0)  # the callbacks run
+        wait_for(lambda: len(list(store.select())) == 5, what="five records")
+    finally:
+        await asyncio.to_thread(rec.close)
+    by_index = {r.frame_index: r for r in store.history("P-42")}
+    ng = by_index[0]
+    assert (ng.part_id, ng.camera, ng.station, ng.model, ng.version, ng.verdict, ng.label) == \
+        ("P-42", "cam-2", "station-3", "tiny", "3", "NG", "dent")
+    assert ng.request_id == "req-7" and abs(ng.score - 0.9) < 1e-6
+    assert ng.result == TASK.inspect_fields(_result().result)  # the task's own fields
+    assert ng.timings["queue_ms"] == 0.5 and ng.timings["batch_size"] == 2
+    assert abs(ng.time - time.time()) < 5
+    assert by_index[1].verdict == "OK"
+    assert by_index[2].verdict == "LATE" and by_index[2].error.startswith("deadline: too late")
+    assert by_index[3].verdict == "ERROR" and by_index[3].error.startswith("cancelled")
+    refused = store.history("P-43")[0]
+    assert refused.verdict == "ERROR" and refused.error == "unavailable: queue full"
+
+
+async def test_a_full_queue_drops_and_counts_and_the_loop_never_waits(tmp_path):
+    rec = Recorder(SqliteStore(tmp_path / "r.sqlite"), max_age_s=1e9, max_bytes=1 << 30,
+                   queue_size=100)  # not started: nothing takes from the queue
+    before = metric("visionserve_records_dropped_total", reason="queue_full")
+    items = _pending(150)
+    rec.watch(SERVED, items, None)
+    t0 = time.perf_counter()
+    for it in items:
+        it.future.set_result(_result())
+    await asyncio.sleep(0)
+    assert time.perf_counter() - t0 < 1.0
+    assert metric("visionserve_records_dropped_total", reason="queue_full") - before == 50
+
+
+async def test_a_store_that_refuses_is_counted_and_its_records_written_once_it_works(tmp_path):
+    store = SqliteStore(tmp_path / "r.sqlite")
+    broken = {"on": True}
+    real_write = store.write
+
+    def write(records):
+        if broken["on"]:
+            raise StoreFault(store.where, "attempt to write a readonly database")
+        real_write(records)
+
+    store.write = write  # type: ignore[method-assign]
+    errors = metric("visionserve_records_store_errors_total")
+    rec = Recorder(store, max_age_s=1e9, max_bytes=1 << 30)
+    rec.start()
+    try:
+        items = _pending(3)
+        rec.watch(SERVED, items, ("P-1", None, None))
+        for it in items:
+            it.future.set_result(_result())
+        await asyncio.sleep(0)
+        wait_for(lambda: metric("visionserve_records_store_fault") == 1, what="the fault gauge")
+        assert metric("visionserve_records_store_errors_total") > errors
+        assert rec.fault is not None
+        broken["on"] = False
+        wait_for(lambda: len(store.history("P-1")) == 3, 10, "the held batch written")
+        assert metric("visionserve_records_store_fault") == 0 and rec.fault is None
+    finally:
+        await asyncio.to_thread(rec.close)
+
+
+# --- capture -------------------------------------------------------------------------------------
+
+def test_the_capture_policies_pick_what_they_say():
+    ng, ok = _result("NG"), _result("OK", (0.95, 0.03, 0.02))
+    near = _result("NG", (0.55, 0.45, 0.0))  # best OK score 0.55, threshold 0.6
+    assert not Policy("none").wants("NG", TASK, ng.result)
+    assert Policy("all").wants("OK", TASK, ok.result)
+    assert Policy("ng").wants("NG", TASK, ng.result)
+    assert not Policy("ng").wants("OK", TASK, ok.result)
+    unsure = Policy("uncertain", band=0.1)
+    assert unsure.wants("NG", TASK, near.result)
+    assert not unsure.wants("NG", TASK, ng.result) and not unsure.wants("OK", TASK, ok.result)
+    sample = Policy("sample", percent=10, rng=random.Random(1))
+    share = sum(sample.wants("OK", TASK, ok.result) for _ in range(10_000)) / 10_000
+    assert 0.08 < share < 0.12
+
+
+def test_the_capture_folder_stays_under_its_quota_oldest_first(tmp_path):
+    target = FolderTarget(tmp_path / "cap", quota=10_000)
+    for i in range(12):
+        target.put(f"2026-12-0{1 + i // 6}/p{i}.jpg", b"x" * 1000, b"{}")
+        os.utime(tmp_path / "cap" / f"2026-12-0{1 + i // 6}/p{i}.jpg", (1000 + i, 1000 + i))
+    kept = sorted(p.name for p in (tmp_path / "cap").rglob("*.jpg"))
+    total = sum(p.stat().st_size for p in (tmp_path / "cap").rglob("*") if p.is_file())
+    assert total <= 10_000 and target.used == total
+    assert "p11.jpg" in kept and "p0.jpg" not in kept
+    assert metric("visionserve_captures_deleted_total") >= 3
+
+
+async def test_captured_frames_are_the_bytes_received_with_their_record_beside(tmp_path):
+    store = SqliteStore(tmp_path / "r.sqlite")
+    rec = Recorder(store, max_age_s=1e9, max_bytes=1 << 30, policy=Policy("ng"),
+                   target=FolderTarget(tmp_path / "cap", 1 << 30))
+    rec.start()
+    try:
+        items = _pending(2)
+        rec.watch(SERVED, items, ("P/7 x", "cam", None))
+        items[0].future.set_result(_result("NG"))
+        items[1].future.set_result(_result("OK", (0.95, 0.03, 0.02)))
+        await asyncio.sleep(0)
+        wait_for(lambda: list((tmp_path / "cap").rglob("*.json")), what="the capture")
+    finally:
+        await asyncio.to_thread(rec.close)
+    (image,) = (tmp_path / "cap").rglob("*.jpg")
+    assert image.read_bytes() == JPEG
+    assert image.name == "P_7_x.jpg" and image.parent.name == time.strftime("%Y-%m-%d",
+                                                                             time.gmtime())
+    side = json.loads(image.with_name(image.name + ".json").read_text())
+    assert side["part_id"] == "P/7 x" and side["verdict"] == "NG" and side["image"] == \
+        f"{image.parent.name}/{image.name}"
+    records = {r.verdict: r for r in store.history("P/7 x")}
+    assert records["NG"].image == side["image"] and records["OK"].image is None
+
+
+def test_image_keys_are_unique_per_request_and_frame():
+    r = _record(0.0, part="A-1")
+    assert image_key(r, "jpeg") == "1970-01-01/A-1_rid.jpg"
+    assert image_key(dataclasses.replace(r, part_id=None, frame_index=2), "raw") == \
+        "1970-01-01/rid-2.npy"
+
+
+# --- export --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_export_writes_the_records_of_the_range(tmp_path, fmt):
+    if fmt == "parquet":
+        pytest.importorskip("pyarrow")
+    store = SqliteStore(tmp_path / "records.sqlite")
+    t0 = parse_time("2026-12-01T06:00:00Z")
+    store.write([_record(t0 + 3600 * i, part=f"P-{i}", verdict="NG" if i % 3 else "OK")
+                 for i in range(10)])
+    out = tmp_path / f"out.{fmt}"
+    args = Namespace(records_url=None, records_dir=str(tmp_path), action="export",
+                     since="2026-12-01T08:00Z", until="2026-12-01T12:00Z", format=fmt,
+                     out=str(out))
+    assert cli.run(args) == 0
+    if fmt == "csv":
+        with open(out, newline="") as f:
+            rows = list(csv.DictReader(f))
+        times = [r["time"] for r in rows]
+        assert json.loads(rows[0]["result"]) == {"label": "ok", "score": 0.9}
+    else:
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(out).to_pylist()
+        times = [r["time"].strftime("%Y-%m-%dT%H:%M:%S.000Z") for r in rows]
+    assert [r["part_id"] for r in rows] == ["P-2", "P-3", "P-4", "P-5"]
+    assert times[0] == "2026-12-01T08:00:00.000Z"
+    bad = Namespace(**{**vars(args), "since": "yesterday"})
+    assert cli.run(bad) == 2

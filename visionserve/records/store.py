@@ -1,0 +1,437 @@
+"""Where records are kept: SQLite in WAL mode (the default, one file in the data folder), or
+PostgreSQL (``postgresql://...``, the ``records-pg`` extra), behind one interface.
+
+One table, ``records``, indexed by part id and time, the task's result and the timings as JSON.
+Writes come from one writer thread (:mod:`.writer`), a batch per transaction; reads (the part's
+history, the export) open their own connection, so they never wait for the writer's batches
+(SQLite's WAL lets readers run beside the writer) and never stall it.
+
+A store that cannot be used now (disk full, read-only, gone, I/O error, the database server
+down) raises :class:`StoreFault`; the writer counts it, says so and tries again later.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from ..errors import ConfigError, Unavailable
+from ..extras import require
+from ..storage import open_sqlite, sqlite_fault
+from .record import COLUMNS, Record
+
+#: the part's history: at most this many records in one answer
+MAX_HISTORY = 1000
+#: rows fetched at a time by an export
+EXPORT_CHUNK = 2000
+#: rows deleted per statement by retention (short transactions: the writer goes on between them)
+DELETE_CHUNK = 5000
+
+
+class StoreFault(Unavailable):
+    """The record store cannot be used now (HTTP 503 for a read); the same call may work later."""
+
+    RETRY_AFTER_S = 5.0
+
+    def __init__(self, where: str, cause: BaseException | str) -> None:
+        super().__init__(f"the record store cannot be used now ({cause}): {where}",
+                         retry_after_s=self.RETRY_AFTER_S)
+        self.cause = str(cause)
+        #: the disk (or the database's quota) is full: retention may make room
+        self.full = "full" in self.cause.lower() or "no space" in self.cause.lower()
+
+
+class RecordStore(ABC):
+    """``write`` from one thread (the writer); the reads from any thread."""
+
+    #: how the store is named in logs, doctor and errors (no password)
+    where: str
+
+    @abstractmethod
+    def write(self, records: Sequence[Record]) -> None:
+        """Append ``records`` in one transaction (all or none)."""
+
+    @abstractmethod
+    def history(self, part_id: str, limit: int = 100) -> list[Record]:
+        """The part's records, newest first."""
+
+    def select(self, since: float | None = None, until: float | None = None) -> Iterator[Record]:
+        """Records with ``since <= time < until``, oldest first, fetched a chunk at a time (by
+        id: a long export holds no transaction open)."""
+        lo = 0.0 if since is None else since
+        hi = 1.0e11 if until is None else until  # the year 5138
+        last = -1
+        while True:
+            rows = self._chunk(last, lo, hi, EXPORT_CHUNK)
+            for r in rows:
+                yield Record.from_row(r)
+            if len(rows) < EXPORT_CHUNK:
+                return
+            last = rows[-1]["id"]
+
+    @abstractmethod
+    def _chunk(self, after_id: int, since: float, until: float, n: int) -> list:
+        """Up to ``n`` rows (mappings with ``id`` and COLUMNS) with id > ``after_id`` and
+        ``since <= time < until``, by id."""
+
+    @abstractmethod
+    def retain(self, max_age_s: float, max_bytes: int, now: float | None = None) -> int:
+        """Delete records older than ``max_age_s`` and, past ``max_bytes``, the oldest until the
+        store is under 90% of it; returns how many went."""
+
+    @abstractmethod
+    def size(self) -> int:
+        """Bytes the records take."""
+
+    def close(self) -> None:
+        """Release the writer's connection (reads open their own)."""
+
+
+def open_store(url: str | None, folder: Path) -> RecordStore:
+    """The store a settings' ``records_url`` names (None: ``records.sqlite`` in ``folder``)."""
+    if not url:
+        return SqliteStore(folder / "records.sqlite")
+    scheme = url.partition(":")[0].lower()
+    if scheme == "sqlite":
+        path = url.partition(":")[2].removeprefix("//")
+        if not path:
+            raise ConfigError(f"records_url {url!r}: use sqlite:///absolute/path/records.sqlite")
+        return SqliteStore(Path(path))
+    if scheme in ("postgresql", "postgres"):
+        return PostgresStore(url)
+    raise ConfigError(f"records_url {redact(url)!r}: use sqlite:///path/records.sqlite or "
+                      "postgresql://user@host:5432/dbname")
+
+
+def redact(url: str) -> str:
+    """``url`` without its password."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+# --- SQLite --------------------------------------------------------------------------------------
+
+#: each column's type in SQLite and in PostgreSQL: one table, the two dialects
+_TYPES = {
+    "time": ("REAL NOT NULL", "TIMESTAMPTZ NOT NULL"),  # SQLite: seconds since the epoch
+    "model": ("TEXT NOT NULL", "TEXT NOT NULL"), "version": ("TEXT NOT NULL", "TEXT NOT NULL"),
+    "verdict": ("TEXT NOT NULL", "TEXT NOT NULL"),  # OK, NG, LATE, ERROR
+    "score": ("REAL", "DOUBLE PRECISION"),
+    "result": ("TEXT", "JSONB"), "timings": ("TEXT", "JSONB"),  # JSON
+    "frame_index": ("INTEGER NOT NULL DEFAULT 0", "INTEGER NOT NULL DEFAULT 0"),
+}
+
+
+def _schema(table: str, dialect: int, key: str) -> str:
+    """The table and its indexes (part id and time) in SQLite (0) or PostgreSQL (1)."""
+    cols = ",\n    ".join([f"id {key}"] + [f"{c} {_TYPES.get(c, ('TEXT', 'TEXT'))[dialect]}"
+                                            for c in COLUMNS])
+    return (f"CREATE TABLE IF NOT EXISTS {table} (\n    {cols}\n);\n"
+            f"CREATE INDEX IF NOT EXISTS {table}_part ON {table} (part_id, time);\n"
+            f"CREATE INDEX IF NOT EXISTS {table}_time ON {table} (time);\n")
+
+
+_SQLITE_SCHEMA = _schema("records", 0, "INTEGER PRIMARY KEY")
+_INSERT = (f"INSERT INTO records ({', '.join(COLUMNS)}) VALUES "
+           f"({', '.join('?' * len(COLUMNS))})")
+_SELECT = f"SELECT {', '.join(COLUMNS)} FROM records"
+
+
+class SqliteStore(RecordStore):
+    """One SQLite file in WAL mode, ``auto_vacuum=INCREMENTAL`` (retention gives the space of
+    deleted records back to the file system)."""
+
+    def __init__(self, path: Path, busy_timeout_s: float = 5.0) -> None:
+        self.path = Path(path).absolute()
+        self.where = str(self.path)
+        self._timeout = busy_timeout_s
+        self._conn: sqlite3.Connection | None = None
+        self._inode: tuple[int, int] | None = None
+
+    # -- the writer's connection ------------------------------------------------------------------
+    def _writer(self) -> sqlite3.Connection:
+        """The writer's connection, (re)opened when there is none or when the file it has open
+        is no longer the one at ``path`` (deleted or replaced under the server: SQLite would go
+        on writing into the unlinked file, and every record would be lost)."""
+        try:
+            st = self.path.stat()
+            inode: tuple[int, int] | None = (st.st_dev, st.st_ino)
+        except FileNotFoundError:
+            inode = None
+        except OSError as exc:
+            raise StoreFault(self.where, exc) from exc
+        if self._conn is not None and inode == self._inode:
+            return self._conn
+        self.close()
+        if not self.path.parent.is_dir():
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StoreFault(self.where, exc) from exc
+        try:
+            c = open_sqlite(str(self.path), self._timeout)
+            try:
+                c.execute("PRAGMA auto_vacuum=INCREMENTAL")  # only takes on a new file
+                c.execute("PRAGMA journal_mode=WAL")
+                c.executescript(_SQLITE_SCHEMA)
+            except BaseException:
+                c.close()
+                raise
+        except sqlite3.Error as exc:
+            if not sqlite_fault(exc):
+                raise
+            raise StoreFault(self.where, exc) from exc
+        st = self.path.stat()
+        self._conn, self._inode = c, (st.st_dev, st.st_ino)
+        return c
+
+    def close(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except sqlite3.Error:
+                pass
+        self._conn = self._inode = None
+
+    def _tx(self, statements) -> None:
+        """Run ``statements(connection)`` in one write transaction; StoreFault when the file or
+        the disk refuses (the connection is dropped: the next call opens a new one)."""
+        c = self._writer()
+        try:
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                statements(c)
+            except BaseException:
+                if c.in_transaction:  # SQLite may have rolled back itself (disk full, I/O error)
+                    c.execute("ROLLBACK")
+                raise
+            c.execute("COMMIT")
+        except sqlite3.Error as exc:
+            if not sqlite_fault(exc):
+                raise
+            self.close()
+            raise StoreFault(self.where, exc) from exc
+
+    def write(self, records: Sequence[Record]) -> None:
+        self._tx(lambda c: c.executemany(_INSERT, [r.row() for r in records]))
+
+    # -- reads: a connection each -----------------------------------------------------------------
+    def _read(self, sql: str, args: tuple) -> list[sqlite3.Row]:
+        if not self.path.exists():  # sqlite3 would make an empty file: nothing recorded yet
+            return []
+        try:
+            c = sqlite3.connect(f"{self.path.as_uri()}?mode=ro", uri=True, timeout=self._timeout)
+            try:
+                c.row_factory = sqlite3.Row
+                return c.execute(sql, args).fetchall()
+            finally:
+                c.close()
+        except sqlite3.Error as exc:
+            if "no such table" in str(exc):  # the writer is making the file: nothing recorded
+                return []
+            if not sqlite_fault(exc):
+                raise
+            raise StoreFault(self.where, exc) from exc
+
+    def history(self, part_id: str, limit: int = 100) -> list[Record]:
+        rows = self._read(f"{_SELECT} WHERE part_id = ? ORDER BY time DESC, id DESC LIMIT ?",
+                          (part_id, min(limit, MAX_HISTORY)))
+        return [Record.from_row(r) for r in rows]
+
+    def _chunk(self, after_id: int, since: float, until: float, n: int) -> list:
+        return self._read(f"SELECT id, {', '.join(COLUMNS)} FROM records WHERE id > ? AND "
+                          "time >= ? AND time < ? ORDER BY id LIMIT ?", (after_id, since, until, n))
+
+    # -- retention (the writer's thread) ----------------------------------------------------------
+    def size(self) -> int:
+        total = 0
+        for suffix in ("", "-wal"):
+            try:
+                total += os.stat(f"{self.path}{suffix}").st_size
+            except OSError:
+                pass
+        return total
+
+    def _used(self, c: sqlite3.Connection) -> int:
+        page = c.execute("PRAGMA page_size").fetchone()[0]
+        pages = c.execute("PRAGMA page_count").fetchone()[0]
+        free = c.execute("PRAGMA freelist_count").fetchone()[0]
+        return (pages - free) * page
+
+    def retain(self, max_age_s: float, max_bytes: int, now: float | None = None) -> int:
+        cutoff = (time.time() if now is None else now) - max_age_s
+        deleted = 0
+        while True:  # by age, oldest first, a chunk per transaction
+            n = self._delete("time < ?", (cutoff,))
+            deleted += n
+            if n < DELETE_CHUNK:
+                break
+        c = self._writer()
+        try:
+            used = self._used(c)
+            if used > max_bytes:
+                count = c.execute("SELECT COUNT(*) FROM records").fetchone()[0]
+                # rows are about the same size: delete the share that brings it to 90%
+                excess = count - int(count * 0.9 * max_bytes / used)
+                last = c.execute("SELECT id FROM records ORDER BY id LIMIT 1 OFFSET ?",
+                                 (max(0, excess - 1),)).fetchone()
+                if last is not None:
+                    while True:
+                        n = self._delete("id <= ?", (last[0],))
+                        deleted += n
+                        if n < DELETE_CHUNK:
+                            break
+            if deleted:
+                c = self._writer()
+                # sqlite3_exec runs it to the end (execute() frees one page per step)
+                c.executescript("PRAGMA incremental_vacuum;")
+                c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        except sqlite3.Error as exc:
+            if not sqlite_fault(exc):
+                raise
+            self.close()
+            raise StoreFault(self.where, exc) from exc
+        return deleted
+
+    def _delete(self, where: str, args: tuple) -> int:
+        out = [0]
+
+        def run(c: sqlite3.Connection) -> None:
+            out[0] = c.execute(f"DELETE FROM records WHERE id IN (SELECT id FROM records WHERE "
+                               f"{where} ORDER BY id LIMIT {DELETE_CHUNK})", args).rowcount
+
+        self._tx(run)
+        return out[0]
+
+
+# --- PostgreSQL ----------------------------------------------------------------------------------
+
+_PG_TABLE = "visionserve_records"
+_PG_SCHEMA = _schema(_PG_TABLE, 1, "BIGSERIAL PRIMARY KEY")
+_PG_COLUMNS = ", ".join("extract(epoch from time)::float8 AS time" if c == "time" else c
+                        for c in COLUMNS)
+_PG_INSERT = (f"INSERT INTO {_PG_TABLE} ({', '.join(COLUMNS)}) VALUES "
+              f"({', '.join('to_timestamp(%s)' if c == 'time' else '%s' for c in COLUMNS)})")
+
+
+class PostgresStore(RecordStore):
+    """A table ``visionserve_records`` in a PostgreSQL database (psycopg 3). Retention by size
+    deletes the oldest rows; PostgreSQL's autovacuum reuses their space (the files do not
+    shrink)."""
+
+    def __init__(self, url: str, connect_timeout_s: float = 5.0) -> None:
+        self.psycopg = require("psycopg", "a PostgreSQL record store")
+        self.url = url
+        self.where = redact(url)
+        self._timeout = connect_timeout_s
+        self._conn = None
+
+    def _connect(self):
+        try:
+            return self.psycopg.connect(self.url, connect_timeout=max(1, int(self._timeout)),
+                                        application_name="visionserve-records")
+        except self.psycopg.Error as exc:
+            raise StoreFault(self.where, _first_line(exc)) from exc
+
+    def _writer(self):
+        if self._conn is None or self._conn.closed:
+            c = self._connect()
+            try:
+                with c.transaction():
+                    c.execute(_PG_SCHEMA)
+            except self.psycopg.Error as exc:
+                c.close()
+                raise StoreFault(self.where, _first_line(exc)) from exc
+            self._conn = c
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        self._conn = None
+
+    def _tx(self, statements) -> None:
+        c = self._writer()
+        try:
+            with c.transaction():
+                statements(c)
+        except self.psycopg.Error as exc:
+            self.close()
+            raise StoreFault(self.where, _first_line(exc)) from exc
+
+    def write(self, records: Sequence[Record]) -> None:
+        def run(c) -> None:
+            with c.cursor() as cur:
+                cur.executemany(_PG_INSERT, [r.row() for r in records])
+
+        self._tx(run)
+
+    def _read(self, sql: str, args: tuple) -> list:
+        from psycopg.rows import dict_row
+
+        c = self._connect()
+        try:
+            with c.cursor(row_factory=dict_row) as cur:
+                return cur.execute(sql, args).fetchall()
+        except self.psycopg.errors.UndefinedTable:
+            return []  # nothing recorded yet
+        except self.psycopg.Error as exc:
+            raise StoreFault(self.where, _first_line(exc)) from exc
+        finally:
+            c.close()
+
+    def history(self, part_id: str, limit: int = 100) -> list[Record]:
+        rows = self._read(f"SELECT {_PG_COLUMNS} FROM {_PG_TABLE} WHERE part_id = %s "
+                          "ORDER BY time DESC, id DESC LIMIT %s",
+                          (part_id, min(limit, MAX_HISTORY)))
+        return [Record.from_row(r) for r in rows]
+
+    def _chunk(self, after_id: int, since: float, until: float, n: int) -> list:
+        return self._read(f"SELECT id, {_PG_COLUMNS} FROM {_PG_TABLE} WHERE id > %s AND "
+                          "time >= to_timestamp(%s) AND time < to_timestamp(%s) ORDER BY id "
+                          "LIMIT %s", (after_id, since, until, n))
+
+    def size(self) -> int:
+        try:
+            c = self._writer()
+            row = c.execute(f"SELECT pg_total_relation_size('{_PG_TABLE}')").fetchone()
+            c.commit()
+        except self.psycopg.Error as exc:
+            self.close()
+            raise StoreFault(self.where, _first_line(exc)) from exc
+        return int(row[0]) if row else 0
+
+    def retain(self, max_age_s: float, max_bytes: int, now: float | None = None) -> int:
+        cutoff = (time.time() if now is None else now) - max_age_s
+        deleted = [0]
+
+        def by_age(c) -> None:
+            deleted[0] += c.execute(f"DELETE FROM {_PG_TABLE} WHERE time < to_timestamp(%s)",
+                                    (cutoff,)).rowcount
+
+        self._tx(by_age)
+        used = self.size()
+        if used > max_bytes:
+            def by_size(c) -> None:
+                count = c.execute(f"SELECT count(*) FROM {_PG_TABLE}").fetchone()[0]
+                excess = count - int(count * 0.9 * max_bytes / used)
+                if excess > 0:
+                    deleted[0] += c.execute(
+                        f"DELETE FROM {_PG_TABLE} WHERE id IN (SELECT id FROM {_PG_TABLE} "
+                        "ORDER BY id LIMIT %s)", (excess,)).rowcount
+
+            self._tx(by_size)
+        return deleted[0]
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

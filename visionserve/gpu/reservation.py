@@ -184,13 +184,10 @@ class GpuReservation:
         return prep
 
     def ready(self) -> None:
-        """Call when every model is warm: the allocator's state now is the one to keep (the
-        blocks the warm-ups left cached, nothing serves yet, go back to the device first)."""
-        import torch
-
+        """Call when every model is warm: the allocator's state now is the one to keep (with
+        the blocks the warm-ups left cached on the runners' streams, which serving reuses)."""
         from .telemetry import GpuTelemetry
 
-        torch.cuda.empty_cache()
         reserve_small_pool(self.device, self._serving_streams())
         self.watch.mark()
         self.telemetry = GpuTelemetry(self.nvml, self.gpu.index if self.gpu else None,

@@ -30,7 +30,7 @@ from .common import (
     settings_of,
     unless_disconnected,
 )
-from .schemas import ERRORS, InspectError, InspectResult
+from .schemas import CONFLICT, ERRORS, InspectError, InspectResult
 
 router = APIRouter(tags=["Inspect"])
 
@@ -61,8 +61,7 @@ _BODY = {
 }
 _RESPONSES: dict[int | str, dict[str, Any]] = {
     **ERRORS, 415: {"model": InspectError, "description": "Unsupported media type"},
-    409: {"model": InspectError, "description": "The frame's station runs a recipe on another "
-          "model or version (send it to /v1/stations/{station}/inspect)"},
+    **CONFLICT,
     504: {"model": InspectError,
           "description": "Deadline missed (in the queue, during decode, or before the verdict was "
           "ready): verdict LATE, no decision; late_ms says how late"}}

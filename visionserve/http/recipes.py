@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 from ..errors import InvalidInput
 from ..logs import request_id
 from .common import engine_of, read_body, settings_of
-from .schemas import ERRORS
+from .schemas import CONFLICT, ERRORS
 
 router = APIRouter(tags=["Recipes"])
 
@@ -45,8 +45,6 @@ class SwitchAnswer(BaseModel):
     persisted: bool = Field(..., description="Written to the state file: a restart resumes it.")
 
 
-_CONFLICT: dict[int | str, dict[str, Any]] = {409: {
-    "description": "Another station runs a recipe on the same model with other verdict settings"}}
 _POST_BODY = {"requestBody": {"required": True, "content": {"application/json": {
     "schema": {"type": "object", "properties": {"recipe": {"type": "string"}},
                "required": ["recipe"]},
@@ -72,7 +70,7 @@ async def get_station(request: Request, station: str) -> JSONResponse:
 
 
 @router.post("/v1/stations/{station}/recipe", response_model=SwitchAnswer,
-             responses={**ERRORS, **_CONFLICT}, openapi_extra=_POST_BODY,
+             responses={**ERRORS, **CONFLICT}, openapi_extra=_POST_BODY,
              summary="Switch the recipe a station runs")
 async def switch_recipe(request: Request, station: str) -> JSONResponse:
     engine = engine_of(request)

@@ -131,3 +131,10 @@ ERRORS: dict[int | str, dict[str, Any]] = {
                                                  "the request's deadline (the message says how "
                                                  "late)"},
 }
+
+#: 409 for the routes that can answer it: the request contradicts the server's state (model
+#: control mode, a model in use, the GPU memory budget, a station's recipe); nothing changed
+CONFLICT: dict[int | str, dict[str, Any]] = {
+    409: {"model": ErrorResponse, "description": "Conflicts with the server's state (the model "
+          "control mode, a model in use, the GPU memory budget, a station's recipe); nothing "
+          "was changed"}}

@@ -20,7 +20,14 @@ from .common import (
     settings_of,
     unless_disconnected,
 )
-from .schemas import ERRORS, InferenceRequest, InferenceResponse, ModelMetadata, ServerMetadata
+from .schemas import (
+    CONFLICT,
+    ERRORS,
+    InferenceRequest,
+    InferenceResponse,
+    ModelMetadata,
+    ServerMetadata,
+)
 
 router = APIRouter(tags=["Open Inference Protocol v2"])
 
@@ -195,14 +202,14 @@ async def repository_index(request: Request) -> JSONResponse:
     return JSONResponse(await engine_of(request).repository_index(ready))
 
 
-@router.post("/v2/repository/models/{model_name}/load", responses=ERRORS,
+@router.post("/v2/repository/models/{model_name}/load", responses={**ERRORS, **CONFLICT},
              summary="Load or reload a model (a swap: docs/triton-compat.md)")
 async def repository_load(request: Request, model_name: str) -> JSONResponse:
     params = _parameters(await _repository_body(request))
     return JSONResponse(await engine_of(request).load_model(model_name, params))
 
 
-@router.post("/v2/repository/models/{model_name}/unload", responses=ERRORS,
+@router.post("/v2/repository/models/{model_name}/unload", responses={**ERRORS, **CONFLICT},
              summary="Unload a model (parameters.force: even while in use)")
 async def repository_unload(request: Request, model_name: str) -> JSONResponse:
     params = _parameters(await _repository_body(request))

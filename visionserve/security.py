@@ -119,11 +119,12 @@ class HttpSecurity:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = dict(scope.get("headers") or [])
-        rid = scope.get(_RID_KEY) or _request_id(headers)
+        rid = scope.get(_RID_KEY)  # set once answer_from_head has checked this request
+        headers = {} if rid else dict(scope.get("headers") or [])
+        rid = rid or _request_id(headers)
         reset = request_id.set(rid)
         try:
-            refused = self._refusal(scope["path"], headers)
+            refused = None if _RID_KEY in scope else self._refusal(scope["path"], headers)
             if refused is not None:
                 status, message, extra = refused
                 await _reply(send, rid, status, message, *extra)
@@ -141,7 +142,8 @@ class HttpSecurity:
             request_id.reset(reset)
 
 
-# where answer_from_head leaves the request id it gave, for __call__ (scope key)
+# where answer_from_head leaves the request id it gave to a request that passed its checks, for
+# __call__ (scope key): present, the checks are not made twice
 _RID_KEY = "visionserve.request_id"
 
 

@@ -20,7 +20,6 @@ the device tensors themselves, valid until the next ``run``.
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -214,7 +213,6 @@ class TorchBackend(Backend):
             for bs in batch_sizes:
                 for _ in range(WARMUP_ITERS):
                     self._module(self._static_in[:bs])
-                    _let_serving_run()
             # Captured on a stream of their own, without torch.cuda.graph's context manager: it
             # synchronises the device and empties the allocator's cache before every capture,
             # which, for a version loaded beside serving ones (a swap), stalled their batches
@@ -233,7 +231,6 @@ class TorchBackend(Backend):
                         static_out = self._named(self._module(static_in))
                     finally:
                         graph.capture_end()
-                    _let_serving_run()
                     if self._pool is None:
                         self._pool = graph.pool()
                     self._graphs[bs] = (graph, static_in, static_out)
@@ -326,10 +323,3 @@ class TorchBackend(Backend):
         if self.channels_last:
             info["memory_format"] = "channels_last"
         return info
-
-
-def _let_serving_run() -> None:
-    """Between the steps of a warm-up: give up the interpreter for a moment. A version loading
-    beside serving ones (a swap) runs Python-heavy eager passes and captures; without a pause the
-    serving threads waited for the interpreter behind it, and frames for hundreds of ms."""
-    time.sleep(0.002)

@@ -12,6 +12,7 @@ down) raises :class:`StoreFault`; the writer counts it, says so and tries again 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import time
@@ -206,7 +207,7 @@ class SqliteStore(RecordStore):
         """Run ``statements(connection)`` in one write transaction; StoreFault when the file or
         the disk refuses (the connection is dropped: the next call opens a new one)."""
         c = self._writer()
-        try:
+        with self._writer_faults():
             c.execute("BEGIN IMMEDIATE")
             try:
                 statements(c)
@@ -215,6 +216,13 @@ class SqliteStore(RecordStore):
                     c.execute("ROLLBACK")
                 raise
             c.execute("COMMIT")
+
+    @contextlib.contextmanager
+    def _writer_faults(self) -> Iterator[None]:
+        """A fault of the file or the disk in the writer's connection: it is dropped (the next
+        call opens a new one) and StoreFault raised."""
+        try:
+            yield
         except sqlite3.Error as exc:
             if not sqlite_fault(exc):
                 raise
@@ -276,7 +284,7 @@ class SqliteStore(RecordStore):
             if n < DELETE_CHUNK:
                 break
         c = self._writer()
-        try:
+        with self._writer_faults():
             used = self._used(c)
             if used > max_bytes:
                 count = c.execute("SELECT COUNT(*) FROM records").fetchone()[0]
@@ -295,11 +303,6 @@ class SqliteStore(RecordStore):
                 # sqlite3_exec runs it to the end (execute() frees one page per step)
                 c.executescript("PRAGMA incremental_vacuum;")
                 c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        except sqlite3.Error as exc:
-            if not sqlite_fault(exc):
-                raise
-            self.close()
-            raise StoreFault(self.where, exc) from exc
         return deleted
 
     def _delete(self, where: str, args: tuple) -> int:

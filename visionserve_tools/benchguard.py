@@ -138,8 +138,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
 #: answer's timing.total_ms; -1 when absent), round trip from the actual send (ms), and the
 #: scheduler's wake-up lateness (ms: this client process's own CPU and timers)
 RECORD = (("sched", "d"), ("latency", "d"), ("lag", "d"), ("status", "H"), ("server", "d"),
-          ("rtt", "d"), ("wake", "d"))
+          ("rtt", "d"), ("wake", "d"), ("queue", "d"), ("compute", "d"))
 _TOTAL_MS = re.compile(rb'"total_ms":\s*([0-9.]+)')
+_QUEUE_MS = re.compile(rb'"queue_ms":\s*([0-9.]+)')
+_COMPUTE_MS = re.compile(rb'"compute_ms":\s*([0-9.]+)')
 
 
 def _paced_client(idx: int, procs: int, threads: int, port: int, model: str, jpegs: list[bytes],
@@ -188,10 +190,11 @@ def _paced_client(idx: int, procs: int, threads: int, port: int, model: str, jpe
                     conn.close()
                 conn = None
             done = time.monotonic()
-            m = _TOTAL_MS.search(body) if code == 200 else None
-            mine.append((t_s, (done - t_s) * 1000, (sent - t_s) * 1000, code,
-                         float(m.group(1)) if m else -1.0, (done - sent) * 1000,
-                         (woke - t_s) * 1000))
+            ms = [rx.search(body) if code == 200 else None
+                  for rx in (_TOTAL_MS, _QUEUE_MS, _COMPUTE_MS)]
+            total, queued, computed = (float(m.group(1)) if m else -1.0 for m in ms)
+            mine.append((t_s, (done - t_s) * 1000, (sent - t_s) * 1000, code, total,
+                         (done - sent) * 1000, (woke - t_s) * 1000, queued, computed))
         if conn is not None:
             conn.close()
         with lock:

@@ -55,6 +55,23 @@ def post(url: str, body: bytes = b"{}", timeout: float = 600) -> tuple[int, dict
         return e.code, json.loads(e.read() or b"{}")
 
 
+def timeline(records: list[tuple], a: float, b: float, step_s: float = 0.1) -> list[dict]:
+    """A swap window in ``step_s`` slices: from the load call (s), frames scheduled, the slowest
+    answer from the schedule, and the slowest server time, batcher queue and compute (from dispatch
+    to result) of the server's answers (ms): where in the load serving waited."""
+    out = []
+    for i in range(int((b - a) / step_s) + 1):
+        lo = a + i * step_s
+        rows = [r for r in records if lo <= r[0] < lo + step_s]
+        if rows:
+            out.append({"t_s": round(i * step_s, 2), "n": len(rows),
+                        "max_ms": round(max(r[1] for r in rows), 1),
+                        "server_max_ms": round(max(r[4] for r in rows), 1),
+                        "queue_max_ms": round(max(r[7] for r in rows), 1),
+                        "compute_max_ms": round(max(r[8] for r in rows), 1)})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m visionserve_tools.benchswap",
                                  description=__doc__.splitlines()[0])
@@ -63,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steady-s", type=float, default=6.0)
     ap.add_argument("--load-fraction", type=float, default=0.5)
     ap.add_argument("--client-processes", type=int, default=4)
+    ap.add_argument("--gpu-memory-budget", default="8GiB")
     ap.add_argument("--quick", action="store_true", help="short phases (a smoke run)")
     args = ap.parse_args(argv)
     import torch
@@ -85,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     toml = folder / "model.toml"
     toml.write_text(toml.read_text() + "\n[version_policy]\nlatest = 1\n")
     jpegs = make_jpegs()
-    server = Server(repo, args.out.with_suffix(".server.log"), "--gpu-memory-budget", "8GiB",
+    server = Server(repo, args.out.with_suffix(".server.log"), "--gpu-memory-budget",
+                    args.gpu_memory_budget,
                     "--model-control-mode", "explicit")
     try:
         res["server_start_s"] = server.start_s
@@ -112,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                 status, answer = post(f"{server.url}/v2/repository/models/{MODEL}/load")
                 t_b = time.monotonic()
                 swaps.append({"swap": k, "status": status, "answer": answer,
-                              "load_call_s": round(t_b - t_a, 3)})
+                              "load_call_s": round(t_b - t_a, 3),
+                              "wall_start": round(time.time() - (time.monotonic() - t_a), 3)})
                 log(f"swap {k}: {status} in {t_b - t_a:.2f} s: {answer}")
                 version += 1
                 mark = t_b + 1.0
@@ -121,11 +141,14 @@ def main(argv: list[str] | None = None) -> int:
             end = time.monotonic()
             windows.append(("after", mark, end))
             segments.append({"at the end": True, "new_segments": server.metrics().get(SEGMENTS)})
+            res["gpu_metrics_at_end"] = server.metrics(("visionserve_gpu_",))
         finally:
             records = paced.stop()
         res["swaps"] = swaps
         res["segments"] = segments
         res["windows"] = {name: phase_stats(records, a, b) for name, a, b in windows}
+        res["swap_timelines"] = {name: timeline(records, a, b) for name, a, b in windows
+                                 if name.startswith("swap")}
         steady_p99 = [w.get("p99_ms") for n, w in res["windows"].items()
                       if not n.startswith("swap") and w.get("p99_ms") is not None]
         swap_p99 = [w.get("p99_ms") for n, w in res["windows"].items()

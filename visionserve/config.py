@@ -395,6 +395,12 @@ class ServerSettings(BaseSettings):
         description="Python's thread switch interval in the serving process: how long one thread "
                     "(the busy event loop) may hold the interpreter while the decode/compute "
                     "threads wait for it. Python's own 5 ms starved the runner threads under load.")
+    load_switch_interval_ms: float = Field(
+        0.05, gt=0, le=100,
+        description="Python's thread switch interval while a model version loads beside the "
+                    "serving ones: deserialising a model is pure Python, and each time a serving "
+                    "thread wants the interpreter back it waits up to this long for the loading "
+                    "thread to let go of it (docs/gpu.md, swaps under load).")
     recipes: Path | None = Field(
         None, description="The recipes file: each product variant's model, version and verdict "
                           "settings, and the stations that run them (docs/recipes.md). Default: "

@@ -51,7 +51,7 @@ from .imaging import Frame
 from .latency import LatencyWindow
 from .repository import ModelEntry, folder_of, load_entry, model_folders, scan, signature
 from .runner import BatchRecord, FrameResult, Runner, device_fault, padded_size
-from .threads import run_lowered
+from .threads import run_lowered, switching_fast
 
 if TYPE_CHECKING:
     from .gpu.reservation import GpuReservation
@@ -361,7 +361,8 @@ class Engine(ModelLookup):
         """Load, warm up and start one version; on failure what it loaded is released."""
         made: list[backends.Backend] = []
         try:
-            return await self._build(entry, version, path, loop, made)
+            with switching_fast(self.settings.load_switch_interval_ms / 1000):
+                return await self._build(entry, version, path, loop, made)
         except BaseException:
             for backend in made:
                 backend.close()
@@ -395,7 +396,7 @@ class Engine(ModelLookup):
                 cost = CostModel(functools.partial(padded_size, preferred=pad_to))
             await run_lowered(nice, self._warmup, backend, preferred, cost, path, task)
             prep = await asyncio.to_thread(self.gpu.preprocessor, backend, config, preferred,
-                                           load_id) \
+                                           load_id, (entry.name, i)) \
                 if self.gpu else None
             log.info("%s:%d instance %d loaded and warmed up in %.1f s (%s)", entry.name, version,
                      i, time.monotonic() - t0, backend.describe())
@@ -444,8 +445,6 @@ class Engine(ModelLookup):
         """Run every preferred size; a model that fails on the input model.toml describes, or
         answers in other shapes than its task needs, is a ConfigError naming the field (``path``:
         the model file) instead of a 500 on every frame."""
-        import numpy as np
-
         cfg = backend.config
         subject = checks.Subject(path) if path is not None and cfg is not None else None
         try:
@@ -454,8 +453,7 @@ class Engine(ModelLookup):
                 return
             # seed the cost model with backend-only times, so early dispatch works from request one
             for bs in preferred:
-                x = np.zeros(
-                    backends.input_shape(cfg, bs), dtype=backends.NP_DTYPES[cfg.input.dtype])
+                x = backend.example_input(bs)
                 t0 = time.monotonic()
                 out = backend.run(x)
                 cost.observe(bs, time.monotonic() - t0)

@@ -17,6 +17,7 @@ torch create on the way inherit it too. Elsewhere this does nothing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
@@ -51,6 +52,34 @@ def lower_this_thread(nice: int) -> None:
 def thread_nice(tid: int | None = None) -> int:
     """The nice value of a thread of this process (default: the calling one); Linux."""
     return os.getpriority(os.PRIO_PROCESS, tid or threading.get_native_id())
+
+
+_loads = 0
+_loads_lock = threading.Lock()
+_serving_interval = 0.0
+
+
+@contextlib.contextmanager
+def switching_fast(interval_s: float):
+    """While a model loads beside the serving versions, Python's thread switch interval is
+    ``interval_s`` (if shorter): the loading thread runs pure-Python deserialisation, and a serving
+    thread that wants the interpreter back waits up to one interval for it, at every hand-off of
+    every batch. On the H200 the bench model's load took the GPU from 24% to 3-8% busy for its
+    first 1.8 s with the serving 0.5 ms. Nested and concurrent loads share one setting; the last
+    one out restores the serving interval."""
+    global _loads, _serving_interval
+    with _loads_lock:
+        if _loads == 0:
+            _serving_interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(interval_s, _serving_interval))
+        _loads += 1
+    try:
+        yield
+    finally:
+        with _loads_lock:
+            _loads -= 1
+            if _loads == 0:
+                sys.setswitchinterval(_serving_interval)
 
 
 async def run_lowered(nice: int, fn: Callable[..., T], *args) -> T:

@@ -275,8 +275,8 @@ def test_serving_adds_no_device_memory_after_warm_up(repo):
 
 def test_a_swap_on_the_gpu_returns_the_old_memory_and_serving_adds_none_after_it(tmp_path):
     """Model control on the GPU: versions 2 and 3 each load beside the serving one within the
-    budget (reckoned at what the first load took), traffic switches, the old one is released,
-    and from then on serving mixed loads makes no cudaMalloc (the new version's streams got
+    budget (reckoned at what the first load took) and shares the serving one's pinned pool,
+    traffic switches, the old one is released, and from then on serving mixed loads makes no cudaMalloc (the new version's streams got
     their small-block pools as the first ones did, and no swap emptied a serving cache)."""
     import shutil
 
@@ -298,11 +298,18 @@ def test_a_swap_on_the_gpu_returns_the_old_memory_and_serving_adds_none_after_it
             for k in range(0, 16, 4):
                 await engine.infer("net", None, mixed[k:k + 4])
             held = []
+
+            def pool(v):  # the pinned staging pool of version v's preprocessor
+                return engine.served[("net", v)].runners[0].prepare.__self__.pool
+
+            first = pool(1)
             for v in (2, 3):
                 shutil.copytree(folder / str(v - 1), folder / str(v))
                 swap = await engine.load_model("net")
                 assert swap["versions"] == [str(v)] and swap["unloaded"] == [str(v - 1)], swap
                 held.append(torch.cuda.memory_reserved())
+                # pinning holds a driver lock that stalls serving: a swap pins nothing new
+                assert pool(v) is first
             for n in (1, 3, 16, 7, 2, 16, 5):
                 for k in range(0, len(mixed), n):
                     served, results = await engine.infer("net", None, mixed[k:k + n])

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
+import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -12,7 +15,14 @@ import pytest
 from visionserve.config import ModelConfig
 from visionserve.errors import ConfigError, InvalidInput
 from visionserve.gpu import memory, telemetry
-from visionserve.gpu.memory import PinnedPool, check_free, pinned_gpu, plan_budget, prep_allowance
+from visionserve.gpu.memory import (
+    PinnedPool,
+    check_free,
+    pinned_gpu,
+    plan_budget,
+    prep_allowance,
+    shared_pool,
+)
 from visionserve.gpu.nvml import SimulatedNvml, simulated_gpu
 from visionserve.gpu.reservation import GpuReservation
 
@@ -125,6 +135,56 @@ def test_pool_upload_round_trips_and_streams_large_arrays():
     for a, t in zip(arrays, out):
         np.testing.assert_array_equal(t.numpy(), a)
     assert pool.nbytes == 2000
+
+
+def test_pool_never_hands_a_slot_to_two_fillers():
+    """Two versions' prep threads share a pool during a swap: a slot being filled is skipped,
+    and with every slot taken the next user waits for a release."""
+    pool = PinnedPool(3, 100)
+    assert [pool.acquire()[0] for _ in range(2)] == [0, 1]
+    pool.release(0)
+    assert pool.acquire()[0] == 2 and pool.acquire()[0] == 0
+    pool.release(2)
+    assert pool.acquire()[0] == 2  # slot 1 is next in turn, but still being filled
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire()[0]))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive() and not got  # every slot is being filled
+    pool.release(1)
+    waiter.join(5)
+    assert got == [1]
+
+
+def test_pool_uploads_from_many_threads_keep_their_bytes():
+    pool = PinnedPool(2, 64)  # small slots: every upload goes through several
+    errors: list[str] = []
+
+    def work(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for _ in range(50):
+            arrays = [rng.integers(0, 255, int(n), dtype=np.uint8) for n in rng.integers(1, 300, 3)]
+            for a, t in zip(arrays, pool.upload(arrays, "cpu")):
+                if not np.array_equal(t.numpy(), a):
+                    errors.append(f"thread {seed}")
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors
+
+
+def test_shared_pool_is_one_while_a_version_holds_it():
+    first = shared_pool(("cuda:0", "m", 0), 2, 100)
+    assert shared_pool(("cuda:0", "m", 0), 2, 100) is first
+    assert shared_pool(("cuda:0", "m", 1), 2, 100) is not first  # another instance
+    assert shared_pool(("cuda:0", "m", 0), 2, 200) is not first  # another input size
+    gone = weakref.ref(first)
+    del first
+    gc.collect()
+    assert gone() is None  # nobody held it: released, not kept for ever
 
 
 def test_pool_refuses_empty_sizes():

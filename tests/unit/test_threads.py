@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from visionserve.threads import lower_this_thread, run_lowered, thread_nice
+from visionserve.threads import lower_this_thread, run_lowered, switching_fast, thread_nice
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice: Linux")
 
@@ -66,3 +66,43 @@ def test_the_serving_process_runs_its_model_threads_below_the_event_loop(tiny_re
     lowered = [tid for tid, n in nice.items() if n == 7]
     # the runner's prep and compute threads and onnxruntime's intra-op pool at least
     assert len(lowered) >= 3, (nice, names)
+
+
+def test_loads_switch_the_interpreter_faster_and_the_last_one_out_restores_it():
+    serving = sys.getswitchinterval()
+    with switching_fast(0.00005):
+        assert sys.getswitchinterval() == pytest.approx(0.00005)
+        with switching_fast(0.001):  # a second load at the same time: one setting for both
+            assert sys.getswitchinterval() == pytest.approx(0.00005)
+        assert sys.getswitchinterval() == pytest.approx(0.00005)
+    assert sys.getswitchinterval() == serving
+    with switching_fast(serving * 10):  # never slower than serving
+        assert sys.getswitchinterval() == serving
+    with pytest.raises(ValueError), switching_fast(0.00005):
+        raise ValueError("a failed load restores it too")
+    assert sys.getswitchinterval() == serving
+
+
+def test_a_model_loads_with_the_fast_switch_interval(tiny_repo, monkeypatch):
+    from visionserve.backends.onnx import OnnxBackend
+    from visionserve.config import ServerSettings
+    from visionserve.engine import Engine
+
+    seen = []
+    load = OnnxBackend.load
+
+    def recording(self, *args):
+        seen.append(sys.getswitchinterval())
+        return load(self, *args)
+
+    monkeypatch.setattr(OnnxBackend, "load", recording)
+
+    async def scenario():
+        engine = Engine(ServerSettings(models=tiny_repo, load_switch_interval_ms=0.02), device="cpu")
+        await engine.start()
+        await engine.close()
+
+    serving = sys.getswitchinterval()
+    asyncio.run(scenario())
+    assert seen and all(v == pytest.approx(0.00002) for v in seen), seen
+    assert sys.getswitchinterval() == serving

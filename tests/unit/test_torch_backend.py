@@ -112,6 +112,27 @@ def test_torch_takes_torch_tensors(model_dir, config):
                                rtol=1e-6)
 
 
+def test_warm_up_input_is_made_where_the_model_runs(model_dir, config):
+    """The engine seeds its cost model with example inputs: on the GPU a device tensor (no copy
+    from pageable host memory while serving versions run), on the CPU numpy zeros."""
+    import torch
+
+    from visionserve.backends.base import input_shape
+
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    tb = TorchBackend()
+    tb.load(model_dir / "1" / "model.pt2", config, device)
+    tb.warmup((1, 2))
+    x = tb.example_input(2)
+    assert tuple(x.shape) == input_shape(config, 2)
+    if device == "cpu":
+        assert isinstance(x, np.ndarray) and not x.any()
+    else:
+        assert x.device.type == "cuda" and x.dtype == tb.input_dtype and not x.any()
+    out = tb.run(x)
+    assert all(v.shape[0] == 2 for v in out.values())
+
+
 def test_bad_model_files_are_config_errors(tmp_path, config):
     (tmp_path / "model.pt2").write_bytes(b"not a zip")
     with pytest.raises(ConfigError, match="torch cannot load"):

@@ -82,6 +82,19 @@ class Backend(ABC):
     def warmup(self, batch_sizes: tuple[int, ...]) -> None:
         """Run every batch size once (arenas grown, kernels chosen, graphs captured)."""
 
+    def example_input(self, batch: int) -> Any:
+        """Zeros for a batch of ``batch`` in the form ``run`` takes, made where the model runs:
+        a device tensor on the backend's stream where it takes device input, so warming a
+        version up beside serving ones copies nothing from pageable host memory."""
+        assert self.config is not None
+        shape = input_shape(self.config, batch)
+        if self.takes_device_input:
+            import torch
+
+            with torch.cuda.stream(self.stream):
+                return torch.zeros(shape, dtype=self.input_dtype, device=self.device)
+        return np.zeros(shape, dtype=NP_DTYPES[self.config.input.dtype])
+
     @abstractmethod
     def run(self, batch: Any) -> Outputs:
         """Input tensor (N, ...) in the model's layout and dtype -> outputs by name, N rows each."""

@@ -19,6 +19,7 @@ the device tensors themselves, valid until the next ``run``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -161,12 +162,19 @@ class TorchBackend(Backend):
             self.compute_dtype = torch.float32  # CPU: half precision is slow and inexact there
             self.channels_last = False
         self.input_dtype = torch.uint8 if config.input.dtype == "uint8" else self.compute_dtype
+        # the copies and casts on a stream of their own, not on this thread's default (the legacy
+        # stream, which synchronises with every blocking stream): a version may load beside
+        # serving ones (docs/benchmarks.md, model swaps on the H200)
+        side = torch.cuda.Stream(device=device) if cuda else None
         try:
-            module = module.to(device=torch.device(device))
-            if self.compute_dtype != torch.float32:
-                module = module.to(self.compute_dtype)
-            if self.channels_last:
-                module = module.to(memory_format=torch.channels_last)
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                module = module.to(device=torch.device(device))
+                if self.compute_dtype != torch.float32:
+                    module = module.to(self.compute_dtype)
+                if self.channels_last:
+                    module = module.to(memory_format=torch.channels_last)
+            if side is not None:
+                side.synchronize()
         except Exception as exc:  # noqa: BLE001 - any failure here is the model's or the device's
             raise ConfigError(f"{path}: cannot move the model to {device} / "
                               f"{config.runtime.precision}: {exc}") from None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -283,7 +284,9 @@ class PinnedPool:
 
     Pinning is slow (it maps pages with the driver), so it happens once, here, never per
     request. A slot is handed out only when the copy that last read it has finished, which the
-    event recorded by :meth:`release` tells without synchronising the device.
+    event recorded by :meth:`release` tells without synchronising the device, and never while
+    another thread is filling it: the versions of a model share their pool (:func:`shared_pool`),
+    so two prep threads can use one during a swap.
 
     On a machine without CUDA (tests, the CPU path) the buffers are ordinary memory.
     """
@@ -299,8 +302,9 @@ class PinnedPool:
         self._buffers = [torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=self.pinned)
                          for _ in range(slots)]
         self._events: list[Any] = [None] * slots
+        self._busy = [False] * slots
         self._next = 0
-        self._lock = threading.Lock()
+        self._free = threading.Condition()
         log.debug("pinned pool: %d x %.1f MiB (%s)", slots, slot_bytes / MIB,
                   "page-locked" if self.pinned else "pageable")
 
@@ -313,10 +317,15 @@ class PinnedPool:
         return self.slots * self.slot_bytes
 
     def acquire(self) -> tuple[int, Any]:
-        """(slot index, uint8 host tensor); waits only for that slot's last copy."""
-        with self._lock:
-            i = self._next
-            self._next = (i + 1) % len(self._buffers)
+        """(slot index, uint8 host tensor) of the next slot nobody is filling; waits only for
+        that slot's last copy. Give it back with :meth:`release`."""
+        n = len(self._buffers)
+        with self._free:
+            while all(self._busy):
+                self._free.wait()
+            i = next(k % n for k in range(self._next, self._next + n) if not self._busy[k % n])
+            self._busy[i] = True
+            self._next = (i + 1) % n
             ev = self._events[i]
             self._events[i] = None
         if ev is not None:
@@ -324,15 +333,18 @@ class PinnedPool:
         return i, self._buffers[i]
 
     def release(self, slot: int, stream: Any = None) -> None:
-        """Record that the copies queued on ``stream`` read slot ``slot``."""
-        if stream is None or not self.pinned:
-            return
-        import torch
+        """Slot ``slot`` is filled and its copies are queued on ``stream`` (None: nothing was
+        queued): the next user waits for them."""
+        ev = None
+        if stream is not None and self.pinned:
+            import torch
 
-        ev = torch.cuda.Event()
-        ev.record(stream)
-        with self._lock:
+            ev = torch.cuda.Event()
+            ev.record(stream)
+        with self._free:
             self._events[slot] = ev
+            self._busy[slot] = False
+            self._free.notify()
 
     def upload(self, arrays: Sequence[Any], device: Any, stream: Any = None) -> list[Any]:
         """Copy host uint8 arrays (numpy) to ``device`` through the pool; one device tensor per
@@ -357,25 +369,46 @@ class PinnedPool:
             self.release(slot, stream)
             slot, used = None, 0
 
-        for src in srcs:
-            pos = 0
-            while pos < src.size:
-                if slot is None:
-                    slot, buf = self.acquire()
-                    used, pending_start = 0, dst_off
-                k = min(src.size - pos, self.slot_bytes - used)
-                buf[used:used + k].numpy()[:] = src[pos:pos + k]
-                used += k
-                pos += k
-                dst_off += k
-                if used == self.slot_bytes:
-                    flush()
-        flush()
+        try:
+            for src in srcs:
+                pos = 0
+                while pos < src.size:
+                    if slot is None:
+                        slot, buf = self.acquire()
+                        used, pending_start = 0, dst_off
+                    k = min(src.size - pos, self.slot_bytes - used)
+                    buf[used:used + k].numpy()[:] = src[pos:pos + k]
+                    used += k
+                    pos += k
+                    dst_off += k
+                    if used == self.slot_bytes:
+                        flush()
+            flush()
+        finally:
+            if slot is not None:  # failed while filling it: nothing of it was queued
+                self.release(slot)
         out, off = [], 0
         for a, n in zip(arrays, sizes):
             out.append(flat[off:off + n].view(*a.shape))
             off += n
         return out
+
+
+_SHARED: weakref.WeakValueDictionary[tuple, PinnedPool] = weakref.WeakValueDictionary()
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_pool(key: tuple, slots: int, slot_bytes: int) -> PinnedPool:
+    """The pinned pool of ``key`` (model, instance) while any version of it still holds it, else
+    a new one. ``cudaHostAlloc`` holds a driver lock while it pins: on the H200 each 200 MB slot
+    of the ResNet-50 bench model took 106-170 ms, during which every other thread's kernel
+    launches waited, so a version loading beside the serving one must not pin its own."""
+    with _SHARED_LOCK:
+        pool = _SHARED.get((key, slots, slot_bytes))
+        if pool is None:
+            pool = PinnedPool(slots, slot_bytes)
+            _SHARED[(key, slots, slot_bytes)] = pool
+        return pool
 
 
 def stage_slot_bytes(config: ModelConfig, frame_bytes: int = DEFAULT_STAGE_FRAME_BYTES) -> int:

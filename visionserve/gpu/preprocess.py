@@ -38,7 +38,7 @@ from .. import imaging
 from ..config import InputSpec, ModelConfig
 from ..errors import InvalidInput, VisionServeError
 from ..imaging import Frame, geometry
-from .memory import DEFAULT_STAGE_FRAME_BYTES, PinnedPool, stage_slot_bytes
+from .memory import DEFAULT_STAGE_FRAME_BYTES, PinnedPool, shared_pool, stage_slot_bytes
 
 log = logging.getLogger(__name__)
 
@@ -194,8 +194,14 @@ class TorchPreprocessor:
 
     @classmethod
     def for_config(cls, config: ModelConfig, *, device: str, dtype: Any, stream: Any = None,
-                   channels_last: bool = False, slots: int = 3) -> TorchPreprocessor:
-        pool = PinnedPool(slots, stage_slot_bytes(config)) if device.startswith("cuda") else None
+                   channels_last: bool = False, slots: int = 3,
+                   pool_key: tuple | None = None) -> TorchPreprocessor:
+        """``pool_key``: share the pinned staging pool with the live preprocessors of that key
+        (the other versions of the same model instance) instead of pinning a new one."""
+        pool = None
+        if device.startswith("cuda"):
+            pool = shared_pool((device, *pool_key), slots, stage_slot_bytes(config)) \
+                if pool_key is not None else PinnedPool(slots, stage_slot_bytes(config))
         return cls(config.input, device=device, dtype=dtype,
                    max_batch=config.batching.max_batch_size, stream=stream, pool=pool,
                    channels_last=channels_last)

@@ -165,17 +165,19 @@ class GpuReservation:
         return [s for streams in self.streams.values() for s in streams]
 
     def preprocessor(self, backend: Backend, config: ModelConfig,
-                     preferred: tuple[int, ...], owner: int) -> Any:
+                     preferred: tuple[int, ...], owner: int, pool_key: tuple | None = None) -> Any:
         """A warmed-up GPU preprocessor for ``backend`` of the load ``owner``, or None where
         the backend cannot take device tensors (no stream: e.g. onnxruntime without torch
-        CUDA)."""
+        CUDA). Preprocessors of one ``pool_key`` (the versions of a model instance) share
+        their pinned staging pool."""
         if not backend.takes_device_input:
             return None
         from .preprocess import TorchPreprocessor
 
         prep = TorchPreprocessor.for_config(config, device=self.device, dtype=backend.input_dtype,
                                             stream=backend.stream,
-                                            channels_last=backend.channels_last)
+                                            channels_last=backend.channels_last,
+                                            pool_key=pool_key)
         prep.warmup(preferred)
         streams = self.streams.setdefault(owner, [])
         streams.append(backend.stream)

@@ -530,7 +530,7 @@ async def test_admission_margin_learns_how_late_answers_come_against_the_predict
     assert 1.9 < b.margin <= 4.0
     with pytest.raises(Unavailable, match="overloaded"):  # 12.5 s x 2 > 20 s
         b.check_capacity(1, deadline=now + 20)
-    for _ in range(5000):  # and then in half of it (down by (1 - MARGIN_QUANTILE) steps)
+    for _ in range(12000):  # and then in half of it (down by (1 - MARGIN_QUANTILE) steps)
         b._learn(Pending(None, loop.create_future(), now, now + 2, admitted=now, predicted=1.0), now + 0.5)
     assert 0.5 <= b.margin < 0.6
     assert b.check_capacity(1, deadline=now + 20) > 0

@@ -209,8 +209,9 @@ def _cv2():
     return cv2
 
 
-def decode(frame: Frame, channels: int) -> np.ndarray:
-    """Decoded pixels: ``HxWx3`` BGR uint8 (channels=3) or ``HxW`` grey (channels=1)."""
+def decode(frame: Frame, channels: int, scale: int = 1) -> np.ndarray:
+    """Decoded pixels: ``HxWx3`` BGR uint8 (channels=3) or ``HxW`` grey (channels=1); a JPEG at
+    1/``scale`` of its size (2, 4 or 8: :func:`jpeg_scale`)."""
     cv2 = _cv2()
     if frame.kind == "raw":
         px = frame.data
@@ -222,6 +223,8 @@ def decode(frame: Frame, channels: int) -> np.ndarray:
         code = {1: cv2.COLOR_GRAY2BGR, 3: cv2.COLOR_RGB2BGR, 4: cv2.COLOR_RGBA2BGR}[px.shape[2]]
         return cv2.cvtColor(px, code)
     flag = cv2.IMREAD_GRAYSCALE if channels == 1 else cv2.IMREAD_COLOR
+    if scale > 1 and frame.kind == "jpeg":
+        flag = getattr(cv2, f"IMREAD_REDUCED_{'GRAYSCALE' if channels == 1 else 'COLOR'}_{scale}")
     try:
         img = cv2.imdecode(np.frombuffer(frame.data, dtype=np.uint8), flag)
     except cv2.error as exc:  # OpenCV's own size limit or a decoder fault
@@ -230,6 +233,25 @@ def decode(frame: Frame, channels: int) -> np.ndarray:
     if img is None:
         raise InvalidInput(f"cannot decode {frame.kind.upper()}: the file is corrupt or truncated")
     return img
+
+
+def jpeg_scale(frame: Frame, spec: InputSpec) -> int:
+    """How much smaller the CPU path may decode a JPEG (1, 2, 4 or 8): the largest scale whose
+    image is still at least as large as the resize's target on both sides (either orientation:
+    the decoder applies EXIF rotation). libjpeg scales in the DCT, which averages blocks as
+    ``area`` does, so only with ``area``; and only when both sides divide by the scale, so that
+    letterbox and centre-crop geometry is exactly the full frame's."""
+    if frame.kind != "jpeg" or not spec.scaled_decode or spec.interpolation != "area":
+        return 1
+    iw, ih = frame.width, frame.height
+    need = 0
+    for h, w in ((ih, iw), (iw, ih)):
+        nh, nw, *_ = geometry(spec, h, w)
+        need = max(need, nh, nw)
+    for f in (8, 4, 2):
+        if iw % f == 0 and ih % f == 0 and min(iw, ih) // f >= need:
+            return f
+    return 1
 
 
 def geometry(spec: InputSpec, ih: int, iw: int) -> tuple[int, int, int, int, int, int]:
@@ -306,7 +328,7 @@ def normalize(pixels: np.ndarray, spec: InputSpec, out: np.ndarray | None = None
 
 def preprocess(frame: Frame, spec: InputSpec) -> np.ndarray:
     """One frame -> ``HxWxC`` uint8 at model size (the CPU path)."""
-    return to_model_pixels(decode(frame, spec.channels), spec)
+    return to_model_pixels(decode(frame, spec.channels, jpeg_scale(frame, spec)), spec)
 
 
 _POOL = None

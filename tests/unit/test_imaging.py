@@ -339,3 +339,56 @@ def test_the_largest_aspect_ratio_allowed_still_resizes():
     for mode in ("stretch", "letterbox", "center_crop"):
         out = imaging.preprocess(frame, spec(resize=mode))
         assert out.shape == (32, 32, 3)
+
+
+# --- scaled JPEG decoding (input.scaled_decode) ------------------------------------------------
+
+def _scene(w: int, h: int) -> np.ndarray:
+    y, x = np.mgrid[0:h, 0:w]
+    img = np.dstack([(x * 255) // w, (y * 255) // h, ((x // 16 + y // 16) % 2) * 200 + 20])
+    return cv2.GaussianBlur(img.astype(np.uint8), (5, 5), 1.5)
+
+
+def _spec(**kw) -> InputSpec:
+    return InputSpec(**{"width": 160, "height": 160, "scaled_decode": True, **kw})
+
+
+@pytest.mark.parametrize("size, spec, scale", [
+    ((640, 480), {}, 2),                                     # 320x240 still >= 160x160
+    ((1280, 1024), {}, 4),
+    ((1920, 1080), {}, 4),                                   # 1/8 would be 240x135
+    ((1920, 1080), {"resize": "letterbox", "width": 224, "height": 224}, 4),
+    ((1920, 1080), {"resize": "center_crop", "width": 224, "height": 224}, 2),  # 398x224 crop source
+    ((642, 482), {}, 2),
+    ((641, 480), {}, 1),                                     # an odd side: geometry would shift
+    ((640, 480), {"interpolation": "linear"}, 1),            # the DCT averages: only with area
+    ((640, 480), {"scaled_decode": False}, 1),
+    ((160, 160), {}, 1),
+])
+def test_jpeg_scale_is_the_largest_that_still_covers_the_resize(size, spec, scale):
+    w, h = size
+    frame = imaging.encoded_frame(encode(".jpg", _scene(w, h)))
+    assert imaging.jpeg_scale(frame, _spec(**spec)) == scale
+
+
+def test_scaled_decode_is_off_by_default_and_never_for_png():
+    frame = imaging.encoded_frame(encode(".jpg", _scene(640, 480)))
+    assert imaging.jpeg_scale(frame, InputSpec(width=160, height=160)) == 1
+    png = imaging.encoded_frame(encode(".png", _scene(640, 480)))
+    assert imaging.jpeg_scale(png, _spec()) == 1
+
+
+@pytest.mark.parametrize("resize", ["stretch", "letterbox", "center_crop"])
+def test_scaled_decode_gives_nearly_the_full_decodes_pixels(resize):
+    spec = _spec(resize=resize, width=128, height=96)
+    frame = imaging.encoded_frame(encode(".jpg", _scene(1024, 512), [cv2.IMWRITE_JPEG_QUALITY, 95]))
+    scale = imaging.jpeg_scale(frame, spec)  # centre crop: 2 (its source may need 256 px)
+    assert scale == (2 if resize == "center_crop" else 4)
+    assert imaging.decode(frame, 3, scale).shape == (512 // scale, 1024 // scale, 3)
+    full = imaging.to_model_pixels(imaging.decode(frame, 3), spec).astype(np.int16)
+    scaled = imaging.preprocess(frame, spec).astype(np.int16)
+    assert scaled.shape == full.shape == (96, 128, 3)
+    # sharp 16 px squares: the DCT's averaging differs from area's by a level or two along their
+    # edges; a geometry one pixel off would put whole edges out of place (tens of levels there)
+    assert np.abs(full - scaled).mean() < 3.0
+    assert np.abs(full[:, 2:] - scaled[:, :-2]).mean() > 2 * np.abs(full - scaled).mean()

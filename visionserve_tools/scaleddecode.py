@@ -1,0 +1,116 @@
+"""Scaled JPEG decoding on the CPU path against full decoding (issue 19): the shipped model's
+scores, labels and verdicts on the held-out test set, and the time of decode + resize per frame.
+
+    python -m visionserve_tools.scaleddecode --out scaled.json [--n-per-label 100] [--quality 90]
+
+The held-out set of models/defect-classifier/README.md (seed 2026, ``HELDOUT_PARAMS``, 640x480
+and 1280x1024 alternating), each frame encoded as JPEG, preprocessed twice by
+:mod:`visionserve.imaging`: decoded in full (``scale=1``), and as the server does
+(:func:`visionserve.imaging.jpeg_scale`); both run through the ONNX model. Times are the
+median of ``--rounds`` interleaved passes over the frames of each size, in this process, one
+thread: ratios are what to read on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from visionserve import imaging
+from visionserve.config import load_model_config
+
+from . import synthetic
+
+MODEL = Path(__file__).resolve().parents[1] / "models" / "defect-classifier"
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    e = np.exp(logits - logits.max(1, keepdims=True))
+    return e / e.sum(1, keepdims=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m visionserve_tools.scaleddecode",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--model", type=Path, default=MODEL)
+    ap.add_argument("--n-per-label", type=int, default=100)
+    ap.add_argument("--quality", type=int, default=90)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+    import onnxruntime as ort
+
+    cfg = load_model_config(args.model / "model.toml")
+    spec = cfg.input
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    sess = ort.InferenceSession(str(args.model / "1" / "model.onnx"), opts,
+                                providers=["CPUExecutionProvider"])
+    in_name = spec.tensor_name or sess.get_inputs()[0].name
+    frames, targets = [], []
+    for img, label in synthetic.generate_set(args.n_per_label, 2026,
+                                             params=synthetic.HELDOUT_PARAMS):
+        frames.append(imaging.encoded_frame(synthetic.encode(img, "jpeg", args.quality)))
+        targets.append(cfg.output.labels.index(label))
+    full = np.stack([imaging.to_model_pixels(imaging.decode(f, spec.channels, 1), spec)
+                     for f in frames])
+    scaled = np.stack([imaging.preprocess(f, spec) for f in frames])
+    scales = [imaging.jpeg_scale(f, spec) for f in frames]
+
+    def probs(pixels: np.ndarray) -> np.ndarray:
+        return _softmax(np.concatenate([
+            sess.run(None, {in_name: imaging.normalize(pixels[i:i + 32], spec)})[0]
+            for i in range(0, len(pixels), 32)]))
+
+    pf, ps = probs(full), probs(scaled)
+    ok = [cfg.output.labels.index(x) for x in cfg.verdict.ok_labels]
+
+    def verdicts(p: np.ndarray) -> np.ndarray:
+        top = p.argmax(1)
+        return np.isin(top, ok) & (p.max(1) >= cfg.verdict.ok_threshold)
+
+    target = np.asarray(targets)
+    diff = np.abs(pf - ps)
+    pixel = np.abs(full.astype(np.int16) - scaled.astype(np.int16))
+    res: dict = {
+        "frames": len(frames), "quality": args.quality, "model": str(args.model.name),
+        "scales": {str(s): scales.count(s) for s in sorted(set(scales))},
+        "pixel_mean_abs_diff": round(float(pixel.mean()), 4),
+        "pixel_max_abs_diff": int(pixel.max()),
+        "score_max_abs_diff": round(float(diff.max()), 5),
+        "score_p99_abs_diff": round(float(np.quantile(diff.max(1), 0.99)), 5),
+        "score_mean_abs_diff": round(float(diff.mean()), 6),
+        "labels_equal": int((pf.argmax(1) == ps.argmax(1)).sum()),
+        "verdicts_equal": int((verdicts(pf) == verdicts(ps)).sum()),
+        "accuracy_full": round(float((pf.argmax(1) == target).mean()), 4),
+        "accuracy_scaled": round(float((ps.argmax(1) == target).mean()), 4),
+        "times_ms": {},
+    }
+    for size in sorted({(f.width, f.height) for f in frames}):
+        group = [f for f in frames if (f.width, f.height) == size]
+        t_full, t_scaled = [], []
+        for _ in range(args.rounds):
+            for fn, acc in ((lambda f: imaging.to_model_pixels(
+                    imaging.decode(f, spec.channels, 1), spec), t_full),
+                            (lambda f: imaging.preprocess(f, spec), t_scaled)):
+                t0 = time.perf_counter()
+                for f in group:
+                    fn(f)
+                acc.append((time.perf_counter() - t0) * 1000 / len(group))
+        a, b = statistics.median(t_full), statistics.median(t_scaled)
+        res["times_ms"][f"{size[0]}x{size[1]}"] = {
+            "full": round(a, 3), "scaled": round(b, 3), "speedup": round(a / b, 2),
+            "scale": imaging.jpeg_scale(group[0], spec)}
+    args.out.write_text(json.dumps(res, indent=1) + "\n")
+    print(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -118,8 +118,9 @@ class InputSpec(_Strict):
     scaled_decode: bool = Field(
         False, description="CPU path: decode a JPEG at 1/2, 1/4 or 1/8 of its size (libjpeg's "
         "scaled IDCT, which averages like `area`) when that is still at least the resize's "
-        "size, then resize: 1.2-1.6x faster at 640x480 and 2.7x at 1280x1024 for the shipped "
-        "model, scores within 0.035 of full decoding (docs/benchmarks.md). Only with `area`, "
+        "size, then resize: 1.2-1.4x faster at 640x480 and 2.1-2.4x at 1280x1024 for the "
+        "shipped model; its scores moved by 0.036 at p99 (0.083 at most) on the held-out set "
+        "(docs/benchmarks.md), so a near tie can flip. Only with `area`, "
         "and only for frames whose sides divide by the scale, so the geometry is the full "
         "frame's. The GPU path always decodes in full.")
     pad_value: int = Field(114, ge=0, le=255, description="Grey level for letterbox padding.")

@@ -5,8 +5,9 @@ scores, labels and verdicts on the held-out test set, and the time of decode + r
 
 The held-out set of models/defect-classifier/README.md (seed 2026, ``HELDOUT_PARAMS``, 640x480
 and 1280x1024 alternating), each frame encoded as JPEG, preprocessed twice by
-:mod:`visionserve.imaging`: decoded in full (``scale=1``), and as the server does
-(:func:`visionserve.imaging.jpeg_scale`); both run through the ONNX model. Times are the
+:mod:`visionserve.imaging`: decoded in full (``scale=1``), and as the server does with
+``input.scaled_decode = true`` (:func:`visionserve.imaging.jpeg_scale`); both run through the
+ONNX model. Times are the
 median of ``--rounds`` interleaved passes over the frames of each size, in this process, one
 thread: ratios are what to read on a shared machine.
 """
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     import onnxruntime as ort
 
     cfg = load_model_config(args.model / "model.toml")
-    spec = cfg.input
+    spec = cfg.input.model_copy(update={"scaled_decode": True})  # off by default in model.toml
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1
     sess = ort.InferenceSession(str(args.model / "1" / "model.onnx"), opts,
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         return np.isin(top, ok) & (p.max(1) >= cfg.verdict.ok_threshold)
 
     target = np.asarray(targets)
+    differ = (pf.argmax(1) != ps.argmax(1)) | (verdicts(pf) != verdicts(ps))
     diff = np.abs(pf - ps)
     pixel = np.abs(full.astype(np.int16) - scaled.astype(np.int16))
     res: dict = {
@@ -88,6 +90,13 @@ def main(argv: list[str] | None = None) -> int:
         "score_mean_abs_diff": round(float(diff.mean()), 6),
         "labels_equal": int((pf.argmax(1) == ps.argmax(1)).sum()),
         "verdicts_equal": int((verdicts(pf) == verdicts(ps)).sum()),
+        # every frame whose label or verdict differs: how near a tie the full decode's scores were
+        "disagreements": [
+            {"frame": int(i), "size": f"{frames[i].width}x{frames[i].height}",
+             "top2_margin_full": round(float(np.diff(np.sort(pf[i])[-2:])[0]), 4),
+             "scores_full": [round(float(v), 4) for v in pf[i]],
+             "scores_scaled": [round(float(v), 4) for v in ps[i]]}
+            for i in np.flatnonzero(differ)],
         "accuracy_full": round(float((pf.argmax(1) == target).mean()), 4),
         "accuracy_scaled": round(float((ps.argmax(1) == target).mean()), 4),
         "times_ms": {},

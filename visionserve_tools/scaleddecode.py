@@ -25,6 +25,7 @@ import numpy as np
 
 from visionserve import imaging
 from visionserve.config import load_model_config
+from visionserve.tasks.classification import ClassificationConfig
 
 from . import synthetic
 
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     import onnxruntime as ort
 
     cfg = load_model_config(args.model / "model.toml")
+    if not isinstance(cfg, ClassificationConfig):
+        ap.error(f"{args.model}: a classification model is needed (labels and a verdict)")
     spec = cfg.input.model_copy(update={"scaled_decode": True})  # off by default in model.toml
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1
@@ -103,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     for size in sorted({(f.width, f.height) for f in frames}):
         group = [f for f in frames if (f.width, f.height) == size]
-        t_full, t_scaled = [], []
+        t_full: list[float] = []
+        t_scaled: list[float] = []
         for _ in range(args.rounds):
             for fn, acc in ((lambda f: imaging.to_model_pixels(
                     imaging.decode(f, spec.channels, 1), spec), t_full),

@@ -59,16 +59,17 @@ def timeline(records: list[tuple], a: float, b: float, step_s: float = 0.1) -> l
     """A swap window in ``step_s`` slices: from the load call (s), frames scheduled, the slowest
     answer from the schedule, and the slowest server time, batcher queue and compute (from dispatch
     to result) of the server's answers (ms): where in the load serving waited."""
+    slices: dict[int, list[tuple]] = {}
+    for r in records:
+        if a <= r[0] < b:
+            slices.setdefault(int((r[0] - a) / step_s), []).append(r)
     out = []
-    for i in range(int((b - a) / step_s) + 1):
-        lo = a + i * step_s
-        rows = [r for r in records if lo <= r[0] < lo + step_s]
-        if rows:
-            out.append({"t_s": round(i * step_s, 2), "n": len(rows),
-                        "max_ms": round(max(r[1] for r in rows), 1),
-                        "server_max_ms": round(max(r[4] for r in rows), 1),
-                        "queue_max_ms": round(max(r[7] for r in rows), 1),
-                        "compute_max_ms": round(max(r[8] for r in rows), 1)})
+    for i, rows in sorted(slices.items()):
+        out.append({"t_s": round(i * step_s, 2), "n": len(rows),
+                    "max_ms": round(max(r[1] for r in rows), 1),
+                    "server_max_ms": round(max(r[4] for r in rows), 1),
+                    "queue_max_ms": round(max(r[7] for r in rows), 1),
+                    "compute_max_ms": round(max(r[8] for r in rows), 1)})
     return out
 
 

@@ -25,16 +25,11 @@ import numpy as np
 
 from visionserve import imaging
 from visionserve.config import load_model_config
-from visionserve.tasks.classification import ClassificationConfig
+from visionserve.tasks.classification import Classification, ClassificationConfig
 
 from . import synthetic
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "defect-classifier"
-
-
-def _softmax(logits: np.ndarray) -> np.ndarray:
-    e = np.exp(logits - logits.max(1, keepdims=True))
-    return e / e.sum(1, keepdims=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,20 +62,19 @@ def main(argv: list[str] | None = None) -> int:
     scaled = np.stack([imaging.preprocess(f, spec) for f in frames])
     scales = [imaging.jpeg_scale(f, spec) for f in frames]
 
-    def probs(pixels: np.ndarray) -> np.ndarray:
-        return _softmax(np.concatenate([
+    task = Classification(cfg)  # the server's own activation and verdict rule
+
+    def classify(pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(scores (N, labels), OK verdict per frame)."""
+        rows = task.classify(np.concatenate([
             sess.run(None, {in_name: imaging.normalize(pixels[i:i + 32], spec)})[0]
             for i in range(0, len(pixels), 32)]))
+        return (np.stack([r.scores for _, r in rows]),
+                np.asarray([v == "OK" for v, _ in rows]))
 
-    pf, ps = probs(full), probs(scaled)
-    ok = [cfg.output.labels.index(x) for x in cfg.verdict.ok_labels]
-
-    def verdicts(p: np.ndarray) -> np.ndarray:
-        top = p.argmax(1)
-        return np.isin(top, ok) & (p.max(1) >= cfg.verdict.ok_threshold)
-
+    (pf, vf), (ps, vs) = classify(full), classify(scaled)
     target = np.asarray(targets)
-    differ = (pf.argmax(1) != ps.argmax(1)) | (verdicts(pf) != verdicts(ps))
+    differ = (pf.argmax(1) != ps.argmax(1)) | (vf != vs)
     diff = np.abs(pf - ps)
     pixel = np.abs(full.astype(np.int16) - scaled.astype(np.int16))
     res: dict = {
@@ -92,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         "score_p99_abs_diff": round(float(np.quantile(diff.max(1), 0.99)), 5),
         "score_mean_abs_diff": round(float(diff.mean()), 6),
         "labels_equal": int((pf.argmax(1) == ps.argmax(1)).sum()),
-        "verdicts_equal": int((verdicts(pf) == verdicts(ps)).sum()),
+        "verdicts_equal": int((vf == vs).sum()),
         # every frame whose label or verdict differs: how near a tie the full decode's scores were
         "disagreements": [
             {"frame": int(i), "size": f"{frames[i].width}x{frames[i].height}",

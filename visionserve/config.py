@@ -443,6 +443,18 @@ class ServerSettings(BaseSettings):
                                 "Default: off.")
     guard_margin: str = Field(
         "1GiB", description="Safety margin the guard keeps above the server's budget.")
+    guard_mps: bool = Field(
+        False, description="With --guard: share the GPU's time with training jobs through CUDA "
+                           "MPS: the server and its jobs become clients of one MPS control daemon "
+                           "(the one CUDA_MPS_PIPE_DIRECTORY names, else a private one started "
+                           "and quit with the server), so their kernels run side by side, each "
+                           "job on --guard-mps-job-sm-percent of the SMs at a lower client "
+                           "priority. Where MPS cannot run, the guard says why and jobs share by "
+                           "yielding (docs/guard.md).")
+    guard_mps_job_sm_percent: int = Field(
+        50, ge=1, le=100, description="With --guard-mps: the share of the GPU's SMs a training "
+                                      "job's kernels may occupy (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE;"
+                                      " a job's own value wins).")
     # --- results to the PLC (visionserve/plc, docs/plc.md) ---
     opcua: str | None = Field(
         None, description="Serve results to PLCs over OPC UA (OPC 40100 Machine Vision model) at "

@@ -18,8 +18,16 @@ under the guard's two mechanisms, in one run.
    batch runs, bounds its queued GPU work, and follows the duty cycle the budget sets.
 6. Phase ``yield_bound``: the hook in mode ``bound`` (``VISIONSERVE_GUARD_YIELD_MODE=bound``): it
    never waits, it only keeps one point of GPU work queued while a batch runs.
-7. Phase ``hostile`` (cuda, if time is left): benchguard's memory-hungry job; the watchdog must
+7. Phase ``mps`` (``--mps PCT``): the server is started with ``--guard-mps
+   --guard-mps-job-sm-percent PCT``, so it and the job are clients of one CUDA MPS daemon and
+   their kernels run side by side, the job's on PCT% of the SMs at a lower client priority (its
+   ``train_alone`` run asks for 100%: the reference is the job on the whole GPU).
+8. Phase ``hostile`` (cuda, if time is left): benchguard's memory-hungry job; the watchdog must
    stop it.
+
+``--phases`` picks the sharing phases (default ``process,yield,yield_bound``; with ``--mps``:
+``mps``); ``--frontends N`` starts the server with N front-end processes (the issue's second
+target), the load then at ``--load-fraction`` of that server's saturation.
 
 Each training phase is the job's timed part (from its ``warm`` line to its ``done`` line). The
 JSON (``--out``, saved after every phase) has per phase the latency percentiles (client and
@@ -27,8 +35,9 @@ server side), errors, CPU time and run-queue wait of server, clients and job
 (:class:`.benchguard.CpuSampler`), the SM utilisation of server and job (NVML per-process
 samples, cuda), the job's steps/s and what the guard recorded (mechanism, yields, pauses); the p99
 ratios over baseline, the steps/s ratios over alone, OOM lines, and ``conditions``: zero errors
-and OOMs, the yield phase's p99 within 1.5x baseline, its steps/s at least half of alone, the
-hostile job stopped. Exit 0: completed (see ``pass``); 1: aborted; 2: bad arguments.
+and OOMs, the judged phase's p99 within 1.5x baseline (``mps`` with ``--mps``, else ``yield``),
+its steps/s at least half of alone, the hostile job stopped. Exit 0: completed (see ``pass``);
+1: aborted; 2: bad arguments.
 """
 
 from __future__ import annotations
@@ -90,6 +99,14 @@ class Plan:
     threads: int
     hostile: bool
     deadline_s: float
+    phases: tuple[str, ...] = ("process", "yield", "yield_bound")
+    mps_percent: int | None = None
+    frontends: int = 0
+
+    @property
+    def judged(self) -> str:
+        """The sharing phase the targets are checked on."""
+        return "mps" if self.mps_percent else "yield"
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -110,7 +127,15 @@ def make_plan(args: argparse.Namespace) -> Plan:
         load_fraction=args.load_fraction, rate=args.rate,
         processes=args.processes or min(8, max(2, (os.cpu_count() or 8) // 2)),
         threads=64 if cuda else 8, hostile=cuda and not args.no_hostile,
-        deadline_s=args.deadline_s)
+        deadline_s=args.deadline_s, phases=tuple(args.phases.split(",")) if args.phases
+        else (("mps",) if args.mps else ("process", "yield", "yield_bound")),
+        mps_percent=args.mps, frontends=args.frontends)
+
+
+#: what each sharing phase sets in the job's environment
+PHASE_ENV: dict[str, dict[str, str]] = {
+    "process": {"VISIONSERVE_GUARD_YIELD": "0"}, "yield": {},
+    "yield_bound": {"VISIONSERVE_GUARD_YIELD_MODE": "bound"}, "mps": {}}
 
 
 class GpuSampler(threading.Thread):
@@ -237,6 +262,10 @@ def acceptance(args: argparse.Namespace, res: dict, save) -> None:
                  "--guard-latency-budget-ms", f"{plan.latency_budget_ms:g}"]
         if plan.budget:
             extra += ["--gpu-memory-budget", plan.budget]
+        if plan.mps_percent:
+            extra += ["--guard-mps", "--guard-mps-job-sm-percent", str(plan.mps_percent)]
+        if plan.frontends:
+            extra += ["--frontends", str(plan.frontends)]
         res["server_args"] = extra
         server = paced = cpu = gpu = None
         try:
@@ -254,8 +283,11 @@ def acceptance(args: argparse.Namespace, res: dict, save) -> None:
             save()
 
             log(f"training alone ({plan.alone_s:g} s)")
+            alone_env = {"VISIONSERVE_GUARD_YIELD": "0"}
+            if plan.mps_percent:  # the reference: the job on every SM
+                alone_env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = "100"
             res["train_alone"], w = run_job(server, plan, "train-alone", plan.alone_s,
-                                            {"VISIONSERVE_GUARD_YIELD": "0"}, tmp, jobs)
+                                            alone_env, tmp, jobs)
             if w:
                 windows["train_alone"] = w
             save()
@@ -269,8 +301,8 @@ def acceptance(args: argparse.Namespace, res: dict, save) -> None:
             time.sleep(max(0.0, b0 + plan.baseline_s - time.monotonic()))
             windows["baseline"] = (b0, b0 + plan.baseline_s)
 
-            for phase, env in (("process", {"VISIONSERVE_GUARD_YIELD": "0"}), ("yield", {}),
-                               ("yield_bound", {"VISIONSERVE_GUARD_YIELD_MODE": "bound"})):
+            for phase in plan.phases:
+                env = PHASE_ENV[phase]
                 if left() < plan.share_s + 25:
                     res.setdefault("skipped", []).append(f"{phase}: {left():.0f} s left")
                     log(f"phase {phase} skipped: {left():.0f} s left of --deadline-s")
@@ -322,6 +354,9 @@ def acceptance(args: argparse.Namespace, res: dict, save) -> None:
 
 def verdict(res: dict, cuda: bool) -> None:
     ph = res.get("phases", {})
+    plan = res.get("plan") or {}
+    judged = "mps" if plan.get("mps_percent") else "yield"
+    phases = plan.get("phases") or ("process", "yield", "yield_bound")
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return round(a / b, 3) if a and b else None
@@ -330,24 +365,27 @@ def verdict(res: dict, cuda: bool) -> None:
     base, base_srv = base_phase.get("p99_ms"), base_phase.get("server_p99_ms")
     alone = (res.get("train_alone", {}).get("train") or {}).get("steps_per_s")
     out = {}
-    for phase in ("process", "yield", "yield_bound"):
+    for phase in phases:
         steps = (res.get(f"train_{phase}", {}).get("train") or {}).get("steps_per_s")
         out[phase] = {"p99_ratio": ratio(ph.get(phase, {}).get("p99_ms"), base),
                       "server_p99_ratio": ratio(ph.get(phase, {}).get("server_p99_ms"), base_srv),
                       "steps_per_s": steps, "steps_ratio_vs_alone": ratio(steps, alone)}
     res["steps_per_s_alone"] = alone
     res["ratios"] = out
-    y = out["yield"]
+    y = out.get(judged) or {"p99_ratio": None, "steps_ratio_vs_alone": None}
     cond = {
         "zero_inference_errors": ph.get("all", {}).get("count", 0) > 0
         and ph["all"].get("errors") == 0,
         "zero_oom_lines": not res.get("oom_lines"),
-        f"yield_p99_le_{P99_RATIO_LIMIT:g}x_baseline": y["p99_ratio"] is not None
+        f"{judged}_p99_le_{P99_RATIO_LIMIT:g}x_baseline": y["p99_ratio"] is not None
         and y["p99_ratio"] <= P99_RATIO_LIMIT,
-        f"yield_steps_ge_{STEPS_RATIO_MIN:g}x_alone": y["steps_ratio_vs_alone"] is not None
+        f"{judged}_steps_ge_{STEPS_RATIO_MIN:g}x_alone": y["steps_ratio_vs_alone"] is not None
         and y["steps_ratio_vs_alone"] >= STEPS_RATIO_MIN,
-        "yield_job_used_the_hook": res.get("train_yield", {}).get("mechanism") == "yield",
-        "process_job_had_no_hook": res.get("train_process", {}).get("mechanism") == "process",
+        f"{judged}_job_shared_by_{judged}":
+        res.get(f"train_{judged}", {}).get("mechanism") == judged,
+        # None: the phase did not run
+        "process_job_had_no_hook": res.get("train_process", {}).get("mechanism") == "process"
+        if "process" in phases else None,
         # None: not run (cpu, or no time left: see "skipped")
         "hostile_stopped_by_watchdog": bool(res["hostile_job"].get("by_watchdog"))
         if cuda and "hostile_job" in res else None,
@@ -377,7 +415,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-hostile", action="store_true")
     ap.add_argument("--deadline-s", type=float, default=235.0,
                     help="phases that would end later than this after the start are skipped")
+    ap.add_argument("--mps", type=int, default=None, metavar="PCT",
+                    help="serve with --guard-mps, jobs on PCT%% of the SMs (phase mps)")
+    ap.add_argument("--phases", default=None,
+                    help=f"sharing phases, of {','.join(PHASE_ENV)} (default: process,yield,"
+                         "yield_bound; with --mps: mps)")
+    ap.add_argument("--frontends", type=int, default=0, help="the server's --frontends")
     args = ap.parse_args(argv)
+    if args.phases and not set(args.phases.split(",")) <= set(PHASE_ENV):
+        ap.error(f"--phases: of {', '.join(PHASE_ENV)}")
+    if "mps" in (args.phases or "").split(",") and not args.mps:
+        ap.error("phase mps needs --mps PCT")
+    if args.mps is not None and not 1 <= args.mps <= 100:
+        ap.error("--mps: a percentage, 1..100")
     if not 0 < args.load_fraction <= 1:
         ap.error("--load-fraction must be in (0, 1]")
     if args.device == "cuda":
@@ -403,10 +453,9 @@ def main(argv: list[str] | None = None) -> int:
                                                  "server_p99_ms", "send_lag_p99_ms",
                                                  "client_wake_lag_p99_ms")}
                        for k, v in res.get("phases", {}).items()}
-    brief["sharing"] = {p: (res.get(f"train_{p}") or {}).get("sharing")
-                        for p in ("process", "yield", "yield_bound")}
+    brief["sharing"] = {p: (res.get(f"train_{p}") or {}).get("sharing") for p in PHASE_ENV}
     brief["guard_lines"] = {p: (res.get(f"train_{p}") or {}).get("guard_lines")
-                            for p in ("yield", "yield_bound")}
+                            for p in PHASE_ENV}
     print(json.dumps(brief, default=str))
     print("\n".join(table(res)))
     return rc
@@ -422,7 +471,7 @@ def table(res: dict) -> list[str]:
     def f(v, w: int, nd: int = 1) -> str:
         return f"{v:>{w}.{nd}f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"
 
-    for name in ("train_alone", "baseline", "process", "yield", "yield_bound", "hostile", "all"):
+    for name in ("train_alone", "baseline", *PHASE_ENV, "hostile", "all"):
         p = ph.get(name, {})
         job = res.get(name if name.startswith("train") else f"train_{name}", {}) or {}
         sh = job.get("sharing") or {}
@@ -443,7 +492,7 @@ def table(res: dict) -> list[str]:
     r = res.get("ratios", {})
     lines.append("p99 ratio over baseline (client / server side); steps/s over alone: " + "; ".join(
         f"{p} {r.get(p, {}).get('p99_ratio')} / {r.get(p, {}).get('server_p99_ratio')}; "
-        f"{r.get(p, {}).get('steps_ratio_vs_alone')}" for p in ("process", "yield", "yield_bound")))
+        f"{r.get(p, {}).get('steps_ratio_vs_alone')}" for p in PHASE_ENV if p in r))
     lines.append(f"pass {res.get('pass')}; failed {res.get('conditions_failed')}; "
                  f"oom lines {len(res.get('oom_lines') or [])}; hostile "
                  f"{(res.get('hostile_job') or {}).get('state_when_acted')}; skipped "

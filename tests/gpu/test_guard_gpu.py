@@ -145,3 +145,57 @@ def test_hostile_job_is_stopped_or_paused_and_the_floor_holds(tmp_path, gpu, pol
         watcher.stop.set()
         watcher.join(5)
     assert watcher.longest_under < 1.0, (watcher.longest_under, watcher.min_free, floor)
+
+
+MPS_CLIENT = """
+import time, torch
+x = torch.empty(GIB, dtype=torch.uint8, device="cuda")
+torch.cuda.synchronize()
+print("SMS", torch.cuda.get_device_properties(0).multi_processor_count, flush=True)
+time.sleep(4)
+""".replace("GIB", str(GIB))
+
+
+def test_cuda_mps_jobs_run_on_capped_sms_and_the_watchdog_still_sees_and_stops_them(tmp_path, gpu):
+    """serve --guard-mps on the real driver: a private MPS control daemon starts; a guard job
+    joins it on its share of the SMs; NVML still attributes the job's memory to its pid, so the
+    watchdog stops a hostile MPS client; the daemon quits with the server. Skips where the
+    driver's nvidia-cuda-mps-control is absent."""
+    import os
+    import shutil
+
+    import torch
+
+    from visionserve.guard import mps, proc
+
+    if shutil.which(mps.CONTROL) is None:
+        pytest.skip(f"{mps.CONTROL} not on PATH")
+    full = torch.cuda.get_device_properties(0).multi_processor_count
+    state = mps.start(50, gpu.uuid, root=str(tmp_path / "mps"))
+    assert state.active, state.reason
+    store, sup, t = _guard(tmp_path, gpu, inference_floor=0, margin=0, grace_s=2.0,
+                           mps_pipe_dir=state.pipe_dir, mps_log_dir=state.log_dir,
+                           mps_job_sm_percent=50)
+    try:
+        job = _submit(store, MPS_CLIENT, gpu_mem=3 * GIB)
+        running = wait_for(lambda: "SMS" in open(store.get(job.id).log_path).read()
+                           and store.get(job.id), 120, "the MPS client to start")
+        seen = gpu.pid_usage()
+        members = {m.pid for m in proc.session_members(running.pid)}
+        assert any(seen.get(p, 0) >= GIB for p in members), (seen, members)
+        done = wait_for(lambda: (j := store.get(job.id)).state in ("succeeded", "failed") and j,
+                        120, "job end")
+        log = open(done.log_path).read()
+        assert done.state == "succeeded" and done.mechanism == "mps", log
+        sms = int(log.split("SMS", 1)[1].split()[0])
+        assert sms < full and abs(sms - full / 2) <= 2, (sms, full)
+
+        hostile = _submit(store, HOSTILE, gpu_mem=4 * GIB, policy="stop")
+        stopped = wait_for(lambda: (j := store.get(hostile.id)).state in ("killed", "failed",
+                                                                          "succeeded") and j,
+                           120, "the hostile MPS client stopped")
+        assert stopped.state == "killed" and "over its declared" in stopped.reason, stopped
+    finally:
+        _finish(sup, t)
+        state.stop()
+    assert mps.daemon_pid(state.pipe_dir) is None and mps.PIPE_ENV not in os.environ

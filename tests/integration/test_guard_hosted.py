@@ -97,3 +97,22 @@ def test_late_answers_count_in_the_latency_budget(tiny_repo, server_factory, tmp
         for _ in range(30):  # nothing but late frames for a while: the job stays paused
             assert (job := late_frames())["state"] == "paused", job
     assert httpx.post(f"{s.url}/v1/guard/jobs/{job_id}/cancel").status_code == 200
+
+
+def test_guard_mps_without_a_gpu_says_why_and_serves(tiny_repo, server_factory, tmp_path):
+    """--guard-mps where MPS cannot run (no GPU here): the server starts, says why at start-up,
+    reports it on /metrics, and its jobs run as before."""
+    s = server_factory(tiny_repo, "--guard", "--guard-db", str(tmp_path / "guard.sqlite"),
+                       "--guard-mps", grpc=False)
+    assert "guard: CUDA MPS not used: no GPU" in s.log()
+    assert "visionserve_guard_mps_active 0.0" in httpx.get(s.url + "/metrics").text
+    r = httpx.post(s.url + "/v1/guard/jobs", json={"name": "t", "command": [sys.executable, "-c",
+                                                                              "print('ran')"]})
+    assert r.status_code == 201, r.text
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        job = httpx.get(f"{s.url}/v1/guard/jobs/{r.json()['id']}").json()
+        if job["state"] in ("succeeded", "failed", "killed"):
+            break
+        time.sleep(0.2)
+    assert job["state"] == "succeeded" and job["mechanism"] != "mps", job

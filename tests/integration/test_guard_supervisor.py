@@ -224,3 +224,21 @@ def test_served_latency_over_budget_pauses_the_job_until_it_recovers(guard_facto
     assert "served p99 10.0 ms" in resumed.reason
     wait_for(lambda: all(m.state != "T" for m in proc.session_members(paused.pid)),
              what="job processes continued")
+
+
+def test_a_job_under_cuda_mps_gets_the_daemons_variables_and_is_recorded_as_mps(guard_factory,
+                                                                                 tmp_path):
+    """With the hosted guard's MPS on (serve --guard-mps), a job is launched as a client of the
+    server's daemon: its pipe directory, a capped share of the SMs, a lower client priority, no
+    yield hook; its record says ``mps``."""
+    g = guard_factory(mps_pipe_dir=str(tmp_path / "pipe"), mps_log_dir=str(tmp_path / "log"),
+                      mps_job_sm_percent=35)
+    job = g.submit("import os; print(*(f'{k}={os.environ.get(k)}' for k in ("
+                   "'CUDA_MPS_PIPE_DIRECTORY', 'CUDA_MPS_ACTIVE_THREAD_PERCENTAGE', "
+                   "'CUDA_MPS_CLIENT_PRIORITY', 'VISIONSERVE_GUARD_SHARE'))); "
+                   "import time; time.sleep(1.5)")
+    done = g.wait_state(job.id, "succeeded")
+    text = Path(done.log_path).read_text()
+    assert (f"CUDA_MPS_PIPE_DIRECTORY={tmp_path / 'pipe'} CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=35 "
+            "CUDA_MPS_CLIENT_PRIORITY=1 VISIONSERVE_GUARD_SHARE=None") in text, text
+    assert done.mechanism == "mps" and done.sharing["mechanism"] == "mps", done

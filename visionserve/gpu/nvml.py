@@ -251,7 +251,13 @@ class _RealNvml:
         return int(m.total), int(m.used), int(m.free)
 
     def _processes_of(self, h: Any) -> list[GpuProcess]:
-        procs = self._try(self._nv.nvmlDeviceGetComputeRunningProcesses, h) or []
+        """Compute processes, and CUDA MPS clients (NVML lists those apart: under MPS the compute
+        list has the MPS server, and the clients, with their own memory, are in the MPS list)."""
+        procs = list(self._try(self._nv.nvmlDeviceGetComputeRunningProcesses, h) or [])
+        mps = getattr(self._nv, "nvmlDeviceGetMPSComputeRunningProcesses", None)
+        if mps is not None:
+            seen = {int(p.pid) for p in procs}
+            procs += [p for p in self._try(mps, h) or [] if int(p.pid) not in seen]
         out = []
         for p in procs:
             used = getattr(p, "usedGpuMemory", None)

@@ -68,7 +68,8 @@ class JobResponse(BaseModel):
     exit_code: int | None
     log_path: str | None
     cancel_requested: bool
-    mechanism: str | None = Field(None, description="how the job shares the GPU: yield | process")
+    mechanism: str | None = Field(None, description="how the job shares the GPU: "
+                                                    "mps | yield | process")
     sharing: dict | None = Field(None, description="yields, forced passes, waits, pauses, shares")
 
 

@@ -17,6 +17,9 @@ What the job sees is documented in ``docs/guard.md``; in short:
   / ``_QUEUE_MS`` / ``_DEPTH`` / ``_MODE`` (the job's own values win). A job that sets
   ``VISIONSERVE_GUARD_YIELD=0`` gets none of them and is handled by the process-level policies
   only.
+- with CUDA MPS (``serve --guard-mps``, :mod:`.mps`): ``CUDA_MPS_PIPE_DIRECTORY`` /
+  ``CUDA_MPS_LOG_DIRECTORY`` of the server's daemon, ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` and
+  ``CUDA_MPS_CLIENT_PRIORITY=1`` (the job's own values of those two win), and no busy word.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from . import proc
+from . import mps, proc
 from .store import Job
 
 log = logging.getLogger(__name__)
@@ -157,6 +160,10 @@ class LaunchSettings:
     yield_depth: int = 16
     yield_queue_ms: float = 2.0
     yield_mode: str = "wait"
+    #: CUDA MPS (:mod:`.mps`): the daemon's pipe and log directories; "": jobs are no MPS clients
+    mps_pipe_dir: str = ""
+    mps_log_dir: str = ""
+    mps_job_sm_percent: int = 50
 
 
 def write_site_dir(path: str) -> str:
@@ -202,7 +209,9 @@ def job_env(job: Job, s: LaunchSettings, base: dict[str, str] | None = None) -> 
     for key in ("VISIONSERVE_GUARD_SHARE", "VISIONSERVE_GUARD_YIELD_STATS"):
         if key not in job.env:  # the guard's to give, not inherited from the supervisor's env
             env.pop(key, None)
-    if s.share_path and env.get("VISIONSERVE_GUARD_YIELD") != "0":
+    mps.job_env(env, job.env, s.mps_pipe_dir, s.mps_log_dir, s.mps_job_sm_percent)
+    # under MPS the job's kernels run beside the server's: no waiting for batches
+    if s.share_path and not s.mps_pipe_dir and env.get("VISIONSERVE_GUARD_YIELD") != "0":
         env["VISIONSERVE_GUARD_SHARE"] = s.share_path
         if job.log_path:
             env["VISIONSERVE_GUARD_YIELD_STATS"] = yield_stats_path(job)

@@ -27,8 +27,12 @@ STORE_ERRORS = Counter("visionserve_guard_store_errors_total",
 
 # -- sharing the GPU (cooperative yielding and the process-level policies) -----------------------
 JOBS_BY_MECHANISM = Gauge("visionserve_guard_jobs_by_mechanism",
-                          "Running jobs by how they share the GPU: yield (their hook yields while "
-                          "a batch runs) or process (pause/resume only).", ["mechanism"])
+                          "Running jobs by how they share the GPU: mps (CUDA MPS clients on a "
+                          "capped share of the SMs), yield (their hook yields while a batch "
+                          "runs) or process (pause/resume only).", ["mechanism"])
+MPS_ACTIVE = Gauge("visionserve_guard_mps_active",
+                   "1 while the server and its jobs are clients of a CUDA MPS daemon "
+                   "(--guard-mps); 0 otherwise, the reason in the log.")
 YIELDS = Counter("visionserve_guard_yields_total",
                  "Times a job's hook waited for a running batch (cooperative yielding).")
 YIELD_FORCED = Counter("visionserve_guard_yield_forced_total",

@@ -1,7 +1,9 @@
 """How each running job shares the GPU, as the supervisor sees it (read once a second).
 
-- ``mechanism``: ``yield`` while the job's hook (:mod:`.yieldhook`) reports calls (it waits at
-  module boundaries while the server runs a batch), ``process`` otherwise (no torch, opted out,
+- ``mechanism``: ``mps`` for a job launched as a CUDA MPS client (:mod:`.mps`: its kernels run
+  beside the server's on a capped share of the SMs; fixed at launch); else ``yield`` while the
+  job's hook (:mod:`.yieldhook`) reports calls (it waits at module boundaries while the server
+  runs a batch), ``process`` otherwise (no torch, opted out,
   stripped environment, or a phase of the job that runs no module): the process-level policies
   (pause/resume by SIGSTOP/SIGCONT) apply then, the latency budget's pause included.
 - figures for ``guard show`` and ``/metrics``: yields and forced passes, time waited, time slept
@@ -27,8 +29,10 @@ HOOK_STALE_S = 3.0
 
 
 class JobSharing:
-    def __init__(self, stats_path: str | None, now: float | None = None) -> None:
+    def __init__(self, stats_path: str | None, now: float | None = None, *,
+                 mps: bool = False) -> None:
         self.stats_path = stats_path
+        self.mps = mps
         self.started = time.monotonic() if now is None else now
         self.stats: YieldStats | None = None
         self.hook_seen = False
@@ -41,7 +45,13 @@ class JobSharing:
         self.sched: dict | None = None
         self.pids: set[int] = set()  # the job's processes (for NVML's per-process figures)
         self._last = (self.started, 0.0, 0.0, 0.0)  # time, waited, slept, paused at the last read
-        self.mechanism = "process"
+        self.mechanism = "mps" if mps else "process"
+
+    @property
+    def recorded(self) -> str:
+        """The mechanism the job's record keeps: ``mps``, ``yield`` once its hook was seen, else
+        ``process``."""
+        return "mps" if self.mps else "yield" if self.hook_seen else "process"
 
     # -- the process-level policy -------------------------------------------------------------
     def paused(self, now: float) -> None:
@@ -93,7 +103,7 @@ class JobSharing:
             self.time_share = round(max(0.0, min(1.0, 1.0 - held / (now - t0))), 3)
             self._last = (now, waited, slept, paused)
         alive = self.hook_seen and now - self._hooks_at <= HOOK_STALE_S
-        mechanism = "yield" if alive else "process"
+        mechanism = "mps" if self.mps else "yield" if alive else "process"
         changed = mechanism != self.mechanism
         self.mechanism = mechanism
         return changed
@@ -104,6 +114,7 @@ class JobSharing:
         minutes = max(1e-9, (now - self.started) / 60.0)
         st = self.stats
         out: dict = {
+            "mechanism": self.mechanism,
             "hook": "active" if self.cooperative else ("seen" if self.hook_seen else
                                                         "installed" if st else "absent"),
             "running_s": round(now - self.started, 1),

@@ -61,7 +61,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     log_path         TEXT,
     cancel_requested INTEGER NOT NULL DEFAULT 0,
     starts           INTEGER NOT NULL DEFAULT 0,    -- times launched; the guard never makes it 2
-    mechanism        TEXT,                          -- how it shares the GPU: yield | process
+    mechanism        TEXT,                          -- how it shares the GPU: mps | yield | process
     sharing          TEXT                           -- JSON: yields, pauses, waits, shares
 );
 CREATE INDEX IF NOT EXISTS jobs_queue ON jobs (state, priority DESC, id);
@@ -178,7 +178,8 @@ class Job:
     log_path: str | None
     cancel_requested: bool
     starts: int
-    #: how the job shares the GPU with the server: "yield" (its hook yields at module boundaries)
+    #: how the job shares the GPU with the server: "mps" (a CUDA MPS client on capped SMs), "yield"
+    #: (its hook yields at module boundaries)
     #: or "process" (no hook: pause/resume by the process-level policies); None before it runs
     mechanism: str | None = None
     #: figures of that sharing (yields, forced passes, waits, pauses, shares), see guard.md

@@ -84,6 +84,10 @@ class SupervisorConfig:
     yield_depth: int = 16
     yield_queue_ms: float = 2.0
     yield_mode: str = "wait"
+    #: CUDA MPS (:mod:`.mps`): the daemon's pipe and log directories jobs join; "": none
+    mps_pipe_dir: str = ""
+    mps_log_dir: str = ""
+    mps_job_sm_percent: int = 50
 
     @property
     def floor(self) -> int:
@@ -150,7 +154,8 @@ class Supervisor:
             site_dir=write_site_dir(os.path.join(store.log_dir, "jobsite")), cpus=self.cfg.job_cpus,
             yield_max_wait_ms=self.cfg.yield_max_wait_ms, yield_min_share=self.cfg.yield_min_share,
             yield_depth=self.cfg.yield_depth, yield_queue_ms=self.cfg.yield_queue_ms,
-            yield_mode=self.cfg.yield_mode)
+            yield_mode=self.cfg.yield_mode, mps_pipe_dir=self.cfg.mps_pipe_dir,
+            mps_log_dir=self.cfg.mps_log_dir, mps_job_sm_percent=self.cfg.mps_job_sm_percent)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> bool:
@@ -253,7 +258,8 @@ class Supervisor:
                             job.id)
             elif proc.is_alive(job.pid, job.pid_starttime):
                 self.active[job.id] = Active(job, None, job.pid, job.pid_starttime, job.state,
-                                             sharing=JobSharing(yield_stats_path(job)))
+                                             sharing=JobSharing(yield_stats_path(job),
+                                                                mps=job.mechanism == "mps"))
                 log.warning("guard: re-adopted job %d (pid %d, %s) left by a previous guard",
                             job.id, job.pid, job.state)
             else:
@@ -451,8 +457,8 @@ class Supervisor:
             if a.sharing is not None:  # its last figures; the hook's file goes with the job
                 a.sharing.resumed(time.monotonic())
                 a.sharing.read()
-                self._record(self.store.set_sharing, job_id,
-                             "yield" if a.sharing.hook_seen else "process", a.sharing.summary())
+                self._record(self.store.set_sharing, job_id, a.sharing.recorded,
+                             a.sharing.summary())
                 a.sharing.remove_stats()
             status = _read_status(a.job)
             rc = status["returncode"] if status and "returncode" in status else wrapper_rc
@@ -503,6 +509,7 @@ class Supervisor:
             return
         self._last_wait_reason.pop(job.id, None)
         settings = dataclasses.replace(self.launch_settings, share_path=self._share_path())
+        on_mps = bool(settings.mps_pipe_dir)
         try:
             launched = launch(claimed, settings)
         except OSError as exc:
@@ -512,7 +519,8 @@ class Supervisor:
             return
         # watched from now on, whether or not the database takes the records at once
         self.active[job.id] = Active(claimed, launched.popen, launched.pid, launched.starttime,
-                                     "running", sharing=JobSharing(yield_stats_path(claimed)))
+                                     "running", sharing=JobSharing(yield_stats_path(claimed),
+                                                                   mps=on_mps))
         self._record(self.store.set_process, job.id, launched.pid, launched.starttime)
         self._record(self.store.set_reason, job.id, None)
         log.info("guard: started job %d (%s) pid %d", job.id, job.name, launched.pid)
@@ -552,7 +560,7 @@ class Supervisor:
         audit = now - self._audit_at >= AUDIT_S
         if audit:
             self._audit_at = now
-        by_mechanism = {"yield": 0, "process": 0}
+        by_mechanism = {"mps": 0, "yield": 0, "process": 0}
         shares = []
         for a in self.active.values():
             sh = a.sharing
@@ -571,12 +579,11 @@ class Supervisor:
                 sh.sched = audit_sched(a.pid, self.cfg.sched_idle)
             if changed:
                 log.info("guard: job %d shares the GPU by %s", a.job.id,
-                         "yielding at module boundaries" if sh.cooperative else
-                         "the process-level policies (no active hook)")
+                         "CUDA MPS" if sh.mps else "yielding at module boundaries"
+                         if sh.cooperative else "the process-level policies (no active hook)")
             if changed or now - a.recorded_at >= SHARING_RECORD_S:
                 a.recorded_at = now
-                self._record(self.store.set_sharing, a.job.id,
-                             "yield" if sh.hook_seen else "process", sh.summary(now))
+                self._record(self.store.set_sharing, a.job.id, sh.recorded, sh.summary(now))
         for mech, n in by_mechanism.items():
             metrics.JOBS_BY_MECHANISM.labels(mech).set(n)
         if shares:

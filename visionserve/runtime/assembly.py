@@ -13,7 +13,7 @@ import logging
 
 from ..config import ServerSettings
 from ..errors import VisionServeError
-from .hosted import HostedGuard, log_guard_access
+from .hosted import HostedGuard, log_guard_access, start_mps
 from .startup import apply_process_settings, pin_device, start_engine
 
 log = logging.getLogger("visionserve")
@@ -27,6 +27,9 @@ def assemble(settings: ServerSettings):
     token = load_token(settings.auth_token, settings.auth_token_file)
     resolved = pin_device(settings.device)
     apply_process_settings(settings)
+    mps = None
+    if settings.guard and settings.guard_mps:  # before anything here initialises CUDA
+        mps = start_mps(settings, resolved)
     from ..engine import Engine
 
     engine = Engine(settings, device=resolved.torch_device)
@@ -34,7 +37,7 @@ def assemble(settings: ServerSettings):
     guard = None
     if settings.guard:
         p99 = engine.latency_p99() if settings.guard_latency_budget_ms else None
-        guard = HostedGuard(settings, resolved, latency=p99)
+        guard = HostedGuard(settings, resolved, latency=p99, mps=mps)
         log_guard_access(settings.host, token)
     return engine, guard
 

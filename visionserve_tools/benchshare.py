@@ -322,8 +322,10 @@ def acceptance(args: argparse.Namespace, res: dict, save) -> None:
                               cwd=tmp, gpu_mem="4GiB", policy="stop")
                 jobs.append(hjob["id"])
                 t_sub = time.monotonic()
+                # until the watchdog acts: a pause for the latency budget (the job is new load
+                # on the GPU) is not the watchdog's, and the job grows again once resumed
                 hjob, hseen, _ = follow(server, hjob["id"],
-                                        lambda j: j["state"] in FINAL or j["state"] == "paused", 60)
+                                        lambda j: j["state"] in FINAL or _by_watchdog(j), 60)
                 acted = dict(hjob)
                 if hjob.get("state") not in FINAL:
                     hjob = cancel(server, hjob["id"], hseen)

@@ -163,6 +163,7 @@ def test_cuda_mps_jobs_run_on_capped_sms_and_the_watchdog_still_sees_and_stops_t
     driver's nvidia-cuda-mps-control is absent."""
     import os
     import shutil
+    from pathlib import Path
 
     import torch
 
@@ -178,7 +179,8 @@ def test_cuda_mps_jobs_run_on_capped_sms_and_the_watchdog_still_sees_and_stops_t
                            mps_job_sm_percent=50)
     try:
         job = _submit(store, MPS_CLIENT, gpu_mem=3 * GIB)
-        running = wait_for(lambda: "SMS" in open(store.get(job.id).log_path).read()
+        log_path = Path(store.get(job.id).log_path)
+        running = wait_for(lambda: log_path.exists() and "SMS" in log_path.read_text()
                            and store.get(job.id), 120, "the MPS client to start")
         seen = gpu.pid_usage()
         members = {m.pid for m in proc.session_members(running.pid)}

@@ -182,9 +182,17 @@ def test_cuda_mps_jobs_run_on_capped_sms_and_the_watchdog_still_sees_and_stops_t
         log_path = Path(store.get(job.id).log_path)
         running = wait_for(lambda: log_path.exists() and "SMS" in log_path.read_text()
                            and store.get(job.id), 120, "the MPS client to start")
-        seen = gpu.pid_usage()
         members = {m.pid for m in proc.session_members(running.pid)}
-        assert any(seen.get(p, 0) >= GIB for p in members), (seen, members)
+        seen: dict = {}
+
+        def attributed() -> bool:  # NVML lists a new MPS client a moment after it allocates
+            seen.update(gpu.pid_usage())
+            return any(seen.get(p, 0) >= GIB for p in members)
+
+        try:
+            wait_for(attributed, 3.5, "NVML to attribute the job's GiB to its pid")
+        except AssertionError:
+            raise AssertionError(f"NVML's per-pid memory {seen} has no GiB for {members}") from None
         done = wait_for(lambda: (j := store.get(job.id)).state in ("succeeded", "failed") and j,
                         120, "job end")
         log = open(done.log_path).read()

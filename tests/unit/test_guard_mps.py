@@ -46,7 +46,7 @@ if sys.stdin.read().strip() == "quit":
 '''
 
 UUID = "GPU-0a1b2c3d-0000-1111-2222-333344445555"
-ENV_KEYS = (mps.PIPE_ENV, mps.LOG_ENV, mps.PERCENT_ENV, mps.PRIORITY_ENV)
+ENV_KEYS = (mps.PIPE_ENV, mps.LOG_ENV, mps.PERCENT_ENV, mps.PRIORITY_ENV, mps.MEM_LIMIT_ENV)
 
 
 @pytest.fixture
@@ -159,9 +159,11 @@ def test_a_job_becomes_an_mps_client_with_capped_sms_and_low_priority_and_no_yie
     assert env[mps.PIPE_ENV] == "/tmp/p/pipe" and env[mps.LOG_ENV] == "/tmp/p/log"
     assert env[mps.PERCENT_ENV] == "35" and env[mps.PRIORITY_ENV] == "1"
     assert env["CUDA_VISIBLE_DEVICES"] == UUID
+    assert env[mps.MEM_LIMIT_ENV] == "0=4096M"  # its declared 4 GiB, enforced by MPS
     assert "VISIONSERVE_GUARD_SHARE" not in env  # kernels run beside the server's: no waiting
-    own = job_env(_job({mps.PERCENT_ENV: "80"}), s, base={})
+    own = job_env(_job({mps.PERCENT_ENV: "80", mps.MEM_LIMIT_ENV: "0=80G"}), s, base={})
     assert own[mps.PERCENT_ENV] == "80" and own[mps.PRIORITY_ENV] == "1"  # the job's own wins
+    assert own[mps.MEM_LIMIT_ENV] == "0=4096M"  # but never over its declaration
 
 
 def test_without_mps_a_job_gets_no_mps_variables_from_the_server():

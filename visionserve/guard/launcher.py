@@ -19,7 +19,8 @@ What the job sees is documented in ``docs/guard.md``; in short:
   only.
 - with CUDA MPS (``serve --guard-mps``, :mod:`.mps`): ``CUDA_MPS_PIPE_DIRECTORY`` /
   ``CUDA_MPS_LOG_DIRECTORY`` of the server's daemon, ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` and
-  ``CUDA_MPS_CLIENT_PRIORITY=1`` (the job's own values of those two win), and no busy word.
+  ``CUDA_MPS_CLIENT_PRIORITY=1`` (the job's own values of those two win), its declared memory as
+  ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` (always the guard's), and no busy word.
 """
 
 from __future__ import annotations
@@ -209,7 +210,7 @@ def job_env(job: Job, s: LaunchSettings, base: dict[str, str] | None = None) -> 
     for key in ("VISIONSERVE_GUARD_SHARE", "VISIONSERVE_GUARD_YIELD_STATS"):
         if key not in job.env:  # the guard's to give, not inherited from the supervisor's env
             env.pop(key, None)
-    mps.job_env(env, job.env, s.mps_pipe_dir, s.mps_log_dir, s.mps_job_sm_percent)
+    mps.job_env(env, job.env, s.mps_pipe_dir, s.mps_log_dir, s.mps_job_sm_percent, job.gpu_mem)
     # under MPS the job's kernels run beside the server's: no waiting for batches
     if s.share_path and not s.mps_pipe_dir and env.get("VISIONSERVE_GUARD_YIELD") != "0":
         env["VISIONSERVE_GUARD_SHARE"] = s.share_path

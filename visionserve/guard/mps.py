@@ -14,7 +14,8 @@ of time-slicing it, with each job's share of the SMs capped.
   sm-percent``: the share of SMs its kernels may occupy, so the rest stay free for the server's
   batches) and ``CUDA_MPS_CLIENT_PRIORITY=1`` (below normal: a hint to the MPS server to schedule
   the server's work first). A job's own value of either wins. No yield hook: its kernels need not
-  wait for a batch, they only leave it room. Its mechanism is ``mps``.
+  wait for a batch, they only leave it room. Its declared memory is a hard limit
+  (``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``). Its mechanism is ``mps``.
 
 Where MPS cannot run (no daemon binary, it does not start, no GPU), the guard says why once, and
 jobs share the GPU by the other mechanisms (cooperative yielding, then the process-level
@@ -36,6 +37,7 @@ CONTROL = "nvidia-cuda-mps-control"
 PID_FILE = "nvidia-cuda-mps-control.pid"
 PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
 PERCENT_ENV, PRIORITY_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_CLIENT_PRIORITY"
+MEM_LIMIT_ENV = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
 #: CUDA_MPS_CLIENT_PRIORITY: 0 normal (the server), 1 below normal (jobs)
 JOB_PRIORITY = 1
 START_TIMEOUT_S = 10.0
@@ -101,18 +103,25 @@ class Mps:
 
 
 def job_env(env: dict[str, str], own: dict[str, str], pipe_dir: str, log_dir: str,
-            job_sm_percent: int) -> None:
+            job_sm_percent: int, gpu_mem: int = 0) -> None:
     """Make ``env`` (a job's, built from the server's) that of a client of the daemon in
     ``pipe_dir`` ("": of no daemon, whatever the server's environment says). ``own``: what the
-    job asked for; its percentage and priority win."""
+    job asked for; its percentage and priority win. ``gpu_mem``: its declared need, which MPS then
+    enforces as a hard limit on its device memory (``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``, the
+    guard's value always): NVML does not list MPS clients reliably everywhere (on the GPU
+    machine of 2026-12-03 it did in one run and not in the next), so the watchdog alone is not
+    enough."""
     for key in (PIPE_ENV, LOG_ENV, PERCENT_ENV, PRIORITY_ENV):
         if key not in own:
             env.pop(key, None)
+    env.pop(MEM_LIMIT_ENV, None)
     if not pipe_dir:
         return
     env[PIPE_ENV], env[LOG_ENV] = pipe_dir, log_dir
     env.setdefault(PERCENT_ENV, str(job_sm_percent))
     env.setdefault(PRIORITY_ENV, str(JOB_PRIORITY))
+    if gpu_mem > 0:  # device 0: the job sees only the guarded GPU
+        env[MEM_LIMIT_ENV] = f"0={max(1, gpu_mem // 2**20)}M"
 
 
 def start(job_sm_percent: int, gpu_uuid: str | None, *, root: str | None = None,

@@ -189,7 +189,7 @@ def test_cuda_mps_jobs_run_on_capped_sms_and_cannot_pass_their_memory(tmp_path, 
                         120, "job end")
         log = open(done.log_path).read()
         assert done.state == "succeeded" and done.mechanism == "mps", log
-        sms = int(log.split("SMS", 1)[1].split()[0])
+        sms = int(next(ln for ln in log.splitlines() if ln.startswith("SMS ")).split()[1])
         assert sms < full and abs(sms - full / 2) <= 2, (sms, full)
 
         # a job that lifts its own allocator cap still cannot pass its declaration under MPS

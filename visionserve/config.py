@@ -444,13 +444,14 @@ class ServerSettings(BaseSettings):
     guard_margin: str = Field(
         "1GiB", description="Safety margin the guard keeps above the server's budget.")
     guard_mps: bool = Field(
-        False, description="With --guard: share the GPU's time with training jobs through CUDA "
-                           "MPS: the server and its jobs become clients of one MPS control daemon "
-                           "(the one CUDA_MPS_PIPE_DIRECTORY names, else a private one started "
-                           "and quit with the server), so their kernels run side by side, each "
-                           "job on --guard-mps-job-sm-percent of the SMs at a lower client "
-                           "priority. Where MPS cannot run, the guard says why and jobs share by "
-                           "yielding (docs/guard.md).")
+        True, description="With --guard on a GPU: share the GPU's time with training jobs through "
+                          "CUDA MPS: the server and its jobs become clients of one MPS control "
+                          "daemon (the one CUDA_MPS_PIPE_DIRECTORY names, else a private one "
+                          "started and quit with the server), so their kernels run side by side, "
+                          "each job on --guard-mps-job-sm-percent of the SMs at a lower client "
+                          "priority and held to its declared memory. Where MPS cannot run, the "
+                          "guard says why and jobs share by yielding; --no-guard-mps: never "
+                          "(docs/guard.md).")
     guard_mps_job_sm_percent: int = Field(
         50, ge=1, le=100, description="With --guard-mps: the share of the GPU's SMs a training "
                                       "job's kernels may occupy (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE;"

@@ -707,9 +707,12 @@ def _importable(name: str) -> bool:
 
 
 def _by_watchdog(job: dict) -> bool:
+    """Whether the guard held the job to its declaration: the watchdog stopped or paused it, or,
+    an MPS client (serve --guard-mps), MPS's memory limit made it fail out of memory."""
     reason = job.get("reason") or ""
     return job.get("state") in ("killed", "paused") and (
-        "over its declared" in reason or "inference floor" in reason)
+        "over its declared" in reason or "inference floor" in reason) or (
+        job.get("state") == "failed" and "(the MPS limit)" in reason)
 
 
 def run_recorded(acceptance, verdict, args, results: dict, save, log=log) -> int:

@@ -264,6 +264,8 @@ def acceptance(args: argparse.Namespace, res: dict, save) -> None:
             extra += ["--gpu-memory-budget", plan.budget]
         if plan.mps_percent:
             extra += ["--guard-mps", "--guard-mps-job-sm-percent", str(plan.mps_percent)]
+        else:  # the other mechanisms, measured without MPS (the server's default where it runs)
+            extra += ["--no-guard-mps"]
         if plan.frontends:
             extra += ["--frontends", str(plan.frontends)]
         res["server_args"] = extra

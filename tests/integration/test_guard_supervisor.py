@@ -242,3 +242,16 @@ def test_a_job_under_cuda_mps_gets_the_daemons_variables_and_is_recorded_as_mps(
     assert (f"CUDA_MPS_PIPE_DIRECTORY={tmp_path / 'pipe'} CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=35 "
             "CUDA_MPS_CLIENT_PRIORITY=1 VISIONSERVE_GUARD_SHARE=None") in text, text
     assert done.mechanism == "mps" and done.sharing["mechanism"] == "mps", done
+
+
+def test_an_mps_job_that_runs_out_of_memory_says_it_hit_its_declared_limit(guard_factory,
+                                                                            tmp_path):
+    """Under MPS a job is held to its declared memory by MPS itself (an allocation past it fails
+    in the job): its record says so, rather than only its exit code."""
+    g = guard_factory(mps_pipe_dir=str(tmp_path / "pipe"), mps_log_dir=str(tmp_path / "log"))
+    job = g.submit("import os, sys; print(os.environ['CUDA_MPS_PINNED_DEVICE_MEM_LIMIT']); "
+                   "sys.exit('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate "
+                   "256.00 MiB')", gpu_mem=2 * GIB)
+    done = g.wait_state(job.id, "failed")
+    assert "0=2048M" in Path(done.log_path).read_text()
+    assert "CUDA out of memory at its declared 2.00 GiB (the MPS limit)" in done.reason, done

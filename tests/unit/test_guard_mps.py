@@ -152,7 +152,7 @@ def _job(env=None) -> Job:
                log_path="/tmp/job-7.log", cancel_requested=False, starts=1)
 
 
-def test_a_job_becomes_an_mps_client_with_capped_sms_and_low_priority_and_no_yield_hook():
+def test_a_job_becomes_an_mps_client_with_capped_sms_low_priority_its_memory_and_no_hook():
     s = LaunchSettings(gpu_uuid=UUID, gpu_total=80 << 30, share_path="/dev/shm/word",
                        mps_pipe_dir="/tmp/p/pipe", mps_log_dir="/tmp/p/log", mps_job_sm_percent=35)
     env = job_env(_job(), s, base={mps.PRIORITY_ENV: "0"})  # the server's own value: not the job's

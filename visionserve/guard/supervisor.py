@@ -472,6 +472,9 @@ class Supervisor:
                 state = "failed"
                 reason = status.get("error") if status and status.get("error") else \
                     f"exited with {_describe_rc(rc)}"
+                if a.sharing is not None and a.sharing.mps and _ran_out_of_memory(a.job):
+                    reason = f"{reason}" + (f"; CUDA out of memory at its declared "
+                               f"{a.job.gpu_mem / 2**30:.2f} GiB (the MPS limit)")
             self._record(self.store.finish, job_id, state, exit_code=rc, reason=reason)
             log.info("guard: job %d ended: %s (%s)", job_id, state, _describe_rc(rc))
 
@@ -650,3 +653,16 @@ def _describe_rc(rc: int | None) -> str:
         except ValueError:
             pass
     return f"exit code {rc}"
+
+
+def _ran_out_of_memory(job: Job, tail_bytes: int = 16384) -> bool:
+    """Whether the end of the job's log reports a CUDA out-of-memory error (an MPS client held to
+    its declared memory fails that way, not through the watchdog)."""
+    try:
+        with open(job.log_path or "", "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - tail_bytes))
+            text = f.read().decode("utf-8", "replace").lower()
+    except OSError:
+        return False
+    return "out of memory" in text

@@ -71,9 +71,10 @@ def start_mps(settings: ServerSettings, resolved):
                  "inference on %d%% of the SMs, at a lower client priority",
                  "started" if state.started_here else "existing", state.daemon, state.pipe_dir,
                  settings.guard_mps_job_sm_percent)
-    else:
-        log.warning("guard: CUDA MPS not used: %s; jobs share the GPU by yielding or by the "
-                    "process-level policies", state.reason)
+    else:  # a GPU-less guard is a serial job queue: nothing to share, nothing to warn about
+        log.log(logging.INFO if resolved.gpu is None else logging.WARNING,
+                "guard: CUDA MPS not used: %s; jobs share the GPU by yielding or by the "
+                "process-level policies", state.reason)
     return state
 
 

@@ -109,10 +109,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--miss-threshold", type=float, default=0.001,
                    help="largest deadline-miss ratio still within the SLO [%(default)s]")
     g.add_argument("--processes", type=int, default=2, help="generator processes [%(default)s]")
-    g.add_argument("--generator-realtime", action="store_true",
-                   help="generator processes ask for SCHED_FIFO (needs CAP_SYS_NICE): on a machine "
-                        "shared with the server their own scheduling delays then stay out of the "
-                        "latencies; the JSON's meta says what they got")
     g.add_argument("--connections", type=int, default=4,
                    help="pre-opened connections per process [%(default)s]")
     g.add_argument("--max-connections", type=int, default=512,
@@ -363,8 +359,7 @@ def _run(args: argparse.Namespace) -> int:
 
         from .benchclient import generator
 
-        pool = generator.Pool(args.processes, frames, realtime=args.generator_realtime)
-        report["meta"]["generator"]["scheduling"] = pool.sched
+        pool = generator.Pool(args.processes, frames)
         try:
             steps = []
             if mults is not None:

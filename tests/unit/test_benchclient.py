@@ -46,30 +46,3 @@ def test_overload_summary_counts_goodput_refusals_and_late():
     assert o["other"] == 1
     assert o["refused_share"] == round(3 / 9, 4)
     assert o["refusal_latency_ms"]["max"] == 3.0
-
-
-def test_generator_workers_run_real_time_when_asked_and_say_what_they_got():
-    """--generator-realtime: the workers ask for SCHED_FIFO; where that is refused they say why,
-    and without the flag they stay ordinary processes."""
-    import os
-
-    from visionserve_tools.benchclient import generator
-
-    def policies(pool) -> set[int]:
-        pids = {pid for pid, _ in pool._ex.map(generator._settle, [0.05] * pool.processes)}
-        return {os.sched_getscheduler(pid) for pid in pids}
-
-    plain = generator.Pool(1, [])
-    try:
-        assert plain.sched == ["normal"] and policies(plain) == {os.SCHED_OTHER}
-    finally:
-        plain.close()
-    rt = generator.Pool(1, [], realtime=True)
-    try:
-        if rt.sched == ["fifo"]:
-            assert policies(rt) == {os.SCHED_FIFO}
-        else:
-            assert rt.sched[0].startswith("normal (SCHED_FIFO refused"), rt.sched
-            assert policies(rt) == {os.SCHED_OTHER}
-    finally:
-        rt.close()

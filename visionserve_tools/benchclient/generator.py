@@ -68,28 +68,9 @@ class Result:
 _FRAMES: list = []  # the image set, set once per worker process by init_worker
 
 
-def init_worker(frames: list, realtime: bool = False) -> None:
+def init_worker(frames: list) -> None:
     global _FRAMES
     _FRAMES = frames
-    if realtime:
-        _go_realtime()
-
-
-#: this worker's scheduling, as :func:`_settle` reports it: "normal", "fifo", or why not
-_SCHED = "normal"
-
-
-def _go_realtime() -> None:
-    """SCHED_FIFO at the lowest real-time priority, where permitted (CAP_SYS_NICE or an
-    RLIMIT_RTPRIO): the generator then runs the moment it wakes up, so on a machine it shares
-    with the server its own run-queue waits do not count as the server's latency. It still takes
-    its CPU from the server. The kernel's real-time throttling (95%) bounds a runaway."""
-    global _SCHED
-    try:
-        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
-        _SCHED = "fifo"
-    except (AttributeError, OSError) as exc:
-        _SCHED = f"normal (SCHED_FIFO refused: {exc})"
 
 
 def run_job(job: Job) -> Result:
@@ -319,26 +300,24 @@ def merge(results: list[Result]) -> Result:
                   details=details)
 
 
-def _settle(seconds: float) -> tuple[int, str]:
+def _settle(seconds: float) -> int:
     time.sleep(seconds)
-    return os.getpid(), _SCHED
+    return os.getpid()
 
 
 class Pool:
     """The generator processes, kept alive across the steps of a sweep."""
 
-    def __init__(self, processes: int, frames: list, realtime: bool = False) -> None:
-        """``realtime``: the workers ask for SCHED_FIFO (:func:`_go_realtime`); :attr:`sched`
-        says what each got."""
+    def __init__(self, processes: int, frames: list) -> None:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
 
         self.processes = max(1, processes)
         # spawn: a clean interpreter per worker (no inherited event loop, gRPC or thread state)
         self._ex = ProcessPoolExecutor(self.processes, mp_context=mp.get_context("spawn"),
-                                       initializer=init_worker, initargs=(frames, realtime))
+                                       initializer=init_worker, initargs=(frames,))
         # start every worker now so start-up cost is outside the measured window
-        self.sched = sorted({s for _, s in self._ex.map(_settle, [0.3] * self.processes)})
+        list(self._ex.map(_settle, [0.3] * self.processes))
 
     def run(self, make_job) -> list:
         """``make_job(worker)`` -> Job for each worker; returns futures of Results."""

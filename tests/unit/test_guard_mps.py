@@ -88,7 +88,7 @@ def test_starts_a_private_daemon_on_the_guarded_gpu_joins_it_and_quits_it(contro
         assert (Path(m.pipe_dir) / "started-with").read_text() == UUID  # that GPU only
         assert os.environ[mps.PIPE_ENV] == m.pipe_dir and os.environ[mps.LOG_ENV] == m.log_dir
         assert os.environ[mps.PRIORITY_ENV] == "0" and mps.PERCENT_ENV not in os.environ
-        assert m.status()["job_sm_percent"] == 40
+        assert m.job_sm_percent == 40
     finally:
         m.stop()
     assert not (Path(m.pipe_dir) / mps.PID_FILE).exists()  # quit through the control binary
@@ -139,7 +139,7 @@ def test_where_mps_cannot_run_it_is_inactive_and_says_why(control, tmp_path, mon
     if case == "daemon fails":
         monkeypatch.setenv("FAKE_MPS_FAIL", "1")
     m = mps.start(50, None if case == "no gpu" else UUID, root=str(tmp_path / "mps"), timeout_s=1)
-    assert not m.active and not m.status()["active"]
+    assert not m.active and m.daemon is None
     assert re.search(expect, m.reason), m.reason
     assert mps.PIPE_ENV not in os.environ  # the server stays an ordinary CUDA process
     m.stop()  # harmless

@@ -73,15 +73,6 @@ class Mps:
     daemon: int | None = None
     env_before: dict[str, str | None] = field(default_factory=dict)
 
-    def status(self) -> dict:
-        """What the guard's status and ``doctor`` show."""
-        out: dict = {"active": self.active, "pipe_dir": self.pipe_dir or None,
-                     "job_sm_percent": self.job_sm_percent if self.active else None,
-                     "daemon_pid": self.daemon, "started_here": self.started_here}
-        if self.reason:
-            out["reason"] = self.reason
-        return out
-
     def stop(self) -> None:
         """Quit the daemon if this server started it (a site-wide one is left running), and take
         the server's environment back."""

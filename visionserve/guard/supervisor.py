@@ -473,8 +473,8 @@ class Supervisor:
                 reason = status.get("error") if status and status.get("error") else \
                     f"exited with {_describe_rc(rc)}"
                 if a.sharing is not None and a.sharing.mps and _ran_out_of_memory(a.job):
-                    reason = f"{reason}" + (f"; CUDA out of memory at its declared "
-                               f"{a.job.gpu_mem / 2**30:.2f} GiB (the MPS limit)")
+                    reason = (f"{reason}; CUDA out of memory at its declared "
+                              f"{a.job.gpu_mem / 2**30:.2f} GiB (the MPS limit)")
             self._record(self.store.finish, job_id, state, exit_code=rc, reason=reason)
             log.info("guard: job %d ended: %s (%s)", job_id, state, _describe_rc(rc))
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from .errors import InvalidInput, PayloadTooLarge, UnsupportedMediaType, VisionServeError
+from .threads import usable_cpus
 
 if TYPE_CHECKING:
     from .config import InputSpec
@@ -341,7 +342,7 @@ def _decode_pool():
     if _POOL is None:
         from concurrent.futures import ThreadPoolExecutor
 
-        _POOL = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
+        _POOL = ThreadPoolExecutor(max_workers=min(8, usable_cpus()),
                                    thread_name_prefix="decode")
     return _POOL
 
@@ -361,7 +362,7 @@ def prepare_batch(frames: list[Frame], spec: InputSpec, padded: int
     in tensor order, and (index, error) for each frame that failed to decode: a bad frame fails
     alone, never its batch.
     """
-    if len(frames) > 1 and (os.cpu_count() or 1) > 1:
+    if len(frames) > 1 and usable_cpus() > 1:
         decoded = list(_decode_pool().map(_preprocess_or_error, frames, [spec] * len(frames)))
     else:
         decoded = [_preprocess_or_error(f, spec) for f in frames]

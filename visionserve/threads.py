@@ -32,6 +32,16 @@ T = TypeVar("T")
 _warned = False
 
 
+def usable_cpus() -> int:
+    """The cores this process may run on: its CPU affinity (``taskset``, ``docker --cpuset-cpus``,
+    a systemd ``CPUAffinity=``), not every core of the machine. Thread pools sized to the machine
+    would put 8 or 16 threads on the 2 cores a server was given."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
 def lower_this_thread(nice: int) -> None:
     """Put the calling thread (and the threads it creates from now on) ``nice`` levels below the
     process's priority; 0: leave it. Lowering needs no privilege; a failure is logged once."""

@@ -106,3 +106,28 @@ def test_a_model_loads_with_the_fast_switch_interval(tiny_repo, monkeypatch):
     asyncio.run(scenario())
     assert seen and all(v == pytest.approx(0.00002) for v in seen), seen
     assert sys.getswitchinterval() == serving
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs a second core to leave out")
+def test_a_server_given_fewer_cores_sizes_its_pools_to_them(tiny_repo):
+    """taskset / docker --cpuset-cpus: onnxruntime's pool and the decode pool use the cores the
+    process may run on, not the machine's."""
+    import subprocess
+
+    code = f"""
+import os
+from pathlib import Path
+os.sched_setaffinity(0, {{min(os.sched_getaffinity(0))}})
+from visionserve import imaging
+from visionserve.backends.onnx import OnnxBackend
+from visionserve.repository import load_entry
+from visionserve.threads import usable_cpus
+entry = load_entry(Path({str(tiny_repo / 'tiny')!r}))
+b = OnnxBackend()
+b.load(entry.versions[1], entry.config, "cpu")
+print(usable_cpus(), b._session.get_session_options().intra_op_num_threads,
+      imaging._decode_pool()._max_workers)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "1", "1"]

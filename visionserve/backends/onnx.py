@@ -11,6 +11,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import ConfigError
+from ..threads import usable_cpus
 from . import checks
 from .base import NP_DTYPES, Backend, Outputs, input_shape
 
@@ -48,6 +49,9 @@ class OnnxBackend(Backend):
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if config.runtime.intra_op_threads:
             opts.intra_op_num_threads = config.runtime.intra_op_threads
+        elif usable_cpus() < (os.cpu_count() or 1):
+            # onnxruntime sizes its pool to the machine's cores, not to those the server was given
+            opts.intra_op_num_threads = usable_cpus()
         opts.inter_op_num_threads = 1
         if not device.startswith("cuda") and os.environ.get("VISIONSERVE_ORT_SPIN", "0") != "1":
             # Idle intra-op threads spin by default: on a small edge CPU that burns the cores the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -113,6 +114,35 @@ def tiny_repo(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tinyrepo")
     make_tiny_model(root / "tiny")
     return root
+
+
+@contextlib.contextmanager
+def quiet_client_gc() -> Iterator[list[float]]:
+    """For a test that measures latency from its own process: the objects that exist now (the
+    imports of the whole test session, torch among them: a full collection of them takes 0.1-0.3
+    s on the 2-core machine) are left out of the garbage collector until the block ends, so the
+    client's own pauses do not show as the server's latency. Yields the durations (s) of the full
+    collections that still ran in the block."""
+    import gc
+
+    pauses: list[float] = []
+    started: list[float] = []
+
+    def timer(phase: str, info: dict) -> None:
+        if info.get("generation") == 2:
+            if phase == "start":
+                started.append(time.perf_counter())
+            elif started:
+                pauses.append(time.perf_counter() - started.pop())
+
+    gc.collect()
+    gc.freeze()
+    gc.callbacks.append(timer)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(timer)
+        gc.unfreeze()
 
 
 def wait_for(pred, timeout: float = 10.0, what: str = "condition"):

@@ -277,6 +277,40 @@ def test_torch_preprocessing_matches_opencv(resize, interp, colour):
     np.testing.assert_allclose(t.numpy()[len(good):], ref[len(good):])  # padding rows equal too
 
 
+@pytest.mark.parametrize("resize", ["stretch", "letterbox", "center_crop"])
+@pytest.mark.parametrize("colour", ["RGB", "BGR"])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_a_batch_of_one_frame_size_matches_opencv_and_the_padded_batch(resize, colour,
+                                                                        channels_last):
+    """Frames of one size filling the batch go from the resize product straight to the model's
+    tensor (no staging buffer): the same pixels as OpenCV, and as the same frames in a batch
+    with padding rows (which takes the staging buffer)."""
+    import cv2
+    import torch
+
+    from visionserve import imaging
+    from visionserve.config import InputSpec
+    from visionserve.gpu.preprocess import TorchPreprocessor
+
+    spec = InputSpec(width=96, height=80, resize=resize, color_order=colour,
+                     mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+    frames = []
+    for i in range(4):
+        _, png = cv2.imencode(".png", _scene(120, 160, i))
+        frames.append(imaging.encoded_frame(png.tobytes()))
+    prep = TorchPreprocessor(spec, device="cpu", dtype=torch.float32, max_batch=8,
+                             channels_last=channels_last)
+    whole, good, bad = prep.prepare(frames, 4)
+    padded, _, _ = prep.prepare(frames, 8)
+    ref, _, _ = imaging.prepare_batch(frames, spec, 4)
+    assert good == [0, 1, 2, 3] and bad == [] and tuple(whole.shape) == ref.shape
+    assert whole.is_contiguous(memory_format=torch.channels_last if channels_last
+                               else torch.contiguous_format)
+    levels = np.abs(whole.numpy() - ref) * np.asarray(spec.std).reshape(1, -1, 1, 1) / spec.scale
+    assert levels.max() <= 1.01
+    np.testing.assert_allclose(whole.numpy(), padded.numpy()[:4], atol=1e-5)
+
+
 def test_nhwc_uint8_layout():
     import torch
 

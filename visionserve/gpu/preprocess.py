@@ -42,8 +42,10 @@ from .memory import DEFAULT_STAGE_FRAME_BYTES, PinnedPool, shared_pool, stage_sl
 
 log = logging.getLogger(__name__)
 
-#: images resized together in one matrix product (bounds the fp16 working copy)
-CHUNK = 8
+#: bytes of the working copy of the images resized together in one matrix product: 32 frames of
+#: 640x480 in one product (each torch call costs the prep thread the interpreter once more), five
+#: of 1080p
+CHUNK_BYTES = 64 << 20
 #: device memory the cached resize weights may hold (least recently used dropped first); a
 #: client sending ever new frame sizes costs at most this much, not memory without bound
 WEIGHT_CACHE_BYTES = 64 << 20
@@ -356,40 +358,64 @@ class TorchPreprocessor:
     # -- geometry, colour, normalisation ------------------------------------------------------
 
     def _assemble(self, images: list[Any], padded: int) -> Any:
+        """The model's input from the decoded (C,H,W) images; ``padded`` rows (the rest zeros).
+
+        Every torch call here makes the prep thread give up the interpreter and wait for it
+        again, which under load is a wait behind the event loop: so the common case, one frame
+        size filling the batch, resized to the whole input in one product, goes from the product
+        to the normalised tensor without a staging buffer (about 8 calls a batch, not 13)."""
         import torch
 
         s = self.spec
         c, h, w = s.channels, s.height, s.width
-        pix = torch.zeros((padded, c, h, w), dtype=torch.float32, device=self.device)
         groups: dict[tuple[int, int], list[int]] = {}
         for row, img in enumerate(images):
             groups.setdefault((int(img.shape[1]), int(img.shape[2])), []).append(row)
+        pix: Any = None  # staging buffer: several sizes, padding rows, letterbox or crop offsets
         for (ih, iw), rows in groups.items():
             nh, nw, y0, x0, cy, cx = geometry(s, ih, iw)
             mode = resize_modes(s.interpolation, (ih, iw), (nh, nw))
             wy = self._w(ih, nh, mode, cy, min(nh, h) if s.resize == "center_crop" else nh)
             wx = self._w(iw, nw, mode, cx, min(nw, w) if s.resize == "center_crop" else nw).T
             oh, ow = wy.shape[0], wx.shape[1]
+            per = max(1, CHUNK_BYTES // (c * ih * iw * 2))
+            whole = len(rows) == padded <= per and (oh, ow) == (h, w)
+            if pix is None and not whole:
+                pix = torch.zeros((padded, c, h, w), dtype=torch.float32, device=self.device)
             if s.resize == "letterbox" and (oh, ow) != (h, w):
                 pix[rows] = float(s.pad_value)
-            for k in range(0, len(rows), CHUNK):
-                part = rows[k:k + CHUNK]
+            for k in range(0, len(rows), per):
+                part = rows[k:k + per]
                 x = torch.stack([images[r] for r in part]).to(self._mm_dtype)
                 if (ih, iw) != (oh, ow):  # same size: the weights are the identity
                     x = torch.matmul(wy, torch.matmul(x, wx))
-                out = x.float().round_().clamp_(0, 255)
-                pix[part, :, y0:y0 + oh, x0:x0 + ow] = out
+                # rounded in the product's dtype (fp16 holds every integer to 255 exactly)
+                out = x.round_().clamp_(0, 255)
+                if whole:
+                    pix = out
+                elif part[-1] - part[0] == len(part) - 1:  # consecutive rows: a view
+                    pix[part[0]:part[-1] + 1, :, y0:y0 + oh, x0:x0 + ow].copy_(out)
+                else:
+                    pix[part, :, y0:y0 + oh, x0:x0 + ow] = out.float()
+        if pix is None:  # no images at all
+            pix = torch.zeros((padded, c, h, w), dtype=torch.float32, device=self.device)
         if s.color_order == "BGR":
             pix = pix.flip(1)
         if s.dtype == "uint8":
-            out_t = pix.to(torch.uint8)
-        else:
-            out_t = (pix * self._mul + self._add).to(self.dtype)
-        if s.layout == "NHWC":
-            return out_t.permute(0, 2, 3, 1).contiguous()
+            return self._layout(pix.to(torch.uint8))
+        if s.layout == "NHWC" or not self.channels_last:
+            return self._layout(torch.addcmul(self._add, pix, self._mul).to(self.dtype))
+        return torch.addcmul(self._add, pix, self._mul).to(self.dtype,
+                                                          memory_format=torch.channels_last)
+
+    def _layout(self, t: Any) -> Any:
+        import torch
+
+        if self.spec.layout == "NHWC":
+            return t.permute(0, 2, 3, 1).contiguous()
         if self.channels_last:
-            return out_t.contiguous(memory_format=torch.channels_last)
-        return out_t
+            return t.contiguous(memory_format=torch.channels_last)
+        return t
 
     def _w(self, n_in: int, n_out: int, mode: str, start: int, count: int) -> Any:
         """(count, n_in) weights on the device: rows ``start:start+count`` (the crop window) of

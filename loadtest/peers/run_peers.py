@@ -116,6 +116,9 @@ class Target:
 def scaled_copy(models: Path, model: str) -> Path:
     """A repository holding only ``model``, with ``scaled_decode = true`` in its [input]
     (the model's files are linked, not copied)."""
+    toml = (models / model / "model.toml").read_text()
+    if "scaled_decode" in toml:
+        raise SystemExit(f"{model}/model.toml already sets scaled_decode: serve it as visionserve")
     root = WORK / "scaled-models"
     folder = root / model
     if folder.exists():
@@ -125,9 +128,6 @@ def scaled_copy(models: Path, model: str) -> Path:
     for p in (models / model).iterdir():
         if p.name != "model.toml":
             (folder / p.name).symlink_to(p.resolve())
-    toml = (models / model / "model.toml").read_text()
-    if "scaled_decode" in toml:
-        raise SystemExit(f"{model}/model.toml already sets scaled_decode: serve it as visionserve")
     (folder / "model.toml").write_text(toml.replace("[input]\n", "[input]\nscaled_decode = true\n", 1))
     return root
 

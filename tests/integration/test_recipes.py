@@ -153,26 +153,15 @@ def test_switches_under_load_answer_every_frame_under_the_recipe_of_its_time(rep
     switches = []  # (sent, returned, recipe now in force)
 
     async def scenario() -> float:
-        await load.measure_half_saturation()
-        steady_end = time.monotonic() + 3.0
+        async with httpx.AsyncClient(timeout=30) as client:
+            async def switch(i: int) -> None:
+                recipe = ("housing-white", "housing-black")[i % 2]
+                t0 = time.monotonic()
+                r = await client.post(s.url + "/v1/stations/st1/recipe", json={"recipe": recipe})
+                assert r.status_code == 200, r.text
+                switches.append((t0, time.monotonic(), recipe))
 
-        async def switch() -> None:
-            await asyncio.sleep(3.5)
-            async with httpx.AsyncClient(timeout=30) as client:
-                for i in range(10):
-                    recipe = ("housing-white", "housing-black")[i % 2]
-                    t0 = time.monotonic()
-                    r = await client.post(s.url + "/v1/stations/st1/recipe",
-                                          json={"recipe": recipe})
-                    assert r.status_code == 200, r.text
-                    switches.append((t0, time.monotonic(), recipe))
-                    await asyncio.sleep(0.3)
-
-        switching = asyncio.create_task(switch())
-        await load.open_loop(3.0 + 0.5 + 10 * 0.3 + 1.0)
-        await switching
-        load.close()
-        return steady_end
+            return await load.around(switch, steady_s=3.0, gap_s=0.3)
 
     with quiet_client_gc():
         steady_end = asyncio.run(scenario())

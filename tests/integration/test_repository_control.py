@@ -221,7 +221,6 @@ def test_ten_swaps_under_load_answer_every_frame_with_the_right_version(server_f
     answered 200, by the version that was current when it was admitted (it says which, and its
     scores are that version's), and p99 during the swaps stays near the steady p99."""
     import asyncio
-    import time
 
     server = server_factory(repo, "--model-control-mode", "explicit")
     load_url = f"{server.url}/v2/repository/models/tiny/load"
@@ -229,26 +228,16 @@ def test_ten_swaps_under_load_answer_every_frame_with_the_right_version(server_f
     switches = [(0.0, "1")]
 
     async def scenario() -> float:
-        await load.measure_half_saturation()
-        steady_end = time.monotonic() + 4.0
+        async with httpx.AsyncClient(timeout=30) as client:
+            async def swap(k: int) -> None:
+                version = "2" if k % 2 == 0 else "1"
+                await asyncio.to_thread(policy, repo / "tiny", f"[{version}]")
+                r = await client.post(load_url)
+                assert r.status_code == 200, r.text
+                assert r.json()["versions"] == [version]
+                switches.append((r.json()["switched_at"], version))
 
-        async def swap() -> None:
-            await asyncio.sleep(4.5)
-            async with httpx.AsyncClient(timeout=30) as client:
-                for k in range(10):
-                    version = "2" if k % 2 == 0 else "1"
-                    await asyncio.to_thread(policy, repo / "tiny", f"[{version}]")
-                    r = await client.post(load_url)
-                    assert r.status_code == 200, r.text
-                    assert r.json()["versions"] == [version]
-                    switches.append((r.json()["switched_at"], version))
-                    await asyncio.sleep(0.4)
-
-        swapping = asyncio.create_task(swap())
-        await load.open_loop(4.0 + 0.5 + 10 * 0.5 + 1.0)
-        await swapping
-        load.close()
-        return steady_end
+            return await load.around(swap)
 
     with quiet_client_gc() as gc_pauses:  # the client's own collections are not the server's
         steady_end = asyncio.run(scenario())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -82,6 +83,28 @@ class PacedLoad:
                 await self.one()
 
         await asyncio.gather(*(sender() for _ in range(senders)))
+
+    async def around(self, change: Callable[[int], Awaitable[None]], count: int = 10,
+                     steady_s: float = 4.0, gap_s: float = 0.4, tail_s: float = 1.0) -> float:
+        """Half the saturation rate: ``steady_s`` steady, then ``change(k)`` for k in
+        range(``count``), ``gap_s`` apart, then ``tail_s`` more. Returns when the steady window
+        ended (time.monotonic()); the connections are closed afterwards."""
+        await self.measure_half_saturation()
+        steady_end = time.monotonic() + steady_s
+
+        async def changes() -> None:
+            await asyncio.sleep(steady_s + 0.5)
+            for k in range(count):
+                await change(k)
+                await asyncio.sleep(gap_s)
+
+        changing = asyncio.create_task(changes())
+        try:
+            await self.open_loop(steady_s + 0.5 + count * (gap_s + 0.1) + tail_s)
+            await changing
+        finally:
+            self.close()
+        return steady_end
 
     def close(self) -> None:
         for conn in self._idle:

@@ -463,3 +463,36 @@ async def test_a_front_ends_own_refusal_is_counted_in_the_engine(pair):
     with pytest.raises(InvalidInput) as info:
         await remote.infer("tiny", None, [raw()], priority=99)
     assert info.value.counted  # the engine counted it when it answered
+
+
+async def test_a_settings_change_returns_once_every_front_end_applies_it(pair, tiny_repo):
+    """A verdict change (or a recipe switch) asked through one front end is answered only when
+    every front end has applied it: the caller's next frame may reach any of them. Here the
+    second front end is slow to read its channel."""
+    import os
+
+    eng, hub, remote = pair
+    slow_size = 1024**2
+    fd = create_memfd(slow_size)
+    slow = RemoteEngine(Arena(fd, slow_size))
+    loop = asyncio.get_running_loop()
+
+    def late(msg) -> None:  # a busy front end: its messages handled 0.3 s after they arrive
+        loop.call_later(0.3, slow.on_message, msg)
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    slow.channel = await connect(theirs, late, slow.on_lost)
+    await hub.attach(1, ours, fd, slow_size)
+    os.close(fd)
+    await _until(lambda: slow.ready)
+    toml = tiny_repo / "tiny" / "model.toml"
+    saved = toml.read_text()
+    try:
+        before = slow.served[("tiny", 1)].config.verdict.ok_threshold
+        await remote.verdict("tiny", {"ok_threshold": 0.77})
+        assert before != 0.77
+        assert slow.served[("tiny", 1)].config.verdict.ok_threshold == 0.77
+    finally:
+        toml.write_text(saved)
+        await slow.close()
+        hub.detach(1)

@@ -17,14 +17,18 @@ Messages (tuples) a front end sends:
   ``("verdict", rid, model, changes, caller)``: the model's ``[verdict]`` (``changes`` None), or
   set (``Engine.verdict``); every front end is then sent the models again.
   ``("recipe", rid, station, recipe, caller)``: switch a station's recipe
-  (``Engine.switch_recipe``); every front end is then sent the stations' recipes.
+  (``Engine.switch_recipe``); every front end is then sent the stations' recipes, and the reply
+  waits until every front end has said it applies them, so a frame the caller sends next, through
+  any front end, is decided under the new recipe (the same for verdict changes).
+  ``("applied", generation)``: the front end applies the settings of that generation.
   ``("repository", rid, call, args)``: ``call`` one of ``repository_index``, ``load_model``,
   ``unload_model`` of the engine, with ``args``; a swap sends every front end the models before
   any frame reaches the new versions (``Engine.on_change``).
 and what the hub sends back:
-  ``("state", ready, draining, {(model, version): ready}, models)``: on connect and on every
-  change; ``models`` (the repository entries, the served versions' configs and the stations'
-  recipes) only when they change.
+  ``("state", ready, draining, {(model, version): ready}, models, generation)``: on connect and
+  on every change; ``models`` (the repository entries, the served versions' configs and the
+  stations' recipes) only when they change, and then the front end answers ``("applied",
+  generation)``.
   ``("result", rid, [FrameResult], version)`` (the version that answered: the one current when
   the engine admitted the frames), ``("error", rid, error class name, message, retry_after_s,
   late_ms)`` exactly once per ``infer``, counted in the metrics here before it is sent;
@@ -67,8 +71,10 @@ class Link:
         self.index = index
         self.arena = arena
         self.channel: Channel | None = None
-        # (served versions, settings generation) this front end has been told of
+        # (served versions, settings generation) this front end has been told of, and the
+        # settings generation it has said it applies
         self.models_sent: tuple[int, int] = (-1, -1)
+        self.applied = -1
         # request id -> its frame's future (or their gather), its model, its number of frames
         self.tasks: dict[int, tuple[asyncio.Future, str, int]] = {}
         self.lost = asyncio.Event()
@@ -108,6 +114,9 @@ class Link:
                 entry[0].cancel()
         elif kind == "count":
             self.hub.engine.count_error(msg[1], msg[2])
+        elif kind == "applied":  # the front end applies the settings of this generation
+            self.applied = max(self.applied, msg[1])
+            self.hub.settled.set()
         elif kind == "stats":
             _, rid, name, version = msg
             try:
@@ -158,9 +167,10 @@ class Link:
             log.exception("%s call %r for front end %d failed", kind, args[:2], self.index)
             self._error(rid, InternalError(INTERNAL_MESSAGE))
         else:
-            # every front end is sent the change before the caller hears it is done (only what
-            # changed: the engine's generation moved)
+            # every front end applies the change before the caller hears it is done: a frame
+            # the caller sends next, through whichever front end, is decided under it
             self.hub.publish()
+            await self.hub.applied_everywhere(getattr(self.hub.engine, "generation", 0))
             self.ch.send(("reply", rid, reply))
 
     def _frame(self, desc: tuple) -> Frame:
@@ -222,6 +232,7 @@ class Hub:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.links: dict[int, Link] = {}
+        self.settled = asyncio.Event()  # a front end confirmed a settings generation
         self.background: set[asyncio.Task] = set()  # running verdict changes, kept from the GC
         self._last: tuple | None = None
         self._watcher: asyncio.Task | None = None
@@ -258,7 +269,28 @@ class Hub:
                 k: ModelView.of(s)
                 for k, s in served.items()}, self.engine.recipes)
             link.models_sent = (len(served), generation)
-        link.ch.send(("state", ready, draining, per_model, models))
+        link.ch.send(("state", ready, draining, per_model, models, generation))
+
+    async def applied_everywhere(self, generation: int, timeout_s: float = 2.0) -> bool:
+        """Wait until every connected front end says it applies the settings of
+        ``generation`` (or later); False (logged) if one did not within ``timeout_s``."""
+        end = time.monotonic() + timeout_s
+        while True:
+            behind = [i for i, link in self.links.items()
+                      if link.channel is not None and not link.ch.closed
+                      and link.applied < generation]
+            if not behind:
+                return True
+            left = end - time.monotonic()
+            if left <= 0:
+                log.warning("front end(s) %s did not confirm the settings of generation %d "
+                            "within %.1f s", behind, generation, timeout_s)
+                return False
+            self.settled.clear()
+            try:
+                await asyncio.wait_for(self.settled.wait(), left)
+            except TimeoutError:
+                pass
 
     def publish(self) -> None:
         """Tell every front end the current state if it changed (also called at once on drain)."""

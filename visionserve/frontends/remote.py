@@ -73,7 +73,7 @@ class RemoteEngine(ModelLookup):
         if kind == "beat":
             return
         if kind == "state":
-            _, ready, draining, per_model, models = msg
+            _, ready, draining, per_model, models, generation = msg
             if models is not None:
                 entries, infos, self.recipes = models
                 self.entries = entries
@@ -90,6 +90,8 @@ class RemoteEngine(ModelLookup):
                     self.served[k].ready = r
             self._ready, self._engine_draining = ready, draining
             self.connected.set()
+            if models is not None and self.channel is not None:  # in force here from now on
+                self.channel.send(("applied", generation))
             return
         rid = msg[1]
         pending = self._pending.pop(rid, None)

@@ -409,6 +409,13 @@ class ServerSettings(BaseSettings):
                     "serving ones: deserialising a model is pure Python, and each time a serving "
                     "thread wants the interpreter back it waits up to this long for the loading "
                     "thread to let go of it (docs/gpu.md, swaps under load).")
+    isolated_loads: bool = Field(
+        True,
+        description="Read a model file that is slow to read in Python (a torch.export program) "
+                    "in a child process when the version loads beside serving ones (a swap): "
+                    "reading ResNet-50's program in the serving process held frames for up to a "
+                    "second (docs/benchmarks.md, model swaps on the H200). Start-up reads in "
+                    "the serving process.")
     recipes: Path | None = Field(
         None, description="The recipes file: each product variant's model, version and verdict "
                           "settings, and the stations that run them (docs/recipes.md). Default: "

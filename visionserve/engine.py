@@ -382,6 +382,7 @@ class Engine(ModelLookup):
         nice = self.settings.worker_nice  # the model's threads below the event loop's priority
         for i in range(config.runtime.instances):
             backend = backends.create(config.runtime.backend)
+            backend.isolated = self._ready and self.settings.isolated_loads  # beside serving ones
             made.append(backend)
             t0 = time.monotonic()
             load_config = self.gpu.instance_config(entry.name, config) if self.gpu else config

@@ -141,6 +141,53 @@ def test_bad_model_files_are_config_errors(tmp_path, config):
         TorchBackend().load(tmp_path / "model.pt2", config, "cpu")
 
 
+def test_an_isolated_load_reads_the_program_in_a_child_process(model_dir, config, monkeypatch):
+    """A load beside serving versions (``isolated``) reads the exported program in a child
+    process: this process never runs torch.export.load, and serves the same module, outputs and
+    answers as an ordinary load (docs/benchmarks.md, model swaps on the H200)."""
+    import torch
+
+    here = TorchBackend()
+    here.load(model_dir / "1" / "model.pt2", config, "cpu")
+
+    def not_here(*args, **kwargs):
+        raise AssertionError("torch.export.load ran in the serving process")
+
+    monkeypatch.setattr(torch.export, "load", not_here)
+    child = TorchBackend()
+    child.isolated = True
+    child.load(model_dir / "1" / "model.pt2", config, "cpu")
+    child.warmup((1, 2, 4, 8))
+    assert child.outputs == here.outputs
+    x = np.random.default_rng(2).normal(size=(8, 3, 32, 32)).astype(np.float32)
+    for n in (1, 5, 8):
+        np.testing.assert_array_equal(child.run(x[:n])["output0"], here.run(x[:n])["output0"])
+
+
+def test_an_isolated_load_whose_child_fails_reads_the_program_here(model_dir, config,
+                                                                   monkeypatch, caplog):
+    """A child process that cannot start or dies (not the model file's fault): the program is
+    read in this process after all, with a warning; the swap does not fail for it."""
+    import sys
+
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    backend = TorchBackend()
+    backend.isolated = True
+    with caplog.at_level(logging.WARNING):
+        backend.load(model_dir / "1" / "model.pt2", config, "cpu")
+    assert "reading it in the serving process" in caplog.text
+    x = np.zeros((2, 3, 32, 32), np.float32)
+    assert backend.run(x)["output0"].shape == (2, 3)
+
+
+def test_an_isolated_load_of_a_broken_file_says_why(tmp_path, config):
+    (tmp_path / "model.pt2").write_bytes(b"not a zip")
+    backend = TorchBackend()
+    backend.isolated = True
+    with pytest.raises(ConfigError, match="torch cannot load the exported program"):
+        backend.load(tmp_path / "model.pt2", config, "cpu")
+
+
 def test_cuda_without_cuda_is_a_config_error(model_dir, config):
     import torch
 
@@ -236,6 +283,29 @@ def test_server_serves_the_torch_backend(model_dir, server_factory, jpeg_bytes):
     assert body["label"] in ("ok", "dent", "scratch") and body["verdict"] in ("OK", "NG")
     meta = httpx.get(f"{srv.url}/v2/models/tiny", timeout=10).json()
     assert meta["platform"].startswith("pytorch") or "torch" in str(meta)
+
+
+def test_a_swap_of_a_torch_model_reads_the_new_version_in_a_child_process(model_dir, tmp_path,
+                                                                           server_factory,
+                                                                           jpeg_bytes):
+    """Start-up reads the program in the serving process; a version loaded beside a serving one
+    is read in a child process, and serves."""
+    import shutil
+
+    repo = tmp_path / "repo"
+    shutil.copytree(model_dir, repo / "tiny")
+    toml = repo / "tiny" / "model.toml"
+    toml.write_text(toml.read_text() + "[version_policy]\nlatest = 1\n")
+    srv = server_factory(repo, "--model-control-mode", "explicit", grpc=False)
+    assert "in a child process" not in srv.log()
+    shutil.copytree(repo / "tiny" / "1", repo / "tiny" / "2")
+    r = httpx.post(f"{srv.url}/v2/repository/models/tiny/load", timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["versions"] == ["2"]
+    assert f"read {repo / 'tiny' / '2' / 'model.pt2'} in a child process" in srv.log()
+    r = httpx.post(f"{srv.url}/v1/models/tiny/inspect", content=jpeg_bytes,
+                   headers={"Content-Type": "image/jpeg"}, timeout=30)
+    assert r.status_code == 200 and r.json()["version"] == "2", r.text
 
 
 def test_an_exported_cast_runs_in_another_precision():

@@ -63,6 +63,13 @@ class Backend(ABC):
     #: the model's outputs as its file declares them, in the file's order
     outputs: tuple[TensorSpec, ...] = ()
 
+    # --- set by the engine before ``load`` ------------------------------------------------------
+
+    #: the load runs beside serving versions (a swap): a backend whose file format is slow to
+    #: read in Python reads it in a child process, so that the serving threads keep the
+    #: interpreter (the torch backend; onnxruntime reads its file in C++)
+    isolated: bool = False
+
     @property
     def takes_device_input(self) -> bool:
         """``run`` takes a torch tensor already on ``device`` (the GPU preprocessing's)."""

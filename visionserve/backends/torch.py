@@ -21,6 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +106,88 @@ def portable(module: Any) -> Any:
         module.recompile()
     return module
 
+Read = tuple[Any, Any, tuple[tuple[str, ...], bool]]  # module, _declared, _output_names
+
+
+def read_program(path: Path) -> Read:
+    """``torch.export.load`` and what the backend takes from the program: its module (made
+    :func:`portable`), declared shapes and output names. Pure Python for the most part: for
+    ResNet-50, 1.8-5 s that keep the interpreter (see :func:`read_isolated`)."""
+    import torch
+
+    try:
+        program = torch.export.load(str(path))
+    except Exception as exc:  # noqa: BLE001 - torch raises several types for a bad archive
+        raise ConfigError(f"{path}: torch cannot load the exported program: {exc}") from None
+    return portable(program.module()), _declared(program), _output_names(program)
+
+
+def _save_read(path: str, out: str) -> None:
+    """The child process of :func:`read_isolated`: :func:`read_program`, saved to ``out`` as the
+    module's code and state (``GraphModule.__reduce__``: the ``__dict__`` without the graph, and
+    the imports its code needs) and the rest as they are."""
+    import torch
+
+    module, declared, names = read_program(Path(path))
+    # torch.export puts an input check (guards against the exported shapes) in a submodule whose
+    # forward cannot be pickled; the serving path checks the input against model.toml itself
+    guards = [n for n in module.graph.nodes
+              if n.op == "call_module" and n.target == "_guards_fn" and not n.users]
+    for node in guards:
+        module.graph.erase_node(node)
+    if hasattr(module, "_guards_fn"):
+        module.delete_submodule("_guards_fn")
+    plain = torch.fx.GraphModule(module, module.graph)  # without the program's Python hooks
+    _, (body, imports) = plain.__reduce__()
+    torch.save({"body": body, "imports": imports, "declared": declared, "names": names}, out)
+
+
+def read_isolated(path: Path) -> Read:
+    """:func:`read_program` in a child process, for a load beside serving versions.
+
+    Deserialising an exported program is pure Python: on the H200 the serving threads got too
+    small a share of the interpreter while it ran, and frames waited for up to a second during a
+    swap (docs/benchmarks.md, model swaps on the H200). The child reads the program and saves its
+    module's code and tensors; this process maps the tensors (``mmap``) and compiles the code,
+    without tracing it again. The child runs at the calling thread's priority. If the child
+    cannot do it for a reason other than the model file, the program is read here after all."""
+    import torch
+    from torch.fx.graph_module import _forward_from_src
+
+    t0 = time.monotonic()
+    try:
+        with tempfile.TemporaryDirectory(prefix="visionserve-read-") as tmp:
+            out = Path(tmp) / "program.pt"
+            root = str(Path(__file__).resolve().parents[2])  # where the visionserve package is
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+                p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+            child = subprocess.run([sys.executable, "-m", "visionserve.backends.torch", "--read",
+                                    str(path), str(out)], env=env, capture_output=True,
+                                   text=True, check=False)
+            if child.returncode == READ_FAILED:  # the model file's fault: say so, as in-process
+                raise ConfigError(child.stdout.strip() or f"{path}: torch cannot load the program")
+            if child.returncode != 0:
+                raise RuntimeError(f"exit {child.returncode}: {child.stderr.strip()[-500:]}")
+            saved = torch.load(out, mmap=True, weights_only=False)  # mapped: outlives the file
+        body = saved["body"]
+        forward = _forward_from_src(saved["imports"] + body["_code"], {})
+        # the module as GraphModule's unpickling builds it, without tracing its code again
+        module: Any = torch.nn.Module.__new__(type("ExportedModule", (torch.nn.Module,),
+                                                   {"forward": forward}))
+        module.__dict__ = body
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any other failure: read it here after all
+        log.warning("reading %s in a child process failed (%s); reading it in the serving "
+                    "process", path, exc)
+        return read_program(path)
+    log.info("read %s in a child process in %.1f s", path, time.monotonic() - t0)
+    return module, saved["declared"], saved["names"]
+
+
+READ_FAILED = 3  # the child's exit status when the model file is at fault (message on stdout)
+
+
 class TorchBackend(Backend):
     model_file = "model.pt2"
     platform = "pytorch_libtorch"
@@ -132,20 +219,15 @@ class TorchBackend(Backend):
         torch = require("torch", f"{path}: runtime.backend = \"torch\"")
         self.config = config
         self.device = device
-        try:
-            program = torch.export.load(str(path))
-        except Exception as exc:  # noqa: BLE001 - torch raises several types for a bad archive
-            raise ConfigError(f"{path}: torch cannot load the exported program: {exc}") from None
-        declared = _declared(program)
+        module, declared, (self._names, named) = \
+            read_isolated(path) if self.isolated else read_program(path)
         if declared is not None:  # the program's own shapes, before anything moves to the device
             checks.check_input(checks.Subject(Path(path)), config, declared[0])
-        self._names, named = _output_names(program)
         dims = declared[1] if declared is not None and len(declared[1]) == len(self._names) \
             else [None] * len(self._names)
         self.outputs = tuple(checks.TensorSpec(n, tuple(d) if d is not None else None, None, named)
                              for n, d in zip(self._names, dims))
         self._selected = self._names
-        module = portable(program.module())
         cuda = device.startswith("cuda")
         if cuda:
             if not torch.cuda.is_available():
@@ -331,3 +413,13 @@ class TorchBackend(Backend):
         if self.channels_last:
             info["memory_format"] = "channels_last"
         return info
+
+
+if __name__ == "__main__":  # python -m visionserve.backends.torch --read PATH OUT (read_isolated)
+    if sys.argv[1:2] != ["--read"] or len(sys.argv) != 4:
+        sys.exit("usage: python -m visionserve.backends.torch --read MODEL.pt2 OUT")
+    try:
+        _save_read(sys.argv[2], sys.argv[3])
+    except ConfigError as exc:
+        print(exc.message)
+        sys.exit(READ_FAILED)

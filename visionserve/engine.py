@@ -427,7 +427,8 @@ class Engine(ModelLookup):
                         source=_file_stamp(path), load_id=load_id)
         for r in runners:
             r.on_batch = functools.partial(self._record_batch, served)
-            r.start(loop)
+            # Thread.start waits until the new thread runs: on busy cores, not on the event loop
+            await asyncio.to_thread(r.start, loop)
         batcher.on_drop = lambda item, reason: self._record_drop(served, reason)
         # read when scraped, so never stale (the queue also drains by batches taken, frames
         # dropped late and cancellations); all versions of the model, as the label has no version
@@ -512,7 +513,8 @@ class Engine(ModelLookup):
             await served.batcher.drain(drain_s)
         for r in served.runners:
             await asyncio.to_thread(r.stop)
-            r.backend.close()
+            # off the event loop: onnxruntime joins its session's threads as it frees it
+            await asyncio.to_thread(r.backend.close)
         if self.served.get((served.name, served.version)) is not served:
             metrics.READY.labels(served.name, str(served.version)).set(0)
 

@@ -111,5 +111,7 @@ async def run_lowered(nice: int, fn: Callable[..., T], *args) -> T:
         else:
             loop.call_soon_threadsafe(settle, value)
 
-    threading.Thread(target=run, name=f"load:{getattr(fn, '__name__', 'fn')}", daemon=True).start()
+    thread = threading.Thread(target=run, name=f"load:{getattr(fn, '__name__', 'fn')}", daemon=True)
+    # Thread.start waits until the new thread runs: on busy cores, not on the event loop
+    await asyncio.to_thread(thread.start)
     return await done

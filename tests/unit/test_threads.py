@@ -43,6 +43,37 @@ def test_run_lowered_hands_the_exception_to_the_caller():
         asyncio.run(run_lowered(2, broken))
 
 
+def test_run_lowered_starts_its_thread_off_the_event_loop(monkeypatch):
+    """Thread.start waits until the new thread runs, up to 8 ms beside busy processes on the
+    2-core machine (a model swap starts several): the event loop keeps running meanwhile."""
+    slow_start = threading.Thread.start
+
+    def start(self):
+        import time
+
+        time.sleep(0.3)  # a thread that waits long for a core
+        slow_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+
+    async def scenario():
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0)
+        assert await run_lowered(2, lambda: "loaded") == "loaded"
+        ticker.cancel()
+        return ticks
+
+    assert asyncio.run(scenario()) >= 10
+
+
 def test_nice_zero_leaves_threads_alone():
     got = {}
 

@@ -1,20 +1,27 @@
 #!/usr/bin/env bash
 # The GPU data path on a CUDA machine, in one call: the gpu tests (and the CPU tests of the same
-# code), then the GPU benchmark. Results land in $OUT (at most 8 files):
+# code), then the GPU benchmark. Results land in $OUT:
 #   env.txt       nvidia-smi, versions, onnxruntime providers
 #   pytest.txt    test output;  junit.xml  the same, machine-readable
 #   integrity.jsonl  the frame-integrity test's counts (answers checked, wrong answers)
 #   bench.json    benchmark results;  bench.txt  its progress log
 #   server.log    the benchmark servers' logs
 #   swap.json / swap.txt / swap.server.log  with SWAP=1: model swaps under load
-#                 (python -m visionserve_tools.benchswap, up to SWAP_T s (240))
+#                 (python -m visionserve_tools.benchswap, up to SWAP_T s (240)); with SWAP=ab
+#                 twice, swap-inprocess.* with the program read in the serving process
+#                 (VISIONSERVE_ISOLATED_LOADS=false), then swap.* as shipped
 #   guard.json / guard.txt  with GUARD_ARGS set (e.g. GUARD_ARGS="--latency-budget-ms 20"): the
 #                 guard's acceptance run (python -m visionserve_tools.benchguard), up to GUARD_T s (300)
 # SKIP_TESTS=1 / SKIP_BENCH=1 leave those parts out (one call may run 10 minutes at most: the
 # tests take up to 330 s with the frame-integrity test, the benchmark up to 270 s, so run them in
 # two calls: SKIP_BENCH=1 bash tests/gpu/run_on_device.sh, then SKIP_TESTS=1 ...).
 # Run from the repository root:  bash tests/gpu/run_on_device.sh
-# Wheels for packages the machine lacks may be carried in .whl/ (installed to /tmp/site);
+# Wheels for packages the machine lacks may be carried in .whl/ (installed to /tmp/site), e.g.
+#   ../shared/device/wheels.sh fastapi starlette uvicorn pydantic pydantic-core pydantic-settings \
+#     python-dotenv typing-inspection annotated-types anyio sniffio h11 httptools uvloop \
+#     prometheus-client nvidia-ml-py opentelemetry-api importlib-metadata zipp typing-extensions \
+#     httpx httpcore certifi idna pytest-asyncio pytest-timeout grpcio grpcio-health-checking \
+#     protobuf tritonclient python-rapidjson pycocotools       (19 MB; carry ".whl")
 # onnxruntime-gpu installed at /tmp/ort (shared/device/ort-gpu-chunks.sh) is used if present.
 set -u
 OUT=${OUT:-$PWD/gpu-out}
@@ -53,6 +60,13 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     ${BENCH_ARGS:-} >"$OUT/bench.txt" 2>&1
   echo "benchgpu exit $?" >>"$OUT/bench.txt"
   tail -n 60 "$OUT/bench.txt"
+fi
+
+if [ "${SWAP:-}" = ab ]; then  # the same, first with the program read in the serving process
+  VISIONSERVE_ISOLATED_LOADS=false timeout ${SWAP_T:-240} python3 -m visionserve_tools.benchswap \
+    --out "$OUT/swap-inprocess.json" ${SWAP_ARGS:-} >"$OUT/swap-inprocess.txt" 2>&1
+  echo "benchswap (in-process reads) exit $?" >>"$OUT/swap-inprocess.txt"
+  tail -n 20 "$OUT/swap-inprocess.txt"
 fi
 
 if [ -n "${SWAP:-}" ]; then  # model swaps under load (issue 21), about 2.5 minutes

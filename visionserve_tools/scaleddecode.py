@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -32,6 +33,59 @@ from . import synthetic
 MODEL = Path(__file__).resolve().parents[1] / "models" / "defect-classifier"
 
 
+class Agreement(NamedTuple):
+    """Full against scaled decoding of the same frames: pixels (N, H, W, C) as the model gets them,
+    scores (N, labels) and OK verdicts (N,) from the server's own activation and verdict rule, and
+    the scale each frame was decoded at."""
+    full: np.ndarray
+    scaled: np.ndarray
+    scores_full: np.ndarray
+    scores_scaled: np.ndarray
+    ok_full: np.ndarray
+    ok_scaled: np.ndarray
+    scales: list[int]
+
+
+def heldout_jpegs(cfg: ClassificationConfig, n_per_label: int, quality: int,
+                  ) -> tuple[list[imaging.Frame], list[int]]:
+    """The held-out set as JPEG frames, and each frame's label index."""
+    frames, targets = [], []
+    for img, label in synthetic.generate_set(n_per_label, 2026, params=synthetic.HELDOUT_PARAMS):
+        frames.append(imaging.encoded_frame(synthetic.encode(img, "jpeg", quality)))
+        targets.append(cfg.output.labels.index(label))
+    return frames, targets
+
+
+def compare(model: Path, frames: list[imaging.Frame]) -> Agreement:
+    """``frames`` through ``model`` (a classification model folder, version 1's ONNX file on the
+    CPU, one thread), decoded in full and as the server does with ``input.scaled_decode = true``."""
+    import onnxruntime as ort
+
+    cfg = load_model_config(model / "model.toml")
+    if not isinstance(cfg, ClassificationConfig):
+        raise TypeError(f"{model}: a classification model is needed (labels and a verdict)")
+    spec = cfg.input.model_copy(update={"scaled_decode": True})
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    sess = ort.InferenceSession(str(model / "1" / "model.onnx"), opts,
+                                providers=["CPUExecutionProvider"])
+    in_name = spec.tensor_name or sess.get_inputs()[0].name
+    full = np.stack([imaging.to_model_pixels(imaging.decode(f, spec.channels, 1), spec)
+                     for f in frames])
+    scaled = np.stack([imaging.preprocess(f, spec) for f in frames])
+    task = Classification(cfg)  # the server's own activation and verdict rule
+
+    def classify(pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        rows = task.classify(np.concatenate([
+            sess.run(None, {in_name: imaging.normalize(pixels[i:i + 32], spec)})[0]
+            for i in range(0, len(pixels), 32)]))
+        return (np.stack([r.scores for _, r in rows]),
+                np.asarray([v == "OK" for v, _ in rows]))
+
+    (pf, vf), (ps, vs) = classify(full), classify(scaled)
+    return Agreement(full, scaled, pf, ps, vf, vs, [imaging.jpeg_scale(f, spec) for f in frames])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m visionserve_tools.scaleddecode",
                                  description=__doc__.splitlines()[0])
@@ -41,38 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quality", type=int, default=90)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
-    import onnxruntime as ort
-
     cfg = load_model_config(args.model / "model.toml")
     if not isinstance(cfg, ClassificationConfig):
         ap.error(f"{args.model}: a classification model is needed (labels and a verdict)")
-    spec = cfg.input.model_copy(update={"scaled_decode": True})  # off by default in model.toml
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 1
-    sess = ort.InferenceSession(str(args.model / "1" / "model.onnx"), opts,
-                                providers=["CPUExecutionProvider"])
-    in_name = spec.tensor_name or sess.get_inputs()[0].name
-    frames, targets = [], []
-    for img, label in synthetic.generate_set(args.n_per_label, 2026,
-                                             params=synthetic.HELDOUT_PARAMS):
-        frames.append(imaging.encoded_frame(synthetic.encode(img, "jpeg", args.quality)))
-        targets.append(cfg.output.labels.index(label))
-    full = np.stack([imaging.to_model_pixels(imaging.decode(f, spec.channels, 1), spec)
-                     for f in frames])
-    scaled = np.stack([imaging.preprocess(f, spec) for f in frames])
-    scales = [imaging.jpeg_scale(f, spec) for f in frames]
-
-    task = Classification(cfg)  # the server's own activation and verdict rule
-
-    def classify(pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(scores (N, labels), OK verdict per frame)."""
-        rows = task.classify(np.concatenate([
-            sess.run(None, {in_name: imaging.normalize(pixels[i:i + 32], spec)})[0]
-            for i in range(0, len(pixels), 32)]))
-        return (np.stack([r.scores for _, r in rows]),
-                np.asarray([v == "OK" for v, _ in rows]))
-
-    (pf, vf), (ps, vs) = classify(full), classify(scaled)
+    spec = cfg.input.model_copy(update={"scaled_decode": True})
+    frames, targets = heldout_jpegs(cfg, args.n_per_label, args.quality)
+    agr = compare(args.model, frames)
+    full, scaled, scales = agr.full, agr.scaled, agr.scales
+    pf, ps, vf, vs = agr.scores_full, agr.scores_scaled, agr.ok_full, agr.ok_scaled
     target = np.asarray(targets)
     differ = (pf.argmax(1) != ps.argmax(1)) | (vf != vs)
     diff = np.abs(pf - ps)

@@ -20,6 +20,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -40,6 +41,8 @@ TARGETS = {
     "visionserve-oip": (None, "oip", "visionserve, OIP v2 HTTP binary"),
     "visionserve-scaled": (None, "inspect", "visionserve, inspect API, JPEGs decoded at reduced "
                                             "size (input.scaled_decode = true)"),
+    "visionserve-full": (None, "inspect", "visionserve, inspect API, JPEGs decoded in full "
+                                          "(input.scaled_decode = false)"),
     "naive": ("naive", "inspect", "FastAPI + onnxruntime, one request one inference"),
     "litserve": ("litserve", "json", "LitServe 0.2.19, max_batch_size 32, batch_timeout 2 ms"),
     "triton": ("pytriton", "oip", "Triton 2.51 (pytriton 0.7.0), dynamic batcher, 2 ms delay"),
@@ -62,8 +65,8 @@ class Target:
         env = dict(os.environ)
         models, model = str(args.models), args.model
         if venv is None:
-            if name == "visionserve-scaled":
-                models = str(scaled_copy(args.models, model))
+            if name in ("visionserve-scaled", "visionserve-full"):
+                models = str(decode_copy(args.models, model, scaled=name == "visionserve-scaled"))
             cmd = [sys.executable, "-m", "visionserve", "serve", "--models", models, "--host", "127.0.0.1",
                    "--http-port", str(self.port), "--grpc-port", "-1", "--device", "cpu", "--log-level", "warning"]
             self.ready_url = self.url + "/v2/health/ready"
@@ -113,13 +116,15 @@ class Target:
         self._log.close()
 
 
-def scaled_copy(models: Path, model: str) -> Path:
-    """A repository holding only ``model``, with ``scaled_decode = true`` in its [input]
-    (the model's files are linked, not copied)."""
+def decode_copy(models: Path, model: str, *, scaled: bool) -> Path:
+    """A repository holding only ``model``, with ``scaled_decode`` set to ``scaled`` in its
+    [input], whatever its model.toml says (the model's files are linked, not copied)."""
     toml = (models / model / "model.toml").read_text()
-    if "scaled_decode" in toml:
-        raise SystemExit(f"{model}/model.toml already sets scaled_decode: serve it as visionserve")
-    root = WORK / "scaled-models"
+    value = f"scaled_decode = {'true' if scaled else 'false'}"
+    toml, n = re.subn(r"(?m)^scaled_decode\s*=\s*\w+", value, toml)
+    if not n:
+        toml = toml.replace("[input]\n", f"[input]\n{value}\n", 1)
+    root = WORK / ("scaled-models" if scaled else "full-models")
     folder = root / model
     if folder.exists():
         for p in folder.iterdir():
@@ -128,7 +133,7 @@ def scaled_copy(models: Path, model: str) -> Path:
     for p in (models / model).iterdir():
         if p.name != "model.toml":
             (folder / p.name).symlink_to(p.resolve())
-    (folder / "model.toml").write_text(toml.replace("[input]\n", "[input]\nscaled_decode = true\n", 1))
+    (folder / "model.toml").write_text(toml)
     return root
 
 

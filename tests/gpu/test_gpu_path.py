@@ -166,13 +166,17 @@ def test_cuda_graphs_on_a_high_priority_stream(repo, config):
     assert gpu.eager_runs == eager + 1
 
 
-@pytest.mark.parametrize("kinds", [("jpeg",), ("png", "raw", "jpeg", "bmp")])
-def test_gpu_and_cpu_paths_give_the_same_verdicts(repo, config, kinds):
+@pytest.mark.parametrize("kinds, scaled", [(("jpeg",), False), (("png", "raw", "jpeg", "bmp"), False),
+                                           (("jpeg",), True)])
+def test_gpu_and_cpu_paths_give_the_same_verdicts(repo, config, kinds, scaled):
     """Same frames through nvJPEG + device preprocessing + fp16 CUDA graph, and through OpenCV +
     fp32 on the CPU. Pixels: decoders differ by a level or two (IDCT, chroma upsampling), area
     resizing 640x480 -> 96x96 averages that down, so the mean difference stays under a level.
     Scores: fp16 compute (~1e-3 relative) plus those pixel differences -> within 0.03; labels
-    equal wherever the CPU's top two scores are not a near tie (margin > 0.06)."""
+    equal wherever the CPU's top two scores are not a near tie (margin > 0.06). ``scaled``: the
+    CPU path decodes the JPEGs at 1/4 size (``input.scaled_decode``, as the shipped model does)
+    while the GPU decodes in full; on the CPU alone that moves pixels by 0.4 levels on average
+    and 6 at p99.9, so the pixel bounds grow by that much, and the score and label bounds stay."""
     import torch
 
     from visionserve import imaging
@@ -186,10 +190,12 @@ def test_gpu_and_cpu_paths_give_the_same_verdicts(repo, config, kinds):
     t_gpu, good, bad = prep.prepare(frames, 16)
     assert t_gpu.is_cuda and t_gpu.dtype == torch.float16 and good == list(range(16)) and not bad
     assert t_gpu.is_contiguous(memory_format=torch.channels_last)
-    t_cpu, good_c, _ = imaging.prepare_batch(frames, config.input, 16)
+    cpu_input = config.input.model_copy(update={"scaled_decode": scaled})
+    assert {imaging.jpeg_scale(f, cpu_input) for f in frames} == ({4} if scaled else {1})
+    t_cpu, good_c, _ = imaging.prepare_batch(frames, cpu_input, 16)
     assert good_c == good
     levels = np.abs(t_gpu.float().cpu().numpy() - t_cpu) * np.asarray(config.input.std).reshape(1, 3, 1, 1) * 255
-    assert levels.mean() < 1.0 and np.percentile(levels, 99.9) < 8
+    assert levels.mean() < (1.5 if scaled else 1.0) and np.percentile(levels, 99.9) < (14 if scaled else 8)
     if "jpeg" in kinds:
         assert prep.counts["nvjpeg"] >= 1
     task = tasks.create(config)

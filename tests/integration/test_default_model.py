@@ -95,6 +95,28 @@ def test_pt2_agrees_with_onnx(session, cfg, heldout):
     assert np.abs(onnx_out - pt2_out).max() <= 1e-3
 
 
+def test_scaled_decoding_keeps_the_verdicts_of_full_decoding(cfg):
+    """The shipped model decodes JPEGs scaled on the CPU (``input.scaled_decode``). On held-out
+    JPEGs of 640x480 and 1280x1024 it gives the verdicts of full decoding, within the stated
+    tolerance: labels equal wherever the top two scores are more than 0.06 apart, verdicts
+    wherever the OK score is more than 0.03 from its threshold; scores within 0.1."""
+    from visionserve_tools import scaleddecode
+
+    assert cfg.input.scaled_decode
+    frames, targets = scaleddecode.heldout_jpegs(cfg, 20, 90)
+    a = scaleddecode.compare(MODEL_DIR, frames)
+    assert set(a.scales) == {2, 4}  # 640x480 at 1/2, 1280x1024 at 1/4
+    assert np.abs(a.scores_full - a.scores_scaled).max() < 0.1
+    top2 = np.sort(a.scores_full, axis=1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 0.06
+    assert (a.scores_full.argmax(1) == a.scores_scaled.argmax(1))[clear].all()
+    ok = cfg.output.labels.index("ok")
+    far = np.abs(a.scores_full[:, ok] - cfg.verdict.ok_threshold) > 0.03
+    assert (a.ok_full == a.ok_scaled)[far].all()
+    y = np.asarray(targets)
+    assert (a.scores_scaled.argmax(1) == y).mean() >= (a.scores_full.argmax(1) == y).mean() - 0.02
+
+
 def test_preprocessing_follows_model_toml(cfg):
     frame = synthetic.generate("ok", 3, (640, 480))
     x = common.preprocess([frame], cfg.input)

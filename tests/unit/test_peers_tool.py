@@ -1,5 +1,5 @@
-"""loadtest/peers/run_peers.py: the visionserve-scaled target serves the same model with
-``input.scaled_decode = true`` and nothing else changed."""
+"""loadtest/peers/run_peers.py: the visionserve-full and visionserve-scaled targets serve the same
+model with ``input.scaled_decode`` false or true, and nothing else changed."""
 
 from __future__ import annotations
 
@@ -13,21 +13,32 @@ from visionserve.config import load_model_config
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_the_scaled_target_serves_the_model_with_scaled_decoding(tmp_path, monkeypatch):
+@pytest.mark.parametrize("scaled", [False, True])
+def test_the_decode_targets_serve_the_model_with_that_decoding(tmp_path, monkeypatch, scaled):
     monkeypatch.setenv("PEERS_WORK", str(tmp_path / "work"))
     spec = importlib.util.spec_from_file_location("run_peers", REPO / "loadtest/peers/run_peers.py")
     assert spec is not None and spec.loader is not None
     peers = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(peers)
     models = REPO / "models"
-    root = peers.scaled_copy(models, "defect-classifier")
+    shipped = load_model_config(models / "defect-classifier" / "model.toml")
+    assert shipped.input.scaled_decode  # the shipped model decodes JPEGs scaled
+    root = peers.decode_copy(models, "defect-classifier", scaled=scaled)
     assert [p.name for p in root.iterdir()] == ["defect-classifier"]
-    scaled = load_model_config(root / "defect-classifier" / "model.toml")
-    full = load_model_config(models / "defect-classifier" / "model.toml")
-    assert scaled.input.scaled_decode and not full.input.scaled_decode
-    assert scaled.model_dump(exclude={"input"}) == full.model_dump(exclude={"input"})
+    copy = load_model_config(root / "defect-classifier" / "model.toml")
+    assert copy.input.scaled_decode is scaled
+    assert copy.model_dump(exclude={"input"}) == shipped.model_dump(exclude={"input"})
+    assert copy.input.model_dump(exclude={"scaled_decode"}) == \
+        shipped.input.model_dump(exclude={"scaled_decode"})
     assert (root / "defect-classifier" / "1" / "model.onnx").resolve() == \
         (models / "defect-classifier" / "1" / "model.onnx").resolve()
-    assert peers.scaled_copy(models, "defect-classifier") == root  # made again over the old one
-    with pytest.raises(SystemExit, match="already sets scaled_decode"):
-        peers.scaled_copy(root, "defect-classifier")
+    assert peers.decode_copy(models, "defect-classifier", scaled=scaled) == root  # made again
+    # a model.toml without the field gets it
+    bare = tmp_path / "bare" / "m"
+    bare.mkdir(parents=True)
+    text = (models / "defect-classifier" / "model.toml").read_text()
+    (bare / "model.toml").write_text(
+        "\n".join(line for line in text.splitlines() if not line.startswith("scaled_decode")))
+    (bare / "1").symlink_to((models / "defect-classifier" / "1").resolve())
+    again = peers.decode_copy(bare.parent, "m", scaled=scaled)
+    assert load_model_config(again / "m" / "model.toml").input.scaled_decode is scaled

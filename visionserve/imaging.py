@@ -168,7 +168,7 @@ def _dimensions(kind: Kind, data: bytes) -> tuple[int, int]:
 
 
 # JPEG start-of-frame markers carry the dimensions (C4, C8 and CC are not frames).
-_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+SOF_MARKERS = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
 
 
 def _jpeg_dimensions(data: bytes) -> tuple[int, int]:
@@ -186,8 +186,11 @@ def _jpeg_dimensions(data: bytes) -> tuple[int, int]:
         (length,) = struct.unpack(">H", data[i + 2:i + 4])
         if length < 2:
             raise InvalidInput("corrupt JPEG: bad segment length")
-        if marker in _SOF:
-            h, w = struct.unpack(">HH", data[i + 5:i + 9])
+        if marker in SOF_MARKERS:
+            precision, h, w = struct.unpack(">BHH", data[i + 4:i + 9])
+            if precision != 8:  # 12-bit (and lossless 16-bit) JPEGs: OpenCV returns nothing
+                raise InvalidInput(f"a {precision}-bit JPEG: JPEGs of 8 bits per sample are "
+                                   "decoded; convert it, or send PNG")
             return w, h
         if marker == 0xDA:
             break

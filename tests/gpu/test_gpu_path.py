@@ -208,18 +208,6 @@ def test_gpu_and_cpu_paths_give_the_same_verdicts(repo, config, kinds, scaled):
             assert (a.label, va) == (b.label, vb)
 
 
-def _corrupt_jpeg() -> bytes:
-    import cv2
-
-    ok, buf = cv2.imencode(".jpg", _scenes(1, 64, 64)[0])
-    b = bytearray(buf.tobytes())
-    i = 2
-    while b[i + 1] != 0xC0:
-        i += 2 + int.from_bytes(b[i + 2:i + 4], "big")
-    b[i + 11] = 0  # zero sampling factor: libjpeg and nvJPEG both refuse it
-    return bytes(b)
-
-
 def test_corrupt_jpeg_fails_alone_on_the_gpu(repo, config):
     """nvJPEG rejects the batch; per-image decoding finds the bad frame, OpenCV confirms it is
     bad, and only that frame gets InvalidInput (400), like on the CPU path."""
@@ -227,16 +215,39 @@ def test_corrupt_jpeg_fails_alone_on_the_gpu(repo, config):
     from visionserve.errors import InvalidInput
     from visionserve.gpu.preprocess import TorchPreprocessor
 
+    from tests.tools import jpegs
+
     gpu, _ = _backends(repo, config)
     prep = TorchPreprocessor.for_config(config, device="cuda:0", dtype=gpu.input_dtype, stream=gpu.stream)
     frames = _frames(("jpeg",), 4)
-    frames.insert(2, imaging.encoded_frame(_corrupt_jpeg()))
+    frames.insert(2, imaging.encoded_frame(jpegs.corrupt(_scenes(1, 64, 64)[0])))
     t, good, bad = prep.prepare(frames, 8)
     assert good == [0, 1, 3, 4] and [i for i, _ in bad] == [2]
     assert isinstance(bad[0][1], InvalidInput)
     _, good_c, bad_c = imaging.prepare_batch(frames, config.input, 8)
     assert good_c == good and [i for i, _ in bad_c] == [2]
     assert np.isfinite(gpu.run(t)["output0"]).all()
+
+
+@pytest.mark.parametrize("kind", ["progressive", "cmyk", "12-bit", "corrupt"])
+def test_a_jpeg_nvjpeg_rejects_goes_to_the_next_decoder_or_fails_alone(kind, record_property):
+    """In a batch of good JPEGs: a progressive JPEG is decoded (by nvJPEG, or by the CPU after
+    nvJPEG refused it) with the CPU path's pixels; a CMYK one goes to the CPU decoder; 12-bit and
+    corrupt ones fail alone with 400 after both decoders refused them. Which decoder took what
+    is in junit.xml (property ``decoders``)."""
+    import torch
+
+    from tests.tools import jpegs
+    from visionserve.config import InputSpec
+    from visionserve.gpu.preprocess import TorchPreprocessor
+
+    prep = TorchPreprocessor(InputSpec(width=64, height=64), device="cuda:0", dtype=torch.float32,
+                             max_batch=4)
+    counts = jpegs.check_odd_jpeg_in_a_batch(prep, kind)
+    record_property("decoders", counts)
+    assert counts["nvjpeg"] >= 3  # the good frames
+    assert counts["cpu_decoded"] == (1 if kind == "cmyk" else 0) or \
+        (kind == "progressive" and counts["fallback"] == counts["cpu_decoded"] == 1)
 
 
 def _engine(repo: Path, budget: str | None):

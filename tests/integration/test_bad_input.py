@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 from conftest import start_server
 
+from tests.tools import jpegs
+
 LABELS = ["ok", "dent", "scratch"]
 
 
@@ -100,6 +102,8 @@ def inspect_cases(jpeg: bytes) -> list:
         ("png-400000x2", "", png_header(400000, 2) + b"\x00" * 100, {"Content-Type": "image/png"}, 400,
          "aspect ratio"),
         ("jpeg-sent-as-png", "", jpeg, {"Content-Type": "image/png"}, 400, "content type says PNG"),
+        ("jpeg-12-bit", "", jpegs.twelve_bit(), {"Content-Type": "image/jpeg"}, 400,
+         "a 12-bit JPEG: JPEGs of 8 bits per sample are decoded"),
         ("raw-wrong-shape", "", RAW, {"Content-Type": "application/octet-stream", "X-Image-Shape": "10x10x3"},
          400, r"holds 3072 bytes but its shape 10x10x3 needs 300"),
         ("raw-bad-shape-text", "", RAW, {"Content-Type": "application/octet-stream",

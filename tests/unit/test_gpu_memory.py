@@ -326,30 +326,17 @@ def test_nhwc_uint8_layout():
     assert np.abs(t.numpy().astype(int) - ref.astype(int)).max() <= 1
 
 
-def _corrupt_jpeg() -> bytes:
-    """Passes the header check, but its frame header has a zero sampling factor: every decoder
-    (libjpeg, nvJPEG) refuses it."""
-    import cv2
-
-    _, buf = cv2.imencode(".jpg", _scene(64, 64, 3))
-    b = bytearray(buf.tobytes())
-    i = 2
-    while b[i + 1] != 0xC0:
-        i += 2 + int.from_bytes(b[i + 2:i + 4], "big")
-    b[i + 11] = 0
-    return bytes(b)
-
-
 def test_corrupt_jpeg_fails_only_its_frame(jpeg_bytes):
     import torch
 
+    from tests.tools import jpegs
     from visionserve import imaging
     from visionserve.config import InputSpec
     from visionserve.gpu.preprocess import TorchPreprocessor
 
     spec = InputSpec(width=64, height=64)
     good_f = imaging.encoded_frame(jpeg_bytes)
-    bad_f = imaging.encoded_frame(_corrupt_jpeg())
+    bad_f = imaging.encoded_frame(jpegs.corrupt(_scene(64, 64, 3)))
     prep = TorchPreprocessor(spec, device="cpu", dtype=torch.float32, max_batch=4)
     t, good, bad = prep.prepare([good_f, bad_f, good_f], 4)
     assert good == [0, 2] and [i for i, _ in bad] == [1]
@@ -361,8 +348,26 @@ def test_corrupt_jpeg_fails_only_its_frame(jpeg_bytes):
     assert levels.mean() < 1.0  # two JPEG decoders (libjpeg builds), area resize: near-identical
 
 
-def test_exif_rotation_detected():
-    from visionserve.gpu.preprocess import exif_rotated
+@pytest.mark.parametrize("kind", ["progressive", "cmyk", "12-bit", "corrupt"])
+def test_a_jpeg_a_decoder_rejects_goes_to_the_next_or_fails_alone(kind):
+    """torchvision's decoder (here on the CPU; nvJPEG in tests/gpu) against the CPU path:
+    progressive and CMYK JPEGs are decoded with the CPU path's pixels, 12-bit and corrupt ones
+    fail alone with 400, and the batch's other frames are served."""
+    import torch
+
+    from tests.tools import jpegs
+    from visionserve.config import InputSpec
+    from visionserve.gpu.preprocess import TorchPreprocessor
+
+    prep = TorchPreprocessor(InputSpec(width=64, height=64), device="cpu", dtype=torch.float32,
+                             max_batch=4)
+    counts = jpegs.check_odd_jpeg_in_a_batch(prep, kind)
+    assert counts["cpu_decoded"] == (1 if kind == "cmyk" else 0)  # CMYK: the host decodes it
+
+
+def test_rotated_and_cmyk_jpegs_are_decoded_on_the_host():
+    from tests.tools import jpegs
+    from visionserve.gpu.preprocess import host_decoded
 
     def jpeg_with_orientation(o: int, endian: str = "<") -> bytes:
         import struct
@@ -373,10 +378,17 @@ def test_exif_rotation_detected():
         app1 = b"Exif\0\0" + tiff
         return b"\xff\xd8" + b"\xff\xe1" + struct.pack(">H", len(app1) + 2) + app1 + b"\xff\xda\x00\x02"
 
-    assert exif_rotated(jpeg_with_orientation(6))
-    assert exif_rotated(jpeg_with_orientation(3, ">"))
-    assert not exif_rotated(jpeg_with_orientation(1))
-    assert not exif_rotated(b"\xff\xd8\xff\xe0\x00\x04ab\xff\xda\x00\x02")
+    assert host_decoded(jpeg_with_orientation(6))
+    assert host_decoded(jpeg_with_orientation(3, ">"))
+    assert not host_decoded(jpeg_with_orientation(1))
+    assert not host_decoded(b"\xff\xd8\xff\xe0\x00\x04ab\xff\xda\x00\x02")
+    picture = np.full((24, 40, 3), (30, 140, 220), np.uint8)
+    assert host_decoded(jpegs.cmyk(picture))  # 4 components
+    assert not host_decoded(jpegs.progressive(picture))  # nvJPEG's, falling back per frame
+    import cv2
+
+    ok, grey = cv2.imencode(".jpg", picture[:, :, 0])
+    assert not host_decoded(grey.tobytes())
 
 
 def test_axis_weights_are_normalised_and_exact_for_integer_area():

@@ -57,6 +57,23 @@ def test_jpeg_header_read_from_the_sof_not_the_thumbnail(jpeg_bytes):
     assert (f.width, f.height) == (640, 480)
 
 
+def test_a_12_bit_jpeg_is_refused_at_the_door_with_the_reason():
+    from tests.tools import jpegs
+
+    with pytest.raises(InvalidInput, match="a 12-bit JPEG: JPEGs of 8 bits per sample"):
+        imaging.encoded_frame(jpegs.twelve_bit())
+
+
+def test_progressive_and_cmyk_jpegs_decode_to_the_pictures_colours():
+    from tests.tools import jpegs
+
+    picture = jpegs.scene(96, 128)
+    for data in (jpegs.progressive(picture), jpegs.cmyk(picture)):
+        px = imaging.decode(imaging.encoded_frame(data), 3)
+        assert px.shape == picture.shape
+        assert np.abs(px.astype(np.int16) - picture).mean() < 4  # JPEG's loss, colours right
+
+
 def test_png_dimensions_from_ihdr(picture):
     f = imaging.encoded_frame(encode(".png", picture))
     assert (f.kind, f.width, f.height) == ("png", 123, 45)

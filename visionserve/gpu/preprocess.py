@@ -37,7 +37,7 @@ import numpy as np
 from .. import imaging
 from ..config import InputSpec, ModelConfig
 from ..errors import InvalidInput, VisionServeError
-from ..imaging import Frame, geometry
+from ..imaging import SOF_MARKERS, Frame, geometry
 from .memory import DEFAULT_STAGE_FRAME_BYTES, PinnedPool, shared_pool, stage_slot_bytes
 
 log = logging.getLogger(__name__)
@@ -121,16 +121,22 @@ def resize_modes(interp: str, in_hw: tuple[int, int], out_hw: tuple[int, int]) -
 
 # --- EXIF orientation (OpenCV applies it, nvJPEG does not) -----------------------------------
 
-def exif_rotated(data: bytes) -> bool:
-    """True if the JPEG's EXIF says the image must be rotated/flipped (orientation != 1)."""
+def host_decoded(data: bytes) -> bool:
+    """True for a JPEG that the CPU decodes, not nvJPEG: one whose EXIF says the image must be
+    rotated or flipped (orientation != 1; nvJPEG ignores it), or one of other than 1 or 3
+    components (CMYK, YCCK: OpenCV undoes Adobe's inverted CMYK, and the CPU path's colours are
+    the reference)."""
     i, n = 2, min(len(data), 1 << 16)
     while i + 4 <= n and data[i] == 0xFF:
         marker = data[i + 1]
         if marker == 0xDA:  # start of scan: no more headers
             return False
         (length,) = struct.unpack(">H", data[i + 2:i + 4])
-        if marker == 0xE1 and data[i + 4:i + 10] == b"Exif\x00\x00":
-            return _tiff_orientation(data[i + 10:i + 2 + length]) not in (None, 1)
+        if marker == 0xE1 and data[i + 4:i + 10] == b"Exif\x00\x00" \
+                and _tiff_orientation(data[i + 10:i + 2 + length]) not in (None, 1):
+            return True
+        if marker in SOF_MARKERS and i + 9 < n and data[i + 9] not in (1, 3):
+            return True
         i += 2 + length
     return False
 
@@ -261,7 +267,7 @@ class TorchPreprocessor:
                 skip.add(i)
         jpegs = [i for i, f in enumerate(frames)
                  if f.kind == "jpeg" and i not in skip
-                 and not exif_rotated(cast(bytes, f.data))]  # a JPEG frame is its bytes
+                 and not host_decoded(cast(bytes, f.data))]  # a JPEG frame is its bytes
         for i, img in self._nvjpeg(frames, jpegs).items():
             if img is None:
                 self.counts["fallback"] += 1

@@ -122,7 +122,7 @@ class InputSpec(_Strict):
         "shipped model; its scores moved by 0.036 at p99 (0.083 at most) on the held-out set "
         "(docs/benchmarks.md), so a near tie can flip. Only with `area`, "
         "and only for frames whose sides divide by the scale, so the geometry is the full "
-        "frame's. The GPU path always decodes in full. The shipped model turns it on.")
+        "frame's. The GPU path always decodes in full.")
     pad_value: int = Field(114, ge=0, le=255, description="Grey level for letterbox padding.")
     layout: Literal["NCHW", "NHWC"] = Field("NCHW", description="Tensor layout the model takes.")
     dtype: Literal["float32", "float16", "uint8"] = Field(

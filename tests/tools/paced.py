@@ -116,6 +116,17 @@ class PacedLoad:
         lat = [a.latency_ms for a in self.answers if start <= a.sent <= end]
         return float(np.percentile(lat, 99))
 
+    def record(self, record_property, steady_end: float, start: float, end: float,
+               during: str) -> tuple[float, float]:
+        """p99 of the steady window (up to ``steady_end``) and of [``start``, ``end``], written as
+        junit properties ``p99_steady_ms`` and ``p99_<during>_ms`` with the slowest answers: a
+        benchmark figure the changeover tests record and do not assert (docs/benchmarks.md)."""
+        steady, changing = self.p99_ms(end=steady_end), self.p99_ms(start, end)
+        record_property("p99_steady_ms", round(steady, 1))
+        record_property(f"p99_{during}_ms", round(changing, 1))
+        record_property("slowest", repr(self.slowest()))
+        return steady, changing
+
     def slowest(self, n: int = 5) -> list[tuple[str, float, dict]]:
         """For a failure message: the slowest answers, when they were sent, and the server's
         own timing of them (a client-side stall shows as a long latency with a short

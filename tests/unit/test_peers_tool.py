@@ -22,6 +22,7 @@ def test_the_decode_targets_serve_the_model_with_that_decoding(tmp_path, monkeyp
     spec.loader.exec_module(peers)
     models = REPO / "models"
     shipped = load_model_config(models / "defect-classifier" / "model.toml")
+    assert not shipped.input.scaled_decode  # the shipped model decodes JPEGs in full
     root = peers.decode_copy(models, "defect-classifier", scaled=scaled)
     assert [p.name for p in root.iterdir()] == ["defect-classifier"]
     copy = load_model_config(root / "defect-classifier" / "model.toml")

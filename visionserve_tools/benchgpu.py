@@ -299,11 +299,25 @@ class Server:
         self._log.close()
 
 
+def _request(model: str, jpeg: bytes, protocol: str) -> tuple[str, bytes, dict[str, str]]:
+    """``(path, body, headers)`` of one frame's request: the inspect API, or OIP v2 HTTP with the
+    frame as a binary BYTES tensor (Triton's protocol, for peers that speak only that)."""
+    if protocol == "oip":
+        from visionserve_tools.benchclient.wire import oip_body
+
+        header, blob = oip_body(jpeg, None)
+        return (f"/v2/models/{model}/infer", header + blob,
+                {"Content-Type": "application/octet-stream",
+                 "Inference-Header-Content-Length": str(len(header))})
+    return f"/v1/models/{model}/inspect", jpeg, {"Content-Type": "image/jpeg"}
+
+
 def _client(args) -> dict:
     """One client process: ``threads`` closed-loop senders for ``duration`` seconds."""
     import threading
 
-    port, model, jpegs, duration, threads = args
+    port, model, jpegs, duration, threads, protocol = args
+    requests = [_request(model, j, protocol) for j in jpegs]
     lat: list[float] = []
     errors = [0]
     batch_sizes: list[int] = []
@@ -315,12 +329,11 @@ def _client(args) -> dict:
         i = k
         mine, sizes, errs = [], [], 0
         while time.perf_counter() < end:
-            body = jpegs[i % len(jpegs)]
+            path, body, headers = requests[i % len(requests)]
             i += 1
             t0 = time.perf_counter()
             try:
-                conn.request("POST", f"/v1/models/{model}/inspect", body=body,
-                             headers={"Content-Type": "image/jpeg"})
+                conn.request("POST", path, body=body, headers=headers)
                 r = conn.getresponse()
                 data = r.read()
             except (OSError, http.client.HTTPException):
@@ -332,7 +345,8 @@ def _client(args) -> dict:
                 errs += 1
                 continue
             mine.append((time.perf_counter() - t0) * 1000)
-            sizes.append(json.loads(data)["batch_size"])
+            if protocol == "inspect":
+                sizes.append(json.loads(data)["batch_size"])
         with lock:
             lat.extend(mine)
             batch_sizes.extend(sizes)
@@ -346,12 +360,15 @@ def _client(args) -> dict:
     return {"lat": lat, "errors": errors[0], "batch_sizes": batch_sizes}
 
 
-def load(server: Server, model: str, jpegs: list[bytes], processes: int, threads: int,
-         duration: float) -> dict:
+def load(server, model: str, jpegs: list[bytes], processes: int, threads: int,
+         duration: float, protocol: str = "inspect") -> dict:
+    """Closed loop: ``processes`` x ``threads`` senders for ``duration`` s against ``server``
+    (anything with a ``port`` on 127.0.0.1)."""
     ctx = mp.get_context("spawn")
     t0 = time.perf_counter()
     with ctx.Pool(processes) as pool:
-        parts = pool.map(_client, [(server.port, model, jpegs, duration, threads)] * processes)
+        parts = pool.map(_client, [(server.port, model, jpegs, duration, threads, protocol)]
+                         * processes)
     wall = time.perf_counter() - t0
     lat = sorted(x for p in parts for x in p["lat"])
     sizes = [x for p in parts for x in p["batch_sizes"]]
@@ -364,7 +381,7 @@ def load(server: Server, model: str, jpegs: list[bytes], processes: int, threads
             "errors": sum(p["errors"] for p in parts),
             "throughput_per_s": round(len(lat) / duration, 1), "wall_s": round(wall, 1),
             "p50_ms": q(0.5), "p90_ms": q(0.9), "p99_ms": q(0.99), "max_ms": round(lat[-1], 3),
-            "mean_batch_size": round(statistics.fmean(sizes), 2)}
+            "mean_batch_size": round(statistics.fmean(sizes), 2) if sizes else None}
 
 
 def model_bench_start(prog: str, doc: str | None, argv: list[str] | None, frontends: int,

@@ -1,4 +1,5 @@
-"""Peer (a): what one would write by hand -- FastAPI + onnxruntime, one request, one inference.
+"""Peer (a): what one would write by hand -- FastAPI + onnxruntime (or, with ``--device cuda``,
+torch on the GPU with nvJPEG: ``common.load_torch``), one request, one inference.
 
 A plain synchronous endpoint (FastAPI runs it in its thread pool), the same inspect URL, headers
 and answer as visionserve, no batching, no deadline scheduling.
@@ -21,8 +22,8 @@ import uvicorn  # noqa: E402
 from fastapi import Body, FastAPI, Header, HTTPException, Response  # noqa: E402
 
 
-def build(models: Path, name: str) -> FastAPI:
-    model = common.load(models, name)
+def build(models: Path, name: str, device: str = "cpu") -> FastAPI:
+    model = common.load_for(device, models, name)
     app = FastAPI()
 
     @app.get("/v2/health/ready")
@@ -36,7 +37,7 @@ def build(models: Path, name: str) -> FastAPI:
         if model_name != name:
             raise HTTPException(404, f"unknown model {model_name!r}")
         try:
-            x = model.preprocess(body)[None]
+            x = model.prepare([body])
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from None
         scores = model.run(x)
@@ -53,8 +54,9 @@ def main() -> None:
     p.add_argument("--models", type=Path, required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda for the torch model on the GPU")
     a = p.parse_args()
-    uvicorn.run(build(a.models, a.model), host="127.0.0.1", port=a.port, log_level="warning")
+    uvicorn.run(build(a.models, a.model, a.device), host="127.0.0.1", port=a.port, log_level="warning")
 
 
 if __name__ == "__main__":

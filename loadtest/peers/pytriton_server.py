@@ -1,8 +1,9 @@
 """Peer (c): NVIDIA Triton (2.51, bundled by nvidia-pytriton 0.7.0) with its dynamic batcher.
 
 Triton's OIP v2 HTTP/gRPC front end and dynamic batcher; the model is a pytriton Python callable
-that decodes, resizes and normalises each frame of the batch, runs the ONNX model once and
-applies softmax -- the same work as visionserve. Input ``image`` BYTES [N,1], outputs ``scores``
+that decodes, resizes and normalises each frame of the batch, runs the model once and applies
+softmax -- the same work as visionserve. ``--device cuda``: nvJPEG and the model's ``.pt2`` in
+fp16 on the GPU (``common.load_torch``); the default: OpenCV and onnxruntime on the CPU. Input ``image`` BYTES [N,1], outputs ``scores``
 FP32 [N,labels], ``label`` and ``verdict`` BYTES [N,1] (``visionserve bench --protocol oip``).
 
 Run it through ``run_peers.py`` (it sets LD_LIBRARY_PATH so that Triton's Python-backend stub
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -24,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 import numpy as np  # noqa: E402
+import pytriton  # noqa: E402
 from pytriton.decorators import batch  # noqa: E402
 from pytriton.model_config import DynamicBatcher, ModelConfig, QueuePolicy, Tensor  # noqa: E402
 from pytriton.triton import Triton, TritonConfig, TritonSecurityConfig  # noqa: E402
@@ -38,6 +41,7 @@ def main() -> None:
     p.add_argument("--metrics-port", type=int, default=8302)
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--max-queue-delay-us", type=int, default=2000)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda for the torch model on the GPU")
     a = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     # pytriton shuts Triton down cleanly on KeyboardInterrupt only. A process started in the
@@ -45,11 +49,17 @@ def main() -> None:
     # SIGTERM into the same KeyboardInterrupt.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: signal.default_int_handler(signal.SIGINT, None))
-    model = common.load(a.models, a.model)
+    model = common.load_for(a.device, a.models, a.model)
+    # pytriton looks for Triton's bundled libraries beside a site-packages folder only; installed
+    # with ``pip --target`` (as on the GPU machine) they are beside the package all the same
+    libs = Path(pytriton.__file__).resolve().parents[1] / "nvidia_pytriton.libs"
+    if libs.is_dir():
+        os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(
+            p for p in (str(libs), os.environ.get("LD_LIBRARY_PATH")) if p)
 
     @batch
     def infer(image: np.ndarray) -> dict[str, np.ndarray]:
-        tensor = np.stack([model.preprocess(bytes(x[0])) for x in image])
+        tensor = model.prepare([bytes(x[0]) for x in image])
         scores = model.run(tensor)
         v = model.verdicts(scores)
         return {"scores": scores.astype(np.float32),

@@ -10,6 +10,10 @@
 #                 (python -m visionserve_tools.benchswap, up to SWAP_T s (240)); with SWAP=ab
 #                 twice, swap-inprocess.* with the program read in the serving process
 #                 (VISIONSERVE_ISOLATED_LOADS=false), then swap.* as shipped
+#   peers.json / peers.txt / peerslog/  with PEERS=1: visionserve beside Triton (pytriton) and a naive
+#                 FastAPI + torch server, same model, JPEGs and generator (loadtest/peers/run_peers_gpu.py,
+#                 up to PEERS_T s (540)); pytriton's wheels (and numpy 1.26, which it needs) in
+#                 .whl-peers/ go into a venv at /tmp/ptv that sees this Python's packages
 #   guard.json / guard.txt  with GUARD_ARGS set (e.g. GUARD_ARGS="--latency-budget-ms 20"): the
 #                 guard's acceptance run (python -m visionserve_tools.benchguard), up to GUARD_T s (300)
 # SKIP_TESTS=1 / SKIP_BENCH=1 leave those parts out (one call may run 10 minutes at most: the
@@ -74,6 +78,25 @@ if [ -n "${SWAP:-}" ]; then  # model swaps under load (issue 21), about 2.5 minu
     ${SWAP_ARGS:-} >"$OUT/swap.txt" 2>&1
   echo "benchswap exit $?" >>"$OUT/swap.txt"
   tail -n 20 "$OUT/swap.txt"
+fi
+
+if [ -n "${PEERS:-}" ]; then  # GPU peers side by side (issue 19), about 5 minutes
+  {
+    python3 -m venv --without-pip --clear /tmp/ptv
+    ptsite=$(/tmp/ptv/bin/python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$ptsite" \
+      .whl-peers/*.whl
+    # after the venv's own numpy 1.26: the server wheels, then this Python's packages (torch)
+    { [ -d /tmp/site ] && echo /tmp/site
+      python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; } >"$ptsite/zz_base.pth"
+    /tmp/ptv/bin/python3 -c 'import numpy, torch, pytriton, sysconfig, glob
+print("peer venv: numpy", numpy.__version__, "torch", torch.__version__,
+      "libpython", glob.glob(sysconfig.get_config_var("LIBDIR") + "/libpython3*"))'
+  } >"$OUT/peers.txt" 2>&1
+  timeout ${PEERS_T:-540} python3 loadtest/peers/run_peers_gpu.py --out "$OUT/peers.json" \
+    --log-dir "$OUT/peerslog" --triton-python /tmp/ptv/bin/python3 ${PEERS_ARGS:-} >>"$OUT/peers.txt" 2>&1
+  echo "run_peers_gpu exit $?" >>"$OUT/peers.txt"
+  tail -n 40 "$OUT/peers.txt"
 fi
 
 if [ -n "${GUARD_ARGS+x}" ]; then

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from visionserve.config import load_model_config
@@ -42,3 +43,35 @@ def test_the_decode_targets_serve_the_model_with_that_decoding(tmp_path, monkeyp
     (bare / "1").symlink_to((models / "defect-classifier" / "1").resolve())
     again = peers.decode_copy(bare.parent, "m", scaled=scaled)
     assert load_model_config(again / "m" / "model.toml").input.scaled_decode is scaled
+
+
+def test_the_gpu_peers_torch_model_gives_the_verdicts_of_the_onnx_peer(tmp_path):
+    """loadtest/peers/common.py's torch model (the GPU peers': nvJPEG decode, resize and
+    normalise on the device, the .pt2 in fp16) does the work of the CPU peers' onnxruntime model
+    on the same network: the same labels, scores within fp16's reach; a bad JPEG is a
+    ValueError. On the CPU here (torchvision decodes there too); on the GPU machine in
+    loadtest/peers/run_peers_gpu.py."""
+    import sys
+
+    import cv2
+    import torch
+
+    from tests.unit.test_torch_backend import export_both
+
+    export_both(tmp_path / "tiny")
+    sys.path.insert(0, str(REPO / "loadtest" / "peers"))
+    try:
+        import common
+    finally:
+        sys.path.remove(str(REPO / "loadtest" / "peers"))
+    rng = np.random.default_rng(3)
+    frames = [cv2.imencode(".jpg", rng.integers(0, 255, shape, np.uint8))[1].tobytes()
+              for shape in [(48, 64, 3)] * 4 + [(40, 40, 3)] * 2]  # two sizes in one batch
+    onnx, torch_model = common.load(tmp_path, "tiny"), common.load_torch(tmp_path, "tiny", "cpu")
+    x = torch_model.prepare(frames)
+    assert tuple(x.shape) == (6, 3, 32, 32) and x.dtype == torch.float16
+    expected, got = onnx.run(onnx.prepare(frames)), torch_model.run(x)
+    assert np.abs(expected - got).max() < 0.02
+    assert [v[:2] for v in torch_model.verdicts(got)] == [v[:2] for v in onnx.verdicts(expected)]
+    with pytest.raises(ValueError, match="cannot decode"):
+        torch_model.prepare([frames[0], b"not a jpeg"])

@@ -13,7 +13,8 @@
 #   peers.json / peers.txt / peerslog/  with PEERS=1: visionserve beside Triton (pytriton) and a naive
 #                 FastAPI + torch server, same model, JPEGs and generator (loadtest/peers/run_peers_gpu.py,
 #                 up to PEERS_T s (540)); pytriton's wheels (and numpy 1.26, which it needs) in
-#                 .whl-peers/ go into a venv at /tmp/ptv that sees this Python's packages
+#                 .whl-peers/ go into a venv at /tmp/ptv that sees this Python's packages.
+#                 tests/gpu/peers_wheels.sh fetches them and says how to carry them
 #   guard.json / guard.txt  with GUARD_ARGS set (e.g. GUARD_ARGS="--latency-budget-ms 20"): the
 #                 guard's acceptance run (python -m visionserve_tools.benchguard), up to GUARD_T s (300)
 # SKIP_TESTS=1 / SKIP_BENCH=1 leave those parts out (one call may run 10 minutes at most: the

@@ -3,8 +3,8 @@
 Triton's OIP v2 HTTP/gRPC front end and dynamic batcher; the model is a pytriton Python callable
 that decodes, resizes and normalises each frame of the batch, runs the model once and applies
 softmax -- the same work as visionserve. ``--device cuda``: nvJPEG and the model's ``.pt2`` in
-fp16 on the GPU (``common.load_torch``); the default: OpenCV and onnxruntime on the CPU. Input ``image`` BYTES [N,1], outputs ``scores``
-FP32 [N,labels], ``label`` and ``verdict`` BYTES [N,1] (``visionserve bench --protocol oip``).
+fp16 on the GPU (``common.load_torch``); the default: OpenCV and onnxruntime on the CPU.
+Input ``image`` BYTES [N,1], outputs ``scores`` FP32 [N,labels], ``label`` and ``verdict`` BYTES [N,1] (``visionserve bench --protocol oip``).
 
 Run it through ``run_peers.py`` (it sets LD_LIBRARY_PATH so that Triton's Python-backend stub
 loads this venv's own libpython first; without that models fail with an ``_thread.RLock``
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
@@ -26,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 import numpy as np  # noqa: E402
-import pytriton  # noqa: E402
 from pytriton.decorators import batch  # noqa: E402
 from pytriton.model_config import DynamicBatcher, ModelConfig, QueuePolicy, Tensor  # noqa: E402
 from pytriton.triton import Triton, TritonConfig, TritonSecurityConfig  # noqa: E402
@@ -50,12 +48,6 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: signal.default_int_handler(signal.SIGINT, None))
     model = common.load_for(a.device, a.models, a.model)
-    # pytriton looks for Triton's bundled libraries beside a site-packages folder only; installed
-    # with ``pip --target`` (as on the GPU machine) they are beside the package all the same
-    libs = Path(pytriton.__file__).resolve().parents[1] / "nvidia_pytriton.libs"
-    if libs.is_dir():
-        os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(
-            p for p in (str(libs), os.environ.get("LD_LIBRARY_PATH")) if p)
 
     @batch
     def infer(image: np.ndarray) -> dict[str, np.ndarray]:

@@ -56,7 +56,11 @@ def free_port() -> int:
 
 
 class Target:
-    def __init__(self, name: str, args: argparse.Namespace, logdir: Path) -> None:
+    """One server of ``TARGETS``, started. A peer runs its venv's Python, or ``python`` where given
+    (the GPU machine, run_peers_gpu.py), with ``--device`` where it is not the CPU."""
+
+    def __init__(self, name: str, args: argparse.Namespace, logdir: Path, *, device: str = "cpu",
+                 python: str | None = None) -> None:
         self.name = name
         venv, self.protocol, self.description = TARGETS[name]
         self.port = free_port()
@@ -71,10 +75,11 @@ class Target:
                    "--http-port", str(self.port), "--grpc-port", "-1", "--device", "cpu", "--log-level", "warning"]
             self.ready_url = self.url + "/v2/health/ready"
         else:
-            py = str(WORK / venv / "bin" / "python")
+            py = python or str(WORK / venv / "bin" / "python")
+            on = [] if device == "cpu" else ["--device", device]
             if name == "naive":
                 cmd = [py, str(PEERS / "naive_server.py"), "--models", models, "--model", model,
-                       "--port", str(self.port)]
+                       "--port", str(self.port), *on]
                 self.ready_url = self.url + "/v2/health/ready"
             elif name == "litserve":
                 cmd = [py, str(PEERS / "litserve_server.py"), "--models", models, "--model", model,
@@ -87,7 +92,7 @@ class Target:
                 env["LD_LIBRARY_PATH"] = libdir + os.pathsep + env.get("LD_LIBRARY_PATH", "")
                 cmd = [py, str(PEERS / "pytriton_server.py"), "--models", models, "--model", model,
                        "--http-port", str(self.port), "--grpc-port", str(self.grpc_port),
-                       "--metrics-port", str(free_port())]
+                       "--metrics-port", str(free_port()), *on]
                 self.ready_url = f"{self.url}/v2/models/{model}/ready"
         self.log_path = logdir / f"{name}.log"
         self._log = open(self.log_path, "wb")

@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +39,7 @@ ROOT = PEERS.parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(PEERS))
 
-from run_peers import Target, free_port
+from run_peers import Target
 
 from visionserve_tools import benchgpu
 from visionserve_tools.benchclient import report
@@ -53,38 +51,6 @@ TARGETS = {
     "naive": "inspect",
 }
 MODEL = "rn50"
-
-
-class GpuTarget(Target):
-    """A peer server started with this Python (no venv) on the GPU; ``Target``'s readiness wait
-    and its stop (SIGINT, then the process group)."""
-
-    def __init__(self, name: str, models: Path, logdir: Path, device: str,
-                 triton_python: str) -> None:
-        self.name = name
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ)
-        if name == "naive":
-            cmd = [sys.executable, str(PEERS / "naive_server.py"), "--models", str(models),
-                   "--model", MODEL, "--port", str(self.port), "--device", device]
-            self.ready_url = self.url + "/v2/health/ready"
-        elif name == "triton":
-            # Triton's Python-backend stub must load that Python's own libpython first
-            where = "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))"
-            libdir = subprocess.run([triton_python, "-c", where], capture_output=True, text=True,
-                                    check=True).stdout.strip()
-            env["LD_LIBRARY_PATH"] = libdir + os.pathsep + env.get("LD_LIBRARY_PATH", "")
-            cmd = [triton_python, str(PEERS / "pytriton_server.py"), "--models", str(models),
-                   "--model", MODEL, "--http-port", str(self.port), "--grpc-port", str(free_port()),
-                   "--metrics-port", str(free_port()), "--device", device]
-            self.ready_url = f"{self.url}/v2/models/{MODEL}/ready"
-        else:
-            raise ValueError(name)
-        self.log_path = logdir / f"{name}.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 -- closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     cwd=str(ROOT), start_new_session=True)
 
 
 def measure(server, protocols: list[str], jpegs: list[bytes], args) -> dict[str, dict]:
@@ -166,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
             save()
         for name in [n for n in names if not n.startswith("visionserve")]:
             benchgpu.log(name)
-            t = GpuTarget(name, models, log_dir, args.device, args.triton_python)
+            python = args.triton_python if name == "triton" else sys.executable
+            t = Target(name, argparse.Namespace(models=models, model=MODEL), log_dir,
+                       device=args.device, python=python)
             try:
                 t.wait_ready()
                 res["targets"][name] = measure(t, [TARGETS[name]], jpegs, args)[TARGETS[name]]

@@ -416,6 +416,12 @@ class ServerSettings(BaseSettings):
                     "reading ResNet-50's program in the serving process held frames for up to a "
                     "second (docs/benchmarks.md, model swaps on the H200). Start-up reads in "
                     "the serving process.")
+    gpu_prep_one_call: bool = Field(
+        True,
+        description="On the GPU, prepare a batch of JPEGs of one size (decode, resize, "
+                    "normalise) in one TorchScript call that releases the interpreter once, "
+                    "instead of some 40 torch calls that each wait behind the busy event loop "
+                    "to take it back (docs/gpu.md). Other batches take the eager path.")
     recipes: Path | None = Field(
         None, description="The recipes file: each product variant's model, version and verdict "
                           "settings, and the stations that run them (docs/recipes.md). Default: "

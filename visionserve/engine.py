@@ -340,7 +340,8 @@ class Engine(ModelLookup):
             # budget: planned, checked free (else not ready, the reason logged), allocators capped
             from .gpu.reservation import GpuReservation
 
-            self.gpu = GpuReservation(self.settings.gpu_memory_budget, self.device)
+            self.gpu = GpuReservation(self.settings.gpu_memory_budget, self.device,
+                                      one_call=self.settings.gpu_prep_one_call)
             await self.gpu.reserve([(e.name, effective_config(e.config, self.settings))
                                     for e in entries])
         for entry in entries:

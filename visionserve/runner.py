@@ -187,16 +187,24 @@ class Runner:
             if job is _STOP:
                 return
             _batch, done, items, tensor, t0, prep_s, failed = job
+            # what the batch sends the loop goes in one call_soon_threadsafe: each one writes to
+            # the loop's wake-up socket, and each write gives up the interpreter and waits for it
+            posts: list[tuple[Callable, tuple]] = []
+
+            def post(fn: Callable, *args: Any, posts: list = posts) -> None:
+                posts.append((fn, args))
+
             try:
-                self._compute(items, tensor, t0, prep_s, failed)
+                self._compute(items, tensor, t0, prep_s, failed, post)
             except Exception as exc:  # never let the thread die: the batch fails, runner goes on
                 if device_fault(exc):
                     self._mark_unhealthy(exc)
                 log.exception("compute failed in %s", self.name, extra=batch_ids(items))
                 failure = "the model failed on this batch; see the server log"
-                self._post(_fail_all, [(p, InternalError(failure)) for p in items])
+                post(_fail_all, [(p, InternalError(failure)) for p in items])
             finally:
-                self._post(resolve, done, None)
+                post(resolve, done, None)
+                self._post(_run_posted, posts)
 
     def _mark_unhealthy(self, exc: BaseException) -> None:
         if self.healthy:
@@ -205,7 +213,9 @@ class Runner:
                       "until the server restarts", self.name,
                       str(exc).strip().splitlines()[0][:300])
 
-    def _compute(self, items: list[Pending], tensor, t0: float, prep_s: float, failed: int) -> None:
+    def _compute(self, items: list[Pending], tensor, t0: float, prep_s: float, failed: int,
+                 post: Callable) -> None:
+        """Runs ``items``; what the loop must do with the outcome goes to ``post`` (in order)."""
         now = time.monotonic()
         keep = [i for i, p in enumerate(items) if not p.future.done() and p.deadline > now]
         late = [p for p in items if not p.future.done() and p.deadline <= now]
@@ -234,13 +244,13 @@ class Runner:
         try:
             outputs = self.backend.run(tensor)
         except VisionServeError as exc:
-            self._post(_fail_all, [(p, exc) for p in items])
+            post(_fail_all, [(p, exc) for p in items])
             return
         except Exception as exc:
             if not device_fault(exc):
                 raise
             self._mark_unhealthy(exc)
-            self._post(_fail_all, [(p, Unavailable(
+            post(_fail_all, [(p, Unavailable(
                 f"the GPU failed while running model instance {self.name}; it is out of service"))
                 for p in items])
             return
@@ -275,14 +285,14 @@ class Runner:
         # the batch is recorded before its answers are released (the loop runs posts in order): a
         # client holding its answer must find it counted in /stats, even if this thread is slow
         # to get the GIL back after posting
-        self._post(self.on_batch, BatchRecord(
+        post(self.on_batch, BatchRecord(
             size=n, padded=tensor.shape[0], ok=len(answers), failed=failed,
             late=len(late) + len(too_late),
             queue_s=tuple(p.dispatched - p.arrival for p in items),
             prep_s=prep_s, infer_s=t2 - t1, post_s=t3 - t2))
         if too_late:
-            self._post(_fail_all, too_late)
-        self._post(_answer_all, answers)
+            post(_fail_all, too_late)
+        post(_answer_all, answers)
 
 
 class _Unhealthy(Exception):
@@ -303,6 +313,15 @@ def device_fault(exc: BaseException) -> bool:
         return True
     text = str(exc)
     return "out of memory" not in text and any(k in text for k in _DEVICE_FAULTS)
+
+
+def _run_posted(posts: list[tuple[Callable, tuple]]) -> None:
+    """On the loop: what one batch posted, in order; one failing call does not stop the rest."""
+    for fn, args in posts:
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("answering a batch: %s failed", getattr(fn, "__name__", fn))
 
 
 def _answer_all(answers) -> None:

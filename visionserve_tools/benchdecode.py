@@ -16,7 +16,9 @@ Figures (wall ms per batch of 32 JPEGs, 640x480 and 1080p; medians):
 * ``nvimgcodec_hw``: nvImageCodec with the hardware backend only (the GPU's JPEG engines), where
   ``nvidia-nvimgcodec-cu13`` and ``nvidia-nvjpeg`` are importable;
 * ``prepare``: ``TorchPreprocessor.prepare`` (decode, resize, normalise) of the ResNet-50 bench
-  model's input, and its two halves (decode, assemble);
+  model's input, as served: one TorchScript call (``gpu/onecall.py``);
+* ``prepare_eager``: the same with ``one_call=False`` (some 40 torch calls from Python), and its
+  two halves (decode, assemble);
 * each ``alone``, ``busy_python_thread`` (one more thread spinning in Python, as the event loop
   does under load: a call that holds the interpreter stretches), and ``two_threads`` (batches per
   second of two threads calling at once: whether the decoder runs two batches side by side).
@@ -157,14 +159,18 @@ def main(argv: list[str] | None = None) -> int:
 
                 part["torchvision_nvjpeg"] = measure(tv, args.batch)
                 frames = [imaging.encoded_frame(j) for j in jpegs]
-                prep = TorchPreprocessor.for_config(cfg, device="cuda:0",
-                                                    dtype=backend.input_dtype,
-                                                    stream=backend.stream,
-                                                    channels_last=backend.channels_last)
-                prep.warmup((args.batch,))
+                prep, eager = (TorchPreprocessor.for_config(
+                    cfg, device="cuda:0", dtype=backend.input_dtype, stream=backend.stream,
+                    channels_last=backend.channels_last, one_call=flag) for flag in (True, False))
+                for p in (prep, eager):
+                    p.warmup((args.batch,))
 
                 def full(prep=prep, frames=frames) -> None:
                     prep.prepare(frames, args.batch)
+                    backend.stream.synchronize()
+
+                def full_eager(eager=eager, frames=frames) -> None:
+                    eager.prepare(frames, args.batch)
                     backend.stream.synchronize()
 
                 def halves(prep=prep, frames=frames) -> tuple[float, float]:
@@ -179,9 +185,13 @@ def main(argv: list[str] | None = None) -> int:
                     return (t1 - t0) * 1000, (t2 - t1) * 1000
 
                 part["prepare"] = measure(full, args.batch)
+                part["prepare"]["one_call_batches"] = prep.counts["one_call"]
+                part["prepare_eager"] = measure(full_eager, args.batch)
                 split = [halves() for _ in range(ROUNDS)]
-                part["prepare"]["decode_all_ms"] = round(statistics.median(a for a, _ in split), 3)
-                part["prepare"]["assemble_ms"] = round(statistics.median(b for _, b in split), 3)
+                part["prepare_eager"]["decode_all_ms"] = round(
+                    statistics.median(a for a, _ in split), 3)
+                part["prepare_eager"]["assemble_ms"] = round(
+                    statistics.median(b for _, b in split), 3)
                 res[name] = part
                 save()
                 print(name, json.dumps(part), flush=True)

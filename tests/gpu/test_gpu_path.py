@@ -229,6 +229,41 @@ def test_corrupt_jpeg_fails_alone_on_the_gpu(repo, config):
     assert np.isfinite(gpu.run(t)["output0"]).all()
 
 
+def test_one_call_preparation_on_the_gpu_gives_the_eager_tensor(repo, config):
+    """A batch of JPEGs of one size goes through the one TorchScript call (onecall.py): the same
+    tensor, to the bit, as the eager path on the same stream, padding rows included. With a
+    corrupt JPEG of the same size in it, the call fails and the eager path serves the batch:
+    only that frame fails, and the caller's current stream is what it was."""
+    import torch
+
+    from tests.tools import jpegs
+    from visionserve import imaging
+    from visionserve.gpu.preprocess import TorchPreprocessor
+
+    gpu, _ = _backends(repo, config)
+    one, eager = (TorchPreprocessor.for_config(config, device="cuda:0", dtype=gpu.input_dtype,
+                                               stream=gpu.stream,
+                                               channels_last=gpu.channels_last, one_call=flag)
+                  for flag in (True, False))
+    frames = _frames(("jpeg",), 6)
+    for padded in (6, 8):
+        a, good, bad = one.prepare(frames, padded)
+        b, good_e, bad_e = eager.prepare(frames, padded)
+        gpu.stream.synchronize()
+        assert good == good_e == list(range(6)) and bad == bad_e == []
+        assert a.stride() == b.stride() and torch.equal(a, b)
+    assert one.counts["one_call"] == 2 and eager.counts["one_call"] == 0
+    before = torch.cuda.current_stream()
+    frames.insert(2, imaging.encoded_frame(jpegs.corrupt(_scenes(1)[0])))  # 640x480 too
+    t, good, bad = one.prepare(frames, 8)
+    assert torch.cuda.current_stream() == before
+    assert good == [0, 1, 3, 4, 5, 6] and [i for i, _ in bad] == [2]
+    assert one.counts["one_call"] == 2  # the eager path served it
+    ref, _, _ = eager.prepare([f for i, f in enumerate(frames) if i != 2], 8)
+    gpu.stream.synchronize()
+    assert torch.equal(t[:6], ref[:6])
+
+
 @pytest.mark.parametrize("kind", ["progressive", "cmyk", "12-bit", "corrupt"])
 def test_a_jpeg_nvjpeg_rejects_goes_to_the_next_decoder_or_fails_alone(kind, record_property):
     """In a batch of good JPEGs: a progressive JPEG is decoded (by nvJPEG, or by the CPU after

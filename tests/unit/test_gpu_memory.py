@@ -311,6 +311,86 @@ def test_a_batch_of_one_frame_size_matches_opencv_and_the_padded_batch(resize, c
     np.testing.assert_allclose(whole.numpy(), padded.numpy()[:4], atol=1e-5)
 
 
+def _jpegs(n: int, h: int, w: int) -> list:
+    import cv2
+
+    from visionserve import imaging
+
+    out = []
+    for i in range(n):
+        _, jpg = cv2.imencode(".jpg", _scene(h, w, i), [cv2.IMWRITE_JPEG_QUALITY, 90])
+        out.append(imaging.encoded_frame(jpg.tobytes()))
+    return out
+
+
+@pytest.mark.parametrize("spec_kw", [
+    {},
+    {"resize": "center_crop", "color_order": "BGR"},
+    {"resize": "letterbox", "width": 96, "height": 72},  # fits exactly: no bars, no offset
+    {"channels": 1, "color_order": "GRAY", "mean": (0.5,), "std": (0.25,),
+     "interpolation": "linear"},
+    {"layout": "NHWC", "dtype": "uint8"},
+    {"width": 160, "height": 120},  # the frame's own size: no resize product
+])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("n, padded", [(4, 4), (3, 8)])
+def test_one_call_preparation_gives_the_eager_tensor(spec_kw, channels_last, n, padded,
+                                                      monkeypatch):
+    """A batch of JPEGs of one size is prepared by one TorchScript call (onecall.py) that holds
+    the interpreter once; its tensor is the eager path's, to the bit: padding rows, colour
+    order, grey, dtype and layout, centre crop, and a batch resized in several products."""
+    import torch
+
+    from visionserve.config import InputSpec
+    from visionserve.gpu import preprocess
+
+    monkeypatch.setattr(preprocess, "CHUNK_BYTES", 3 * 120 * 160 * 2 * 2)  # 2 frames a product
+    kw = {"width": 64, "height": 48, "mean": (0.485, 0.456, 0.406),
+          "std": (0.229, 0.224, 0.225), **spec_kw}
+    spec = InputSpec(**kw)
+    dtype = torch.uint8 if kw.get("dtype") == "uint8" else torch.float16
+    frames = _jpegs(n, 120, 160)
+    preps = [preprocess.TorchPreprocessor(spec, device="cpu", dtype=dtype, max_batch=8,
+                                          channels_last=channels_last, one_call=one)
+             for one in (True, False)]
+    (fast, good, bad), (eager, egood, ebad) = (p.prepare(frames, padded) for p in preps)
+    assert preps[0].counts["one_call"] == 1 and preps[1].counts["one_call"] == 0
+    assert good == egood == list(range(n)) and bad == ebad == []
+    assert fast.dtype == eager.dtype and fast.shape == eager.shape
+    assert fast.stride() == eager.stride()
+    assert torch.equal(fast, eager)
+
+
+def test_batches_not_for_the_one_call_take_the_eager_path():
+    """Two frame sizes, a PNG, letterbox bars or a JPEG the decoder refuses: the eager path
+    (and its per-frame fallback) prepares the batch."""
+    import cv2
+    import torch
+
+    from tests.tools import jpegs
+    from visionserve import imaging
+    from visionserve.config import InputSpec
+    from visionserve.gpu.preprocess import TorchPreprocessor
+
+    spec = InputSpec(width=64, height=48)
+    _, png = cv2.imencode(".png", _scene(120, 160, 5))
+    corrupt = imaging.encoded_frame(jpegs.corrupt(_scene(120, 160, 3)))
+    batches = {
+        "two sizes": _jpegs(2, 120, 160) + _jpegs(1, 60, 80),
+        "a png": _jpegs(2, 120, 160) + [imaging.encoded_frame(png.tobytes())],
+        "corrupt": _jpegs(2, 120, 160) + [corrupt],
+    }
+    for what, frames in batches.items():
+        prep = TorchPreprocessor(spec, device="cpu", dtype=torch.float32, max_batch=4)
+        t, good, bad = prep.prepare(frames, 4)
+        assert prep.counts["one_call"] == 0, what
+        assert good == ([0, 1] if what == "corrupt" else [0, 1, 2]), what
+    boxed = TorchPreprocessor(InputSpec(width=64, height=64, resize="letterbox"), device="cpu",
+                              dtype=torch.float32, max_batch=2)
+    boxed.prepare(_jpegs(2, 120, 160), 2)
+    assert boxed.counts["one_call"] == 0
+
+
 def test_nhwc_uint8_layout():
     import torch
 

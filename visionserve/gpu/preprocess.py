@@ -171,8 +171,11 @@ class TorchPreprocessor:
 
     def __init__(self, spec: InputSpec, *, device: str, dtype: Any, max_batch: int,
                  stream: Any = None, pool: PinnedPool | None = None, channels_last: bool = False,
-                 stage_frame_bytes: int = DEFAULT_STAGE_FRAME_BYTES) -> None:
+                 stage_frame_bytes: int = DEFAULT_STAGE_FRAME_BYTES, one_call: bool = True
+                 ) -> None:
         import torch
+
+        from . import onecall
 
         self.spec = spec
         self.device = torch.device(device)
@@ -197,13 +200,23 @@ class TorchPreprocessor:
         # current could overwrite blocks that queued kernels of the previous batch have not read
         # yet. So decode with a stream of our own current, mark the images as used on ``stream``
         # (their blocks are reused only once ``stream`` is past them) and make ``stream`` wait.
-        self.decode_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
-        self.counts = {"nvjpeg": 0, "cpu_decoded": 0, "raw": 0, "fallback": 0}
+        # ``one_call``: a batch of JPEGs of one size is prepared by one TorchScript call that
+        # releases the interpreter once (onecall.py); the decode stream is then made there, so
+        # that the script and the eager path share it
+        self._one_call = onecall.compiled() if one_call else None
+        self._decode_scripted: Any = None
+        self.decode_stream: Any = None
+        if self.cuda and self._one_call is not None:
+            self._decode_scripted, self.decode_stream = onecall.decode_stream(self.device)
+        elif self.cuda:
+            self.decode_stream = torch.cuda.Stream(device=self.device)
+        #: frames by decoder, and ``one_call``: batches prepared by the one call
+        self.counts = {"nvjpeg": 0, "cpu_decoded": 0, "raw": 0, "fallback": 0, "one_call": 0}
 
     @classmethod
     def for_config(cls, config: ModelConfig, *, device: str, dtype: Any, stream: Any = None,
                    channels_last: bool = False, slots: int = 3,
-                   pool_key: tuple | None = None) -> TorchPreprocessor:
+                   pool_key: tuple | None = None, one_call: bool = True) -> TorchPreprocessor:
         """``pool_key``: share the pinned staging pool with the live preprocessors of that key
         (the other versions of the same model instance) instead of pinning a new one."""
         pool = None
@@ -212,7 +225,7 @@ class TorchPreprocessor:
                 if pool_key is not None else PinnedPool(slots, stage_slot_bytes(config))
         return cls(config.input, device=device, dtype=dtype,
                    max_batch=config.batching.max_batch_size, stream=stream, pool=pool,
-                   channels_last=channels_last)
+                   channels_last=channels_last, one_call=one_call)
 
     # -- public -------------------------------------------------------------------------------
 
@@ -223,6 +236,9 @@ class TorchPreprocessor:
         ctx = torch.cuda.stream(self.stream) if (self.cuda and self.stream is not None) \
             else contextlib.nullcontext()
         with ctx, torch.inference_mode():
+            tensor = self._prepare_one_call(frames, padded)
+            if tensor is not None:
+                return tensor, list(range(len(frames))), []
             images, bad = self._decode_all(frames)
             good = sorted(images)
             tensor = self._assemble([images[i] for i in good], padded)
@@ -250,6 +266,53 @@ class TorchPreprocessor:
         self.prepare([jpeg, raw] * (top // 2) + [jpeg] * (top % 2), top)
         if self.cuda:
             torch_sync(self.stream)
+
+    def _prepare_one_call(self, frames: list[Frame], padded: int) -> Any:
+        """The model's input from one TorchScript call (onecall.py), or None where the batch is
+        not for it (not all JPEGs of one size for nvJPEG, resized to the whole input) or the
+        call failed (a JPEG nvJPEG refuses): then the eager path prepares it, frame by frame
+        where it must."""
+        if self._one_call is None or not frames:
+            return None
+        import torch
+
+        s = self.spec
+        ih, iw = frames[0].height, frames[0].width
+        if any(f.kind != "jpeg" or f.height != ih or f.width != iw for f in frames):
+            return None
+        try:
+            nh, nw, y0, x0, cy, cx = geometry(s, ih, iw)
+        except VisionServeError:
+            return None
+        mode = resize_modes(s.interpolation, (ih, iw), (nh, nw))
+        wy = self._w(ih, nh, mode, cy, min(nh, s.height) if s.resize == "center_crop" else nh)
+        wx = self._w(iw, nw, mode, cx, min(nw, s.width) if s.resize == "center_crop" else nw).T
+        if (wy.shape[0], wx.shape[1]) != (s.height, s.width) or y0 or x0 \
+                or any(host_decoded(cast(bytes, f.data)) for f in frames):
+            return None  # letterboxed, or a JPEG for the CPU decoder
+        from torchvision.io import ImageReadMode
+
+        datas = [torch.frombuffer(bytearray(cast(bytes, f.data)), dtype=torch.uint8)
+                 for f in frames]
+        consumer = torch.cuda.current_stream(self.device) if self.cuda else None
+        read = ImageReadMode.GRAY if s.channels == 1 else ImageReadMode.RGB
+        per = max(1, CHUNK_BYTES // (s.channels * ih * iw * 2))  # images in one product
+        try:
+            with torch.jit.optimized_execution(False):  # the ops as written: no fusion
+                tensor = self._one_call(
+                    datas, read.value, self.device, self._decode_scripted, consumer, wy, wx,
+                    (ih, iw) != (s.height, s.width), per, padded, self._add, self._mul,
+                    s.color_order == "BGR", s.dtype == "uint8", self.dtype, s.layout == "NHWC",
+                    self.channels_last)
+        except (RuntimeError, torch.jit.Error) as exc:
+            if consumer is not None:  # the script may have left the decode stream current
+                torch.cuda.set_stream(consumer)
+            log.debug("one-call preparation failed (%s); preparing the batch eagerly",
+                      str(exc).strip().splitlines()[-1][:300])
+            return None
+        self.counts["nvjpeg"] += len(frames)
+        self.counts["one_call"] += 1
+        return tensor
 
     # -- decoding -----------------------------------------------------------------------------
 

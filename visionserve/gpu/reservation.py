@@ -43,9 +43,11 @@ class GpuReservation:
     RETRY_S = 5.0  # how often an unavailable budget is checked again
     LOG_EVERY_S = 60.0
 
-    def __init__(self, server_budget: str | None, device: str, nvml: Nvml | None = None) -> None:
+    def __init__(self, server_budget: str | None, device: str, nvml: Nvml | None = None,
+                 one_call: bool = True) -> None:
         self.server_budget = server_budget
         self.device = device
+        self.one_call = one_call  # TorchPreprocessor's one-call preparation (onecall.py)
         self._nvml = nvml
         self.plan = BudgetPlan(total=None)
         self.watch = AllocationWatch(device)
@@ -177,7 +179,7 @@ class GpuReservation:
         prep = TorchPreprocessor.for_config(config, device=self.device, dtype=backend.input_dtype,
                                             stream=backend.stream,
                                             channels_last=backend.channels_last,
-                                            pool_key=pool_key)
+                                            pool_key=pool_key, one_call=self.one_call)
         prep.warmup(preferred)
         streams = self.streams.setdefault(owner, [])
         streams.append(backend.stream)

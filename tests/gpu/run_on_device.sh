@@ -5,6 +5,8 @@
 #   pytest.txt    test output;  junit.xml  the same, machine-readable
 #   integrity.jsonl  the frame-integrity test's counts (answers checked, wrong answers)
 #   bench.json    benchmark results;  bench.txt  its progress log
+#   bench-eager.json / bench-eager.txt  with AB=1: the benchmark again with the eager GPU
+#                 preparation (VISIONSERVE_GPU_PREP_ONE_CALL=false), for an A/B on one machine
 #   server.log    the benchmark servers' logs
 #   swap.json / swap.txt / swap.server.log  with SWAP=1: model swaps under load
 #                 (python -m visionserve_tools.benchswap, up to SWAP_T s (240)); with SWAP=ab
@@ -65,6 +67,13 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     ${BENCH_ARGS:-} >"$OUT/bench.txt" 2>&1
   echo "benchgpu exit $?" >>"$OUT/bench.txt"
   tail -n 60 "$OUT/bench.txt"
+fi
+
+if [ -n "${AB:-}" ]; then  # the same benchmark with the eager preparation (--no-gpu-prep-one-call)
+  VISIONSERVE_GPU_PREP_ONE_CALL=false timeout ${BENCH_T:-270} python3 -m visionserve_tools.benchgpu \
+    --out "$OUT/bench-eager.json" --log-dir "$OUT/eager" ${BENCH_ARGS:-} >"$OUT/bench-eager.txt" 2>&1
+  echo "benchgpu (eager preparation) exit $?" >>"$OUT/bench-eager.txt"
+  tail -n 30 "$OUT/bench-eager.txt"
 fi
 
 if [ "${SWAP:-}" = ab ]; then  # the same, first with the program read in the serving process

@@ -20,6 +20,10 @@ Same verdicts as the CPU path, by construction:
   does not) is decoded by OpenCV instead; only if that fails too does the frame fail, alone,
   with 400.
 
+A batch of JPEGs of one size, resized to the whole input, is prepared by one TorchScript call
+(:mod:`.onecall`, the same ops) that holds the interpreter once instead of at every torch call;
+other batches take the eager path here.
+
 The class runs on the CPU as well (``device="cpu"``), which is how it is unit-tested here.
 """
 

@@ -12,7 +12,9 @@ built with, and torchvision's decoder failed with CUDA error 700 beside it on th
 Figures (wall ms per batch of 32 JPEGs, 640x480 and 1080p; medians):
 
 * ``torchvision_nvjpeg``: ``torchvision.io.decode_jpeg(list, device="cuda")``, what the
-  preprocessor uses (nvJPEG's CUDA backend, on the SMs; its host side parses and Huffman-decodes);
+  preprocessor uses: nvJPEG with its hardware backend where the GPU has JPEG engines (baseline
+  JPEGs in one batched call; others through the hybrid CUDA backend, one by one), one call at a
+  time per process, returning when its stream is done (docs/gpu.md);
 * ``nvimgcodec_hw``: nvImageCodec with the hardware backend only (the GPU's JPEG engines), where
   ``nvidia-nvimgcodec-cu13`` and ``nvidia-nvjpeg`` are importable;
 * ``prepare``: ``TorchPreprocessor.prepare`` (decode, resize, normalise) of the ResNet-50 bench

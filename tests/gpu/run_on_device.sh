@@ -4,7 +4,8 @@
 #   env.txt       nvidia-smi, versions, onnxruntime providers
 #   pytest.txt    test output;  junit.xml  the same, machine-readable
 #   integrity.jsonl  the frame-integrity test's counts (answers checked, wrong answers)
-#   bench.json    benchmark results;  bench.txt  its progress log
+#   bench.json    benchmark results;  bench.txt  its progress log;  dmon.txt  nvidia-smi dmon -s u
+#                 during it (utilisation of the SMs and of the JPEG engines, "jpg")
 #   bench-eager.json / bench-eager.txt  with AB=1: the benchmark again with the eager GPU
 #                 preparation (VISIONSERVE_GPU_PREP_ONE_CALL=false), for an A/B on one machine
 #   server.log    the benchmark servers' logs
@@ -63,9 +64,14 @@ if [ -z "${SKIP_TESTS:-}" ]; then
 fi
 
 if [ -z "${SKIP_BENCH:-}" ]; then
+  # engine use each second under the benchmark's load: sm, mem, enc, dec, and jpg (the hardware
+  # JPEG engines nvJPEG's hardware backend drives; docs/gpu.md, "which decoder that is")
+  nvidia-smi dmon -s u -d 1 >"$OUT/dmon.txt" 2>&1 &
+  dmon=$!
   timeout ${BENCH_T:-270} python3 -m visionserve_tools.benchgpu --out "$OUT/bench.json" --log-dir "$OUT" \
     ${BENCH_ARGS:-} >"$OUT/bench.txt" 2>&1
   echo "benchgpu exit $?" >>"$OUT/bench.txt"
+  kill $dmon 2>/dev/null
   tail -n 60 "$OUT/bench.txt"
 fi
 

@@ -92,8 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", choices=("torchvision", "nvimgcodec"), default="torchvision",
                     help="torchvision: its nvJPEG decoder and the preprocessor; nvimgcodec: the "
                          "hardware decoder alone")
+    ap.add_argument("--switch-interval-ms", type=float, default=0.5,
+                    help="Python's switch interval (the serving process's default); a figure "
+                         "beside the busy thread that grows with it is time spent waiting for "
+                         "the interpreter")
     args = ap.parse_args(argv)
-    sys.setswitchinterval(0.0005)  # the serving process's (ServerSettings.switch_interval_ms)
+    sys.setswitchinterval(args.switch_interval_ms / 1000)
 
     import torch
     from torchvision.io import ImageReadMode, decode_jpeg
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 
     res: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"),
                  "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                 "batch": args.batch}
+                 "batch": args.batch, "switch_interval_ms": args.switch_interval_ms}
     stream = torch.cuda.Stream()
 
     def save() -> None:

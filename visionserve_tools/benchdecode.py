@@ -179,13 +179,13 @@ def main(argv: list[str] | None = None) -> int:
                     eager.prepare(frames, args.batch)
                     backend.stream.synchronize()
 
-                def halves(prep=prep, frames=frames) -> tuple[float, float]:
+                def halves(eager=eager, frames=frames) -> tuple[float, float]:
                     with torch.cuda.stream(backend.stream), torch.inference_mode():
                         t0 = time.perf_counter()
-                        images, _ = prep._decode_all(frames)
+                        images, _ = eager._decode_all(frames)
                         backend.stream.synchronize()
                         t1 = time.perf_counter()
-                        prep._assemble([images[i] for i in sorted(images)], args.batch)
+                        eager._assemble([images[i] for i in sorted(images)], args.batch)
                         backend.stream.synchronize()
                         t2 = time.perf_counter()
                     return (t1 - t0) * 1000, (t2 - t1) * 1000

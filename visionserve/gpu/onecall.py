@@ -12,7 +12,8 @@ of it.
 
 The arithmetic is the eager path's (``TorchPreprocessor._assemble``), op for op, so the two give
 identical tensors (tests/unit/test_gpu_memory.py). It covers the common case only: every frame a
-JPEG for nvJPEG, all of one size, resized to the whole input (stretch or centre crop). Anything
+JPEG for nvJPEG, all of one size, resized to the whole input (stretch, centre crop, or a
+letterbox that fits). Anything
 else - a PNG or raw frame, two frame sizes, letterboxing, a JPEG nvJPEG refuses - takes the eager
 path, which falls back per frame.
 
@@ -62,10 +63,7 @@ def prepare_jpegs(datas: list[torch.Tensor], mode: int, device: torch.device,
         images = [torch.ops.image.decode_jpeg(d, mode, False) for d in datas]
     parts: list[torch.Tensor] = []
     for k in range(0, len(images), per):
-        x = torch.stack(images[k:k + per]).to(wy.dtype)
-        if resize:
-            x = torch.matmul(wy, torch.matmul(x, wx))
-        parts.append(x.round_().clamp_(0, 255))
+        parts.append(resized(images[k:k + per], wy, wx, resize))
     pix = parts[0] if len(parts) == 1 else torch.cat(parts)
     n = pix.shape[0]
     if padded > n:
@@ -73,6 +71,27 @@ def prepare_jpegs(datas: list[torch.Tensor], mode: int, device: torch.device,
         pad = torch.zeros([padded - n, shape[1], shape[2], shape[3]], dtype=pix.dtype,
                           device=pix.device)
         pix = torch.cat([pix, pad])
+    return finish(pix, add, mul, bgr, as_uint8, dtype, nhwc, channels_last)
+
+
+# The two steps below are the eager path's too (``TorchPreprocessor._assemble`` calls them from
+# Python): one definition of the arithmetic, scripted here and run op by op there.
+
+def resized(images: list[torch.Tensor], wy: torch.Tensor, wx: torch.Tensor,
+            resize: bool) -> torch.Tensor:
+    """(C,H,W) uint8 images of one size -> ``wy @ img @ wx`` in ``wy``'s dtype, rounded to
+    integers like OpenCV's uint8 result (fp16 holds every integer to 255 exactly);
+    ``resize=False``: the frames are the input's size, the weights would be the identity."""
+    x = torch.stack(images).to(wy.dtype)
+    if resize:
+        x = torch.matmul(wy, torch.matmul(x, wx))
+    return x.round_().clamp_(0, 255)
+
+
+def finish(pix: torch.Tensor, add: torch.Tensor, mul: torch.Tensor, bgr: bool, as_uint8: bool,
+           dtype: torch.dtype, nhwc: bool, channels_last: bool) -> torch.Tensor:
+    """Pixels (N,C,H,W; RGB or grey) -> the model's tensor: colour order, normalisation
+    (``pix * mul + add``), dtype and layout (NHWC, or NCHW in channels_last memory)."""
     if bgr:
         pix = pix.flip(1)
     if not as_uint8 and channels_last and not nhwc:
@@ -104,11 +123,11 @@ def compiled() -> Any:
         return _compiled
 
 
-def decode_stream(device: torch.device, priority: int = 0) -> tuple[Any, Any]:
+def decode_stream(device: torch.device) -> tuple[Any, Any]:
     """A stream for nvJPEG's output blocks: (the TorchScript handle, the same stream as a
     ``torch.cuda.Stream``, for the eager path and the budget's pool reservation)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    scripted = torch.classes.cuda.Stream(torch.device("cuda", index), priority)
+    scripted = torch.classes.cuda.Stream(torch.device("cuda", index), 0)
     stream = torch.cuda.Stream(stream_id=scripted.id(), device_index=index,
                                device_type=1)  # c10::DeviceType::CUDA
     return scripted, stream

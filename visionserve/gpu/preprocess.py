@@ -439,6 +439,8 @@ class TorchPreprocessor:
         to the normalised tensor without a staging buffer (about 8 calls a batch, not 13)."""
         import torch
 
+        from . import onecall
+
         s = self.spec
         c, h, w = s.channels, s.height, s.width
         groups: dict[tuple[int, int], list[int]] = {}
@@ -459,11 +461,7 @@ class TorchPreprocessor:
                 pix[rows] = float(s.pad_value)
             for k in range(0, len(rows), per):
                 part = rows[k:k + per]
-                x = torch.stack([images[r] for r in part]).to(self._mm_dtype)
-                if (ih, iw) != (oh, ow):  # same size: the weights are the identity
-                    x = torch.matmul(wy, torch.matmul(x, wx))
-                # rounded in the product's dtype (fp16 holds every integer to 255 exactly)
-                out = x.round_().clamp_(0, 255)
+                out = onecall.resized([images[r] for r in part], wy, wx, (ih, iw) != (oh, ow))
                 if whole:
                     pix = out
                 elif part[-1] - part[0] == len(part) - 1:  # consecutive rows: a view
@@ -472,23 +470,9 @@ class TorchPreprocessor:
                     pix[part, :, y0:y0 + oh, x0:x0 + ow] = out.float()
         if pix is None:  # no images at all
             pix = torch.zeros((padded, c, h, w), dtype=torch.float32, device=self.device)
-        if s.color_order == "BGR":
-            pix = pix.flip(1)
-        if s.dtype == "uint8":
-            return self._layout(pix.to(torch.uint8))
-        if s.layout == "NHWC" or not self.channels_last:
-            return self._layout(torch.addcmul(self._add, pix, self._mul).to(self.dtype))
-        return torch.addcmul(self._add, pix, self._mul).to(self.dtype,
-                                                          memory_format=torch.channels_last)
-
-    def _layout(self, t: Any) -> Any:
-        import torch
-
-        if self.spec.layout == "NHWC":
-            return t.permute(0, 2, 3, 1).contiguous()
-        if self.channels_last:
-            return t.contiguous(memory_format=torch.channels_last)
-        return t
+        return onecall.finish(pix, self._add, self._mul, s.color_order == "BGR",
+                              s.dtype == "uint8", self.dtype, s.layout == "NHWC",
+                              self.channels_last)
 
     def _w(self, n_in: int, n_out: int, mode: str, start: int, count: int) -> Any:
         """(count, n_in) weights on the device: rows ``start:start+count`` (the crop window) of

@@ -10,12 +10,12 @@ images marked as used on the instance stream, resize products, rounding, padding
 order, normalisation, dtype and layout - runs as one call, with the interpreter released for all
 of it.
 
-The arithmetic is the eager path's (``TorchPreprocessor._assemble``), op for op, so the two give
-identical tensors (tests/unit/test_gpu_memory.py). It covers the common case only: every frame a
-JPEG for nvJPEG, all of one size, resized to the whole input (stretch, centre crop, or a
-letterbox that fits). Anything
-else - a PNG or raw frame, two frame sizes, letterboxing, a JPEG nvJPEG refuses - takes the eager
-path, which falls back per frame.
+The arithmetic is shared with the eager path (``TorchPreprocessor._assemble`` calls
+:func:`resized` and :func:`finish` from Python), so the two give identical tensors
+(tests/unit/test_gpu_memory.py). It covers the common case only: every frame a JPEG for nvJPEG,
+all of one size, resized to the whole input (stretch, centre crop, or a letterbox that fits).
+Anything else - a PNG or raw frame, two frame sizes, letterbox bars, a JPEG nvJPEG refuses -
+takes the eager path, which falls back per frame.
 
 This module has no ``from __future__ import annotations``: TorchScript reads the annotations.
 """

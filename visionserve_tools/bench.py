@@ -45,12 +45,15 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from . import threadstates
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +148,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--check", action="store_true",
                    help="exit 1 when p99 > budget or misses > threshold")
     o.add_argument("--quiet", action="store_true", help="no text summary")
+    o.add_argument("--threads", action="store_true",
+                   help="sample what each thread of the server does through each run (py-spy, "
+                        "visionserve_tools.threadstates; needs --start-server or --server-pid): "
+                        "'threads' in each run's report, a table in the summary")
 
 
 class BenchError(Exception):
@@ -528,6 +535,10 @@ def _one_run(pool, args, model, host, port, url, rate, conc, budget, deadline, s
                              max_connections=args.max_connections, seed=args.seed)
 
     samples: dict[str, Any] = {}
+    spied = None
+    if args.threads and server_pid:  # sampling from before the window (py-spy reads symbols first)
+        raw = Path(tempfile.mkdtemp(prefix="bench-threads-")) / "threads.raw"
+        spied = (threadstates.start(server_pid, 3600, raw), raw)
 
     def sampler() -> None:  # scrape /metrics and server CPU at the window's edges
         for edge, at in (("begin", start_ns + int(args.warmup_s * 1e9)),
@@ -537,6 +548,7 @@ def _one_run(pool, args, model, host, port, url, rate, conc, budget, deadline, s
                 time.sleep(delay)
             samples[edge + "_t"] = time.perf_counter()
             samples[edge + "_cpu"] = rep.tree_cpu_s(server_pid) if server_pid else None
+            samples[edge + "_loop"] = rep.loop_cpu_s(server_pid) if server_pid else None
             samples[edge + "_hist"] = rep.scrape_batch_hist(url, model)
             # not a visionserve: try the OIP statistics extension
             if samples[edge + "_hist"] is None:
@@ -547,6 +559,7 @@ def _one_run(pool, args, model, host, port, url, rate, conc, budget, deadline, s
     futures = pool.run(make)
     results = [f.result() for f in futures]
     th.join()
+    threads = threadstates.finish(*spied, stop=True) if spied else None
     merged = generator.merge(results)
     s = rep.summarize(merged, warmup_s=args.warmup_s, window_s=args.duration_s, budget_ms=budget,
                       bare_answers=bare["answers"] if bare else None)
@@ -558,17 +571,23 @@ def _one_run(pool, args, model, host, port, url, rate, conc, budget, deadline, s
     s["batch_size_server"] = (
         rep.batch_hist_delta(samples.get("begin_hist"), samples.get("end_hist"))
         or rep.oip_batch_delta(samples.get("begin_oip"), samples.get("end_oip")))
-    if samples.get("begin_cpu") is not None and samples.get("end_cpu") is not None:
-        wall = samples["end_t"] - samples["begin_t"]
-        cpu = samples["end_cpu"] - samples["begin_cpu"]
-        s["server_cpu_cores"] = round(cpu / wall, 3) if wall > 0 else None
-        s["server_cpu_ms_per_frame"] = round(cpu * 1000 / s["answered_ok"], 4) \
-            if s["answered_ok"] else None
+    # the server's process tree, and its main thread: the event loop (with --frontends, the one
+    # all the front ends' frames pass through)
+    wall, n = samples.get("end_t", 0.0) - samples.get("begin_t", 0.0), s["answered_ok"]
+    for key, share, per_frame, scale, digits in (
+            ("cpu", "server_cpu_cores", "server_cpu_ms_per_frame", 1e3, 4),
+            ("loop", "server_loop_cpu_share", "server_loop_cpu_us_per_frame", 1e6, 1)):
+        begin, end = samples.get(f"begin_{key}"), samples.get(f"end_{key}")
+        if begin is not None and end is not None:
+            s[share] = round((end - begin) / wall, 3) if wall > 0 else None
+            s[per_frame] = round((end - begin) * scale / n, digits) if n else None
     s["within_slo"] = bool(lat["p99"] is not None and lat["p99"] <= budget
                            and (s["miss_ratio"] or 0) <= args.miss_threshold
                            and (not rate or s["throughput_fps"] >= 0.95 * rate))
     if bare:
         s["vs_bare"] = _vs_bare(s, bare)
+    if args.threads:
+        s["threads"] = threads or {"error": "no server process to sample (--server-pid)"}
     if args.overload:
         s["overload"] = rep.overload_summary(merged, warmup_s=args.warmup_s,
                                              window_s=args.duration_s,
@@ -702,7 +721,10 @@ def _print(report: dict) -> None:
                 print(f"  answers vs bare single-frame: {s['answers_vs_bare']}")
             lag = s["send_lag_ms"]
             print(f"  generator: send lag p99 {_fmt(lag['p99'], 3)} ms, CPU {s['generator_cpu_s']} "
-                  f"s; server CPU {s.get('server_cpu_cores', '-')} cores")
+                  f"s; server CPU {s.get('server_cpu_cores', '-')} cores, its event loop "
+                  f"{s.get('server_loop_cpu_us_per_frame', '-')} us per frame")
+            if "threads" in s:
+                print(threadstates.table(s["threads"]))
     else:
         sw = report["sweep"]
         print(f"max rate at p99 <= {sw['budget_ms']:g} ms: {sw['max_rate_at_slo']} frames/s "

@@ -10,7 +10,9 @@
 3. Served (``visionserve serve --device cuda``, inspect API, 640x480 JPEGs): one client's
    p50/p99; saturation with several client processes; the same with ``--max-batch-size 1``;
    onnxruntime if it has CUDA; allocator segments before/after the load (``/metrics``); where the
-   time goes (the server's statistics: queue, preprocessing, model, postprocessing).
+   time goes (the server's statistics: queue, preprocessing, model, postprocessing); with
+   ``--threads-s S``, what each thread of the serving process does through S s of saturation
+   (``visionserve_tools.threadstates``: py-spy, which must be installed, e.g. carried as a wheel).
 
 Results go to ``--out`` as JSON; server logs to ``--log-dir``. Needs only the server's own
 dependencies (stdlib HTTP clients, no extra packages).
@@ -435,6 +437,22 @@ def served_runs(root: Path, model: str, jpegs: list[bytes], log_dir: Path, quick
     return out
 
 
+def sampled_load(server: Server, model: str, jpegs: list[bytes], processes: int, threads: int,
+                 duration: float, raw: Path) -> dict:
+    """``load``, with the serving process's threads sampled all through it
+    (:mod:`visionserve_tools.threadstates`: what runs Python, what waits for the interpreter, for
+    the GPU, for work). The sampling begins before the clients start (about a second of the
+    window), and slows the server by a few per cent, so its throughput is not the saturation
+    figure."""
+    from visionserve_tools import threadstates
+
+    rec = threadstates.start(server.proc.pid, 3600, raw)
+    out = load(server, model, jpegs, processes, threads, duration)
+    out["threads"] = threadstates.finish(rec, raw, stop=True)
+    log("threads of the serving process at saturation:\n" + threadstates.table(out["threads"]))
+    return out
+
+
 def breakdown(before: dict, after: dict) -> dict:
     """Per-frame mean times from the OIP statistics deltas (queue, preprocessing, model, post)."""
     def part(name: str) -> float | None:
@@ -453,8 +471,10 @@ def breakdown(before: dict, after: dict) -> dict:
 
 def served(repos: dict[str, Path], jpegs: list[bytes], log_dir: Path, quick: bool, bare_res: dict,
            res: dict, save=lambda: None, frontends: int = 0, client_procs: int = 0,
-           jpegs_1080: list[bytes] | None = None) -> dict:
+           jpegs_1080: list[bytes] | None = None, threads_s: float = 0.0) -> dict:
     """Fills ``res`` phase by phase, calling ``save`` after each (a time limit loses little).
+    ``threads_s``: also sample the serving process's threads through a saturating load of that
+    many seconds with the front ends (:func:`sampled_load`), at 640x480 and 1080p.
 
     One server per scenario: the in-process front end (``--frontends 0``), then ``frontends``
     front-end processes (batching on, then ``--max-batch-size 1``, then onnxruntime). The
@@ -499,11 +519,20 @@ def served(repos: dict[str, Path], jpegs: list[bytes], log_dir: Path, quick: boo
             save()
             res["fe_saturation_2x_clients"] = load(s, "rn50", jpegs, procs, 2 * threads, dur)
             save()
+            if threads_s:
+                res["fe_threads_at_saturation"] = sampled_load(
+                    s, "rn50", jpegs, procs, threads, threads_s, log_dir / "threads-640x480.raw")
+                save()
             if jpegs_1080:
                 st0 = s.stats("rn50")
                 res["fe_saturation_1080p"] = load(s, "rn50", jpegs_1080, procs, threads, long)
                 res["fe_breakdown_1080p"] = breakdown(st0, s.stats("rn50"))
                 save()
+                if threads_s:
+                    res["fe_threads_at_saturation_1080p"] = sampled_load(
+                        s, "rn50", jpegs_1080, procs, threads, threads_s,
+                        log_dir / "threads-1080p.raw")
+                    save()
             m1 = s.metrics()
             res["allocator"] = allocator(m0, m1, time.time() - t_load0)
             res["gpu_after_load"] = {k: v for k, v in m1.items()
@@ -590,6 +619,10 @@ def main(argv: list[str] | None = None) -> int:
                          "at most 8)")
     ap.add_argument("--client-procs", type=int, default=0,
                     help="load generator processes (default: cores/2)")
+    ap.add_argument("--threads-s", type=float, default=0.0,
+                    help="also sample the serving process's threads (py-spy, "
+                         "visionserve_tools.threadstates) through a saturating load of this many "
+                         "seconds with the front ends, at 640x480 and at 1080p [off]")
     args = ap.parse_args(argv)
     log_dir = args.log_dir or args.out.parent
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -615,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
                     else min(8, max(2, (os.cpu_count() or 4) // 2))
                 served(repos, jpegs, log_dir, args.quick, results["bare"], results["served"], save,
                        frontends=fe, client_procs=args.client_procs,
-                       jpegs_1080=make_jpegs(16, 1080, 1920))
+                       jpegs_1080=make_jpegs(16, 1080, 1920), threads_s=args.threads_s)
             except Exception as exc:  # noqa: BLE001 -- recorded in the results, which are saved
                 results["served_error"] = repr(exc)
             save()

@@ -29,7 +29,9 @@
 #     python-dotenv typing-inspection annotated-types anyio sniffio h11 httptools uvloop \
 #     prometheus-client nvidia-ml-py opentelemetry-api importlib-metadata zipp typing-extensions \
 #     httpx httpcore certifi idna pytest-asyncio pytest-timeout grpcio grpcio-health-checking \
-#     protobuf tritonclient python-rapidjson pycocotools       (19 MB; carry ".whl")
+#     protobuf tritonclient python-rapidjson pycocotools py-spy      (22 MB; carry ".whl")
+# py-spy samples the serving process's threads at saturation with BENCH_ARGS="--threads-s 10"
+# (visionserve_tools.threadstates; threads-*.raw in $OUT, the summary in bench.json)
 # onnxruntime-gpu installed at /tmp/ort (shared/device/ort-gpu-chunks.sh) is used if present.
 set -u
 OUT=${OUT:-$PWD/gpu-out}
@@ -41,6 +43,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
 [ -d /tmp/ort ] && export PYTHONPATH=/tmp/ort:$PYTHONPATH
+[ -x /tmp/site/bin/py-spy ] && export PY_SPY=/tmp/site/bin/py-spy
 export PYTHONUNBUFFERED=1
 {
   nvidia-smi

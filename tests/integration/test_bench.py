@@ -77,6 +77,25 @@ def test_open_loop_oip_binary(http_server, tmp_path, image_cache):
     assert run["send_lag_ms"]["p99"] is not None
 
 
+def test_server_pid_and_threads_say_what_the_servers_threads_do(http_server, tmp_path,
+                                                               image_cache):
+    """--server-pid: the event loop's CPU per frame; --threads: the server's threads sampled
+    through the run (py-spy), in the report and the summary."""
+    out = _bench(image_cache, "--url", http_server.url, "--server-pid", str(http_server.proc.pid),
+                 "--rate", "20", "--duration-s", "2", "--warmup-s", "0.3", "--processes", "1",
+                 "--budget-ms", "5000", "--threads", "--json", str(tmp_path / "t.json"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = json.loads((tmp_path / "t.json").read_text())["runs"][0]
+    # the serving process's event loop: its CPU per frame and its share of a core
+    assert run["server_loop_cpu_us_per_frame"] > 0 and 0 < run["server_loop_cpu_share"] <= 1
+    threads = run["threads"]
+    if "error" in threads:
+        pytest.skip(f"py-spy cannot sample the server here: {threads['error']}")
+    loop = next(t for name, t in threads["threads"].items() if name.endswith(" MainThread"))
+    assert loop["samples"] > 0 and abs(sum(loop["share"].values()) - 1) < 0.01
+    assert "interpreter_wait" in out.stdout  # the table's header
+
+
 def test_sweep_finds_max_rate_and_plots(http_server, tmp_path, image_cache):
     out = _bench(image_cache, "--url", http_server.url, "--sweep", "5,10", "--duration-s", "1",
                  "--warmup-s", "0.3", "--processes", "1", "--budget-ms", "5000",

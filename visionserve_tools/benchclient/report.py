@@ -246,6 +246,19 @@ def tree_cpu_s(pid: int) -> float | None:
     return total / _TICK
 
 
+def loop_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of ``pid``'s main thread (Linux /proc): in visionserve's serving
+    process, the event loop, which every frame passes through (the front ends' messages, the
+    batcher, the answers)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/stat", "rb") as f:
+            raw = f.read().decode("latin-1")
+    except OSError:
+        return None
+    rest = raw[raw.rfind(")") + 2:].split()
+    return (int(rest[11]) + int(rest[12])) / _TICK
+
+
 # --- plots -----------------------------------------------------------------------------------
 
 

@@ -1,0 +1,137 @@
+"""visionserve_tools.threadstates: what each thread of a process does, from py-spy's samples."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from visionserve_tools import threadstates as ts
+
+LOOP = "Runner.run (asyncio/runners.py:118)"
+
+
+@pytest.mark.parametrize(("frames", "state", "site"), [
+    # Python on top: it holds the interpreter
+    ([LOOP, "Channel._flush (visionserve/frontends/channel.py:81)"], "python", "Channel._flush"),
+    # a call that released the interpreter, waiting to take it back (CPython's take_gil)
+    (["prepare (visionserve/gpu/preprocess.py:200)", "THPVariable_add (libtorch_python.so)",
+      "pthread_cond_timedwait (libc.so.6)", "0x7f878bca3f16 (libc.so.6)"],
+     "interpreter_wait", "prepare > pthread_cond_timedwait"),
+    # waiting for the GPU, whatever the deepest frame
+    (["_compute (visionserve/runner.py:280)", "cudaStreamSynchronize (libcudart.so.13)",
+      "0x7f00 (libcuda.so.1)", "sched_yield (libc.so.6)"],
+     "gpu_wait", "_compute > sched_yield"),
+    # blocked, waiting for work: a lock, the loop's poll
+    (["Queue.get (queue.py:171)", "lock_PyThread_acquire_lock (_threadmodule.c:83)",
+      "sem_clockwait (libc.so.6)", "0x7f00 (libc.so.6)"], "idle", "Queue.get > sem_clockwait"),
+    (["Condition.wait (threading.py:327)", "PyThread_acquire_lock_timed (libpython3.11.so.1.0)",
+      "0x7f00 (libc.so.6)"], "idle", "Condition.wait > PyThread_acquire_lock_timed"),
+    ([LOOP, "uv__io_poll (loop.cpython-311-x86_64-linux-gnu.so)", "epoll_wait (libc.so.6)"],
+     "idle", "Runner.run > epoll_wait"),
+    # native work: a torch op, uvloop's own code, an unnamed library address
+    (["decode (visionserve/imaging.py:233)", "cv::imdecode (libopencv_imgcodecs.so)"],
+     "native", "decode > cv::imdecode"),
+    (["busy (x.py:5)", "0x7f878bcabcae (libc.so.6)"], "native", "busy > libc.so.6"),
+    # a thread with no Python frame at all
+    (["start_thread (libc.so.6)", "epoll_wait (libc.so.6)"], "idle",
+     "(native thread) > epoll_wait"),
+])
+def test_a_sample_is_classified_by_the_native_frames_below_its_last_python_frame(frames, state,
+                                                                                 site):
+    assert ts.classify(frames) == (state, site)
+
+
+def test_the_summary_gives_each_thread_its_shares_and_top_sites():
+    raw = textwrap.dedent(f"""\
+        thread (101): MainThread;{LOOP};Link.on_message (hub.py:95) 6
+        thread (101): MainThread;{LOOP};epoll_wait (libc.so.6) 4
+        thread (102): prep;_prep_loop (runner.py:154);pthread_cond_timedwait (libc.so.6) 3
+        thread (102): prep;_prep_loop (runner.py:154);at::empty (libtorch_cpu.so) 1
+        not a sample line
+        """)
+    s = ts.summarise(raw)["threads"]
+    assert list(s) == ["101 MainThread", "102 prep"]  # most samples first
+    assert s["101 MainThread"]["samples"] == 10
+    assert s["101 MainThread"]["share"] == {"python": 0.6, "idle": 0.4}
+    assert s["101 MainThread"]["sites"]["python"] == [["Link.on_message", 0.6]]
+    assert s["102 prep"]["share"] == {"interpreter_wait": 0.75, "native": 0.25}
+    assert "interpreter_wait" in ts.table({"threads": s})
+
+
+def test_no_py_spy_is_said_not_raised(monkeypatch, tmp_path):
+    monkeypatch.setenv("PY_SPY", str(tmp_path / "missing-py-spy"))
+    out = ts.finish(ts.start(1, 1.0, tmp_path / "t.raw"), tmp_path / "t.raw")
+    assert "error" in out
+
+
+SPINNER = """
+import hashlib, os, threading, time
+data = os.urandom(1 << 20)
+def spin():
+    x = 0
+    while True:
+        x += 1
+def hash_loop():  # hashlib releases the interpreter for large inputs, then waits to take it back
+    while True:
+        hashlib.sha256(data).digest()
+threading.Thread(target=spin, name="spin", daemon=True).start()
+threading.Thread(target=hash_loop, name="hasher", daemon=True).start()
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_real_recording_tells_the_spinning_thread_from_the_one_waiting_for_it(tmp_path):
+    """py-spy on a real process: one thread spins in Python, one hashes (releasing the
+    interpreter, then waiting behind the spinner to take it back), the main thread sleeps."""
+    if ts.py_spy() is None:
+        pytest.skip("py-spy is not installed")
+    proc = subprocess.Popen([sys.executable, "-c", SPINNER], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+        time.sleep(0.3)
+        raw = tmp_path / "t.raw"
+        out = ts.finish(ts.start(proc.pid, 2.0, raw, rate=100), raw)
+    finally:
+        proc.kill()
+        proc.wait()
+    if "error" in out:
+        pytest.skip(f"py-spy cannot sample here: {out['error']}")
+    by_name = {name.split(" ", 1)[1]: t for name, t in out["threads"].items()}
+    assert by_name["MainThread"]["share"].get("idle", 0) > 0.9
+    assert by_name["spin"]["share"].get("python", 0) > 0.5
+    # the hasher spends time waiting for the interpreter the spinner holds
+    assert by_name["hasher"]["share"].get("interpreter_wait", 0) > 0.1
+    assert Path(out["raw"]).stat().st_size > 0
+
+
+def test_the_gpu_benchmark_samples_a_real_server_through_a_saturating_load(tmp_path):
+    """benchgpu's ``sampled_load`` (``--threads-s``) against a real server (on the CPU here):
+    the load is measured, and the serving process's event loop and runner threads are named
+    with their states."""
+    from tests.tools.integrity import make_repo
+    from visionserve_tools import benchgpu
+
+    if ts.py_spy() is None:
+        pytest.skip("py-spy is not installed")
+    repo = make_repo(tmp_path / "repo")
+    server = benchgpu.Server(repo, tmp_path / "server.log", "--frontends", "1", device="cpu")
+    try:
+        out = benchgpu.sampled_load(server, "means", benchgpu.make_jpegs(4, 48, 64), 1, 4, 2.0,
+                                    tmp_path / "t.raw")
+    finally:
+        server.stop()
+    assert out["answers"] > 0 and out["errors"] == 0
+    if "error" in out["threads"]:
+        pytest.skip(f"py-spy cannot sample here: {out['threads']['error']}")
+    names = [n.split(" ", 1)[1] for n in out["threads"]["threads"]]
+    assert "MainThread" in names  # the event loop
+    # the runner's threads, "means:<version>#<instance>:prep" and ":compute"
+    assert any(n.endswith(":prep") for n in names) and any(n.endswith(":compute") for n in names)
+    loop = next(t for n, t in out["threads"]["threads"].items() if n.endswith(" MainThread"))
+    assert abs(sum(loop["share"].values()) - 1) < 0.01

@@ -447,6 +447,9 @@ def sampled_load(server: Server, model: str, jpegs: list[bytes], processes: int,
     from visionserve_tools import threadstates
 
     rec = threadstates.start(server.proc.pid, 3600, raw)
+    if isinstance(rec, str):  # no py-spy, or it could not attach: no load either (device time)
+        log(f"threads of the serving process not sampled: {rec}")
+        return {"threads": {"error": rec}}
     out = load(server, model, jpegs, processes, threads, duration)
     out["threads"] = threadstates.finish(rec, raw, stop=True)
     log("threads of the serving process at saturation:\n" + threadstates.table(out["threads"]))
@@ -528,7 +531,7 @@ def served(repos: dict[str, Path], jpegs: list[bytes], log_dir: Path, quick: boo
                 res["fe_saturation_1080p"] = load(s, "rn50", jpegs_1080, procs, threads, long)
                 res["fe_breakdown_1080p"] = breakdown(st0, s.stats("rn50"))
                 save()
-                if threads_s:
+                if threads_s and "error" not in res["fe_threads_at_saturation"]["threads"]:
                     res["fe_threads_at_saturation_1080p"] = sampled_load(
                         s, "rn50", jpegs_1080, procs, threads, threads_s,
                         log_dir / "threads-1080p.raw")

@@ -135,3 +135,17 @@ def test_the_gpu_benchmark_samples_a_real_server_through_a_saturating_load(tmp_p
     assert any(n.endswith(":prep") for n in names) and any(n.endswith(":compute") for n in names)
     loop = next(t for n, t in out["threads"]["threads"].items() if n.endswith(" MainThread"))
     assert abs(sum(loop["share"].values()) - 1) < 0.01
+
+
+def test_without_py_spy_the_gpu_benchmark_skips_the_sampled_load(monkeypatch, tmp_path):
+    """No py-spy (or one that cannot attach): said in the results, and no load is run for it
+    (device time is scarce)."""
+    from types import SimpleNamespace
+
+    from visionserve_tools import benchgpu
+
+    monkeypatch.setenv("PY_SPY", str(tmp_path / "missing-py-spy"))
+    monkeypatch.setattr(benchgpu, "load", lambda *a, **k: pytest.fail("a load was run"))
+    server = SimpleNamespace(proc=SimpleNamespace(pid=1), port=1)
+    out = benchgpu.sampled_load(server, "m", [], 1, 1, 20.0, tmp_path / "t.raw")
+    assert set(out) == {"threads"} and "cannot run" in out["threads"]["error"]

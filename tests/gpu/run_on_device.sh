@@ -30,8 +30,9 @@
 #     prometheus-client nvidia-ml-py opentelemetry-api importlib-metadata zipp typing-extensions \
 #     httpx httpcore certifi idna pytest-asyncio pytest-timeout grpcio grpcio-health-checking \
 #     protobuf tritonclient python-rapidjson pycocotools py-spy      (22 MB; carry ".whl")
-# py-spy samples the serving process's threads at saturation with BENCH_ARGS="--threads-s 10"
-# (visionserve_tools.threadstates; threads-*.raw in $OUT, the summary in bench.json)
+# THREADS_S=15: the benchmark (not its AB=1 repeat) also samples the serving process's threads
+# with py-spy through 15 s of saturation at 640x480 and at 1080p (benchgpu --threads-s; about
+# 40 s more; visionserve_tools.threadstates; threads-*.raw in $OUT, the summary in bench.json)
 # onnxruntime-gpu installed at /tmp/ort (shared/device/ort-gpu-chunks.sh) is used if present.
 set -u
 OUT=${OUT:-$PWD/gpu-out}
@@ -72,7 +73,7 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   nvidia-smi dmon -s u -d 1 >"$OUT/dmon.txt" 2>&1 &
   dmon=$!
   timeout ${BENCH_T:-270} python3 -m visionserve_tools.benchgpu --out "$OUT/bench.json" --log-dir "$OUT" \
-    ${BENCH_ARGS:-} >"$OUT/bench.txt" 2>&1
+    ${BENCH_ARGS:-} ${THREADS_S:+--threads-s $THREADS_S} >"$OUT/bench.txt" 2>&1
   echo "benchgpu exit $?" >>"$OUT/bench.txt"
   kill $dmon 2>/dev/null
   tail -n 60 "$OUT/bench.txt"

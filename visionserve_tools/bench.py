@@ -537,6 +537,7 @@ def _one_run(pool, args, model, host, port, url, rate, conc, budget, deadline, s
     samples: dict[str, Any] = {}
     spied = None
     if args.threads and server_pid:  # sampling from before the window (py-spy reads symbols first)
+        # kept, and named in the report: threadstates --from-raw classifies it again
         raw = Path(tempfile.mkdtemp(prefix="bench-threads-")) / "threads.raw"
         spied = (threadstates.start(server_pid, 3600, raw), raw)
 

@@ -442,8 +442,8 @@ def sampled_load(server: Server, model: str, jpegs: list[bytes], processes: int,
     """``load``, with the serving process's threads sampled all through it
     (:mod:`visionserve_tools.threadstates`: what runs Python, what waits for the interpreter, for
     the GPU, for work). The sampling begins before the clients start (about a second of the
-    window), and slows the server by a few per cent, so its throughput is not the saturation
-    figure."""
+    window) and slows the server (by 9% on the CPU machine at the default 5 samples a second), so
+    its throughput is not the saturation figure."""
     from visionserve_tools import threadstates
 
     rec = threadstates.start(server.proc.pid, 3600, raw)

@@ -7,7 +7,7 @@ the spec syntax (``gen:640x480``, ``gen:640x480,1280x1024:n=40:q=90``, or a fold
 
 from __future__ import annotations
 
-from visionserve_tools.benchclient.images import (  # noqa: F401
+from visionserve_tools.benchclient.images import (
     DEFAULT_SPEC,
     Frame,
     ImageSetError,

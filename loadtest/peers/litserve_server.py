@@ -19,9 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402
-import litserve as ls  # noqa: E402
-import numpy as np  # noqa: E402
+import common
+import litserve as ls
+import numpy as np
 
 
 class InspectAPI(ls.LitAPI):

@@ -17,9 +17,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402
-import uvicorn  # noqa: E402
-from fastapi import Body, FastAPI, Header, HTTPException, Response  # noqa: E402
+import common
+import uvicorn
+from fastapi import Body, FastAPI, Header, HTTPException, Response
 
 
 def build(models: Path, name: str, device: str = "cpu") -> FastAPI:

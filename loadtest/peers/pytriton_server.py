@@ -4,7 +4,8 @@ Triton's OIP v2 HTTP/gRPC front end and dynamic batcher; the model is a pytriton
 that decodes, resizes and normalises each frame of the batch, runs the model once and applies
 softmax -- the same work as visionserve. ``--device cuda``: nvJPEG and the model's ``.pt2`` in
 fp16 on the GPU (``common.load_torch``); the default: OpenCV and onnxruntime on the CPU.
-Input ``image`` BYTES [N,1], outputs ``scores`` FP32 [N,labels], ``label`` and ``verdict`` BYTES [N,1] (``visionserve bench --protocol oip``).
+Input ``image`` BYTES [N,1], outputs ``scores`` FP32 [N,labels], ``label`` and ``verdict`` BYTES [N,1]
+(``visionserve bench --protocol oip``).
 
 Run it through ``run_peers.py`` (it sets LD_LIBRARY_PATH so that Triton's Python-backend stub
 loads this venv's own libpython first; without that models fail with an ``_thread.RLock``
@@ -23,11 +24,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402
-import numpy as np  # noqa: E402
-from pytriton.decorators import batch  # noqa: E402
-from pytriton.model_config import DynamicBatcher, ModelConfig, QueuePolicy, Tensor  # noqa: E402
-from pytriton.triton import Triton, TritonConfig, TritonSecurityConfig  # noqa: E402
+import common
+import numpy as np
+from pytriton.decorators import batch
+from pytriton.model_config import DynamicBatcher, ModelConfig, QueuePolicy, Tensor
+from pytriton.triton import Triton, TritonConfig, TritonSecurityConfig
 
 
 def main() -> None:

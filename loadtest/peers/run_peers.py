@@ -39,10 +39,10 @@ BEGIN, END = "<!-- peers:begin -->", "<!-- peers:end -->"
 TARGETS = {
     "visionserve": (None, "inspect", "visionserve, inspect API"),
     "visionserve-oip": (None, "oip", "visionserve, OIP v2 HTTP binary"),
-    "visionserve-scaled": (None, "inspect", "visionserve, inspect API, JPEGs decoded at reduced "
-                                            "size (input.scaled_decode = true)"),
-    "visionserve-full": (None, "inspect", "visionserve, inspect API, JPEGs decoded in full "
-                                          "(input.scaled_decode = false)"),
+    "visionserve-scaled": (None, "inspect", ("visionserve, inspect API, JPEGs decoded at reduced "
+                                             "size (input.scaled_decode = true)")),
+    "visionserve-full": (None, "inspect", ("visionserve, inspect API, JPEGs decoded in full "
+                                           "(input.scaled_decode = false)")),
     "naive": ("naive", "inspect", "FastAPI + onnxruntime, one request one inference"),
     "litserve": ("litserve", "json", "LitServe 0.2.19, max_batch_size 32, batch_timeout 2 ms"),
     "triton": ("pytriton", "oip", "Triton 2.51 (pytriton 0.7.0), dynamic batcher, 2 ms delay"),
@@ -95,7 +95,7 @@ class Target:
                        "--metrics-port", str(free_port()), *on]
                 self.ready_url = f"{self.url}/v2/models/{model}/ready"
         self.log_path = logdir / f"{name}.log"
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 -- the server's log, for its lifetime
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT),
                                      start_new_session=True)
 
@@ -155,7 +155,7 @@ def bench(target: Target, args: argparse.Namespace, out: Path, extra: list[str])
            "--processes", str(args.processes), "--server-pid", str(target.proc.pid), "--label", target.name,
            "--json", str(out), "--quiet", *extra]
     print("  $", " ".join(cmd[1:]), flush=True)
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT))
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), check=False)
     if r.returncode not in (0, 1) or not out.exists():
         raise RuntimeError(f"bench failed for {target.name}: {r.stderr[-2000:]}")
     return json.loads(out.read_text())
@@ -262,7 +262,7 @@ def main() -> int:
         print(f"{name}: max rate at p99 <= {args.budget_ms:g} ms: {rows[-1]['max_rate_at_budget']}; at "
               f"{args.fixed_rate:g}/s p50 {rows[-1]['p50_ms']} p99 {rows[-1]['p99_ms']} ms, "
               f"CPU {rows[-1]['cpu_cores']} cores", flush=True)
-    result = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    result = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "args": vars(args) | {
                   "models": str(args.models), "out": str(args.out), "docs": str(args.docs)}, "rows": rows}
     (args.out / "peers.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
@@ -282,15 +282,16 @@ def table(args: argparse.Namespace, result: dict) -> str:
                     key=lambda r: r["max_rate_at_budget"], default=None)
     meta = next((r["meta"] for r in rows if "meta" in r), {})
     lines = [
-        f"Measured {result['date']} on `{meta.get('host', '?')}` ({meta.get('cpus', '?')} CPUs, "
-        f"{meta.get('cpu_model', '?')}; load average at start {meta.get('load_average_at_start')}), "
-        f"model `{args.model}` from `{args.models}`, images `{args.images}`, p99 budget {args.budget_ms:g} ms.",
+        (f"Measured {result['date']} on `{meta.get('host', '?')}` ({meta.get('cpus', '?')} CPUs, "
+         f"{meta.get('cpu_model', '?')}; load average at start {meta.get('load_average_at_start')}), "
+         f"model `{args.model}` from `{args.models}`, images `{args.images}`, p99 budget {args.budget_ms:g} ms."),
         "",
         f"Command: `{result['command']}`",
         "",
-        f"| target | protocol | max rate at p99 ≤ {args.budget_ms:g} ms (frames/s) | p50 at {args.fixed_rate:g}/s (ms) "
-        f"| p99 at {args.fixed_rate:g}/s (ms) | server CPU (cores) | server CPU per frame (ms) | mean batch "
-        "| what it is |",
+        (f"| target | protocol | max rate at p99 ≤ {args.budget_ms:g} ms (frames/s) "
+         f"| p50 at {args.fixed_rate:g}/s (ms) "
+         f"| p99 at {args.fixed_rate:g}/s (ms) | server CPU (cores) | server CPU per frame (ms) | mean batch "
+         "| what it is |"),
         "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:

@@ -167,17 +167,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(args: argparse.Namespace, argv: list[str]) -> int:
-    import torch
-
     for name in ("n_per_label", "val_per_label", "epochs", "batch_size", "threads", "workers",
                  "check_per_label"):
         if getattr(args, name) < 1:
             raise ScriptError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     common.check_new_version(args.models_dir / args.name, args.version)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ScriptError(f"--device {args.device}: CUDA is not available here")
-    common.set_determinism(args.seed, args.threads)
-    device = torch.device(args.device)
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ScriptError(f"--device {args.device}: CUDA is not available here")
     model_dir = args.models_dir / args.name
     t_start = time.perf_counter()
 
@@ -216,6 +215,13 @@ def train(args: argparse.Namespace, argv: list[str]) -> int:
     print(f"data ready: {len(train_ds.targets)} train, {len(val_ds.targets)} val images "
           f"({t_data:.0f} s)", flush=True)
 
+    # torch from here on (the data above is numpy and OpenCV, seeded on its own): a bad dataset
+    # is refused without the seconds torch takes to import, and the seeds are set before the
+    # model is built, as before
+    import torch
+
+    common.set_determinism(args.seed, args.threads)
+    device = torch.device(args.device)
     widths = tuple(init_meta["widths"]) if init_meta else common.DEFAULT_WIDTHS
     model = common.build_model(len(labels), widths, spec.channels)
     if init_meta is not None:

@@ -2,8 +2,10 @@
 
 ``create_server(engine, settings)`` returns a server bound to ``settings.host:settings.grpc_port``;
 ``await server.start()`` serves, ``await server.stop(grace)`` ends. The health service says
-SERVING exactly while the engine is ready: a small watcher follows readiness (start-up warm-up,
-a model turning unhealthy, the drain on SIGTERM), and ``stop()`` turns it NOT_SERVING first.
+SERVING exactly while the engine is ready: each Check and each new Watch first brings it up to
+date with the engine's readiness (so it agrees with HTTP ``/v2/health/ready`` at every moment), a
+small watcher pushes later changes to open Watches (start-up warm-up, a model turning unhealthy,
+the drain on SIGTERM), and ``stop()`` turns it NOT_SERVING first.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,26 +38,46 @@ _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+class _Health(health.aio.HealthServicer):
+    """``grpc.health.v1.Health`` that brings its status up to date (``refresh``) before it answers a
+    Check or opens a Watch: a client that has just seen the server answer never reads the
+    readiness of up to one poll ago."""
+
+    def __init__(self, refresh: Callable[[], Awaitable[None]]) -> None:
+        super().__init__()
+        self._refresh = refresh
+
+    async def Check(self, request, context):
+        await self._refresh()
+        return await super().Check(request, context)
+
+    async def Watch(self, request, context):
+        await self._refresh()
+        await super().Watch(request, context)
+
+
 class GrpcServer:
-    """A ``grpc.aio.Server`` plus the readiness watcher that keeps the health service current.
+    """A ``grpc.aio.Server`` plus the health service and the readiness watcher that keeps it
+    current.
 
     Everything not defined here (``wait_for_termination``, ``add_insecure_port`` ...) is the
     wrapped ``grpc.aio.Server``'s.
     """
 
-    def __init__(self, server: grpc.aio.Server, engine: DataPlane, health_servicer: Any,
-                 address: str) -> None:
+    def __init__(self, server: grpc.aio.Server, engine: DataPlane, address: str) -> None:
         self.server = server
         self.engine = engine
-        self.health = health_servicer
         self.address = address
+        self.health = _Health(self._refresh)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        self._published: bool | None = None  # the readiness the health service says
         self._watcher: asyncio.Task | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.server, name)
 
     async def start(self) -> None:
-        await self._publish(self.engine.ready)
+        await self._refresh()
         await self.server.start()
         self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
@@ -71,15 +94,19 @@ class GrpcServer:
         for service in ("", SERVICE_NAME):
             await self.health.set(service, status)
 
+    async def _refresh(self) -> None:
+        """The engine's readiness into the health service, where it changed."""
+        ready = self.engine.ready
+        if ready != self._published:
+            if self._published is not None:
+                log.info("gRPC health: %s", "SERVING" if ready else "NOT_SERVING")
+            self._published = ready
+            await self._publish(ready)
+
     async def _watch(self) -> None:
-        last = self.engine.ready
         while True:
             await asyncio.sleep(HEALTH_POLL_S)
-            ready = self.engine.ready
-            if ready != last:
-                log.info("gRPC health: %s", "SERVING" if ready else "NOT_SERVING")
-                await self._publish(ready)
-                last = ready
+            await self._refresh()
 
 
 def create_server(engine: DataPlane, settings: ServerSettings, *,
@@ -99,9 +126,8 @@ def create_server(engine: DataPlane, settings: ServerSettings, *,
     ])
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
         InferenceServicer(engine, settings), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{_host(settings.host)}:{settings.grpc_port}"
+    grpc_server = GrpcServer(server, engine, address)
     try:
         if settings.tls_cert:
             assert settings.tls_key is not None  # the settings check they come together
@@ -114,7 +140,7 @@ def create_server(engine: DataPlane, settings: ServerSettings, *,
         raise ConfigError(f"cannot read the TLS certificate or key: {exc}") from None
     except RuntimeError as exc:
         raise ConfigError(f"cannot listen for gRPC on {address}: {exc}") from None
-    return GrpcServer(server, engine, health_servicer, address)
+    return grpc_server
 
 
 def _host(host: str) -> str:

@@ -128,9 +128,10 @@ def summarise(raw: str) -> dict:
 
 
 def py_spy() -> str | None:
+    """``$PY_SPY``, the ``py-spy`` on PATH, or the one beside this Python (a venv not activated)."""
+    beside = Path(sys.executable).with_name("py-spy")
     return (os.environ.get("PY_SPY") or shutil.which("py-spy")
-            or next((str(p) for p in [Path(sys.executable).with_name("py-spy")] if p.exists()),
-                    None))
+            or (str(beside) if beside.exists() else None))
 
 
 def start(pid: int, seconds: float, raw_path: Path, rate: int = RATE,

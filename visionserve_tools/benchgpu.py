@@ -13,6 +13,11 @@
    time goes (the server's statistics: queue, preprocessing, model, postprocessing); with
    ``--threads-s S``, what each thread of the serving process does through S s of saturation
    (``visionserve_tools.threadstates``: py-spy, which must be installed, e.g. carried as a wheel).
+4. ``--compare SPEC`` (repeatable) runs, instead of 3, the front-end scenario once per SPEC, each
+   on a server of its own started with SPEC's settings as environment variables (``""``: as
+   shipped; ``VISIONSERVE_SWITCH_INTERVAL_MS=0.05``; several joined by commas): one client,
+   saturation at 640x480 and at 1080p, each as a ratio to the bare model of the same run. An A/B
+   of server settings on one machine in one run.
 
 Results go to ``--out`` as JSON; server logs to ``--log-dir``. Needs only the server's own
 dependencies (stdlib HTTP clients, no extra packages).
@@ -255,7 +260,8 @@ def get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
 
 
 class Server:
-    def __init__(self, models: Path, log_path: Path, *extra: str, device: str = "cuda") -> None:
+    def __init__(self, models: Path, log_path: Path, *extra: str, device: str = "cuda",
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -263,10 +269,11 @@ class Server:
                 "--device", device, "--host", "127.0.0.1", "--http-port", str(self.port),
                 "--grpc-port", "-1", "--log-level", "warning", *extra]
         self._log = open(log_path, "ab")  # noqa: SIM115 -- the server's log; closed in stop()
-        self._log.write(f"\n=== {' '.join(args)}\n".encode())
+        settings = " ".join(f"{k}={v}" for k, v in (env or {}).items())
+        self._log.write(f"\n=== {settings + ' ' if settings else ''}{' '.join(args)}\n".encode())
         self._log.flush()
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         t0 = time.time()
         while time.time() - t0 < 240:
             if self.proc.poll() is not None:
@@ -598,6 +605,75 @@ def served(repos: dict[str, Path], jpegs: list[bytes], log_dir: Path, quick: boo
     return res
 
 
+def settings_spec(spec: str) -> dict[str, str]:
+    """``--compare``'s SPEC: ``""`` (as shipped) or ``NAME=VALUE[,NAME=VALUE...]``, each NAME a
+    server setting's environment variable (``VISIONSERVE_...``)."""
+    env: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, eq, value = part.partition("=")
+        if not eq or not name.startswith("VISIONSERVE_"):
+            raise argparse.ArgumentTypeError(
+                f"{part!r}: a setting is VISIONSERVE_NAME=VALUE (e.g. "
+                "VISIONSERVE_SWITCH_INTERVAL_MS=0.05)")
+        env[name] = value
+    return env
+
+
+def compare(specs: list[dict[str, str]], repos: dict[str, Path], jpegs: list[bytes],
+            jpegs_1080: list[bytes], log_dir: Path, quick: bool, bare_res: dict, res: dict,
+            save=lambda: None, frontends: int = 8, client_procs: int = 0,
+            threads_s: float = 0.0, *, model: str = "rn50", device: str = "cuda",
+            extra: tuple[str, ...] = ("--gpu-memory-budget", "8GiB"),
+            seconds: float | None = None) -> dict:
+    """The front-end scenario of :func:`served` once per server setting in ``specs``, in order,
+    each on a server of its own: one client, saturation at 640x480 and at 1080p (and, with
+    ``threads_s``, the threads sampled at 640x480), each saturation as a ratio to the bare model's
+    batch-32 throughput of this run. ``res`` gets one entry per spec, saved after each.
+    (``model``, ``device``, ``extra`` server arguments and ``seconds`` per load: for a test.)"""
+    long = seconds or (8.0 if quick else 20.0)
+    short = seconds or (3.0 if quick else 6.0)
+    procs = client_procs or min(8, max(2, (os.cpu_count() or 8) // 2))
+    threads = 12
+    rate = bare_res.get("torch_fp16_cuda_graph", {}).get(32, {}).get("img_per_s")
+    res["setup"] = {"frontends": frontends, "client_processes": procs,
+                    "threads_per_client_process": threads, "bare_bs32_img_per_s": rate}
+    for i, env in enumerate(specs):
+        name = ",".join(f"{k}={v}" for k, v in env.items()) or "as shipped"
+        key = f"{i}: {name}"
+        part: dict = {"settings": env}
+        res[key] = part
+        log(f"compare {key}")
+        try:
+            s = Server(repos[model], log_dir / f"compare-{i}.log", *extra,
+                       "--frontends", str(frontends), device=device, env=env)
+        except RuntimeError as exc:  # a setting the server refuses: said, and the next one runs
+            part["error"] = str(exc)
+            save()
+            continue
+        try:
+            part["start_s"] = s.start_s
+            part["single_client"] = load(s, model, jpegs, 1, 1, short)
+            for label, frames in (("640x480", jpegs), ("1080p", jpegs_1080)):
+                st0 = s.stats(model)
+                sat = load(s, model, frames, procs, threads, long)
+                if rate:
+                    sat["ratio_to_bare_bs32"] = round(sat.get("throughput_per_s", 0) / rate, 3)
+                sat["breakdown"] = breakdown(st0, s.stats(model))
+                part[f"saturation_{label}"] = sat
+                save()
+            if threads_s:
+                part["threads_640x480"] = sampled_load(s, model, jpegs, procs, threads, threads_s,
+                                                       log_dir / f"threads-compare-{i}.raw")
+            log(f"compare {key}: " + json.dumps({
+                k: {m: v.get(m) for m in ("throughput_per_s", "ratio_to_bare_bs32", "p50_ms",
+                                           "p99_ms", "mean_batch_size")}
+                for k, v in part.items() if isinstance(v, dict) and "answers" in v}))
+        finally:
+            s.stop()
+            save()
+    return res
+
+
 def allocator(before: dict, after: dict, seconds: float) -> dict:
     return {
         "load_window_s": round(seconds, 1),
@@ -626,6 +702,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="also sample the serving process's threads (py-spy, "
                          "visionserve_tools.threadstates) through a saturating load of this many "
                          "seconds with the front ends, at 640x480 and at 1080p [off]")
+    ap.add_argument("--compare", action="append", type=settings_spec, default=None,
+                    metavar="SPEC",
+                    help="instead of the served scenarios: the front-end scenario once per SPEC, "
+                         "a server setting as its environment variable (\"\": as shipped; "
+                         "VISIONSERVE_SWITCH_INTERVAL_MS=0.05; several joined by commas); "
+                         "repeat for each")
     args = ap.parse_args(argv)
     log_dir = args.log_dir or args.out.parent
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -644,11 +726,16 @@ def main(argv: list[str] | None = None) -> int:
             results["bare"] = {"error": repr(exc)}
         save()
         log(f"bare: {json.dumps(results['bare'])[:600]}")
-        if not args.skip_served:
+        fe = args.frontends if args.frontends is not None \
+            else min(8, max(2, (os.cpu_count() or 4) // 2))
+        if args.compare:
+            results["compare"] = {}
+            compare(args.compare, repos, jpegs, make_jpegs(16, 1080, 1920), log_dir, args.quick,
+                    results["bare"], results["compare"], save, frontends=fe,
+                    client_procs=args.client_procs, threads_s=args.threads_s)
+        elif not args.skip_served:
             try:
                 results["served"] = {}
-                fe = args.frontends if args.frontends is not None \
-                    else min(8, max(2, (os.cpu_count() or 4) // 2))
                 served(repos, jpegs, log_dir, args.quick, results["bare"], results["served"], save,
                        frontends=fe, client_procs=args.client_procs,
                        jpegs_1080=make_jpegs(16, 1080, 1920), threads_s=args.threads_s)

@@ -149,3 +149,39 @@ def test_without_py_spy_the_gpu_benchmark_skips_the_sampled_load(monkeypatch, tm
     server = SimpleNamespace(proc=SimpleNamespace(pid=1), port=1)
     out = benchgpu.sampled_load(server, "m", [], 1, 1, 20.0, tmp_path / "t.raw")
     assert set(out) == {"threads"} and "cannot run" in out["threads"]["error"]
+
+
+def test_the_gpu_benchmark_compares_server_settings_side_by_side(tmp_path):
+    """benchgpu ``--compare``: the front-end scenario once per setting, each on a real server of
+    its own (on the CPU here) started with it; a setting the server refuses is said and the next
+    one still runs; a spec that is no server setting is refused on the command line."""
+    import argparse
+
+    from tests.tools.integrity import make_repo
+    from visionserve_tools import benchgpu
+
+    repo = make_repo(tmp_path / "repo")
+    specs = [benchgpu.settings_spec(""),
+             benchgpu.settings_spec("VISIONSERVE_SWITCH_INTERVAL_MS=0.05"),
+             benchgpu.settings_spec("VISIONSERVE_SWITCH_INTERVAL_MS=-1"),  # refused: gt=0
+             benchgpu.settings_spec("VISIONSERVE_SWITCH_INTERVAL_MS=2")]
+    res: dict = {}
+    bare = {"torch_fp16_cuda_graph": {32: {"img_per_s": 1000}}}
+    jpegs = benchgpu.make_jpegs(4, 48, 64)
+    benchgpu.compare(specs, {"means": repo}, jpegs, jpegs, tmp_path, True, bare, res,
+                     frontends=1, client_procs=1, model="means", device="cpu", extra=(),
+                     seconds=1.0)
+    assert res["setup"]["bare_bs32_img_per_s"] == 1000
+    runs = [v for k, v in res.items() if k != "setup"]
+    assert [r["settings"] for r in runs] == specs
+    for run in (runs[0], runs[1], runs[3]):
+        assert run["single_client"]["answers"] > 0
+        for label in ("640x480", "1080p"):
+            sat = run[f"saturation_{label}"]
+            assert sat["answers"] > 0 and sat["errors"] == 0
+            assert sat["ratio_to_bare_bs32"] == round(sat["throughput_per_s"] / 1000, 3)
+    assert "server exited" in runs[2]["error"]
+    # the server of each ran with its settings (its log says them)
+    assert "VISIONSERVE_SWITCH_INTERVAL_MS=0.05" in (tmp_path / "compare-1.log").read_text()
+    with pytest.raises(argparse.ArgumentTypeError, match="VISIONSERVE_NAME=VALUE"):
+        benchgpu.settings_spec("SWITCH_INTERVAL_MS=0.05")

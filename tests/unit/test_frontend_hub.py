@@ -17,9 +17,11 @@ from visionserve.config import ServerSettings
 from visionserve.engine import Engine
 from visionserve.errors import DeadlineExceeded, InvalidInput, NotFound, Unavailable
 from visionserve.frontends.arena import ALIGN, Arena, create_memfd
-from visionserve.frontends.channel import _LEN, Channel, connect
+from visionserve.frontends.channel import Channel, connect, encode
 from visionserve.frontends.hub import Hub
 from visionserve.frontends.remote import RemoteEngine
+from visionserve.runner import FrameResult
+from visionserve.tasks.classification import Classified
 
 # --- the arena ---------------------------------------------------------------------------------
 
@@ -82,10 +84,54 @@ def test_channel_reassembles_messages_split_anywhere():
     got = []
     ch = Channel(got.append, lambda: None)
     msgs = [("infer", 1, "m", None, [b"x" * 1000]), ("cancel", 1), ("metrics", 2)]
-    stream = b"".join(_LEN.pack(len(b)) + b for b in (pickle.dumps(m) for m in msgs))
+    # one loop turn's messages, then a turn of one message
+    stream = encode(msgs) + encode([("beat",)])
     for i in range(0, len(stream), 7):  # 7-byte pieces: lengths and bodies cut in the middle
         ch.data_received(stream[i:i + 7])
-    assert got == msgs
+    assert got == [*msgs, ("beat",)]
+
+
+async def test_channel_sends_a_loop_turns_messages_together_and_in_order():
+    """Messages sent in one loop turn arrive in one piece, in order, as sent; a message that
+    cannot be pickled is dropped alone; the next turn's messages come in a piece of their own."""
+    a, b = socket.socketpair()
+    got: list = []
+    pieces: list[int] = []
+    receiver = await connect(b, got.append, lambda: None)
+    counted = receiver.data_received
+
+    def counting(data: bytes) -> None:
+        pieces.append(len(data))
+        counted(data)
+
+    receiver.data_received = counting  # type: ignore[method-assign]
+    sender = await connect(a, lambda m: None, lambda: None)
+    first = [("result", i, [FrameResult("OK", None, 4, 1.0, 2.0, 3.0, True)], 1) for i in range(5)]
+    for m in first[:2]:
+        sender.send(m)
+    sender.send(("reply", 9, lambda: None))  # cannot be pickled
+    for m in first[2:]:
+        sender.send(m)
+    await asyncio.sleep(0.05)
+    assert got == first and len(pieces) == 1
+    sender.send(("beat",))
+    await asyncio.sleep(0.05)
+    assert got == [*first, ("beat",)] and len(pieces) == 2
+    sender.close()
+    receiver.close()
+
+
+def test_answers_pickle_to_what_was_sent():
+    """A frame's answer crosses to the front end equal: the envelope and a classification's
+    label, index, score and scores (float32)."""
+    scores = np.array([0.1, 0.7, 0.2], dtype=np.float32)
+    answer = FrameResult("NG", Classified("scratch", 1, 0.7, scores), 8, 1.5, 2.5, 4.0, True)
+    back = pickle.loads(encode([answer])[4:])[0]
+    assert (back.verdict, back.batch_size, back.queue_ms, back.compute_ms, back.total_ms,
+            back.deadline_met) == ("NG", 8, 1.5, 2.5, 4.0, True)
+    r = back.result
+    assert (r.label, r.index, r.score) == ("scratch", 1, pytest.approx(0.7))
+    assert r.scores.dtype == np.float32 and r.scores.tolist() == scores.tolist()
 
 
 def test_channel_survives_a_handler_error():
@@ -97,10 +143,9 @@ def test_channel_survives_a_handler_error():
         got.append(msg)
 
     ch = Channel(handler, lambda: None)
-    for m in ("bad", "good"):
-        b = pickle.dumps(m)
-        ch.data_received(_LEN.pack(len(b)) + b)
-    assert got == ["good"]
+    ch.data_received(encode(["bad", "good"]))  # the good one of the same turn still arrives
+    ch.data_received(encode(["bad"]) + encode(["good"]))
+    assert got == ["good", "good"]
 
 
 # --- hub and remote engine, in one loop ---------------------------------------------------------

@@ -15,7 +15,8 @@
    (``visionserve_tools.threadstates``: py-spy, which must be installed, e.g. carried as a wheel).
 4. ``--compare SPEC`` (repeatable) runs, instead of 3, the front-end scenario once per SPEC, each
    on a server of its own started with SPEC's settings as environment variables (``""``: as
-   shipped; ``VISIONSERVE_SWITCH_INTERVAL_MS=0.05``; several joined by commas): one client,
+   shipped; ``VISIONSERVE_SWITCH_INTERVAL_MS=0.05``; several joined by commas;
+   ``VISIONSERVE_FRONTENDS=0`` for the front end in the serving process): one client,
    saturation at 640x480 and at 1080p, each as a ratio to the bare model of the same run. An A/B
    of server settings on one machine in one run.
 
@@ -644,8 +645,10 @@ def compare(specs: list[dict[str, str]], repos: dict[str, Path], jpegs: list[byt
         res[key] = part
         log(f"compare {key}")
         try:
-            s = Server(repos[model], log_dir / f"compare-{i}.log", *extra,
-                       "--frontends", str(frontends), device=device, env=env)
+            # VISIONSERVE_FRONTENDS in a spec is the number of front ends (0: in-process)
+            fe = () if "VISIONSERVE_FRONTENDS" in env else ("--frontends", str(frontends))
+            s = Server(repos[model], log_dir / f"compare-{i}.log", *extra, *fe, device=device,
+                       env=env)
         except RuntimeError as exc:  # a setting the server refuses: said, and the next one runs
             part["error"] = str(exc)
             save()

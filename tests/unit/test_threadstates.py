@@ -164,7 +164,7 @@ def test_the_gpu_benchmark_compares_server_settings_side_by_side(tmp_path):
     specs = [benchgpu.settings_spec(""),
              benchgpu.settings_spec("VISIONSERVE_SWITCH_INTERVAL_MS=0.05"),
              benchgpu.settings_spec("VISIONSERVE_SWITCH_INTERVAL_MS=-1"),  # refused: gt=0
-             benchgpu.settings_spec("VISIONSERVE_SWITCH_INTERVAL_MS=2")]
+             benchgpu.settings_spec("VISIONSERVE_SWITCH_INTERVAL_MS=2,VISIONSERVE_FRONTENDS=0")]
     res: dict = {}
     bare = {"torch_fp16_cuda_graph": {32: {"img_per_s": 1000}}}
     jpegs = benchgpu.make_jpegs(4, 48, 64)
@@ -183,5 +183,7 @@ def test_the_gpu_benchmark_compares_server_settings_side_by_side(tmp_path):
     assert "server exited" in runs[2]["error"]
     # the server of each ran with its settings (its log says them)
     assert "VISIONSERVE_SWITCH_INTERVAL_MS=0.05" in (tmp_path / "compare-1.log").read_text()
+    assert "--frontends 1" in (tmp_path / "compare-1.log").read_text()
+    assert "--frontends" not in (tmp_path / "compare-3.log").read_text()  # in-process
     with pytest.raises(argparse.ArgumentTypeError, match="VISIONSERVE_NAME=VALUE"):
         benchgpu.settings_spec("SWITCH_INTERVAL_MS=0.05")

@@ -398,11 +398,15 @@ class ServerSettings(BaseSettings):
     tls_cert: Path | None = Field(
         None, description="PEM certificate: serve HTTPS and gRPC over TLS.")
     tls_key: Path | None = Field(None, description="PEM private key for --tls-cert.")
-    switch_interval_ms: float = Field(
-        0.5, gt=0, le=100,
+    switch_interval_ms: float | None = Field(
+        None, gt=0, le=100,
         description="Python's thread switch interval in the serving process: how long one thread "
                     "(the busy event loop) may hold the interpreter while the decode/compute "
-                    "threads wait for it. Python's own 5 ms starved the runner threads under load.")
+                    "threads wait for it. Default: 0.5 ms with the front end in this process, "
+                    "whose loop parses HTTP in long stretches of Python that starved the runner "
+                    "threads at Python's own 5 ms; 5 ms with --frontends, where the loop lets go "
+                    "of the interpreter at every I/O callback and forced switches only cost "
+                    "(docs/gpu.md).")
     load_switch_interval_ms: float = Field(
         0.05, gt=0, le=100,
         description="Python's thread switch interval while a model version loads beside the "
@@ -580,6 +584,14 @@ class ServerSettings(BaseSettings):
             raise ValueError("load_model goes with model_control_mode explicit (the other modes "
                              "load every model of the repository)")
         return self
+
+    def serving_switch_interval_s(self) -> float:
+        """The serving process's thread switch interval (``switch_interval_ms``, or its default
+        for this number of front ends), in seconds."""
+        ms = self.switch_interval_ms
+        if ms is None:
+            ms = 5.0 if self.frontends else 0.5
+        return ms / 1000
 
     def startup_models(self) -> set[str] | None:
         """The models to load at start-up (None: all of them)."""

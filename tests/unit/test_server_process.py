@@ -26,7 +26,13 @@ def test_switch_interval_is_applied_to_the_serving_process():
         assert settings.frontends == 3
         startup.apply_process_settings(settings)
         assert sys.getswitchinterval() == pytest.approx(0.00025)
-        startup.apply_process_settings(ServerSettings())  # the default is below Python's 5 ms
+        # the defaults: 0.5 ms with the front end in this process, Python's 5 ms with front-end
+        # processes (docs/gpu.md)
+        startup.apply_process_settings(ServerSettings())
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        startup.apply_process_settings(ServerSettings(frontends=2))
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+        startup.apply_process_settings(ServerSettings(frontends=2, switch_interval_ms=0.5))
         assert sys.getswitchinterval() == pytest.approx(0.0005)
     finally:
         sys.setswitchinterval(before)

@@ -16,7 +16,7 @@ log = logging.getLogger("visionserve")
 
 def apply_process_settings(settings: ServerSettings) -> None:
     """Interpreter settings of the serving process (the one with the runner threads)."""
-    sys.setswitchinterval(settings.switch_interval_ms / 1000)
+    sys.setswitchinterval(settings.serving_switch_interval_s())
     raise_fd_limit(settings.max_connections or 0)
 
 

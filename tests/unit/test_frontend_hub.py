@@ -121,6 +121,21 @@ async def test_channel_sends_a_loop_turns_messages_together_and_in_order():
     receiver.close()
 
 
+def test_a_turn_over_the_message_limit_goes_as_one_list_per_message(monkeypatch):
+    """A loop turn whose list would pass the receiver's limit goes out message by message, each
+    under the limit, and arrives whole and in order."""
+    from visionserve.frontends import channel
+
+    msgs = [("result", i, [bytes([i]) * 400]) for i in range(5)]
+    monkeypatch.setattr(channel, "MAX_MESSAGE", 1000)  # one message fits, two do not
+    stream = encode(msgs)
+    got: list = []
+    receiver = Channel(got.append, lambda: None)
+    receiver.data_received(stream)
+    assert got == msgs
+    assert len(stream) > 5 * 400 and len(encode(msgs[:1])) < 1000
+
+
 def test_answers_pickle_to_what_was_sent():
     """A frame's answer crosses to the front end equal: the envelope and a classification's
     label, index, score and scores (float32)."""

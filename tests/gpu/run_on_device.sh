@@ -30,6 +30,11 @@
 #     prometheus-client nvidia-ml-py opentelemetry-api importlib-metadata zipp typing-extensions \
 #     httpx httpcore certifi idna pytest-asyncio pytest-timeout grpcio grpcio-health-checking \
 #     protobuf tritonclient python-rapidjson pycocotools py-spy      (22 MB; carry ".whl")
+# COMPARE="SPEC SPEC ...": after the benchmark, server settings side by side in the same call
+#   (benchgpu --quick --compare, one server per SPEC; e.g. COMPARE="VISIONSERVE_SWITCH_INTERVAL_MS=0.5
+#   VISIONSERVE_SWITCH_INTERVAL_MS=5 VISIONSERVE_SWITCH_INTERVAL_MS=0.5 VISIONSERVE_SWITCH_INTERVAL_MS=5",
+#   interleaved so the machine's drift shows): compare.json / compare.txt, up to COMPARE_T s (400;
+#   about 40 s per SPEC, plus the bare model)
 # THREADS_S=15: the benchmark (not its AB=1 repeat) also samples the serving process's threads
 # with py-spy through 15 s of saturation at 640x480 and at 1080p (benchgpu --threads-s; about
 # 40 s more; visionserve_tools.threadstates; threads-*.raw in $OUT, the summary in bench.json)
@@ -77,6 +82,16 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   echo "benchgpu exit $?" >>"$OUT/bench.txt"
   kill $dmon 2>/dev/null
   tail -n 60 "$OUT/bench.txt"
+fi
+
+if [ -n "${COMPARE:-}" ]; then  # server settings side by side (benchgpu --compare)
+  compare_args=()
+  for spec in $COMPARE; do compare_args+=(--compare "$spec"); done
+  timeout ${COMPARE_T:-400} python3 -m visionserve_tools.benchgpu --quick --out "$OUT/compare.json" \
+    --log-dir "$OUT/compare" "${compare_args[@]}" >"$OUT/compare.txt" 2>&1
+  echo "benchgpu --compare exit $?" >>"$OUT/compare.txt"
+  grep -E "compare [0-9]+: " "$OUT/compare.txt" | cut -c1-600
+  tail -n 1 "$OUT/compare.txt"
 fi
 
 if [ -n "${AB:-}" ]; then  # the same benchmark with the eager preparation (--no-gpu-prep-one-call)

@@ -394,6 +394,16 @@ def load(server, model: str, jpegs: list[bytes], processes: int, threads: int,
             "mean_batch_size": round(statistics.fmean(sizes), 2) if sizes else None}
 
 
+def saturation(server, model: str, jpegs: list[bytes], processes: int, threads: int,
+               duration: float, rate: float | None) -> dict:
+    """``load``, with its throughput as a ratio to ``rate`` (the bare model's images/s at bs 32;
+    None: no ratio)."""
+    sat = load(server, model, jpegs, processes, threads, duration)
+    if rate:
+        sat["ratio_to_bare_bs32"] = round(sat.get("throughput_per_s", 0) / rate, 3)
+    return sat
+
+
 def model_bench_start(prog: str, doc: str | None, argv: list[str] | None, frontends: int,
                       add: Callable[[argparse.ArgumentParser], None] = lambda ap: None):
     """The command line and the record every model's GPU benchmark shares (benchdet,
@@ -436,9 +446,7 @@ def served_runs(root: Path, model: str, jpegs: list[bytes], log_dir: Path, quick
             if fe == 0:
                 part["single_client"] = load(s, model, jpegs, 1, 1, 3.0 if quick else 8.0)
             if fe or saturate_in_process or not frontends:
-                sat = load(s, model, jpegs, procs, 12, dur)
-                sat["ratio_to_bare_bs32"] = round(sat.get("throughput_per_s", 0) / rate, 3)
-                part["saturation"] = sat
+                part["saturation"] = saturation(s, model, jpegs, procs, 12, dur, rate)
             out[f"frontends_{fe}"] = part
         finally:
             s.stop()
@@ -658,9 +666,7 @@ def compare(specs: list[dict[str, str]], repos: dict[str, Path], jpegs: list[byt
             part["single_client"] = load(s, model, jpegs, 1, 1, short)
             for label, frames in (("640x480", jpegs), ("1080p", jpegs_1080)):
                 st0 = s.stats(model)
-                sat = load(s, model, frames, procs, threads, long)
-                if rate:
-                    sat["ratio_to_bare_bs32"] = round(sat.get("throughput_per_s", 0) / rate, 3)
+                sat = saturation(s, model, frames, procs, threads, long, rate)
                 sat["breakdown"] = breakdown(st0, s.stats(model))
                 part[f"saturation_{label}"] = sat
                 save()
@@ -733,9 +739,13 @@ def main(argv: list[str] | None = None) -> int:
             else min(8, max(2, (os.cpu_count() or 4) // 2))
         if args.compare:
             results["compare"] = {}
-            compare(args.compare, repos, jpegs, make_jpegs(16, 1080, 1920), log_dir, args.quick,
-                    results["bare"], results["compare"], save, frontends=fe,
-                    client_procs=args.client_procs, threads_s=args.threads_s)
+            try:
+                compare(args.compare, repos, jpegs, make_jpegs(16, 1080, 1920), log_dir,
+                        args.quick, results["bare"], results["compare"], save, frontends=fe,
+                        client_procs=args.client_procs, threads_s=args.threads_s)
+            except Exception as exc:  # noqa: BLE001 -- recorded in the results, which are saved
+                results["compare_error"] = repr(exc)
+            save()
         elif not args.skip_served:
             try:
                 results["served"] = {}

@@ -29,11 +29,13 @@ from .batching import CostModel, Pending, resolve
 from .config import ModelConfig
 from .errors import DeadlineExceeded, InternalError, Unavailable, VisionServeError
 from .logs import batch_ids
+from .tasks.base import pickled_as_fields
 from .threads import lower_this_thread
 
 log = logging.getLogger(__name__)
 
 
+@pickled_as_fields  # to a front-end process, from the engine's loop
 @dataclass(frozen=True, slots=True)
 class FrameResult:
     """A frame's answer, the envelope every task shares; always in time (``deadline_met`` is
@@ -47,12 +49,6 @@ class FrameResult:
     compute_ms: float
     total_ms: float
     deadline_met: bool
-
-    def __reduce__(self):
-        # to a front-end process: its fields as they are (a frozen dataclass's default pickling
-        # runs a Python function over its fields, several times slower, in the engine's loop)
-        return (FrameResult, (self.verdict, self.result, self.batch_size, self.queue_ms,
-                              self.compute_ms, self.total_ms, self.deadline_met))
 
 
 @dataclass(frozen=True, slots=True)

@@ -149,6 +149,47 @@ def test_answers_pickle_to_what_was_sent():
     assert r.scores.dtype == np.float32 and r.scores.tolist() == scores.tolist()
 
 
+def test_detection_and_anomaly_answers_pickle_as_their_fields():
+    """Detection and anomaly answers cross to the front end equal, each object rebuilt from its
+    fields in one call (no BUILD step: a frozen dataclass's own ``__setstate__`` sets each field
+    in Python, in the engine's loop)."""
+    import pickletools
+    from dataclasses import dataclass, field
+
+    from visionserve.tasks.anomaly import Anomaly, FrameRegion
+    from visionserve.tasks.base import pickled_as_fields
+    from visionserve.tasks.detection import Detected, Detection
+    from visionserve.tasks.rules import Reason
+
+    mask = np.eye(4, dtype=bool)
+    detected = Detected((Detection("scratch", 1, 0.9, (1.0, 2.0, 30.0, 40.0), 1064.0),
+                         Detection("dent", 2, 0.6, (5.0, 6.0, 7.0, 8.0), 4.0, mask)),
+                        (Reason("defect:scratch", "a scratch", (0,)),))
+    anomaly = Anomaly(0.8, 12.5, (FrameRegion((1.0, 2.0, 3.0, 4.0), 5.0, 0.9),), 1, ("area",),
+                      np.linspace(0, 1, 16, dtype=np.float32).reshape(4, 4))
+    plain = Detected(detected.detections[:1], detected.reasons)  # no arrays (theirs BUILD)
+    wire = encode([FrameResult("NG", plain, 4, 1.0, 2.0, 3.0, True)])[4:]
+    assert "BUILD" not in {op.name for op, _, _ in pickletools.genops(wire)}
+    assert pickle.loads(wire)[0].result == plain
+    for result in (detected, anomaly):
+        wire = encode([FrameResult("NG", result, 4, 1.0, 2.0, 3.0, True)])[4:]
+        back = pickle.loads(wire)[0].result
+        assert type(back) is type(result)
+    assert back.map.tolist() == anomaly.map.tolist() and back.regions == anomaly.regions
+    assert (back.score, back.raw_score, back.region_count, back.reasons) == (0.8, 12.5, 1, ("area",))
+    got = pickle.loads(pickle.dumps(detected))
+    assert got.reasons == detected.reasons and got.detections[0] == detected.detections[0]
+    assert got.detections[1].mask.tolist() == mask.tolist()
+
+    @dataclass
+    class Derived:  # a field set at construction: calling the class with it would not rebuild it
+        a: int
+        b: int = field(init=False, default=0)
+
+    with pytest.raises(TypeError, match="plain __init__ fields"):
+        pickled_as_fields(Derived)
+
+
 def test_channel_survives_a_handler_error():
     got = []
 

@@ -37,7 +37,7 @@ from pydantic import Field, field_validator, model_validator
 
 from ..backends.checks import Subject, TensorSpec, fmt
 from ..config import ModelConfig, _Strict
-from .base import OipOutput, Rows, Task
+from .base import OipOutput, Rows, Task, pickled_as_fields
 from .geometry import FrameMap, Size, frame_maps
 from .regions import find_regions, inside
 
@@ -171,6 +171,7 @@ def normalize(x: np.ndarray, threshold: float, scale: float) -> np.ndarray:
                    + np.float32(0.5), 0.0, 1.0)
 
 
+@pickled_as_fields
 @dataclass(frozen=True, slots=True)
 class FrameRegion:
     """A region of the thresholded map, in frame pixels."""
@@ -180,6 +181,7 @@ class FrameRegion:
     peak: float  # the largest normalised map value inside
 
 
+@pickled_as_fields
 @dataclass(frozen=True, slots=True)
 class Anomaly:
     """One frame's answer."""

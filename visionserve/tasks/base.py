@@ -14,10 +14,11 @@ to the model's outputs at load, and called from every runner thread of the versi
 
 from __future__ import annotations
 
+import operator
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
@@ -28,6 +29,31 @@ from .geometry import Size
 #: rows of a batch's outputs that answer frames: the first n (``slice(0, n)``), or, when frames
 #: dropped out of a batch already on the device, the kept rows in frame order
 Rows = slice | list[int]
+
+_D = TypeVar("_D", bound=type)
+
+
+def pickled_as_fields(cls: _D) -> _D:
+    """A dataclass decorator (put it above ``@dataclass``): instances pickle as the class and
+    its fields' values, unpickled by calling the class with them.
+
+    Results travel to front-end processes, pickled in the engine's loop (the one interpreter
+    every front end shares). A frozen dataclass's own pickling runs a Python function over its
+    fields and sets each back with ``object.__setattr__``: a detection answer of five objects
+    cost the loop about 20 us that way. Only for a dataclass whose fields are all ``__init__``
+    arguments, in order, and that does nothing more with them at construction."""
+    names = [f.name for f in fields(cls)]
+    if any(not f.init for f in fields(cls)) or hasattr(cls, "__post_init__"):
+        raise TypeError(f"{cls.__name__}: pickled_as_fields needs plain __init__ fields")
+    get = operator.attrgetter(*names)
+    one = len(names) == 1
+
+    def __reduce__(self: Any) -> tuple[Any, tuple[Any, ...]]:
+        values = get(self)
+        return cls, ((values,) if one else values)
+
+    cls.__reduce__ = __reduce__  # type: ignore[method-assign,assignment]
+    return cls
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from pydantic import Field, model_validator
 from ..backends.checks import Dim, Subject, TensorSpec, fmt
 from ..config import Labels, ModelConfig, _Strict
 from ..errors import ConfigError
-from .base import OipOutput, Rows, Task
+from .base import OipOutput, Rows, Task, pickled_as_fields
 from .geometry import FrameMap, Size, frame_maps
 from .rules import Judge, Reason, RegionVerdict
 
@@ -107,6 +107,7 @@ class DetectionConfig(ModelConfig):
         return self
 
 
+@pickled_as_fields
 @dataclass(frozen=True, slots=True)
 class Detection:
     """One object found in a frame; box and area in the frame's pixels."""
@@ -130,6 +131,7 @@ class Detection:
         return out
 
 
+@pickled_as_fields
 @dataclass(frozen=True, slots=True)
 class Detected:
     """One frame's detections (highest score first) and why it is NG, if it is."""

@@ -31,6 +31,7 @@ import numpy as np
 from pydantic import Field, field_validator, model_validator
 
 from ..config import _Strict
+from .base import pickled_as_fields
 from .geometry import box_polygon_overlap, points_in_polygon
 
 Point = tuple[float, float]
@@ -143,6 +144,7 @@ class RegionVerdict(_Strict):
         return {} if self.count else {label: DefectRule() for label in labels}
 
 
+@pickled_as_fields
 @dataclass(frozen=True, slots=True)
 class Reason:
     """One rule that made a part NG, and the objects (indices in the answer) involved."""

@@ -426,6 +426,15 @@ class ServerSettings(BaseSettings):
                     "normalise) in one TorchScript call that releases the interpreter once, "
                     "instead of some 40 torch calls that each wait behind the busy event loop "
                     "to take it back (docs/gpu.md). Other batches take the eager path.")
+    gpu_graph_fetch: bool = Field(
+        False,
+        description="On the GPU (torch backend), capture the copies of the model's outputs to "
+                    "the host in its CUDA graphs, so that a batch costs the compute thread three "
+                    "torch calls instead of five, each a wait behind the busy event loop to take "
+                    "the interpreter back (docs/gpu.md). Checked at warm-up: a graph whose "
+                    "captured copy does not work is served with the copy after it. Off until a "
+                    "GPU benchmark has compared it (benchgpu --compare "
+                    "VISIONSERVE_GPU_GRAPH_FETCH=1).")
     recipes: Path | None = Field(
         None, description="The recipes file: each product variant's model, version and verdict "
                           "settings, and the stations that run them (docs/recipes.md). Default: "

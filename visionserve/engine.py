@@ -384,6 +384,7 @@ class Engine(ModelLookup):
         for i in range(config.runtime.instances):
             backend = backends.create(config.runtime.backend)
             backend.isolated = self._ready and self.settings.isolated_loads  # beside serving ones
+            backend.graph_fetch = self.settings.gpu_graph_fetch
             made.append(backend)
             t0 = time.monotonic()
             load_config = self.gpu.instance_config(entry.name, config) if self.gpu else config

@@ -22,15 +22,16 @@ def means_repo(tmp_path_factory):
     return integrity.make_repo(tmp_path_factory.mktemp("integrity"), "torch", "fp16")
 
 
-@pytest.mark.parametrize("frontends", [0, 4])
-def test_every_answer_belongs_to_its_frame_on_gpu(means_repo, server_factory, frontends):
+@pytest.mark.parametrize("frontends, flags", [(0, ()), (4, ()), (4, ("--gpu-graph-fetch",))],
+                         ids=["in-process", "frontends", "frontends-graph-fetch"])
+def test_every_answer_belongs_to_its_frame_on_gpu(means_repo, server_factory, frontends, flags):
     extra = ("--frontends", str(frontends)) if frontends else ()
-    server = server_factory(means_repo, "--device", "cuda:0", *extra, grpc=False)
+    server = server_factory(means_repo, "--device", "cuda:0", *extra, *flags, grpc=False)
     report = asyncio.run(integrity.run_load(server.url, seconds=30, clients=48, processes=4))
     summary = report.as_dict()
     if os.environ.get("INTEGRITY_OUT"):  # tests/gpu/run_on_device.sh keeps the figures
         with open(Path(os.environ["INTEGRITY_OUT"]) / "integrity.jsonl", "a") as f:
-            f.write(json.dumps({"frontends": frontends, **summary}) + "\n")
+            f.write(json.dumps({"frontends": frontends, "flags": list(flags), **summary}) + "\n")
     assert report.wrong == 0, summary
     assert report.answered_200 > 1000, summary
     assert not {s for s in report.statuses if s not in (200, 503, 504)}, summary

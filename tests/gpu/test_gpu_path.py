@@ -166,6 +166,25 @@ def test_cuda_graphs_on_a_high_priority_stream(repo, config):
     assert gpu.eager_runs == eager + 1
 
 
+def test_graphs_that_copy_their_outputs_answer_as_graphs_that_do_not(repo, config):
+    """``--gpu-graph-fetch``: the output copies and their event captured in the graphs pass the
+    warm-up check on this GPU, and each batch size, and the eager size beyond the graphs, gives
+    the outputs of the graphs without them, batch after batch (a stale buffer would give the
+    previous batch's)."""
+    from visionserve.backends.torch import TorchBackend
+
+    plain, fetched = TorchBackend(), TorchBackend()
+    fetched.graph_fetch = True
+    for b in (plain, fetched):
+        b.load(repo / "net" / "1" / "model.pt2", config, "cuda:0")
+        b.warmup(config.batching.preferred_batch_sizes)
+    assert fetched.describe().get("graph_fetch") == "on" and "graph_fetch" not in plain.describe()
+    rng = np.random.default_rng(1)
+    for n in (1, 2, 4, 8, 16, 16, 1, 20):
+        x = rng.normal(size=(n, 3, 96, 96)).astype(np.float32)
+        np.testing.assert_array_equal(fetched.run(x)["output0"], plain.run(x)["output0"])
+
+
 @pytest.mark.parametrize("kinds, scaled", [(("jpeg",), False), (("png", "raw", "jpeg", "bmp"), False),
                                            (("jpeg",), True)])
 def test_gpu_and_cpu_paths_give_the_same_verdicts(repo, config, kinds, scaled):

@@ -39,6 +39,26 @@ def fe_server(tiny_repo, tmp_path_factory):
     s.stop()
 
 
+def test_a_front_end_decodes_under_the_servers_pixel_limit_not_its_environments(tiny_repo,
+                                                                                   tmp_path):
+    """The annotated answer's image is decoded in the front-end process: with OpenCV's limit
+    at 1,000 pixels in the environment the server starts from, a 640x480 PNG within the
+    server's ``--max-image-pixels`` still comes back annotated (it was a 500)."""
+    import cv2
+
+    s = start_server(tiny_repo, tmp_path, "--frontends", "1", grpc=False,
+                     env={"OPENCV_IO_MAX_IMAGE_PIXELS": "1000"})
+    try:
+        ok, png = cv2.imencode(".png", np.full((480, 640, 3), 90, np.uint8))
+        r = httpx.post(s.url + INSPECT, content=png.tobytes(), timeout=30,
+                       headers={"Content-Type": "image/png", "Accept": "image/jpeg"})
+        assert r.status_code == 200 and r.headers["content-type"] == "image/jpeg", r.text
+        assert cv2.imdecode(np.frombuffer(r.content, np.uint8), cv2.IMREAD_COLOR).shape[:2] \
+            == (480, 640)
+    finally:
+        s.stop()
+
+
 def test_two_front_end_processes_are_started(fe_server):
     kids = children(fe_server.proc.pid)
     assert len(kids) >= 2

@@ -333,7 +333,9 @@ def test_prepare_batch_bad_frame_fails_alone_and_rows_are_compacted():
 
 
 def test_configure_opencv_sets_the_decoder_limit(monkeypatch):
-    monkeypatch.delenv("OPENCV_IO_MAX_IMAGE_PIXELS", raising=False)
+    # set through monkeypatch first, so that the value is undone after the test (a server that a
+    # later test starts from this process would inherit it)
+    monkeypatch.setenv("OPENCV_IO_MAX_IMAGE_PIXELS", "1")
     imaging.configure_opencv(1234)
     assert os.environ["OPENCV_IO_MAX_IMAGE_PIXELS"] == "1234"
 

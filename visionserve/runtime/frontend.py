@@ -18,6 +18,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
+from .. import imaging
 from ..config import ServerSettings
 from ..errors import VisionServeError
 from ..frontends.arena import Arena
@@ -41,6 +42,10 @@ EXIT_GRACE_S = 0.3
 
 async def run(spec: dict, settings: ServerSettings) -> int:
     index = spec["index"]
+    # this process decodes too (an annotated answer's image): OpenCV's limit is the server's
+    # here as well, not what the environment it was started from says (it is spawned before the
+    # engine sets its own)
+    imaging.configure_opencv(settings.max_image_pixels)
     arena = Arena(spec["arena_fd"], spec["arena_bytes"])
     os.close(spec["arena_fd"])
     remote = RemoteEngine(arena)

@@ -290,16 +290,19 @@ def jpeg_bytes() -> bytes:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Skip ``gpu`` tests cleanly where CUDA is absent."""
+    """Skip ``gpu`` tests cleanly where CUDA is absent, and in the workers of pytest-xdist (the
+    README's ``-n 2``): two processes would share the one GPU, and the GPU tests measure it whole
+    (memory, timings). They run on their own: ``pytest -m gpu``, or tests/gpu/run_on_device.sh."""
     try:
         import torch
 
         has_cuda = torch.cuda.is_available()
     except Exception:  # pragma: no cover - torch missing or broken
         has_cuda = False
-    if has_cuda:
+    if has_cuda and "PYTEST_XDIST_WORKER" not in os.environ:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    skip = pytest.mark.skip(reason="run the GPU tests without -n: pytest -m gpu" if has_cuda
+                            else "needs a CUDA device")
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)

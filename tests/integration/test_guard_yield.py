@@ -70,6 +70,7 @@ class Batcher:
 @pytest.fixture
 def word(tmp_path, monkeypatch):
     """The server's busy word, named to the guard as a separate server would be."""
+    share._state.clear()  # batchers other tests left behind (this process's state is global)
     path = share.publish(str(tmp_path / "busy.share"))
     monkeypatch.setenv(share.SHARE_ENV, path)
     yield path

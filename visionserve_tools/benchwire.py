@@ -1,0 +1,125 @@
+"""What sending answers to a front-end process costs the engine's loop, per task: a loop turn's
+answers pickled as one message (``frontends.channel.encode``) and unpickled in the front end,
+with the answers' own pickling (``tasks.base.pickled_as_fields``; a classification's scores as
+float32 bytes) and with the dataclasses' default pickling, in one process, rounds alternating
+(a ratio, good on a noisy machine).
+
+    python -m visionserve_tools.benchwire --out wire.json
+
+Answers: a classification of 3 labels, detections of 1 and 5 objects (with a rule that made the
+part NG), and an anomaly answer with a 64x64 map; 32 answers a message, each its own object (a
+repeated object would be pickled once). Figures: microseconds per answer, medians of the rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+
+def answers() -> dict[str, Callable[[], Any]]:
+    from visionserve.runner import FrameResult
+    from visionserve.tasks.anomaly import Anomaly, FrameRegion
+    from visionserve.tasks.classification import Classified
+    from visionserve.tasks.detection import Detected, Detection
+    from visionserve.tasks.rules import Reason
+
+    def envelope(result: Any) -> FrameResult:
+        return FrameResult("NG", result, 32, 1.0, 2.0, 3.0, True)
+
+    def detected(k: int) -> FrameResult:
+        return envelope(Detected(tuple(Detection("scratch", 1, 0.9, (1.0, 2.0, 30.0, 40.0), 1064.0)
+                                       for _ in range(k)),
+                                 (Reason("defect:scratch", "a scratch", (0,)),)))
+
+    return {
+        "classification, 3 labels": lambda: envelope(Classified(
+            "scratch", 1, 0.7, np.array([0.1, 0.7, 0.2], np.float32))),
+        "detection, 1 object": lambda: detected(1),
+        "detection, 5 objects": lambda: detected(5),
+        "anomaly, 64x64 map": lambda: envelope(Anomaly(
+            0.8, 12.5, (FrameRegion((1.0, 2.0, 3.0, 4.0), 5.0, 0.9),), 1, ("area",),
+            np.zeros((64, 64), np.float32))),
+    }
+
+
+def _classes() -> tuple[type, ...]:
+    from visionserve.runner import FrameResult
+    from visionserve.tasks.anomaly import Anomaly, FrameRegion
+    from visionserve.tasks.classification import Classified
+    from visionserve.tasks.detection import Detected, Detection
+    from visionserve.tasks.rules import Reason
+
+    return (FrameResult, Classified, Detection, Detected, Reason, FrameRegion, Anomaly)
+
+
+def measure(rounds: int = 7, encodes: int = 200, per_message: int = 32) -> dict[str, Any]:
+    from visionserve.frontends.channel import encode
+
+    classes = _classes()
+    # each class's own pickling (``__reduce__``: pickled_as_fields, or a task's own); without it
+    # the dataclass's default (its __getstate__ over the fields, numpy's for an array)
+    own = {c: c.__dict__["__reduce__"] for c in classes}
+
+    def use(theirs: bool) -> None:
+        for c in classes:
+            if theirs:
+                c.__reduce__ = own[c]  # type: ignore[method-assign]
+            elif "__reduce__" in c.__dict__:
+                delattr(c, "__reduce__")
+
+    out: dict[str, Any] = {}
+    try:
+        for name, make in answers().items():
+            msgs = [("result", i, [make()], 1) for i in range(per_message)]
+            runs: dict[str, list[tuple[float, float]]] = {"fields": [], "default": []}
+            for _ in range(rounds):
+                for mode, figures in runs.items():
+                    use(mode == "fields")
+                    t = time.perf_counter()
+                    for _ in range(encodes):
+                        wire = encode(msgs)
+                    enc = (time.perf_counter() - t) / encodes / per_message * 1e6
+                    t = time.perf_counter()
+                    for _ in range(encodes):
+                        pickle.loads(wire[4:])
+                    dec = (time.perf_counter() - t) / encodes / per_message * 1e6
+                    figures.append((enc, dec))
+            med = {m: (statistics.median(e for e, _ in v), statistics.median(d for _, d in v))
+                   for m, v in runs.items()}
+            out[name] = {
+                "engine_pickle_us": {m: round(v[0], 2) for m, v in med.items()},
+                "front_end_unpickle_us": {m: round(v[1], 2) for m, v in med.items()},
+                "pickle_ratio_fields_over_default": round(med["fields"][0] / med["default"][0], 3),
+            }
+    finally:
+        use(True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m visionserve_tools.benchwire", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--encodes", type=int, default=200, help="messages encoded per round")
+    p.add_argument("--out", help="write the results here as JSON")
+    args = p.parse_args(argv)
+    report = {"per_answer": measure(args.rounds, args.encodes),
+              "setup": {"rounds": args.rounds, "encodes": args.encodes, "answers_per_message": 32}}
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

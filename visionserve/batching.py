@@ -371,6 +371,9 @@ class Batcher:
             task = asyncio.get_running_loop().create_task(self._dispatch(batch))
             self._tasks[task] = batch
             task.add_done_callback(self._task_done)
+            # not held here while the next batch is awaited: its frames go when it is answered
+            # (with --frontend-zero-copy, their arena space too)
+            del batch, task
 
     async def _acquire_slot(self) -> None:
         """Wait for a free executor slot. Meanwhile keep answering requests whose deadline passes:

@@ -426,6 +426,15 @@ class ServerSettings(BaseSettings):
                     "normalise) in one TorchScript call that releases the interpreter once, "
                     "instead of some 40 torch calls that each wait behind the busy event loop "
                     "to take it back (docs/gpu.md). Other batches take the eager path.")
+    frontend_zero_copy: bool = Field(
+        False,
+        description="With --frontends: the engine reads each frame where its front end wrote "
+                    "it (the shared-memory arena) instead of copying it out first, and the front "
+                    "end reuses the space once the engine has let the frame go, not at its "
+                    "answer. The copy holds the serving process's interpreter: 22% of its event "
+                    "loop's time at 1080p saturation on the H200 (docs/gpu.md). Off until a GPU "
+                    "benchmark has compared it (benchgpu --compare "
+                    "VISIONSERVE_FRONTEND_ZERO_COPY=1).")
     gpu_graph_fetch: bool = Field(
         False,
         description="On the GPU (torch backend), capture the copies of the model's outputs to "

@@ -818,7 +818,10 @@ class Engine(ModelLookup):
             pending = self.admit(served, frames, deadline_ms, priority, arrival, origin)
         except VisionServeError as exc:
             self.count_error(name, exc, len(frames))
-            answer.set_exception(exc)
+            # a refusal needs no traceback, and this one would keep the frames (this function's)
+            # and the answer that holds it in a cycle until the collector runs; with
+            # --frontend-zero-copy the frames are arena space the front end cannot reuse
+            answer.set_exception(exc.with_traceback(None))
             return answer
         except Exception:  # a bug: the front end answers 500
             self.count_error(name, "internal", len(frames))

@@ -163,7 +163,10 @@ class Runner:
                                                               padded)
                 else:
                     tensor, good, bad = self.prepare([p.payload for p in live], padded)
-                errors = [(live[i], exc) for i, exc in bad]
+                # a frame's error needs no traceback, and its traceback and the preparation's
+                # list of errors hold each other, and the batch's frames, until the collector
+                # runs (with --frontend-zero-copy: arena space the front end cannot reuse)
+                errors = [(live[i], exc.with_traceback(None)) for i, exc in bad]
                 items = [live[i] for i in good]
                 if bad and good:  # rows of bad frames need not run: keep the good ones (+ padding)
                     tensor = tensor[:padded_size(len(good), self.preferred)]
@@ -181,6 +184,9 @@ class Runner:
             if errors:
                 self._post(_fail_all, errors)
             self._handoff.put((batch, done, items, tensor, t0, time.monotonic() - t0, len(errors)))
+            # this thread holds no frame while it waits for the next batch (with
+            # --frontend-zero-copy a frame held is arena space the front end cannot reuse)
+            del job, batch, done, live, items, tensor, errors
 
     def _compute_loop(self) -> None:
         lower_this_thread(self.nice)
@@ -207,6 +213,8 @@ class Runner:
             finally:
                 post(resolve, done, None)
                 self._post(_run_posted, posts)
+                # nor this one (see the prep thread)
+                del job, _batch, done, items, tensor, posts, post
 
     def _mark_unhealthy(self, exc: BaseException) -> None:
         if self.healthy:

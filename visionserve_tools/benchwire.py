@@ -1,8 +1,13 @@
-"""What sending answers to a front-end process costs the engine's loop, per task: a loop turn's
-answers pickled as one message (``frontends.channel.encode``) and unpickled in the front end,
-with the answers' own pickling (``tasks.base.pickled_as_fields``; a classification's scores as
-float32 bytes) and with the dataclasses' default pickling, in one process, rounds alternating
-(a ratio, good on a noisy machine).
+"""What the front ends' traffic costs the engine's loop, the one interpreter they all share, in
+one process, rounds alternating (a ratio, good on a noisy machine):
+
+* ``per_answer``: sending answers, per task: a loop turn's answers pickled as one message
+  (``frontends.channel.encode``) and unpickled in the front end, with the answers' own pickling
+  (``tasks.base.pickled_as_fields``; a classification's scores as float32 bytes) and with the
+  dataclasses' default pickling;
+* ``per_frame_intake``: taking a frame from a front end's arena (``hub.Link._frame``): a copy
+  (the default) against a view in place that holds its request's lease
+  (``--frontend-zero-copy``), for JPEGs of 41 KB (the H200 benchmark's 640x480) to 1.2 MB.
 
     python -m visionserve_tools.benchwire --out wire.json
 
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pickle
 import statistics
 import time
@@ -104,6 +110,47 @@ def measure(rounds: int = 7, encodes: int = 200, per_message: int = 32) -> dict[
     return out
 
 
+def intake(rounds: int = 9, repeat: int = 10, sizes_kb: tuple[int, ...] = (41, 100, 200, 400, 1200)
+           ) -> dict[str, Any]:
+    """Microseconds the engine's loop takes to make a Frame of one arena extent: copied, or in
+    place; 64 extents spread over a 256 MiB arena, as a front end's are."""
+    from visionserve.frontends import hub
+    from visionserve.frontends.arena import Arena, ArenaReader, create_memfd
+
+    size = 256 << 20
+    fd = create_memfd(size)
+    writer, reader = Arena(fd, size), ArenaReader(fd, size)
+    link = hub.Link.__new__(hub.Link)  # only _frame and its arena
+    link.arena = reader
+    out: dict[str, Any] = {}
+    try:
+        for kb in sizes_kb:
+            data = np.random.default_rng(kb).integers(0, 256, kb * 1024, np.uint8).tobytes()
+            offs = []
+            for _ in range(64):
+                off = writer.alloc(len(data))
+                assert off is not None
+                writer.write(off, data)
+                offs.append(off)
+            runs: dict[str, list[float]] = {"copy": [], "zero_copy": []}
+            for _ in range(rounds):
+                for mode, figures in runs.items():
+                    t = time.perf_counter()
+                    for _ in range(repeat):
+                        for off in offs:
+                            lease: Any = object() if mode == "zero_copy" else None
+                            link._frame(("jpeg", 640, 480, 3, None, off, len(data), None), lease)
+                    figures.append((time.perf_counter() - t) / (repeat * len(offs)) * 1e6)
+            for off in offs:
+                writer.free(off, len(data))
+            out[f"{kb} KB"] = {m: round(statistics.median(v), 2) for m, v in runs.items()}
+    finally:
+        reader.close()
+        writer.close()
+        os.close(fd)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m visionserve_tools.benchwire", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -112,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="write the results here as JSON")
     args = p.parse_args(argv)
     report = {"per_answer": measure(args.rounds, args.encodes),
+              "per_frame_intake": intake(args.rounds),
               "setup": {"rounds": args.rounds, "encodes": args.encodes, "answers_per_message": 32}}
     text = json.dumps(report, indent=1)
     print(text)

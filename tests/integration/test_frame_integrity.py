@@ -21,14 +21,18 @@ def means_repo(tmp_path_factory):
     return integrity.make_repo(tmp_path_factory.mktemp("integrity"), "onnxruntime")
 
 
-@pytest.mark.parametrize("frontends", [0, 2])
-def test_every_answer_belongs_to_its_frame(means_repo, server_factory, frontends):
+@pytest.mark.parametrize("frontends, flags", [(0, ()), (2, ()), (2, ("--frontend-zero-copy",))],
+                         ids=["in-process", "frontends", "frontends-zero-copy"])
+def test_every_answer_belongs_to_its_frame(means_repo, server_factory, frontends, flags):
+    """With --frontend-zero-copy the engine reads the frames where the front ends wrote them, and
+    an extent is written again only after the engine let go of its frame: never another frame's
+    bytes under a frame's verdict."""
     extra = ("--frontends", str(frontends)) if frontends else ()
-    server = server_factory(means_repo, *extra, grpc=False)
+    server = server_factory(means_repo, *extra, *flags, grpc=False)
     report = asyncio.run(integrity.run_load(server.url, seconds=30, clients=48, sizes=CPU_SIZES,
                                             short_ms=(1.0, 15.0)))
     summary = report.as_dict()
-    print("frame integrity", "frontends", frontends, summary)
+    print("frame integrity", "frontends", frontends, flags, summary)
     assert report.wrong == 0, summary
     assert report.answered_200 > 100, summary  # the check saw real traffic
     assert report.statuses.get(504, 0) > 0, summary  # short deadlines did expire

@@ -14,6 +14,7 @@ def test_the_wire_benchmark_reports_each_task_and_leaves_the_pickling_as_it_was(
     assert benchwire.main(["--rounds", "1", "--encodes", "2", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert set(report["per_answer"]) == set(benchwire.answers())
+    assert all(set(v) == {"copy", "zero_copy"} for v in report["per_frame_intake"].values())
     for figures in report["per_answer"].values():
         assert set(figures["engine_pickle_us"]) == {"fields", "default"}
         assert all(v > 0 for v in figures["front_end_unpickle_us"].values())

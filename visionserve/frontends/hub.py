@@ -34,6 +34,8 @@ and what the hub sends back:
   late_ms)`` exactly once per ``infer``, counted in the metrics here before it is sent;
   ``("reply", rid, value)`` or an error for the others.
   ``("beat",)`` every ``HEARTBEAT_S``: a front end that hears nothing for a while stops taking work.
+  ``("free", [rid, ...])`` with ``--frontend-zero-copy``: the engine holds none of these requests'
+  frames any more, their extents may be reused (before or after their answers; see arena.py).
 """
 
 from __future__ import annotations
@@ -42,7 +44,10 @@ import asyncio
 import contextlib
 import logging
 import socket
+import sys
+import threading
 import time
+import traceback
 
 import numpy as np
 
@@ -66,10 +71,15 @@ REPOSITORY_CALLS = ("repository_index", "load_model", "unload_model")
 class Link:
     """One front-end process: its channel, its arena, its requests in progress."""
 
-    def __init__(self, hub: Hub, index: int, arena: ArenaReader) -> None:
+    def __init__(self, hub: Hub, index: int, arena: ArenaReader, zero_copy: bool = False) -> None:
         self.hub = hub
         self.index = index
         self.arena = arena
+        # frames are views of the arena, released with "free" messages (arena.py)
+        self.zero_copy = zero_copy
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._released: list[int] = []  # request ids to tell the front end of, this loop turn
         self.channel: Channel | None = None
         # (served versions, settings generation) this front end has been told of, and the
         # settings generation it has said it applies
@@ -90,15 +100,27 @@ class Link:
         kind = msg[0]
         if kind == "infer":
             _, rid, name, version, descs, deadline_ms, priority, arrival, client_id, origin = msg
+            # zero-copy: the frames in the arena hold this lease; the front end frees their
+            # extents once it is gone. Else they are copied out now: the extents may be reused
+            # after the answer.
+            lease = _Lease(self, rid) if self.zero_copy and any(d[7] is None for d in descs) \
+                else None
+            frames: list[Frame] = []
             try:
-                # copied out now: the arena extent may be reused after the answer
-                frames = [self._frame(d) for d in descs]
-            # answered all the same: the front end frees the extents on the answer
+                for d in descs:  # not a comprehension: that would keep the lease in a cell here
+                    frames.append(self._frame(d, lease))
+            # answered all the same: the front end frees the extents on the answer (or once the
+            # lease, which no frame holds, is gone)
             except Exception:
+                # the traceback (a log handler may keep it) must not hold the lease
+                frames.clear()
+                lease = None
                 log.exception("front end %d sent frames that cannot be read", self.index)
+                traceback.clear_frames(sys.exc_info()[2])
                 self.hub.engine.count_error(name, "internal", len(descs))
                 self._error(rid, InternalError(INTERNAL_MESSAGE))
                 return
+            lease = None  # the frames hold it now: this frame must not (a traceback may keep it)
             # the frames' and the answer callback's log lines name it
             token = request_id.set(client_id)
             try:
@@ -173,12 +195,34 @@ class Link:
             await self.hub.applied_everywhere(getattr(self.hub.engine, "generation", 0))
             self.ch.send(("reply", rid, reply))
 
-    def _frame(self, desc: tuple) -> Frame:
+    def _frame(self, desc: tuple, lease: _Lease | None = None) -> Frame:
         kind, width, height, channels, shape, off, n, inline = desc
-        data = inline if inline is not None else self.arena.read(off, n)
+        if lease is not None and inline is None:
+            view = self.arena.view(off, n, lease)
+            # a view of the view (reshape), which keeps it and so the lease: np.frombuffer of it
+            # would refer to the whole arena instead, and the lease would go with this function
+            return Frame(kind, view.reshape(shape) if kind == "raw" else view, width, height,
+                         channels)
+        data: bytes | np.ndarray = inline if inline is not None else self.arena.read(off, n)
         if kind == "raw":
             data = np.frombuffer(data, dtype=np.uint8).reshape(shape)
         return Frame(kind, data, width, height, channels)
+
+    def release(self, rid: int) -> None:
+        """Request ``rid``'s frames are no longer held here (its lease is gone): the front end is
+        told at the end of this loop turn, with the others released in it. From any thread."""
+        if threading.get_ident() != self._loop_thread:
+            with contextlib.suppress(RuntimeError):  # the loop closed: the front end is gone too
+                self._loop.call_soon_threadsafe(self.release, rid)
+            return
+        if not self._released:
+            self._loop.call_soon(self._send_released)
+        self._released.append(rid)
+
+    def _send_released(self) -> None:
+        rids, self._released = self._released, []
+        if self.channel is not None and not self.channel.closed:
+            self.channel.send(("free", rids))
 
     def _infer(self, rid, name, version, frames, deadline_ms, priority, arrival,
                origin=None) -> None:
@@ -192,6 +236,9 @@ class Link:
         except VisionServeError as exc:  # unknown model or version: refused, and counted here
             engine.count_error(name, exc, len(frames))
             self._error(rid, exc)
+            # its traceback holds the frames in the engine's frames below (with zero-copy: their
+            # lease), for as long as anything keeps the exception
+            exc.__traceback__ = None
             return
         self.tasks[rid] = (answer, name, len(frames))  # "cancel" cancels it: its frames are dropped
 
@@ -226,6 +273,23 @@ class Link:
             self.channel.close()
 
 
+class _Lease:
+    """One request's frames in the arena (``--frontend-zero-copy``): each frame's bytes hold it
+    (:class:`~visionserve.frontends.arena.ArenaBytes`), and when the last is gone - decoded and
+    dropped, or let go by whatever kept it - its link tells the front end to free the extents."""
+
+    __slots__ = ("link", "rid")
+
+    def __init__(self, link: Link, rid: int) -> None:
+        self.link = link
+        self.rid = rid
+
+    def __del__(self) -> None:
+        # never raise from a finaliser (at interpreter shutdown the loop may be gone)
+        with contextlib.suppress(Exception):
+            self.link.release(self.rid)
+
+
 class Hub:
     """Every front end's way into ``engine``; keeps them told of readiness."""
 
@@ -239,7 +303,9 @@ class Hub:
 
     async def attach(self, index: int, sock: socket.socket, arena_fd: int, arena_size: int) -> Link:
         """Serve front end ``index`` on ``sock`` (our end of its socket pair)."""
-        link = Link(self, index, ArenaReader(arena_fd, arena_size))
+        settings = getattr(self.engine, "settings", None)
+        link = Link(self, index, ArenaReader(arena_fd, arena_size),
+                    zero_copy=bool(getattr(settings, "frontend_zero_copy", False)))
         link.channel = await connect(sock, link.on_message, link.on_lost)
         self.links[index] = link
         if self.publish not in self.engine.on_change:

@@ -47,8 +47,12 @@ DEADLINE_GRACE_S = 0.02
 class RemoteEngine(ModelLookup):
     """The data plane (:class:`visionserve.dataplane.DataPlane`) in a front-end process."""
 
-    def __init__(self, arena: Arena) -> None:
+    def __init__(self, arena: Arena, zero_copy: bool = False) -> None:
         self.arena = arena
+        # --frontend-zero-copy: the engine reads the frames in place and says when it let them go
+        # ("free"); a request's extents wait for that here, not for its answer (arena.py)
+        self.zero_copy = zero_copy
+        self._leased: dict[int, list[tuple[int, int]]] = {}
         self.channel: Channel | None = None
         self.entries: dict = {}
         self.served: dict[tuple[str, int], ModelView] = {}
@@ -92,6 +96,11 @@ class RemoteEngine(ModelLookup):
             self.connected.set()
             if models is not None and self.channel is not None:  # in force here from now on
                 self.channel.send(("applied", generation))
+            return
+        if kind == "free":  # zero-copy: the engine holds none of these requests' frames any more
+            for rid in msg[1]:
+                for off, n in self._leased.pop(rid, ()):
+                    self.arena.free(off, n)
             return
         rid = msg[1]
         pending = self._pending.pop(rid, None)
@@ -171,6 +180,9 @@ class RemoteEngine(ModelLookup):
         timer = None
         if expires is not None:
             timer = loop.call_at(expires[0], self._expire, rid, *expires)
+        if self.zero_copy and extents:  # freed on the engine's "free", whenever that comes
+            self._leased[rid] = extents
+            extents = None
         self._pending[rid] = (fut, extents or [], timer)
         assert self.channel is not None  # _check_reachable
         self.channel.send((msg_head, rid, *rest))

@@ -34,7 +34,7 @@ import logging
 import struct
 import warnings
 from collections import OrderedDict
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -130,19 +130,21 @@ def resize_modes(interp: str, in_hw: tuple[int, int], out_hw: tuple[int, int]) -
 
 # --- EXIF orientation (OpenCV applies it, nvJPEG does not) -----------------------------------
 
-def host_decoded(data: bytes) -> bool:
+def host_decoded(frame_bytes: bytes | np.ndarray) -> bool:
     """True for a JPEG that the CPU decodes, not nvJPEG: one whose EXIF says the image must be
     rotated or flipped (orientation != 1; nvJPEG ignores it), or one of other than 1 or 3
     components (CMYK, YCCK: OpenCV undoes Adobe's inverted CMYK, and the CPU path's colours are
-    the reference)."""
+    the reference). ``frame_bytes``: the file's bytes, or a uint8 array of them (a frame read in
+    place from a front end's arena)."""
+    data = memoryview(frame_bytes)  # type: ignore[arg-type]  # ints when indexed, as bytes
     i, n = 2, min(len(data), 1 << 16)
     while i + 4 <= n and data[i] == 0xFF:
         marker = data[i + 1]
         if marker == 0xDA:  # start of scan: no more headers
             return False
         (length,) = struct.unpack(">H", data[i + 2:i + 4])
-        if marker == 0xE1 and data[i + 4:i + 10] == b"Exif\x00\x00" \
-                and _tiff_orientation(data[i + 10:i + 2 + length]) not in (None, 1):
+        if marker == 0xE1 and bytes(data[i + 4:i + 10]) == b"Exif\x00\x00" \
+                and _tiff_orientation(bytes(data[i + 10:i + 2 + length])) not in (None, 1):
             return True
         if marker in SOF_MARKERS and i + 9 < n and data[i + 9] not in (1, 3):
             return True
@@ -297,11 +299,11 @@ class TorchPreprocessor:
         wy = self._w(ih, nh, mode, cy, min(nh, s.height) if s.resize == "center_crop" else nh)
         wx = self._w(iw, nw, mode, cx, min(nw, s.width) if s.resize == "center_crop" else nw).T
         if (wy.shape[0], wx.shape[1]) != (s.height, s.width) or y0 or x0 \
-                or any(host_decoded(cast(bytes, f.data)) for f in frames):
+                or any(host_decoded(f.data) for f in frames):
             return None  # letterboxed, or a JPEG for the CPU decoder
         from torchvision.io import ImageReadMode
 
-        datas = [torch.frombuffer(cast(bytes, f.data), dtype=torch.uint8) for f in frames]
+        datas = [torch.frombuffer(f.data, dtype=torch.uint8) for f in frames]
         consumer = torch.cuda.current_stream(self.device) if self.cuda else None
         read = ImageReadMode.GRAY if s.channels == 1 else ImageReadMode.RGB
         per = max(1, CHUNK_BYTES // (s.channels * ih * iw * 2))  # images in one product
@@ -338,7 +340,7 @@ class TorchPreprocessor:
                 skip.add(i)
         jpegs = [i for i, f in enumerate(frames)
                  if f.kind == "jpeg" and i not in skip
-                 and not host_decoded(cast(bytes, f.data))]  # a JPEG frame is its bytes
+                 and not host_decoded(f.data)]  # a JPEG frame is its bytes
         for i, img in self._nvjpeg(frames, jpegs).items():
             if img is None:
                 self.counts["fallback"] += 1
@@ -380,7 +382,7 @@ class TorchPreprocessor:
         from torchvision.io import ImageReadMode, decode_jpeg
 
         mode = ImageReadMode.GRAY if self.spec.channels == 1 else ImageReadMode.RGB
-        datas = [torch.frombuffer(cast(bytes, frames[i].data), dtype=torch.uint8) for i in idx]
+        datas = [torch.frombuffer(frames[i].data, dtype=torch.uint8) for i in idx]
         result: dict[int, Any] = {}
         consumer = torch.cuda.current_stream(self.device) if self.cuda else None
         ctx = torch.cuda.stream(self.decode_stream) if self.decode_stream is not None \

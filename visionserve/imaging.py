@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -55,6 +55,19 @@ class Frame:
     width: int
     height: int
     channels: int = 3
+
+
+def owned(frame: Frame) -> Frame:
+    """``frame``, or a copy of it whose bytes are its own where they are a view of memory that
+    something else owns (a frame read in place from a front end's arena, ``--frontend-zero-copy``):
+    what keeps a frame long (a record's capture queue) must not keep the arena's space."""
+    root: Any = frame.data
+    while isinstance(root, np.ndarray) and not root.flags.owndata and root.base is not None:
+        root = root.base
+    if isinstance(root, (bytes, np.ndarray)):  # immutable bytes, or an array of its own
+        return frame
+    data = np.array(frame.data) if frame.kind == "raw" else bytes(frame.data)
+    return Frame(frame.kind, data, frame.width, frame.height, frame.channels)
 
 
 def sniff(data: bytes) -> Kind | None:

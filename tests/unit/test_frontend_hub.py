@@ -300,6 +300,44 @@ async def test_zero_copy_frames_are_read_in_place_and_their_extents_wait_for_the
     await _until(lambda: remote.arena.used == 0)
 
 
+def test_a_frame_kept_long_gets_bytes_of_its_own_and_lets_the_arena_go():
+    """``imaging.owned``: what keeps a frame long (a record's capture queue) copies a frame read
+    in place (an arena view, its lease released at once), and keeps any other frame as it is."""
+    import gc
+    import os
+
+    from visionserve.frontends.arena import ArenaReader
+
+    fd = create_memfd(1 << 16)
+    writer, reader = Arena(fd, 1 << 16), ArenaReader(fd, 1 << 16)
+    os.close(fd)
+    released = []
+
+    class Lease:
+        def __del__(self) -> None:
+            released.append(True)
+
+    data = jpeg(90).data
+    off = writer.alloc(len(data))
+    writer.write(off, data)
+    in_place = imaging.Frame("jpeg", reader.view(off, len(data), Lease()), 64, 48)
+    kept = imaging.owned(in_place)
+    assert isinstance(kept.data, bytes) and kept.data == data
+    del in_place
+    gc.collect()
+    assert released == [True]  # the copy does not hold the arena's space
+    raw_frame = raw(3)
+    for frame in (kept, raw_frame, imaging.Frame("raw", np.frombuffer(bytes(12), np.uint8)
+                                                  .reshape(2, 2, 3), 2, 2)):
+        assert imaging.owned(frame) is frame  # bytes, or an array of its own or over bytes
+    raw_in_place = imaging.Frame("raw", reader.view(0, 12, Lease()).reshape(2, 2, 3), 2, 2)
+    copy = imaging.owned(raw_in_place)
+    assert copy.data.flags.owndata and copy.data.shape == (2, 2, 3)
+    del raw_in_place, copy
+    reader.close()
+    writer.close()
+
+
 async def test_remote_errors_keep_their_class_and_message(pair):
     _, _, remote = pair
     with pytest.raises(NotFound, match="unknown model 'nope'"):

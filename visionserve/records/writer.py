@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
+from .. import imaging
 from ..logs import request_id
 from . import metrics
 from .capture import FolderTarget, Policy, S3Target, image_bytes, image_key, sidecar
@@ -122,7 +123,9 @@ class Recorder:
         frame = None
         if r is not None and self.policy is not None \
                 and self.policy.wants(r.verdict, served.task, r.result):
-            frame = item.payload  # immutable bytes (copied out of a front end's arena already)
+            # bytes of its own: a frame read in place from a front end's arena would keep that
+            # space for as long as it waits in the capture queue
+            frame = imaging.owned(item.payload)
         self._offer((wall, served, origin, rid, index, r, exc, now - item.arrival, frame))
 
     def _offer(self, item: tuple) -> None:

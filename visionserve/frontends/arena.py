@@ -12,8 +12,8 @@ read-only view of its extent that holds its request's lease, and the decoder rea
 the front end wrote them, without the interpreter (a copy of a 1080p JPEG held the engine's loop
 for 22% of its time at saturation on the H200, docs/gpu.md). The front end then frees a
 request's extents when the engine says it released them (``("free", [rid, ...])``), which is when
-the last view of them is gone - a frame's decoding, a record that captures its image - whenever
-that is against the answer.
+the last view of them is gone (the frames decoded and dropped; a record that captures an image
+copies it, ``imaging.owned``), whenever that is against the answer.
 """
 
 from __future__ import annotations

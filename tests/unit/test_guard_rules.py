@@ -137,6 +137,30 @@ def test_simulated_source_counts_live_pids_only(tmp_path):
     assert s.used_by_pid == {os.getpid(): GIB}
 
 
+def test_a_job_declares_its_usage_without_the_side_files_lock(tmp_path):
+    """The guard stops (pauses) a job at any instruction: a job stopped while it held the side
+    file's lock would stall the server's and the other jobs' writes. A job's declaration takes
+    no lock, and the source reads it beside the file's own pids."""
+    import fcntl
+    import threading
+
+    path = str(tmp_path / "gpu.json")
+    write_simulation(path, total=16 * GIB, base_used=2 * GIB, pids={12345678: GIB})
+    fd = os.open(path + ".lock", os.O_CREAT | os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # held, as by a stopped process
+    try:
+        t = threading.Thread(target=simulate_usage, args=(path, 3 * GIB))
+        t.start()
+        t.join(5)
+        assert not t.is_alive()
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+    s = SimulatedMemorySource(path).sample()
+    assert s.used_by_pid == {os.getpid(): 3 * GIB}  # the dead pid of the file is not counted
+    assert s.free == 16 * GIB - 2 * GIB - 3 * GIB
+
+
 def test_proc_stat_parses_own_process():
     st = proc.stat(os.getpid())
     assert st is not None and st.pid == os.getpid() and st.starttime > 0

@@ -101,7 +101,10 @@ def open_nvml_source(spec: str, nvml: Nvml | None = None) -> NvmlMemorySource | 
 
 # -- simulation ----------------------------------------------------------------------------------
 # Side file: {"total": bytes, "base_used": bytes (the inference server and others),
-#             "pids": {"<pid>": bytes}}. Dead pids are ignored, as the driver forgets them.
+#             "pids": {"<pid>": bytes}}, and what a job process declares itself in
+# <side file>.pids/<pid> (bytes, as text), written without the side file's lock: the guard may
+# stop (pause) a job at any instruction, and a job stopped holding the lock would stall every
+# other writer. Dead pids are ignored, as the driver forgets them.
 
 def _locked_update(path: str, fn) -> dict:
     fd = os.open(path + ".lock", os.O_CREAT | os.O_RDWR, 0o644)
@@ -145,11 +148,31 @@ def simulate_usage(path: str, used_bytes: int, pid: int | None = None) -> None:
     Job subprocesses call this: ``python -c "from visionserve.guard.memory import
     simulate_usage; simulate_usage(PATH, 2**30)"``."""
     pid = os.getpid() if pid is None else pid
+    folder = path + ".pids"
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{pid}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(str(int(used_bytes)))
+    os.replace(tmp, os.path.join(folder, str(pid)))  # readers never see a half-written file
 
-    def fn(d: dict) -> dict:
-        d.setdefault("pids", {})[str(pid)] = int(used_bytes)
-        return d
-    _locked_update(path, fn)
+
+def _declared(path: str) -> dict[str, int]:
+    """What job processes declared in ``path``.pids (see :func:`simulate_usage`)."""
+    folder = path + ".pids"
+    out: dict[str, int] = {}
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                out[name] = int(f.read() or 0)
+        except (OSError, ValueError):  # removed meanwhile, or being replaced
+            continue
+    return out
 
 
 class SimulatedMemorySource:
@@ -171,8 +194,8 @@ class SimulatedMemorySource:
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot read simulated GPU memory file {self.path}: {exc}") from None
         total = int(d.get("total", 80 * 1024**3))
-        procs = {int(p): int(b) for p, b in d.get("pids", {}).items()
-                 if proc.is_alive(int(p), None)}
+        declared = {**d.get("pids", {}), **_declared(self.path)}
+        procs = {int(p): int(b) for p, b in declared.items() if proc.is_alive(int(p), None)}
         used = min(total, int(d.get("base_used", 0)) + sum(procs.values()))
         return simulated_gpu(0, memory_total=total, memory_used=used,
                              processes=tuple(GpuProcess(p, b) for p, b in procs.items()))

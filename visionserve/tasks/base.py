@@ -40,8 +40,10 @@ def pickled_as_fields(cls: _D) -> _D:
     Results travel to front-end processes, pickled in the engine's loop (the one interpreter
     every front end shares). A frozen dataclass's own pickling runs a Python function over its
     fields and sets each back with ``object.__setattr__``: a detection answer of five objects
-    cost the loop about 20 us that way. Only for a dataclass whose fields are all ``__init__``
-    arguments, in order, and that does nothing more with them at construction."""
+    cost the loop 14 us that way, 4 us this way (``python -m visionserve_tools.benchwire``).
+    Only for a dataclass whose fields are all ``__init__`` arguments, in order, that does
+    nothing more with them at construction, and that has no subclass (it would come back as
+    this class)."""
     names = [f.name for f in fields(cls)]
     if any(not f.init for f in fields(cls)) or hasattr(cls, "__post_init__"):
         raise TypeError(f"{cls.__name__}: pickled_as_fields needs plain __init__ fields")

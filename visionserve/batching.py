@@ -212,6 +212,11 @@ class Batcher:
                 self._run(), name=f"batcher:{self.name}")
             self._loop_task.add_done_callback(self._loop_ended)
 
+    def wake(self) -> None:
+        """Frames were cancelled: the loop drops them from the queue now, not when it next forms
+        a batch."""
+        self._wakeup.set()
+
     @property
     def alive(self) -> bool:
         """False once the batching loop died: nothing would be dispatched any more."""

@@ -836,6 +836,7 @@ class Engine(ModelLookup):
             if cancelled or exc is not None:
                 for other in futures:  # one frame failed: the request failed, drop the rest
                     other.cancel()
+                served.batcher.wake()  # the queue lets them go now
             if answer.done():  # cancelled by the one waiting
                 return
             if cancelled:
@@ -851,6 +852,9 @@ class Engine(ModelLookup):
         def abandoned(a: asyncio.Future) -> None:
             if a.cancelled():
                 done.cancel()
+                # the queue lets the frames go now, not when it next forms a batch (with
+                # --frontend-zero-copy a frame held is arena space the front end cannot reuse)
+                served.batcher.wake()
 
         done.add_done_callback(answered)
         answer.add_done_callback(abandoned)

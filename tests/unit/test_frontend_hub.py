@@ -338,6 +338,39 @@ def test_a_frame_kept_long_gets_bytes_of_its_own_and_lets_the_arena_go():
     writer.close()
 
 
+async def test_a_cancelled_frames_arena_space_is_free_before_the_queue_forms_a_batch(tiny_repo):
+    """--frontend-zero-copy: a frame cancelled while it waits in the queue (the client went
+    away) is let go at once, not when the queue next forms a batch (here 5 s later): its arena
+    space is the front end's again."""
+    import os
+
+    eng = Engine(ServerSettings(models=tiny_repo, max_queue_delay_ms=5000,
+                                frontend_zero_copy=True), device="cpu")
+    await eng.start()
+    hub = Hub(eng)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    fd = create_memfd(1 << 20)
+    remote = RemoteEngine(Arena(fd, 1 << 20), zero_copy=True)
+    remote.channel = await connect(theirs, remote.on_message, remote.on_lost)
+    await hub.attach(0, ours, fd, 1 << 20)
+    os.close(fd)
+    try:
+        await _until(lambda: remote.ready)
+        (served,) = eng.select("tiny", None)
+        task = asyncio.ensure_future(remote.infer("tiny", None, [raw()], deadline_ms=60_000))
+        await _until(lambda: served.batcher.queue_depth == 1)  # waiting for company
+        assert remote.arena.used > 0
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await _until(lambda: remote.arena.used == 0, timeout=2.0)
+        assert served.batcher.queue_depth == 0
+    finally:
+        await remote.close()
+        await hub.close()
+        await eng.close()
+
+
 async def test_remote_errors_keep_their_class_and_message(pair):
     _, _, remote = pair
     with pytest.raises(NotFound, match="unknown model 'nope'"):

@@ -81,6 +81,39 @@ def test_answers_are_recorded_and_read_back_by_part(server_factory, tiny_repo, t
     assert _metric(server, "visionserve_records_written_total") >= 2
 
 
+def test_each_part_s_captured_image_is_its_own_with_frames_read_in_place(server_factory,
+                                                                       tiny_repo, tmp_path):
+    """--frontend-zero-copy with every image captured: 48 different frames sent at once, and
+    each part's record holds the very bytes sent for it (a capture copies its frame before the
+    front end may reuse the arena space under it)."""
+    import asyncio
+
+    import cv2
+
+    server = server_factory(tiny_repo, "--records", "--records-dir", str(tmp_path / "data"),
+                            "--capture", "all", "--auth-token", TOKEN, "--frontends", "2",
+                            "--frontend-zero-copy", grpc=False)
+    sent = {}
+    for i in range(48):
+        img = np.full((120, 160, 3), (i * 5 % 256, 255 - i * 5 % 256, i * 37 % 256), np.uint8)
+        cv2.putText(img, str(i), (10, 80), cv2.FONT_HERSHEY_SIMPLEX, 2, (255, 255, 255), 3)
+        sent[f"P-{i}"] = cv2.imencode(".jpg", img)[1].tobytes()
+
+    async def send_all() -> list[int]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            rs = await asyncio.gather(*(client.post(
+                f"{server.url}/v1/models/tiny/inspect", content=jpeg,
+                headers={"Content-Type": "image/jpeg", "X-Part-Id": part,
+                         "Authorization": f"Bearer {TOKEN}"}) for part, jpeg in sent.items()))
+            return [r.status_code for r in rs]
+
+    assert set(asyncio.run(send_all())) == {200}
+    for part, jpeg in sent.items():
+        rec = wait_for(lambda part=part: (h := _history(server, part)).status_code == 200
+                       and h.json()["count"] == 1 and h.json()["records"][0], 20, part)
+        assert (tmp_path / "data" / "captures" / rec["image"]).read_bytes() == jpeg, part
+
+
 def test_a_full_disk_does_not_stop_serving_and_records_resume(request, server_factory, tiny_repo,
                                                               tmp_path, jpeg_bytes):
     disk = mount_disk(request, tmp_path, "full")

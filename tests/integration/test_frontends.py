@@ -217,18 +217,23 @@ def test_a_model_that_fails_to_load_exits_3_and_leaves_no_front_end(tmp_path):
         (repo / "broken" / "model.toml").read_text().replace('name = "defect-classifier"', ""))
     (repo / "broken" / "1" / "model.onnx").write_bytes(b"this is not an onnx file")
     s = start_server(repo, tmp_path, "--frontends", "2", grpc=False, wait=False)
-    kids_seen: set[int] = set()
+    from visionserve.guard.proc import starttime
+
+    kids_seen: dict[int, int | None] = {}  # pid -> its start time (a pid is reused once gone)
     end = time.monotonic() + 60
     while s.proc.poll() is None and time.monotonic() < end:
-        kids_seen |= set(children(s.proc.pid)) if Path(f"/proc/{s.proc.pid}").exists() else set()
+        if Path(f"/proc/{s.proc.pid}").exists():
+            for k in children(s.proc.pid):
+                kids_seen.setdefault(k, starttime(k))
         time.sleep(0.05)
     assert s.proc.wait(5) == 3, s.log()
 
     def front_ends_left() -> list[int]:
         left = []
-        for k in kids_seen:
+        for k, started in kids_seen.items():
             try:
-                if b"runtime.frontend" in Path(f"/proc/{k}/cmdline").read_bytes():
+                if starttime(k) == started and \
+                        b"runtime.frontend" in Path(f"/proc/{k}/cmdline").read_bytes():
                     left.append(k)
             except OSError:  # gone
                 pass

@@ -341,7 +341,8 @@ class Engine(ModelLookup):
             from .gpu.reservation import GpuReservation
 
             self.gpu = GpuReservation(self.settings.gpu_memory_budget, self.device,
-                                      one_call=self.settings.gpu_prep_one_call)
+                                      one_call=self.settings.gpu_prep_one_call,
+                                      prep_process=self.settings.gpu_prep_process)
             await self.gpu.reserve([(e.name, effective_config(e.config, self.settings))
                                     for e in entries])
         for entry in entries:
@@ -407,7 +408,8 @@ class Engine(ModelLookup):
                                   config=config, preferred=pad_to, cost=cost,
                                   on_batch=lambda r: None,
                                   prepare=prep.prepare if prep is not None else None, task=task,
-                                  nice=nice))
+                                  nice=nice, release=getattr(prep, "release", None),
+                                  close=getattr(prep, "close", None)))
 
         async def execute(batch):
             # the instance with the fewest batches in flight (a batch a prep thread took is no

@@ -81,7 +81,8 @@ class Runner:
                  preferred: tuple[int, ...], cost: CostModel,
                  on_batch: Callable[[BatchRecord], None],
                  prepare: Callable | None = None, task: tasks.Task | None = None,
-                 nice: int = 0) -> None:
+                 nice: int = 0, release: Callable[[Any], None] | None = None,
+                 close: Callable[[], None] | None = None) -> None:
         self.name = name
         # the prep and compute threads (and the decode pool they start) this many nice levels
         # below the event loop (threads.py)
@@ -94,6 +95,11 @@ class Runner:
         # prepare(frames, padded) -> (tensor, good, bad): None = imaging.prepare_batch (CPU); the
         # GPU preprocessor (gpu/preprocess.py) when the runner's device is a GPU
         self.prepare = prepare
+        # release(tensor): the compute thread is done with a batch's input (a slot of the
+        # preparation process, gpu/prepworker.py, may then be written again); close(): stop
+        # what prepares the batches, after the threads
+        self._release = release
+        self._close = close
         self.backend = backend
         self.config = config
         self.preferred = preferred
@@ -121,6 +127,8 @@ class Runner:
         for t in self._threads:
             t.join(timeout=10)
         self._threads.clear()
+        if self._close is not None:
+            self._close()
 
     async def execute(self, batch: list[Pending]) -> None:
         """Batcher entry point: returns when every item of ``batch`` has its answer."""
@@ -202,19 +210,35 @@ class Runner:
             def post(fn: Callable, *args: Any, posts: list = posts) -> None:
                 posts.append((fn, args))
 
+            settled = True  # the device is past every read of ``tensor``
             try:
                 self._compute(items, tensor, t0, prep_s, failed, post)
             except Exception as exc:  # never let the thread die: the batch fails, runner goes on
+                settled = False
                 if device_fault(exc):
                     self._mark_unhealthy(exc)
                 log.exception("compute failed in %s", self.name, extra=batch_ids(items))
                 failure = "the model failed on this batch; see the server log"
                 post(_fail_all, [(p, InternalError(failure)) for p in items])
             finally:
+                if self._release is not None and tensor is not None:
+                    # a batch that ran has had its outputs read on the host, so the device has
+                    # read its input; one that failed midway may still have a copy of it queued
+                    if not settled:
+                        self._settle()
+                    self._release(tensor)
                 post(resolve, done, None)
                 self._post(_run_posted, posts)
                 # nor this one (see the prep thread)
                 del job, _batch, done, items, tensor, posts, post
+
+    def _settle(self) -> None:
+        stream = getattr(self.backend, "stream", None)
+        if stream is not None:
+            try:
+                stream.synchronize()
+            except Exception:  # a device fault: the instance is out of service anyway
+                log.debug("waiting for %s's stream failed", self.name, exc_info=True)
 
     def _mark_unhealthy(self, exc: BaseException) -> None:
         if self.healthy:
@@ -254,6 +278,8 @@ class Runner:
         try:
             outputs = self.backend.run(tensor)
         except VisionServeError as exc:
+            if self._release is not None:  # it may have queued a read of the input: see above
+                self._settle()
             post(_fail_all, [(p, exc) for p in items])
             return
         except Exception as exc:

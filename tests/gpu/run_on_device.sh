@@ -21,7 +21,7 @@
 #   guard.json / guard.txt  with GUARD_ARGS set (e.g. GUARD_ARGS="--latency-budget-ms 20"): the
 #                 guard's acceptance run (python -m visionserve_tools.benchguard), up to GUARD_T s (300)
 # SKIP_TESTS=1 / SKIP_BENCH=1 leave those parts out (one call may run 10 minutes at most: the
-# tests take up to 420 s (PYTEST_T) with the three frame-integrity runs, the benchmark up to 270 s
+# tests take up to 540 s (PYTEST_T) with the four frame-integrity runs, the benchmark up to 270 s
 # (BENCH_T), so run them in two calls: SKIP_BENCH=1 bash tests/gpu/run_on_device.sh, then
 # SKIP_TESTS=1 ...; a COMPARE of several settings fits a third: SKIP_TESTS=1 SKIP_BENCH=1 COMPARE=...).
 # Run from the repository root:  bash tests/gpu/run_on_device.sh
@@ -64,9 +64,9 @@ export PYTHONUNBUFFERED=1
 # the guard's acceptance test (2-3 min) runs on its own: tests/gpu/test_guard_acceptance.py; so
 # does its GPU-sharing test (about 2 min): tests/gpu/test_guard_share_gpu.py
 if [ -z "${SKIP_TESTS:-}" ]; then
-  INTEGRITY_OUT="$OUT" timeout ${PYTEST_T:-420} python3 -m pytest -p no:cacheprovider -q -rs -o addopts="" \
+  INTEGRITY_OUT="$OUT" timeout ${PYTEST_T:-540} python3 -m pytest -p no:cacheprovider -q -rs -o addopts="" \
     tests/gpu tests/unit/test_gpu_memory.py tests/unit/test_torch_backend.py tests/unit/test_frontend_hub.py \
-    tests/unit/test_runner.py \
+    tests/unit/test_runner.py tests/unit/test_prepworker.py \
     --ignore=tests/gpu/test_guard_acceptance.py --ignore=tests/gpu/test_guard_share_gpu.py \
     --junitxml="$OUT/junit.xml" >"$OUT/pytest.txt" 2>&1
   echo "pytest exit $?" >>"$OUT/pytest.txt"

@@ -283,6 +283,59 @@ def test_one_call_preparation_on_the_gpu_gives_the_eager_tensor(repo, config):
     assert torch.equal(t[:6], ref[:6])
 
 
+def test_a_preparation_process_gives_the_model_what_this_process_would(repo, config):
+    """--gpu-prep-process: a worker process prepares the batch (nvJPEG of its own, CUDA IPC
+    slots the serving process allocated) to the bit as the serving process's own preprocessor
+    does, for JPEGs of one size (the one call), mixed kinds, and a corrupt JPEG that fails
+    alone; the model's outputs from the slot are the outputs from the in-process tensor; a
+    slot comes back when released; a worker killed mid-run leaves the batches to this process."""
+    import os
+    import signal
+
+    import torch
+
+    from tests.tools import jpegs
+    from visionserve import imaging
+    from visionserve.gpu.prepworker import SLOTS, PrepProcess
+    from visionserve.gpu.preprocess import TorchPreprocessor
+
+    gpu, _ = _backends(repo, config)
+    local = TorchPreprocessor.for_config(config, device="cuda:0", dtype=gpu.input_dtype,
+                                         stream=gpu.stream, channels_last=gpu.channels_last)
+    local.warmup(config.batching.preferred_batch_sizes)
+    pp = PrepProcess(config, local, device="cuda:0", dtype=gpu.input_dtype,
+                     channels_last=gpu.channels_last, one_call=True,
+                     preferred=config.batching.preferred_batch_sizes, name="net#0")
+    assert pp.start(), pp.failure
+    try:
+        corrupt = imaging.encoded_frame(jpegs.corrupt(_scenes(1)[0]))
+        cases = [_frames(("jpeg",), 16), _frames(("jpeg", "raw", "png"), 7),
+                 _frames(("jpeg",), 5)[:2] + [corrupt] + _frames(("jpeg",), 3)]
+        for frames in cases * 3:
+            padded = 16 if len(frames) > 8 else 8
+            t, good, bad = pp.prepare(frames, padded)
+            ref, good_r, bad_r = local.prepare(frames, padded)
+            gpu.stream.synchronize()
+            assert good == good_r and [i for i, _ in bad] == [i for i, _ in bad_r]
+            assert t.is_cuda and t.stride() == ref.stride() and t.dtype == ref.dtype
+            assert torch.equal(t, ref)
+            out, out_r = gpu.run(t), gpu.run(ref)
+            assert out.keys() == out_r.keys()
+            for name in out:
+                np.testing.assert_array_equal(out[name], out_r[name])
+            pp.release(t)
+        assert pp.counts == {"remote_batches": 9, "local_batches": 0}
+        assert pp._free.qsize() == SLOTS
+        os.kill(pp.pid, signal.SIGKILL)
+        frames = cases[0]
+        t, good, _ = pp.prepare(frames, 16)
+        ref, _, _ = local.prepare(frames, 16)
+        gpu.stream.synchronize()
+        assert pp.failure and good == list(range(16)) and torch.equal(t, ref)
+    finally:
+        pp.close()
+
+
 @pytest.mark.parametrize("kind", ["progressive", "cmyk", "12-bit", "corrupt"])
 def test_a_jpeg_nvjpeg_rejects_goes_to_the_next_decoder_or_fails_alone(kind, record_property):
     """In a batch of good JPEGs: a progressive JPEG is decoded (by nvJPEG, or by the CPU after
@@ -304,17 +357,20 @@ def test_a_jpeg_nvjpeg_rejects_goes_to_the_next_decoder_or_fails_alone(kind, rec
         (kind == "progressive" and counts["fallback"] == counts["cpu_decoded"] == 1)
 
 
-def _engine(repo: Path, budget: str | None):
+def _engine(repo: Path, budget: str | None, **extra):
     from visionserve.config import ServerSettings
     from visionserve.engine import Engine
 
-    settings = ServerSettings(models=repo, device="cuda", gpu_memory_budget=budget)
+    settings = ServerSettings(models=repo, device="cuda", gpu_memory_budget=budget, **extra)
     return Engine(settings, device="cuda:0")
 
 
-def test_serving_adds_no_device_memory_after_warm_up(repo):
+@pytest.mark.parametrize("prep_process", [False, True], ids=["in-process", "prep-process"])
+def test_serving_adds_no_device_memory_after_warm_up(repo, prep_process):
     """Budget reserved, every preferred size warmed (model + preprocessing): then a load of
-    mixed sizes and kinds (1080p and VGA JPEG, raw, PNG, 1..16 frames) makes no cudaMalloc."""
+    mixed sizes and kinds (1080p and VGA JPEG, raw, PNG, 1..16 frames) makes no cudaMalloc.
+    With --gpu-prep-process the batches come from the worker, and the serving process's
+    allocator adds nothing either (the slots are allocated at load)."""
     import cv2
 
     from visionserve import imaging
@@ -324,10 +380,14 @@ def test_serving_adds_no_device_memory_after_warm_up(repo):
     mixed = _frames(("jpeg", "raw", "png"), 16) + [imaging.encoded_frame(big_jpeg.tobytes())] * 4
 
     async def scenario():
-        engine = _engine(repo, "4GiB")
+        engine = _engine(repo, "4GiB", gpu_prep_process=prep_process)
         await engine.start()
         try:
             assert engine.ready and engine.gpu is not None
+            if prep_process:
+                runner = engine.served[("net", 1)].runners[0]
+                worker = runner.prepare.__self__
+                assert worker.pid is not None and worker.failure is None
             before = engine.gpu.watch.new_since_mark()
             for n in (1, 3, 16, 7, 2, 16, 5):
                 for k in range(0, len(mixed), n):
@@ -335,6 +395,8 @@ def test_serving_adds_no_device_memory_after_warm_up(repo):
                     assert len(results) == len(mixed[k:k + n])
             await asyncio.gather(*(engine.infer("net", None, mixed[i:i + 2]) for i in range(0, 18, 2)))
             after = engine.gpu.watch.new_since_mark()
+            if prep_process:
+                assert worker.counts["remote_batches"] > 20 and worker.failure is None
             return before, after
         finally:
             await engine.close()

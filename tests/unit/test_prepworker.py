@@ -1,0 +1,178 @@
+"""Batches prepared by a worker process (``--gpu-prep-process``, gpu/prepworker.py), on the CPU:
+a real worker process (``python -m visionserve.gpu.prepworker``), slots in a real shared memory
+file, the real TorchPreprocessor on both sides. The GPU test (tests/gpu/test_gpu_path.py) does
+the same with CUDA IPC slots."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from visionserve import imaging
+from visionserve.batching import CostModel, Pending
+from visionserve.config import ModelConfig
+from visionserve.runner import FrameResult, Runner, padded_size
+from visionserve.tasks.classification import Classified
+
+torch = pytest.importorskip("torch")
+cv2 = pytest.importorskip("cv2")
+
+from visionserve.gpu import prepworker
+from visionserve.gpu.preprocess import TorchPreprocessor
+
+PREFERRED = (1, 2, 4, 8)
+CONFIG = ModelConfig.model_validate({
+    "name": "means",
+    "input": {"width": 16, "height": 16, "scale": 1.0, "mean": [0, 0, 0], "std": [1, 1, 1]},
+    "output": {"labels": ["r", "g", "b"], "activation": "none"},
+    "verdict": {"ok_labels": ["r"]},
+    "batching": {"max_batch_size": 8, "preferred_batch_sizes": list(PREFERRED)},
+})
+
+
+def worker(**kw) -> prepworker.PrepProcess:
+    local = TorchPreprocessor.for_config(CONFIG, device="cpu", dtype=torch.float32)
+    args = {"device": "cpu", "dtype": torch.float32, "channels_last": False, "one_call": True,
+            "preferred": PREFERRED, "name": "means#0", **kw}
+    return prepworker.PrepProcess(CONFIG, local, **args)
+
+
+@pytest.fixture(scope="module")
+def pp():
+    p = worker()
+    assert p.start(), p.failure
+    yield p
+    p.close()
+
+
+def jpeg(seed: int, h: int = 48, w: int = 64) -> imaging.Frame:
+    img = np.random.default_rng(seed).integers(0, 255, (h, w, 3), dtype=np.uint8)
+    ok, buf = cv2.imencode(".jpg", img)
+    assert ok
+    return imaging.encoded_frame(buf.tobytes())
+
+
+def mixed_frames() -> list[imaging.Frame]:
+    png = cv2.imencode(".png", np.full((20, 30, 3), (10, 200, 90), np.uint8))[1].tobytes()
+    good = jpeg(1).data
+    corrupt = good[:200] + b"\xff\xd9"  # a header and the end marker, no scan to decode
+    raw = np.arange(24 * 32 * 3, dtype=np.uint8).reshape(24, 32, 3)
+    # a frame read in place (--frontend-zero-copy): a uint8 view of memory something else owns
+    arena = np.frombuffer(bytearray(b"\0" * 7 + jpeg(3).data + b"\0" * 9), np.uint8)
+    in_place = imaging.Frame("jpeg", arena[7:-9], 64, 48)
+    return [jpeg(0), imaging.encoded_frame(png), imaging.encoded_frame(corrupt),
+            imaging.raw_frame(raw, raw.shape), jpeg(2, 120, 90), in_place]
+
+
+def test_the_worker_prepares_what_the_serving_process_would(pp):
+    frames = mixed_frames()
+    ref, ref_good, ref_bad = pp.fallback.prepare(frames, 8)
+    t, good, bad = pp.prepare(frames, 8)
+    try:
+        assert good == ref_good == [0, 1, 3, 4, 5]
+        assert [(i, type(e), str(e)) for i, e in bad] == [(i, type(e), str(e)) for i, e in ref_bad]
+        assert [i for i, _ in bad] == [2] and "corrupt" in str(bad[0][1])
+        assert torch.equal(t, ref)
+        assert t.data_ptr() in {s.data_ptr() for s in pp.slots}  # the slot, not a copy
+    finally:
+        pp.release(t)
+    assert pp.counts["remote_batches"] >= 1 and pp.failure is None
+
+
+def test_a_slot_is_not_written_again_until_the_compute_thread_gives_it_back(pp):
+    frames = [jpeg(i) for i in range(4)]
+    held = [pp.prepare(frames, 4)[0] for _ in range(prepworker.SLOTS)]
+    assert len({t.data_ptr() for t in held}) == prepworker.SLOTS
+    before = [t.clone() for t in held]
+    done: list = []
+    other = [jpeg(10 + i) for i in range(4)]
+    thread = threading.Thread(target=lambda: done.append(pp.prepare(other, 4)[0]), daemon=True)
+    thread.start()
+    thread.join(1.0)
+    assert not done  # every slot is held: the next batch waits
+    assert all(torch.equal(a, b) for a, b in zip(held, before))  # and nothing was overwritten
+    pp.release(held[1])
+    thread.join(30)
+    assert done and done[0].data_ptr() == held[1].data_ptr()
+    assert torch.equal(done[0], pp.fallback.prepare(other, 4)[0])
+    for t in held[:1] + held[2:] + done:
+        pp.release(t)
+
+
+def test_a_worker_that_dies_leaves_its_batches_to_the_serving_process(caplog):
+    p = worker()
+    assert p.start(), p.failure
+    try:
+        frames = [jpeg(i) for i in range(3)]
+        t, _, _ = p.prepare(frames, 4)
+        p.release(t)
+        os.kill(p.pid, signal.SIGKILL)
+        with caplog.at_level(logging.ERROR, logger="visionserve.gpu.prepworker"):
+            for _ in range(2):
+                t, good, bad = p.prepare(frames, 4)
+                assert good == [0, 1, 2] and bad == []
+                assert torch.equal(t, p.fallback.prepare(frames, 4)[0])
+                p.release(t)
+        assert p.failure and "failed" in p.failure and p.pid is None
+        assert p.counts["local_batches"] == 2
+        assert sum("prepared in the serving process" in r.message for r in caplog.records) == 1
+    finally:
+        p.close()
+
+
+def test_a_worker_that_cannot_start_leaves_the_instance_preparing_in_process(caplog):
+    p = worker(device="cuda:0") if not torch.cuda.is_available() else worker(device="cuda:99")
+    with caplog.at_level(logging.WARNING, logger="visionserve.gpu.prepworker"):
+        assert not p.start(timeout_s=120)
+    assert "did not start" in (p.failure or "")
+    assert any("did not start" in r.message for r in caplog.records)
+    frames = [jpeg(0)]
+    t, good, _ = p.prepare(frames, 1)
+    assert good == [0] and torch.equal(t, p.fallback.prepare(frames, 1)[0])
+    p.close()
+
+
+class Means:
+    """A backend: the mean of each channel of each row, computed when the batch runs."""
+
+    stream = None
+
+    def run(self, batch):
+        return {"scores": batch.float().mean(dim=(2, 3)).numpy().copy()}
+
+
+async def test_every_answer_is_its_own_frames_through_the_worker(pp):
+    """A runner whose batches the worker prepares: many batches in a row, slots reused, frames
+    of distinct colours; each answer holds its own frame's colour."""
+    loop = asyncio.get_running_loop()
+    runner = Runner(name="means:1#0", backend=Means(), config=CONFIG,  # type: ignore[arg-type]
+                    preferred=PREFERRED, cost=CostModel(lambda n: padded_size(n, PREFERRED)),
+                    on_batch=lambda r: None, prepare=pp.prepare, release=pp.release)
+    runner.start(loop)
+    try:
+        rng = np.random.default_rng(7)
+        batches = []
+        for b in range(24):
+            n = int(rng.integers(1, 9))
+            colours = [tuple(int(c) for c in rng.integers(0, 256, 3)) for _ in range(n)]
+            now = time.monotonic()
+            batch = [Pending(imaging.raw_frame(np.full((12, 20, 3), c, np.uint8), (12, 20, 3)),
+                             loop.create_future(), now, now + 60, dispatched=now)
+                     for c in colours]
+            batches.append((colours, batch))
+        await asyncio.wait_for(asyncio.gather(*(runner.execute(b) for _, b in batches)), 60)
+    finally:
+        await asyncio.to_thread(runner.stop)
+    for colours, batch in batches:
+        for c, p in zip(colours, batch):
+            r = p.future.result()
+            assert isinstance(r, FrameResult) and isinstance(r.result, Classified)
+            np.testing.assert_allclose(r.result.scores, c, atol=1e-4)
+    assert pp._free.qsize() == prepworker.SLOTS  # every slot given back

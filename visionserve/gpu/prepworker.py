@@ -1,0 +1,413 @@
+"""Batch preparation in a process of its own (``--gpu-prep-process``).
+
+The serving process has one interpreter. Its event loop takes every frame message from the front
+ends, and the runner's prep thread must take the interpreter back after each torch call and
+inside the decoder: on the H200 the prep thread waited for it 37% of its time at saturation
+(docs/gpu.md, "what is left"), and one process has one nvJPEG decoder, behind a mutex, which caps
+1080p at about 0.35x the bare model. With this setting each model instance's batches are
+prepared (decode, resize, normalise: :class:`~.preprocess.TorchPreprocessor`, unchanged) by a
+worker process whose interpreter does nothing else, with a decoder of its own:
+
+* **Slots.** At load the serving process allocates ``SLOTS`` tensors of the model's input (its
+  largest batch, dtype and memory layout) in its own allocator, inside its budget and before it
+  reports ready, and hands them to the worker: CUDA IPC handles on a GPU, a shared memory file on
+  the CPU. The slots stay the serving process's memory, whatever happens to the worker.
+* **A batch.** The runner's prep thread takes a free slot and sends the worker the frames'
+  descriptions and their bytes in one ``sendmsg`` (the kernel copies them, the interpreter is
+  released; a frame read in place from a front end's arena is sent from there). The worker
+  prepares the batch, copies the tensor into the slot, waits for its stream, and answers with
+  the rows it wrote and the frames that failed (each alone, with its 400, as in-process). The
+  runner's input tensor is the slot's first rows.
+* **Giving a slot back.** The compute thread gives the slot back when it has finished the batch:
+  by then the batch's outputs have been read on the host, so the device is past the copy out of
+  the slot. A slot is never written while a batch may still read it.
+* **Failures.** A worker that dies, does not answer within :data:`REPLY_TIMEOUT_S`, or answers
+  another job than the one asked is killed, logged as an error, and the batch - and every later
+  one of the instance - is prepared in the serving process, as without the setting: no frame
+  fails for it. A worker that cannot start (no CUDA in it, an import failing) leaves the
+  instance preparing in-process, with a warning.
+
+The worker's own memory (its CUDA context, nvJPEG's buffers, the working copies of a batch) is
+outside the serving process's allocator cap; NVML counts it among the card's used memory.
+
+Run as ``python -m visionserve.gpu.prepworker`` by :class:`PrepProcess` only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import mmap
+import os
+import pickle
+import queue
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from .. import errors
+from ..config import InputSpec, ModelConfig
+from ..errors import VisionServeError
+from ..imaging import Frame
+from .memory import stage_slot_bytes
+
+log = logging.getLogger(__name__)
+
+SPEC_ENV = "VISIONSERVE_PREP_SPEC"
+#: slots per instance: one batch prepared, one waiting for the compute thread, one computing,
+#: and one spare so the prep thread never waits for the compute thread to give one back
+SLOTS = 4
+#: seconds the serving process waits for a batch's answer (32 frames of the largest accepted
+#: size decoded on the CPU take well under this) and for the worker to start and warm up
+REPLY_TIMEOUT_S = 30.0
+START_TIMEOUT_S = 180.0
+_LEN = struct.Struct("<Q")
+
+
+class WorkerFailed(Exception):
+    """The worker is gone or broken; the instance prepares in-process from now on."""
+
+
+# --- framing (both sides; blocking sockets) -----------------------------------------------------
+
+def _send(sock: socket.socket, head: Any, buffers: list[Any] = ()) -> None:  # type: ignore[assignment]
+    """``head`` pickled behind its length, then ``buffers`` as they are, in one ``sendmsg``
+    where the kernel takes it all at once (a large batch goes in several)."""
+    blob = pickle.dumps(head, protocol=pickle.HIGHEST_PROTOCOL)
+    parts = [memoryview(_LEN.pack(len(blob))), memoryview(blob)]
+    parts += [memoryview(b).cast("B") for b in buffers]
+    while parts:
+        sent = sock.sendmsg(parts)
+        while parts and sent >= len(parts[0]):
+            sent -= len(parts[0])
+            parts.pop(0)
+        if parts and sent:
+            parts[0] = parts[0][sent:]
+
+
+def _recv_exact(sock: socket.socket, into: memoryview) -> None:
+    pos, n = 0, len(into)
+    while pos < n:
+        got = sock.recv_into(into[pos:], n - pos)
+        if not got:
+            raise EOFError("the other side closed the channel")
+        pos += got
+
+
+def _recv(sock: socket.socket) -> Any:
+    head = bytearray(_LEN.size)
+    _recv_exact(sock, memoryview(head))
+    (n,) = _LEN.unpack(head)
+    blob = bytearray(n)
+    _recv_exact(sock, memoryview(blob))
+    return pickle.loads(blob)
+
+
+def _frame_buffer(frame: Frame) -> tuple[tuple, Any]:
+    """(description, buffer) of a frame for the wire: its bytes where they are."""
+    data = frame.data
+    if isinstance(data, np.ndarray):
+        data = np.ascontiguousarray(data)
+        shape = tuple(data.shape) if frame.kind == "raw" else None
+        return (frame.kind, frame.width, frame.height, frame.channels, data.nbytes, shape), data
+    return (frame.kind, frame.width, frame.height, frame.channels, len(data), None), data
+
+
+def _error(name: str, message: str) -> VisionServeError:
+    cls = getattr(errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, VisionServeError)):
+        cls = errors.InvalidInput
+    return cls(message)
+
+
+# --- slots -------------------------------------------------------------------------------------
+
+def slot_bytes(template: Any) -> int:
+    return int(template.numel() * template.element_size())
+
+
+def _cpu_slots(template: Any, fd: int) -> list[Any]:
+    """SLOTS tensors shaped and strided as ``template`` over the shared memory file ``fd``."""
+    import torch
+
+    each = slot_bytes(template)
+    mm = mmap.mmap(fd, each * SLOTS, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    flat = torch.frombuffer(mm, dtype=torch.uint8)
+    out = []
+    for k in range(SLOTS):
+        t = flat[k * each:(k + 1) * each].view(template.dtype)
+        out.append(t.as_strided(template.shape, template.stride()))
+    return out
+
+
+# --- the serving side ----------------------------------------------------------------------------
+
+class PrepProcess:
+    """``prepare(frames, padded)`` -> (tensor, good, bad) through a worker process, the contract
+    of :meth:`TorchPreprocessor.prepare`; ``fallback`` (the in-process preprocessor, warmed up)
+    prepares when the worker cannot. Called from one runner's prep thread; :meth:`release` from
+    its compute thread."""
+
+    def __init__(self, config: ModelConfig, fallback: Any, *, device: str, dtype: Any,
+                 channels_last: bool, one_call: bool, preferred: tuple[int, ...],
+                 name: str = "") -> None:
+        self.config = config
+        self.fallback = fallback
+        self.device = device
+        self.name = name
+        self.largest = max(config.batching.max_batch_size, *preferred)  # rows of a slot
+        self._spec: dict[str, Any] = {"input": config.input.model_dump_json(),
+                      "max_batch": config.batching.max_batch_size,
+                      "stage_bytes": stage_slot_bytes(config), "device": device,
+                      "dtype": str(dtype).removeprefix("torch."), "channels_last": channels_last,
+                      "one_call": one_call, "preferred": list(preferred), "parent": os.getpid()}
+        self.proc: subprocess.Popen | None = None
+        self.sock: socket.socket | None = None
+        self.slots: list[Any] = []
+        self._ptrs: dict[int, int] = {}  # a slot's data pointer -> its index
+        self._free: queue.Queue[int] = queue.Queue()
+        self._job = 0
+        self._lock = threading.Lock()  # prepare and close
+        self.failure: str | None = None  # why the instance prepares in-process
+        self.counts = {"remote_batches": 0, "local_batches": 0}
+
+    # -- start / stop ---------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> bool:
+        """Start the worker and wait until it is warm; False (with the reason in
+        :attr:`failure`, logged) when it could not start: then everything is prepared here."""
+        try:
+            self._start(timeout_s)
+            return True
+        except Exception as exc:  # noqa: BLE001 - any failure leaves the in-process path
+            self._fail(f"the preparation process did not start: {exc}", level=logging.WARNING)
+            return False
+
+    def _start(self, timeout_s: float) -> None:
+        import torch
+        from torch.multiprocessing.reductions import reduce_tensor  # noqa: F401 - registers
+
+        template, _, _ = self.fallback.prepare([], self.largest)
+        cuda = template.is_cuda
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        fds = [theirs.fileno()]
+        slot_fd = -1
+        if cuda:
+            with torch.cuda.stream(self.fallback.stream) if self.fallback.stream is not None \
+                    else contextlib.nullcontext():
+                self.slots = [torch.empty_like(template) for _ in range(SLOTS)]
+            torch.cuda.current_stream(template.device).synchronize()
+            if self.fallback.stream is not None:
+                self.fallback.stream.synchronize()
+        else:
+            slot_fd = os.memfd_create("visionserve-prep-slots", 0)
+            os.ftruncate(slot_fd, slot_bytes(template) * SLOTS)
+            self.slots = _cpu_slots(template, slot_fd)
+            fds.append(slot_fd)
+        spec = {**self._spec, "channel_fd": theirs.fileno(), "slot_fd": slot_fd,
+                "shape": list(template.shape), "stride": list(template.stride())}
+        env = {**os.environ, SPEC_ENV: json.dumps(spec)}
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "visionserve.gpu.prepworker"],
+                                         env=env, pass_fds=tuple(fds))
+        finally:
+            theirs.close()
+            if slot_fd >= 0:
+                os.close(slot_fd)
+        self.sock = ours
+        if cuda:
+            from multiprocessing.reduction import ForkingPickler
+
+            _send(ours, ("slots", [bytes(ForkingPickler.dumps(s)) for s in self.slots]))
+        else:
+            _send(ours, ("slots", None))
+        ours.settimeout(timeout_s)
+        reply = _recv(ours)
+        if reply[0] != "ready":
+            raise WorkerFailed(reply[1] if len(reply) > 1 else repr(reply))
+        ours.settimeout(REPLY_TIMEOUT_S)
+        self._ptrs = {s.data_ptr(): k for k, s in enumerate(self.slots)}
+        for k in range(SLOTS):
+            self._free.put(k)
+        log.info("%s: batches prepared by process %d", self.name or "model", self.proc.pid)
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop_worker()
+
+    def _stop_worker(self) -> None:
+        sock, proc, self.sock, self.proc = self.sock, self.proc, None, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()  # the worker sees the channel close and exits
+        if proc is not None:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+
+    def _fail(self, why: str, level: int = logging.ERROR) -> None:
+        if self.failure is None:
+            self.failure = why
+            log.log(level, "%s: %s; its batches are prepared in the serving process from now on",
+                    self.name or "model", why)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        self._stop_worker()
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    # -- per batch ------------------------------------------------------------------------------
+
+    def prepare(self, frames: list[Frame], padded: int
+                ) -> tuple[Any, list[int], list[tuple[int, Exception]]]:
+        with self._lock:
+            if self.sock is not None:
+                try:
+                    out = self._remote(frames, padded)
+                    if out is not None:
+                        return out
+                except (OSError, EOFError, WorkerFailed, pickle.UnpicklingError) as exc:
+                    self._fail(f"the preparation process failed ({type(exc).__name__}: {exc})")
+        self.counts["local_batches"] += 1
+        return self.fallback.prepare(frames, padded)
+
+    def _remote(self, frames: list[Frame], padded: int
+                ) -> tuple[Any, list[int], list[tuple[int, Exception]]] | None:
+        """The batch prepared by the worker; None where the worker could not prepare this batch
+        but is fine (it said why): the batch is prepared here, the next one there again."""
+        assert self.sock is not None
+        k = self._free.get()  # the compute thread gives each back (release)
+        try:
+            self._job += 1
+            job = self._job
+            descs, buffers = [], []
+            for f in frames:
+                d, b = _frame_buffer(f)
+                descs.append(d)
+                buffers.append(b)
+            _send(self.sock, ("prepare", job, k, padded, descs), buffers)
+            del buffers
+            reply = _recv(self.sock)
+        except BaseException:
+            self._free.put(k)
+            raise
+        if reply[0] != "done" or reply[1] != job:
+            self._free.put(k)
+            if reply[0] == "failed" and reply[1] == job:
+                log.warning("%s: the preparation process could not prepare a batch (%s); "
+                            "preparing it here", self.name or "model", reply[2])
+                return None
+            raise WorkerFailed(f"asked for batch {job}, it answered {reply[:2]!r}")
+        _, _, rows, good, bad = reply
+        self.counts["remote_batches"] += 1
+        return (self.slots[k][:rows], good,
+                [(i, _error(name, message)) for i, name, message in bad])
+
+    def release(self, tensor: Any) -> None:
+        """The compute thread is done with ``tensor`` (the runner's input): its slot, if it is
+        one, may be written again."""
+        k = self._ptrs.get(tensor.data_ptr()) if tensor is not None else None
+        if k is not None and self.slots and tensor.data_ptr() == self.slots[k].data_ptr():
+            self._free.put(k)
+
+
+# --- the worker ----------------------------------------------------------------------------------
+
+def _watch_parent(parent: int) -> None:
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(0)
+
+
+def serve(spec: dict) -> int:
+    """The worker's main: prepare batches until the channel closes."""
+    import torch
+
+    from .memory import PinnedPool
+    from .preprocess import TorchPreprocessor
+
+    sock = socket.socket(fileno=spec["channel_fd"])
+    try:
+        head = _recv(sock)
+        assert head[0] == "slots", head
+        device = spec["device"]
+        cuda = device.startswith("cuda")
+        dtype = getattr(torch, spec["dtype"])
+        stream = None
+        if cuda:
+            from .memory import high_priority_stream
+
+            torch.cuda.set_device(torch.device(device))
+            stream = high_priority_stream(device)
+            slots = [pickle.loads(b) for b in head[1]]
+        else:
+            template = torch.empty_strided(spec["shape"], spec["stride"], dtype=dtype)
+            slots = _cpu_slots(template, spec["slot_fd"])
+        prep = TorchPreprocessor(
+            InputSpec.model_validate_json(spec["input"]), device=device, dtype=dtype,
+            max_batch=spec["max_batch"], stream=stream, channels_last=spec["channels_last"],
+            pool=PinnedPool(2, spec["stage_bytes"]) if cuda else None, one_call=spec["one_call"])
+        prep.warmup(tuple(spec["preferred"]))
+    except Exception as exc:  # noqa: BLE001 - said to the serving process, which goes on
+        with contextlib.suppress(OSError):
+            _send(sock, ("failed", f"{type(exc).__name__}: {exc}"))
+        return 1
+    _send(sock, ("ready",))
+    buf = bytearray(1 << 20)
+    while True:
+        try:
+            head = _recv(sock)
+        except (EOFError, OSError):
+            return 0
+        _, job, k, padded, descs = head
+        total = sum(d[4] for d in descs)
+        if len(buf) < total:
+            buf = bytearray(max(total, 2 * len(buf)))
+        view = memoryview(buf)
+        _recv_exact(sock, view[:total])
+        data = np.frombuffer(buf, dtype=np.uint8)
+        frames, off = [], 0
+        for kind, width, height, channels, n, shape in descs:
+            b = data[off:off + n]
+            frames.append(Frame(kind, b.reshape(shape) if shape else b, width, height, channels))
+            off += n
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), \
+                    torch.inference_mode():
+                tensor, good, bad = prep.prepare(frames, padded)
+                slots[k][:tensor.shape[0]].copy_(tensor)
+            if stream is not None:
+                stream.synchronize()
+            reply: tuple = ("done", job, int(tensor.shape[0]), good,
+                            [(i, type(e).__name__, str(getattr(e, "message", e)))
+                             for i, e in bad])
+        except Exception as exc:  # noqa: BLE001 - the serving process prepares it instead
+            reply = ("failed", job, f"{type(exc).__name__}: {exc}")
+        del frames, data, view
+        _send(sock, reply)
+
+
+def main() -> int:
+    spec = json.loads(os.environ.pop(SPEC_ENV))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the serving process stops it (channel closed)
+    logging.basicConfig(level=logging.WARNING,
+                        format="%(asctime)s %(levelname)s prepworker: %(message)s")
+    threading.Thread(target=_watch_parent, args=(spec["parent"],), daemon=True).start()
+    return serve(spec)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -6,6 +6,7 @@ the same with CUDA IPC slots."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -124,6 +125,40 @@ def test_a_worker_that_dies_leaves_its_batches_to_the_serving_process(caplog):
         assert p.counts["local_batches"] == 2
         assert sum("prepared in the serving process" in r.message for r in caplog.records) == 1
     finally:
+        p.close()
+
+
+def test_a_batch_larger_than_the_socket_buffer_goes_in_one_piece(pp):
+    """Eight raw frames of 1.2 MB (the socket buffer holds about 200 kB): the blocking send
+    waits for the worker to read, and every row arrives."""
+    rng = np.random.default_rng(5)
+    frames = [imaging.raw_frame(rng.integers(0, 255, (640, 640, 3), dtype=np.uint8), (640, 640, 3))
+              for _ in range(8)]
+    t, good, bad = pp.prepare(frames, 8)
+    try:
+        assert good == list(range(8)) and bad == []
+        assert torch.equal(t, pp.fallback.prepare(frames, 8)[0])
+    finally:
+        pp.release(t)
+
+
+def test_a_worker_that_stops_answering_is_given_up_after_the_time_limit(caplog):
+    p = worker(reply_timeout_s=2.0)
+    assert p.start(), p.failure
+    pid = p.pid
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        frames = [jpeg(i) for i in range(2)]
+        with caplog.at_level(logging.ERROR, logger="visionserve.gpu.prepworker"):
+            t0 = time.monotonic()
+            t, good, _ = p.prepare(frames, 2)
+            waited = time.monotonic() - t0
+        assert good == [0, 1] and torch.equal(t, p.fallback.prepare(frames, 2)[0])
+        assert 1.5 < waited < 20 and p.failure and p.pid is None
+        assert any("prepared in the serving process" in r.message for r in caplog.records)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
         p.close()
 
 

@@ -49,6 +49,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -76,11 +77,24 @@ class WorkerFailed(Exception):
     """The worker is gone or broken; the instance prepares in-process from now on."""
 
 
-# --- framing (both sides; blocking sockets) -----------------------------------------------------
+# --- framing (both sides) -------------------------------------------------------------------------
+# The sockets stay in blocking mode, with the kernel's own time limits (SO_SNDTIMEO, SO_RCVTIMEO)
+# rather than Python's timeout: a Python timeout makes a socket non-blocking, and a batch's
+# frames larger than the socket's buffer would then go out in many calls, each taking the
+# serving process's interpreter back behind the busy event loop. Blocking, one ``sendmsg`` sends
+# them all while the interpreter is released, and one ``recv_into`` takes an answer.
 
-def _send(sock: socket.socket, head: Any, buffers: list[Any] = ()) -> None:  # type: ignore[assignment]
+def set_time_limit(sock: socket.socket, seconds: float) -> None:
+    """Sends and receives on ``sock`` fail (OSError) after ``seconds`` without progress."""
+    sock.settimeout(None)
+    limit = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+
+
+def _send(sock: socket.socket, head: Any, buffers: Sequence[Any] = ()) -> None:
     """``head`` pickled behind its length, then ``buffers`` as they are, in one ``sendmsg``
-    where the kernel takes it all at once (a large batch goes in several)."""
+    (more only if a signal or the time limit cut it short)."""
     blob = pickle.dumps(head, protocol=pickle.HIGHEST_PROTOCOL)
     parts = [memoryview(_LEN.pack(len(blob))), memoryview(blob)]
     parts += [memoryview(b).cast("B") for b in buffers]
@@ -102,13 +116,32 @@ def _recv_exact(sock: socket.socket, into: memoryview) -> None:
         pos += got
 
 
-def _recv(sock: socket.socket) -> Any:
-    head = bytearray(_LEN.size)
-    _recv_exact(sock, memoryview(head))
-    (n,) = _LEN.unpack(head)
-    blob = bytearray(n)
-    _recv_exact(sock, memoryview(blob))
-    return pickle.loads(blob)
+class _Reader:
+    """Messages from a socket on which at most one is on its way at a time (an answer to a
+    request, a request to the worker): usually one ``recv_into`` each."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray(1 << 16)
+
+    def message(self) -> Any:
+        view = memoryview(self.buf)
+        got = 0
+        while got < _LEN.size:
+            n = self.sock.recv_into(view[got:])
+            if not n:
+                raise EOFError("the other side closed the channel")
+            got += n
+        (size,) = _LEN.unpack_from(self.buf)
+        end = _LEN.size + size
+        if end > len(self.buf):
+            self.buf.extend(bytes(end - len(self.buf)))
+            view = memoryview(self.buf)
+        if got < end:
+            _recv_exact(self.sock, view[got:end])
+        elif got > end:
+            raise WorkerFailed(f"{got - end} bytes beyond the message")
+        return pickle.loads(view[_LEN.size:end])
 
 
 def _frame_buffer(frame: Frame) -> tuple[tuple, Any]:
@@ -158,11 +191,12 @@ class PrepProcess:
 
     def __init__(self, config: ModelConfig, fallback: Any, *, device: str, dtype: Any,
                  channels_last: bool, one_call: bool, preferred: tuple[int, ...],
-                 name: str = "") -> None:
+                 name: str = "", reply_timeout_s: float = REPLY_TIMEOUT_S) -> None:
         self.config = config
         self.fallback = fallback
         self.device = device
         self.name = name
+        self.reply_timeout_s = reply_timeout_s
         self.largest = max(config.batching.max_batch_size, *preferred)  # rows of a slot
         self._spec: dict[str, Any] = {"input": config.input.model_dump_json(),
                       "max_batch": config.batching.max_batch_size,
@@ -171,6 +205,7 @@ class PrepProcess:
                       "one_call": one_call, "preferred": list(preferred), "parent": os.getpid()}
         self.proc: subprocess.Popen | None = None
         self.sock: socket.socket | None = None
+        self._reader: _Reader | None = None
         self.slots: list[Any] = []
         self._ptrs: dict[int, int] = {}  # a slot's data pointer -> its index
         self._free: queue.Queue[int] = queue.Queue()
@@ -229,11 +264,12 @@ class PrepProcess:
             _send(ours, ("slots", [bytes(ForkingPickler.dumps(s)) for s in self.slots]))
         else:
             _send(ours, ("slots", None))
-        ours.settimeout(timeout_s)
-        reply = _recv(ours)
+        self._reader = _Reader(ours)
+        set_time_limit(ours, timeout_s)
+        reply = self._reader.message()
         if reply[0] != "ready":
             raise WorkerFailed(reply[1] if len(reply) > 1 else repr(reply))
-        ours.settimeout(REPLY_TIMEOUT_S)
+        set_time_limit(ours, self.reply_timeout_s)
         self._ptrs = {s.data_ptr(): k for k, s in enumerate(self.slots)}
         for k in range(SLOTS):
             self._free.put(k)
@@ -299,7 +335,8 @@ class PrepProcess:
                 buffers.append(b)
             _send(self.sock, ("prepare", job, k, padded, descs), buffers)
             del buffers
-            reply = _recv(self.sock)
+            assert self._reader is not None
+            reply = self._reader.message()
         except BaseException:
             self._free.put(k)
             raise
@@ -325,6 +362,15 @@ class PrepProcess:
 
 # --- the worker ----------------------------------------------------------------------------------
 
+def _read_head(sock: socket.socket) -> Any:
+    """A request's head, read exactly: the frames' bytes follow it on the socket."""
+    size = bytearray(_LEN.size)
+    _recv_exact(sock, memoryview(size))
+    blob = bytearray(_LEN.unpack(size)[0])
+    _recv_exact(sock, memoryview(blob))
+    return pickle.loads(blob)
+
+
 def _watch_parent(parent: int) -> None:
     while True:
         time.sleep(1.0)
@@ -340,8 +386,9 @@ def serve(spec: dict) -> int:
     from .preprocess import TorchPreprocessor
 
     sock = socket.socket(fileno=spec["channel_fd"])
+    reader = _Reader(sock)
     try:
-        head = _recv(sock)
+        head = reader.message()
         assert head[0] == "slots", head
         device = spec["device"]
         cuda = device.startswith("cuda")
@@ -369,7 +416,7 @@ def serve(spec: dict) -> int:
     buf = bytearray(1 << 20)
     while True:
         try:
-            head = _recv(sock)
+            head = _read_head(sock)
         except (EOFError, OSError):
             return 0
         _, job, k, padded, descs = head

@@ -444,15 +444,16 @@ class ServerSettings(BaseSettings):
                     "captured copy does not work is served with the copy after it. Off until a "
                     "GPU benchmark has compared it (benchgpu --compare "
                     "VISIONSERVE_GPU_GRAPH_FETCH=1).")
-    gpu_prep_process: bool = Field(
-        False,
-        description="On the GPU, prepare each model instance's batches (decode, resize, "
-                    "normalise) in a worker process of its own, into device buffers the serving "
-                    "process holds, instead of in a thread of the serving process: its "
-                    "interpreter does nothing else, and it has a JPEG decoder of its own (one "
+    gpu_prep_processes: int = Field(
+        0, ge=0, le=8,
+        description="On the GPU, this many worker processes per model instance prepare its "
+                    "batches (decode, resize, normalise) into device buffers the serving process "
+                    "holds, instead of the instance's thread in the serving process (0): their "
+                    "interpreters do nothing else, and each has a JPEG decoder of its own (one "
                     "process has one, behind a lock). A worker that fails is logged and the "
-                    "instance prepares in-process again (docs/gpu.md). Off until a GPU benchmark "
-                    "has compared it (benchgpu --compare VISIONSERVE_GPU_PREP_PROCESS=1).")
+                    "others, or the serving process, prepare its batches (docs/gpu.md). 0 until "
+                    "a GPU benchmark has compared it (benchgpu --compare "
+                    "VISIONSERVE_GPU_PREP_PROCESSES=1).")
     recipes: Path | None = Field(
         None, description="The recipes file: each product variant's model, version and verdict "
                           "settings, and the stations that run them (docs/recipes.md). Default: "

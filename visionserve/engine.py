@@ -342,7 +342,7 @@ class Engine(ModelLookup):
 
             self.gpu = GpuReservation(self.settings.gpu_memory_budget, self.device,
                                       one_call=self.settings.gpu_prep_one_call,
-                                      prep_process=self.settings.gpu_prep_process)
+                                      prep_processes=self.settings.gpu_prep_processes)
             await self.gpu.reserve([(e.name, effective_config(e.config, self.settings))
                                     for e in entries])
         for entry in entries:
@@ -409,7 +409,8 @@ class Engine(ModelLookup):
                                   on_batch=lambda r: None,
                                   prepare=prep.prepare if prep is not None else None, task=task,
                                   nice=nice, release=getattr(prep, "release", None),
-                                  close=getattr(prep, "close", None)))
+                                  close=getattr(prep, "close", None),
+                                  prep_threads=getattr(prep, "threads", 1)))
 
         async def execute(batch):
             # the instance with the fewest batches in flight (a batch a prep thread took is no
@@ -424,7 +425,7 @@ class Engine(ModelLookup):
                           max_batch_size=b.max_batch_size,
                           max_queue_delay_s=b.max_queue_delay_ms / 1000,
                           max_queue_size=b.max_queue_size, cost=cost,
-                          max_inflight=2 * len(runners),
+                          max_inflight=sum(1 + r.prep_threads for r in runners),
                           dispatch_when_idle=b.dispatch_when_idle)
         served = Served(entry, version, config, batcher, runners,
                         backend_info=runners[0].backend.describe(), task=task,

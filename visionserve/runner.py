@@ -82,7 +82,7 @@ class Runner:
                  on_batch: Callable[[BatchRecord], None],
                  prepare: Callable | None = None, task: tasks.Task | None = None,
                  nice: int = 0, release: Callable[[Any], None] | None = None,
-                 close: Callable[[], None] | None = None) -> None:
+                 close: Callable[[], None] | None = None, prep_threads: int = 1) -> None:
         self.name = name
         # the prep and compute threads (and the decode pool they start) this many nice levels
         # below the event loop (threads.py)
@@ -100,6 +100,10 @@ class Runner:
         # what prepares the batches, after the threads
         self._release = release
         self._close = close
+        # prep threads that call ``prepare`` at once (one per preparation process; else one)
+        self.prep_threads = max(1, prep_threads)
+        self._preps_left = self.prep_threads
+        self._preps_lock = threading.Lock()
         self.backend = backend
         self.config = config
         self.preferred = preferred
@@ -117,13 +121,16 @@ class Runner:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        for target, role in ((self._prep_loop, "prep"), (self._compute_loop, "compute")):
+        roles = [(self._prep_loop, "prep" if self.prep_threads == 1 else f"prep{i}")
+                 for i in range(self.prep_threads)] + [(self._compute_loop, "compute")]
+        for target, role in roles:
             t = threading.Thread(target=target, name=f"{self.name}:{role}", daemon=True)
             t.start()
             self._threads.append(t)
 
     def stop(self) -> None:
-        self._inbox.put(_STOP)
+        for _ in range(self.prep_threads):
+            self._inbox.put(_STOP)
         for t in self._threads:
             t.join(timeout=10)
         self._threads.clear()
@@ -157,7 +164,11 @@ class Runner:
         while True:
             job = self._inbox.get()
             if job is _STOP:
-                self._handoff.put(_STOP)
+                with self._preps_lock:  # the last prep thread to stop stops the compute thread
+                    self._preps_left -= 1
+                    last = self._preps_left == 0
+                if last:
+                    self._handoff.put(_STOP)
                 return
             batch, done = job
             t0 = time.monotonic()

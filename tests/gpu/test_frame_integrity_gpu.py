@@ -24,9 +24,9 @@ def means_repo(tmp_path_factory):
 
 @pytest.mark.parametrize("frontends, flags", [
     (0, ()), (4, ()), (4, ("--gpu-graph-fetch", "--frontend-zero-copy")),
-    (4, ("--gpu-prep-process", "--frontend-zero-copy"))],
+    (4, ("--gpu-prep-processes", "2", "--frontend-zero-copy"))],
     ids=["in-process", "frontends", "frontends-graph-fetch-zero-copy",
-         "frontends-prep-process-zero-copy"])
+         "frontends-prep-processes-zero-copy"])
 def test_every_answer_belongs_to_its_frame_on_gpu(means_repo, server_factory, frontends, flags):
     extra = ("--frontends", str(frontends)) if frontends else ()
     server = server_factory(means_repo, "--device", "cuda:0", *extra, *flags, grpc=False)

@@ -284,7 +284,7 @@ def test_one_call_preparation_on_the_gpu_gives_the_eager_tensor(repo, config):
 
 
 def test_a_preparation_process_gives_the_model_what_this_process_would(repo, config):
-    """--gpu-prep-process: a worker process prepares the batch (nvJPEG of its own, CUDA IPC
+    """--gpu-prep-processes: a worker process prepares the batch (nvJPEG of its own, CUDA IPC
     slots the serving process allocated) to the bit as the serving process's own preprocessor
     does, for JPEGs of one size (the one call), mixed kinds, and a corrupt JPEG that fails
     alone; the model's outputs from the slot are the outputs from the in-process tensor; a
@@ -325,7 +325,7 @@ def test_a_preparation_process_gives_the_model_what_this_process_would(repo, con
                 np.testing.assert_array_equal(out[name], out_r[name])
             pp.release(t)
         assert pp.counts == {"remote_batches": 9, "local_batches": 0}
-        assert pp._free.qsize() == SLOTS
+        assert pp.workers[0].free.qsize() == SLOTS
         os.kill(pp.pid, signal.SIGKILL)
         frames = cases[0]
         t, good, _ = pp.prepare(frames, 16)
@@ -365,11 +365,11 @@ def _engine(repo: Path, budget: str | None, **extra):
     return Engine(settings, device="cuda:0")
 
 
-@pytest.mark.parametrize("prep_process", [False, True], ids=["in-process", "prep-process"])
-def test_serving_adds_no_device_memory_after_warm_up(repo, prep_process):
+@pytest.mark.parametrize("prep_processes", [0, 2], ids=["in-process", "prep-processes"])
+def test_serving_adds_no_device_memory_after_warm_up(repo, prep_processes):
     """Budget reserved, every preferred size warmed (model + preprocessing): then a load of
     mixed sizes and kinds (1080p and VGA JPEG, raw, PNG, 1..16 frames) makes no cudaMalloc.
-    With --gpu-prep-process the batches come from the worker, and the serving process's
+    With --gpu-prep-processes the batches come from the workers, and the serving process's
     allocator adds nothing either (the slots are allocated at load)."""
     import cv2
 
@@ -380,14 +380,15 @@ def test_serving_adds_no_device_memory_after_warm_up(repo, prep_process):
     mixed = _frames(("jpeg", "raw", "png"), 16) + [imaging.encoded_frame(big_jpeg.tobytes())] * 4
 
     async def scenario():
-        engine = _engine(repo, "4GiB", gpu_prep_process=prep_process)
+        engine = _engine(repo, "4GiB", gpu_prep_processes=prep_processes)
         await engine.start()
         try:
             assert engine.ready and engine.gpu is not None
-            if prep_process:
+            if prep_processes:
                 runner = engine.served[("net", 1)].runners[0]
-                worker = runner.prepare.__self__
-                assert worker.pid is not None and worker.failure is None
+                workers = runner.prepare.__self__
+                assert len(workers.pids) == 2 and workers.failure is None
+                assert runner.prep_threads == 2
             before = engine.gpu.watch.new_since_mark()
             for n in (1, 3, 16, 7, 2, 16, 5):
                 for k in range(0, len(mixed), n):
@@ -395,8 +396,9 @@ def test_serving_adds_no_device_memory_after_warm_up(repo, prep_process):
                     assert len(results) == len(mixed[k:k + n])
             await asyncio.gather(*(engine.infer("net", None, mixed[i:i + 2]) for i in range(0, 18, 2)))
             after = engine.gpu.watch.new_since_mark()
-            if prep_process:
-                assert worker.counts["remote_batches"] > 20 and worker.failure is None
+            if prep_processes:
+                assert workers.counts["remote_batches"] > 20 and workers.failure is None
+                assert workers.counts["local_batches"] == 0
             return before, after
         finally:
             await engine.close()

@@ -1,4 +1,4 @@
-"""Batches prepared by a worker process (``--gpu-prep-process``, gpu/prepworker.py), on the CPU:
+"""Batches prepared by worker processes (``--gpu-prep-processes``, gpu/prepworker.py), on the CPU:
 a real worker process (``python -m visionserve.gpu.prepworker``), slots in a real shared memory
 file, the real TorchPreprocessor on both sides. The GPU test (tests/gpu/test_gpu_path.py) does
 the same with CUDA IPC slots."""
@@ -81,7 +81,7 @@ def test_the_worker_prepares_what_the_serving_process_would(pp):
         assert [(i, type(e), str(e)) for i, e in bad] == [(i, type(e), str(e)) for i, e in ref_bad]
         assert [i for i, _ in bad] == [2] and "corrupt" in str(bad[0][1])
         assert torch.equal(t, ref)
-        assert t.data_ptr() in {s.data_ptr() for s in pp.slots}  # the slot, not a copy
+        assert t.data_ptr() in {s.data_ptr() for s in pp.workers[0].slots}  # a slot, not a copy
     finally:
         pp.release(t)
     assert pp.counts["remote_batches"] >= 1 and pp.failure is None
@@ -107,6 +107,25 @@ def test_a_slot_is_not_written_again_until_the_compute_thread_gives_it_back(pp):
         pp.release(t)
 
 
+def test_when_one_of_two_workers_dies_the_other_prepares_every_batch(caplog):
+    p = worker(workers=2)
+    assert p.start(), p.failure
+    try:
+        frames = [jpeg(i) for i in range(3)]
+        victim = p.pids[0]
+        os.kill(victim, signal.SIGKILL)
+        with caplog.at_level(logging.ERROR, logger="visionserve.gpu.prepworker"):
+            for _ in range(6):  # whichever worker a batch finds first: none is lost
+                t, good, _ = p.prepare(frames, 4)
+                assert good == [0, 1, 2] and torch.equal(t, p.fallback.prepare(frames, 4)[0])
+                p.release(t)
+        assert len(p.pids) == 1 and victim not in p.pids
+        assert p.counts == {"remote_batches": 6, "local_batches": 0}
+        assert any("1 preparation process(es) left" in r.message for r in caplog.records)
+    finally:
+        p.close()
+
+
 def test_a_worker_that_dies_leaves_its_batches_to_the_serving_process(caplog):
     p = worker()
     assert p.start(), p.failure
@@ -121,7 +140,7 @@ def test_a_worker_that_dies_leaves_its_batches_to_the_serving_process(caplog):
                 assert good == [0, 1, 2] and bad == []
                 assert torch.equal(t, p.fallback.prepare(frames, 4)[0])
                 p.release(t)
-        assert p.failure and "failed" in p.failure and p.pid is None
+        assert p.failure and "failed" in p.failure and p.pid is None and p.pids == []
         assert p.counts["local_batches"] == 2
         assert sum("prepared in the serving process" in r.message for r in caplog.records) == 1
     finally:
@@ -183,13 +202,24 @@ class Means:
         return {"scores": batch.float().mean(dim=(2, 3)).numpy().copy()}
 
 
-async def test_every_answer_is_its_own_frames_through_the_worker(pp):
-    """A runner whose batches the worker prepares: many batches in a row, slots reused, frames
-    of distinct colours; each answer holds its own frame's colour."""
+@pytest.fixture(scope="module")
+def pp2():
+    p = worker(workers=2)
+    assert p.start(), p.failure
+    assert len(p.pids) == 2 and p.threads == 2
+    yield p
+    p.close()
+
+
+async def test_every_answer_is_its_own_frames_through_two_workers(pp2):
+    """A runner whose batches two workers prepare at once (two prep threads): many batches in
+    a row, slots reused, frames of distinct colours; each answer holds its own frame's
+    colour."""
     loop = asyncio.get_running_loop()
     runner = Runner(name="means:1#0", backend=Means(), config=CONFIG,  # type: ignore[arg-type]
                     preferred=PREFERRED, cost=CostModel(lambda n: padded_size(n, PREFERRED)),
-                    on_batch=lambda r: None, prepare=pp.prepare, release=pp.release)
+                    on_batch=lambda r: None, prepare=pp2.prepare, release=pp2.release,
+                    close=pp2.close, prep_threads=pp2.threads)
     runner.start(loop)
     try:
         rng = np.random.default_rng(7)
@@ -210,4 +240,5 @@ async def test_every_answer_is_its_own_frames_through_the_worker(pp):
             r = p.future.result()
             assert isinstance(r, FrameResult) and isinstance(r.result, Classified)
             np.testing.assert_allclose(r.result.scores, c, atol=1e-4)
-    assert pp._free.qsize() == prepworker.SLOTS  # every slot given back
+    assert [w.free.qsize() for w in pp2.workers] == [prepworker.SLOTS] * 2  # all given back
+    assert pp2.counts["remote_batches"] == 24 and pp2.counts["local_batches"] == 0

@@ -1,14 +1,15 @@
-"""Batch preparation in a process of its own (``--gpu-prep-process``).
+"""Batch preparation in processes of their own (``--gpu-prep-processes N``).
 
 The serving process has one interpreter. Its event loop takes every frame message from the front
 ends, and the runner's prep thread must take the interpreter back after each torch call and
 inside the decoder: on the H200 the prep thread waited for it 37% of its time at saturation
 (docs/gpu.md, "what is left"), and one process has one nvJPEG decoder, behind a mutex, which caps
 1080p at about 0.35x the bare model. With this setting each model instance's batches are
-prepared (decode, resize, normalise: :class:`~.preprocess.TorchPreprocessor`, unchanged) by a
-worker process whose interpreter does nothing else, with a decoder of its own:
+prepared (decode, resize, normalise: :class:`~.preprocess.TorchPreprocessor`, unchanged) by N
+worker processes whose interpreters do nothing else, each with a decoder of its own; the runner
+runs N prep threads, so N batches are prepared at once:
 
-* **Slots.** At load the serving process allocates ``SLOTS`` tensors of the model's input (its
+* **Slots.** At load the serving process allocates ``SLOTS`` tensors per worker of the model's input (its
   largest batch, dtype and memory layout) in its own allocator, inside its budget and before it
   reports ready, and hands them to the worker: CUDA IPC handles on a GPU, a shared memory file on
   the CPU. The slots stay the serving process's memory, whatever happens to the worker.
@@ -22,10 +23,11 @@ worker process whose interpreter does nothing else, with a decoder of its own:
   by then the batch's outputs have been read on the host, so the device is past the copy out of
   the slot. A slot is never written while a batch may still read it.
 * **Failures.** A worker that dies, does not answer within :data:`REPLY_TIMEOUT_S`, or answers
-  another job than the one asked is killed, logged as an error, and the batch - and every later
-  one of the instance - is prepared in the serving process, as without the setting: no frame
-  fails for it. A worker that cannot start (no CUDA in it, an import failing) leaves the
-  instance preparing in-process, with a warning.
+  another job than the one asked is killed and logged as an error; its batch goes to another
+  worker, and when none is left, that batch and every later one of the instance is prepared in
+  the serving process, as without the setting: no frame fails for it. A worker that cannot
+  start (no CUDA in it, an import failing) is left out, with a warning. A batch a worker says it
+  could not prepare (an unexpected error) is prepared in-process, and the worker stays.
 
 The worker's own memory (its CUDA context, nvJPEG's buffers, the working copies of a batch) is
 outside the serving process's allocator cap; NVML counts it among the card's used memory.
@@ -183,71 +185,36 @@ def _cpu_slots(template: Any, fd: int) -> list[Any]:
 
 # --- the serving side ----------------------------------------------------------------------------
 
-class PrepProcess:
-    """``prepare(frames, padded)`` -> (tensor, good, bad) through a worker process, the contract
-    of :meth:`TorchPreprocessor.prepare`; ``fallback`` (the in-process preprocessor, warmed up)
-    prepares when the worker cannot. Called from one runner's prep thread; :meth:`release` from
-    its compute thread."""
+class _Worker:
+    """One worker process, its channel and its slots (serving side)."""
 
-    def __init__(self, config: ModelConfig, fallback: Any, *, device: str, dtype: Any,
-                 channels_last: bool, one_call: bool, preferred: tuple[int, ...],
-                 name: str = "", reply_timeout_s: float = REPLY_TIMEOUT_S) -> None:
-        self.config = config
-        self.fallback = fallback
-        self.device = device
-        self.name = name
-        self.reply_timeout_s = reply_timeout_s
-        self.largest = max(config.batching.max_batch_size, *preferred)  # rows of a slot
-        self._spec: dict[str, Any] = {"input": config.input.model_dump_json(),
-                      "max_batch": config.batching.max_batch_size,
-                      "stage_bytes": stage_slot_bytes(config), "device": device,
-                      "dtype": str(dtype).removeprefix("torch."), "channels_last": channels_last,
-                      "one_call": one_call, "preferred": list(preferred), "parent": os.getpid()}
+    def __init__(self, index: int) -> None:
+        self.index = index
         self.proc: subprocess.Popen | None = None
         self.sock: socket.socket | None = None
-        self._reader: _Reader | None = None
+        self.reader: _Reader | None = None
         self.slots: list[Any] = []
-        self._ptrs: dict[int, int] = {}  # a slot's data pointer -> its index
-        self._free: queue.Queue[int] = queue.Queue()
-        self._job = 0
-        self._lock = threading.Lock()  # prepare and close
-        self.failure: str | None = None  # why the instance prepares in-process
-        self.counts = {"remote_batches": 0, "local_batches": 0}
+        self.free: queue.Queue[int] = queue.Queue()  # slots the compute thread gave back
+        self.job = 0
 
-    # -- start / stop ---------------------------------------------------------------------------
-
-    def start(self, timeout_s: float = START_TIMEOUT_S) -> bool:
-        """Start the worker and wait until it is warm; False (with the reason in
-        :attr:`failure`, logged) when it could not start: then everything is prepared here."""
-        try:
-            self._start(timeout_s)
-            return True
-        except Exception as exc:  # noqa: BLE001 - any failure leaves the in-process path
-            self._fail(f"the preparation process did not start: {exc}", level=logging.WARNING)
-            return False
-
-    def _start(self, timeout_s: float) -> None:
+    def start(self, template: Any, stream: Any, spec: dict, timeout_s: float,
+              reply_timeout_s: float) -> None:
         import torch
         from torch.multiprocessing.reductions import reduce_tensor  # noqa: F401 - registers
 
-        template, _, _ = self.fallback.prepare([], self.largest)
-        cuda = template.is_cuda
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         fds = [theirs.fileno()]
         slot_fd = -1
-        if cuda:
-            with torch.cuda.stream(self.fallback.stream) if self.fallback.stream is not None \
-                    else contextlib.nullcontext():
+        if template.is_cuda:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 self.slots = [torch.empty_like(template) for _ in range(SLOTS)]
-            torch.cuda.current_stream(template.device).synchronize()
-            if self.fallback.stream is not None:
-                self.fallback.stream.synchronize()
+            (stream or torch.cuda.current_stream(template.device)).synchronize()
         else:
             slot_fd = os.memfd_create("visionserve-prep-slots", 0)
             os.ftruncate(slot_fd, slot_bytes(template) * SLOTS)
             self.slots = _cpu_slots(template, slot_fd)
             fds.append(slot_fd)
-        spec = {**self._spec, "channel_fd": theirs.fileno(), "slot_fd": slot_fd,
+        spec = {**spec, "channel_fd": theirs.fileno(), "slot_fd": slot_fd,
                 "shape": list(template.shape), "stride": list(template.stride())}
         env = {**os.environ, SPEC_ENV: json.dumps(spec)}
         try:
@@ -257,30 +224,59 @@ class PrepProcess:
             theirs.close()
             if slot_fd >= 0:
                 os.close(slot_fd)
-        self.sock = ours
-        if cuda:
+        self.sock, self.reader = ours, _Reader(ours)
+        if template.is_cuda:
             from multiprocessing.reduction import ForkingPickler
 
             _send(ours, ("slots", [bytes(ForkingPickler.dumps(s)) for s in self.slots]))
         else:
             _send(ours, ("slots", None))
-        self._reader = _Reader(ours)
         set_time_limit(ours, timeout_s)
-        reply = self._reader.message()
+        reply = self.reader.message()
         if reply[0] != "ready":
             raise WorkerFailed(reply[1] if len(reply) > 1 else repr(reply))
-        set_time_limit(ours, self.reply_timeout_s)
-        self._ptrs = {s.data_ptr(): k for k, s in enumerate(self.slots)}
+        set_time_limit(ours, reply_timeout_s)
         for k in range(SLOTS):
-            self._free.put(k)
-        log.info("%s: batches prepared by process %d", self.name or "model", self.proc.pid)
+            self.free.put(k)
 
-    def close(self) -> None:
-        with self._lock:
-            self._stop_worker()
+    @property
+    def alive(self) -> bool:
+        return self.sock is not None
 
-    def _stop_worker(self) -> None:
-        sock, proc, self.sock, self.proc = self.sock, self.proc, None, None
+    def prepare(self, frames: list[Frame], padded: int
+                ) -> tuple[Any, list[int], list[tuple[int, Exception]]] | str:
+        """The batch prepared by the worker, or why it could not prepare this one (it said so,
+        and is fine: the batch is prepared in-process, the next one here again). Raises when
+        the worker is broken."""
+        assert self.sock is not None and self.reader is not None
+        k = self.free.get()  # the compute thread gives each back (release)
+        try:
+            self.job += 1
+            job = self.job
+            descs, buffers = [], []
+            for f in frames:
+                d, b = _frame_buffer(f)
+                descs.append(d)
+                buffers.append(b)
+            _send(self.sock, ("prepare", job, k, padded, descs), buffers)
+            del buffers
+            reply = self.reader.message()
+        except BaseException:
+            self.free.put(k)
+            raise
+        if reply[0] != "done" or reply[1] != job:
+            self.free.put(k)
+            if reply[0] == "failed" and reply[1] == job:
+                return str(reply[2])
+            raise WorkerFailed(f"asked for batch {job}, it answered {reply[:2]!r}")
+        _, _, rows, good, bad = reply
+        return (self.slots[k][:rows], good,
+                [(i, _error(name, message)) for i, name, message in bad])
+
+    def stop(self, kill: bool = False) -> None:
+        sock, proc, self.sock, self.reader = self.sock, self.proc, None, None
+        if kill and proc is not None and proc.poll() is None:
+            proc.kill()
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.close()  # the worker sees the channel close and exits
@@ -291,73 +287,135 @@ class PrepProcess:
                 proc.kill()
                 proc.wait(timeout=5)
 
-    def _fail(self, why: str, level: int = logging.ERROR) -> None:
-        if self.failure is None:
-            self.failure = why
-            log.log(level, "%s: %s; its batches are prepared in the serving process from now on",
-                    self.name or "model", why)
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-        self._stop_worker()
+
+class PrepProcess:
+    """``prepare(frames, padded)`` -> (tensor, good, bad) through ``workers`` worker processes,
+    the contract of :meth:`TorchPreprocessor.prepare`; ``fallback`` (the in-process
+    preprocessor, warmed up) prepares when no worker can. Called from the runner's
+    :attr:`threads` prep threads at once (each call takes an idle worker); :meth:`release` from
+    its compute thread."""
+
+    def __init__(self, config: ModelConfig, fallback: Any, *, device: str, dtype: Any,
+                 channels_last: bool, one_call: bool, preferred: tuple[int, ...],
+                 name: str = "", workers: int = 1,
+                 reply_timeout_s: float = REPLY_TIMEOUT_S) -> None:
+        self.config = config
+        self.fallback = fallback
+        self.device = device
+        self.name = name or "model"
+        self.reply_timeout_s = reply_timeout_s
+        self.largest = max(config.batching.max_batch_size, *preferred)  # rows of a slot
+        self._spec: dict[str, Any] = {
+            "input": config.input.model_dump_json(), "max_batch": config.batching.max_batch_size,
+            "stage_bytes": stage_slot_bytes(config), "device": device,
+            "dtype": str(dtype).removeprefix("torch."), "channels_last": channels_last,
+            "one_call": one_call, "preferred": list(preferred), "parent": os.getpid()}
+        self.workers = [_Worker(i) for i in range(workers)]
+        self._idle: queue.Queue[_Worker] = queue.Queue()
+        self._ptrs: dict[int, tuple[_Worker, int]] = {}  # a slot's data pointer -> its owner
+        self._local = threading.Lock()  # the fallback is one thread's at a time
+        self._counts_lock = threading.Lock()
+        self.failure: str | None = None  # why a worker is gone (the first reason)
+        self.counts = {"remote_batches": 0, "local_batches": 0}
+
+    @property
+    def threads(self) -> int:
+        """Prep threads the runner should run: one per worker, so that they work at once."""
+        return len(self.workers)
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self.workers if w.alive and w.proc is not None]
 
     @property
     def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
+        pids = self.pids
+        return pids[0] if pids else None
+
+    # -- start / stop ---------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> bool:
+        """Start the workers and wait until they are warm; False (the reason in
+        :attr:`failure`, logged) when none could start: then everything is prepared here."""
+        try:
+            template, _, _ = self.fallback.prepare([], self.largest)
+        except Exception as exc:  # noqa: BLE001 - leaves the in-process path
+            self._lost(None, f"the preparation process did not start: {exc}", logging.WARNING)
+            return False
+        for w in self.workers:
+            try:
+                w.start(template, self.fallback.stream, self._spec, timeout_s,
+                        self.reply_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - any failure leaves the in-process path
+                self._lost(w, f"the preparation process did not start: {exc}", logging.WARNING)
+                continue
+            self._ptrs.update({s.data_ptr(): (w, k) for k, s in enumerate(w.slots)})
+            self._idle.put(w)
+        if self.pids:
+            log.info("%s: batches prepared by process(es) %s", self.name,
+                     ", ".join(map(str, self.pids)))
+        return bool(self.pids)
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.stop()
+
+    def _lost(self, w: _Worker | None, why: str, level: int = logging.ERROR) -> None:
+        if self.failure is None:
+            self.failure = why
+        if w is not None:
+            w.stop(kill=True)
+        left = sum(x.alive for x in self.workers)
+        log.log(level, "%s: %s; %s", self.name, why,
+                f"{left} preparation process(es) left" if left else
+                "its batches are prepared in the serving process from now on")
 
     # -- per batch ------------------------------------------------------------------------------
 
     def prepare(self, frames: list[Frame], padded: int
                 ) -> tuple[Any, list[int], list[tuple[int, Exception]]]:
-        with self._lock:
-            if self.sock is not None:
-                try:
-                    out = self._remote(frames, padded)
-                    if out is not None:
-                        return out
-                except (OSError, EOFError, WorkerFailed, pickle.UnpicklingError) as exc:
-                    self._fail(f"the preparation process failed ({type(exc).__name__}: {exc})")
-        self.counts["local_batches"] += 1
-        return self.fallback.prepare(frames, padded)
+        while (w := self._idle_worker()) is not None:
+            try:
+                out = w.prepare(frames, padded)
+            except (OSError, EOFError, WorkerFailed, pickle.UnpicklingError) as exc:
+                # the next live worker takes the batch (none left: this process does)
+                self._lost(w, f"a preparation process failed ({type(exc).__name__}: {exc})")
+                continue
+            self._idle.put(w)
+            if not isinstance(out, str):
+                self._count("remote_batches")
+                return out
+            log.warning("%s: a preparation process could not prepare a batch (%s); "
+                        "preparing it here", self.name, out)
+            break
+        self._count("local_batches")
+        with self._local:
+            return self.fallback.prepare(frames, padded)
 
-    def _remote(self, frames: list[Frame], padded: int
-                ) -> tuple[Any, list[int], list[tuple[int, Exception]]] | None:
-        """The batch prepared by the worker; None where the worker could not prepare this batch
-        but is fine (it said why): the batch is prepared here, the next one there again."""
-        assert self.sock is not None
-        k = self._free.get()  # the compute thread gives each back (release)
-        try:
-            self._job += 1
-            job = self._job
-            descs, buffers = [], []
-            for f in frames:
-                d, b = _frame_buffer(f)
-                descs.append(d)
-                buffers.append(b)
-            _send(self.sock, ("prepare", job, k, padded, descs), buffers)
-            del buffers
-            assert self._reader is not None
-            reply = self._reader.message()
-        except BaseException:
-            self._free.put(k)
-            raise
-        if reply[0] != "done" or reply[1] != job:
-            self._free.put(k)
-            if reply[0] == "failed" and reply[1] == job:
-                log.warning("%s: the preparation process could not prepare a batch (%s); "
-                            "preparing it here", self.name or "model", reply[2])
-                return None
-            raise WorkerFailed(f"asked for batch {job}, it answered {reply[:2]!r}")
-        _, _, rows, good, bad = reply
-        self.counts["remote_batches"] += 1
-        return (self.slots[k][:rows], good,
-                [(i, _error(name, message)) for i, name, message in bad])
+    def _idle_worker(self) -> _Worker | None:
+        """An idle live worker (waiting while all live ones are busy), or None if none lives."""
+        while any(w.alive for w in self.workers):
+            try:
+                w = self._idle.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if w.alive:
+                return w
+        return None
+
+    def _count(self, key: str) -> None:
+        with self._counts_lock:
+            self.counts[key] += 1
 
     def release(self, tensor: Any) -> None:
         """The compute thread is done with ``tensor`` (the runner's input): its slot, if it is
         one, may be written again."""
-        k = self._ptrs.get(tensor.data_ptr()) if tensor is not None else None
-        if k is not None and self.slots and tensor.data_ptr() == self.slots[k].data_ptr():
-            self._free.put(k)
+        if tensor is None:
+            return
+        owner = self._ptrs.get(tensor.data_ptr())
+        if owner is not None:
+            w, k = owner
+            w.free.put(k)
 
 
 # --- the worker ----------------------------------------------------------------------------------
@@ -407,7 +465,8 @@ def serve(spec: dict) -> int:
             InputSpec.model_validate_json(spec["input"]), device=device, dtype=dtype,
             max_batch=spec["max_batch"], stream=stream, channels_last=spec["channels_last"],
             pool=PinnedPool(2, spec["stage_bytes"]) if cuda else None, one_call=spec["one_call"])
-        prep.warmup(tuple(spec["preferred"]))
+        if cuda:  # grows nvJPEG's and the allocator's buffers (nothing to grow on the CPU)
+            prep.warmup(tuple(spec["preferred"]))
     except Exception as exc:  # noqa: BLE001 - said to the serving process, which goes on
         with contextlib.suppress(OSError):
             _send(sock, ("failed", f"{type(exc).__name__}: {exc}"))

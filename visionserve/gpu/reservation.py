@@ -44,11 +44,11 @@ class GpuReservation:
     LOG_EVERY_S = 60.0
 
     def __init__(self, server_budget: str | None, device: str, nvml: Nvml | None = None,
-                 one_call: bool = True, prep_process: bool = False) -> None:
+                 one_call: bool = True, prep_processes: int = 0) -> None:
         self.server_budget = server_budget
         self.device = device
         self.one_call = one_call  # TorchPreprocessor's one-call preparation (onecall.py)
-        self.prep_process = prep_process  # each instance's batches prepared by a worker
+        self.prep_processes = prep_processes  # worker processes preparing an instance's batches
         self._nvml = nvml
         self.plan = BudgetPlan(total=None)
         self.watch = AllocationWatch(device)
@@ -172,9 +172,9 @@ class GpuReservation:
         """A warmed-up GPU preprocessor for ``backend`` of the load ``owner``, or None where
         the backend cannot take device tensors (no stream: e.g. onnxruntime without torch
         CUDA). Preprocessors of one ``pool_key`` (the versions of a model instance) share
-        their pinned staging pool. With ``prep_process`` a worker process prepares the
-        batches (:class:`.prepworker.PrepProcess`, which has ``release`` and ``close`` too),
-        and this process's preprocessor is its fallback."""
+        their pinned staging pool. With ``prep_processes`` worker processes prepare the
+        batches (:class:`.prepworker.PrepProcess`, which has ``release``, ``close`` and
+        ``threads`` too), and this process's preprocessor is their fallback."""
         if not backend.takes_device_input:
             return None
         from .preprocess import TorchPreprocessor
@@ -188,15 +188,15 @@ class GpuReservation:
         streams.append(backend.stream)
         if prep.decode_stream is not None:  # the decoded images' blocks live in its pool
             streams.append(prep.decode_stream)
-        if self.prep_process:
+        if self.prep_processes:
             from .prepworker import PrepProcess
 
-            worker = PrepProcess(config, prep, device=self.device, dtype=backend.input_dtype,
-                                 channels_last=backend.channels_last, one_call=self.one_call,
-                                 preferred=preferred,
-                                 name="#".join(map(str, pool_key)) if pool_key else "")
-            worker.start()  # when it cannot start, it prepares in-process (logged)
-            return worker
+            workers = PrepProcess(config, prep, device=self.device, dtype=backend.input_dtype,
+                                  channels_last=backend.channels_last, one_call=self.one_call,
+                                  preferred=preferred, workers=self.prep_processes,
+                                  name="#".join(map(str, pool_key)) if pool_key else "")
+            workers.start()  # where none can start, it prepares in-process (logged)
+            return workers
         return prep
 
     def ready(self) -> None:

@@ -9,8 +9,9 @@ prepared (decode, resize, normalise: :class:`~.preprocess.TorchPreprocessor`, un
 worker processes whose interpreters do nothing else, each with a decoder of its own; the runner
 runs N prep threads, so N batches are prepared at once:
 
-* **Slots.** At load the serving process allocates ``SLOTS`` tensors per worker of the model's input (its
-  largest batch, dtype and memory layout) in its own allocator, inside its budget and before it
+* **Slots.** At load the serving process allocates ``SLOTS`` tensors per worker of the model's
+  input (its largest batch, dtype and memory layout) in its own allocator, inside its budget and
+  before it
   reports ready, and hands them to the worker: CUDA IPC handles on a GPU, a shared memory file on
   the CPU. The slots stay the serving process's memory, whatever happens to the worker.
 * **A batch.** The runner's prep thread takes a free slot and sends the worker the frames'

@@ -64,9 +64,11 @@ export PYTHONUNBUFFERED=1
 # the guard's acceptance test (2-3 min) runs on its own: tests/gpu/test_guard_acceptance.py; so
 # does its GPU-sharing test (about 2 min): tests/gpu/test_guard_share_gpu.py
 if [ -z "${SKIP_TESTS:-}" ]; then
+  # TESTS="paths...": only those (a shorter call), e.g. the data path's after a change to it
+  # shellcheck disable=SC2086
   INTEGRITY_OUT="$OUT" timeout ${PYTEST_T:-540} python3 -m pytest -p no:cacheprovider -q -rs -o addopts="" \
-    tests/gpu tests/unit/test_gpu_memory.py tests/unit/test_torch_backend.py tests/unit/test_frontend_hub.py \
-    tests/unit/test_runner.py tests/unit/test_prepworker.py \
+    ${TESTS:-tests/gpu tests/unit/test_gpu_memory.py tests/unit/test_torch_backend.py tests/unit/test_frontend_hub.py \
+    tests/unit/test_runner.py tests/unit/test_prepworker.py} \
     --ignore=tests/gpu/test_guard_acceptance.py --ignore=tests/gpu/test_guard_share_gpu.py \
     --junitxml="$OUT/junit.xml" >"$OUT/pytest.txt" 2>&1
   echo "pytest exit $?" >>"$OUT/pytest.txt"

@@ -198,8 +198,9 @@ class _Worker:
         self.free: queue.Queue[int] = queue.Queue()  # slots the compute thread gave back
         self.job = 0
 
-    def start(self, template: Any, stream: Any, spec: dict, timeout_s: float,
-              reply_timeout_s: float) -> None:
+    def launch(self, template: Any, stream: Any, spec: dict) -> None:
+        """Start the process and hand it the slots; :meth:`wait_ready` waits for its warm-up
+        (the workers of an instance warm up at once)."""
         import torch
         from torch.multiprocessing.reductions import reduce_tensor  # noqa: F401 - registers
 
@@ -232,11 +233,14 @@ class _Worker:
             _send(ours, ("slots", [bytes(ForkingPickler.dumps(s)) for s in self.slots]))
         else:
             _send(ours, ("slots", None))
-        set_time_limit(ours, timeout_s)
+
+    def wait_ready(self, timeout_s: float, reply_timeout_s: float) -> None:
+        assert self.sock is not None and self.reader is not None
+        set_time_limit(self.sock, timeout_s)
         reply = self.reader.message()
         if reply[0] != "ready":
             raise WorkerFailed(reply[1] if len(reply) > 1 else repr(reply))
-        set_time_limit(ours, reply_timeout_s)
+        set_time_limit(self.sock, reply_timeout_s)
         for k in range(SLOTS):
             self.free.put(k)
 
@@ -343,10 +347,16 @@ class PrepProcess:
         except Exception as exc:  # noqa: BLE001 - leaves the in-process path
             self._lost(None, f"the preparation process did not start: {exc}", logging.WARNING)
             return False
+        launched = []
         for w in self.workers:
             try:
-                w.start(template, self.fallback.stream, self._spec, timeout_s,
-                        self.reply_timeout_s)
+                w.launch(template, self.fallback.stream, self._spec)
+                launched.append(w)
+            except Exception as exc:  # noqa: BLE001 - any failure leaves the in-process path
+                self._lost(w, f"the preparation process did not start: {exc}", logging.WARNING)
+        for w in launched:
+            try:
+                w.wait_ready(timeout_s, self.reply_timeout_s)
             except Exception as exc:  # noqa: BLE001 - any failure leaves the in-process path
                 self._lost(w, f"the preparation process did not start: {exc}", logging.WARNING)
                 continue

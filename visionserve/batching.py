@@ -75,7 +75,13 @@ class Pending:
         return (-self.priority, self.deadline, self.seq)
 
     def __lt__(self, other: Pending) -> bool:
-        return self.sort_key() < other.sort_key()
+        # sort_key's order without its two tuples: the event loop compares some 14 times per
+        # frame it queues and takes out (about 110 ns here against 230)
+        if self.priority != other.priority:
+            return self.priority > other.priority
+        if self.deadline != other.deadline:
+            return self.deadline < other.deadline
+        return self.seq < other.seq
 
 
 def resolve(future: asyncio.Future, value: Any = None, exc: BaseException | None = None) -> None:
@@ -274,10 +280,16 @@ class Batcher:
         are as large as the recent ones). Never sooner than one batch's latency.
         """
         now = time.monotonic()
-        key = (-priority, deadline)
-        ahead = sum(1 for p in self._heap
-                    if (-p.priority, p.deadline) <= key and p.deadline > now
-                    and not p.future.done())
+        # the queued frames that go first: live, not expired, and a higher priority, or the
+        # same and a deadline no later. One pass per admitted request over the queue, on the
+        # event loop, so written out (8 us for 96 queued frames against 13 as a generator of
+        # sort keys)
+        ahead = 0
+        for p in self._heap:
+            due, rank = p.deadline, p.priority
+            if due > now and (rank > priority or (rank == priority and due <= deadline)) \
+                    and not p.future.done():
+                ahead += 1
         cost = self.cost
         per_frame = cost.per_frame() or cost.estimate(self.max_batch_size) / self.max_batch_size
         batch = min(max(1.0, cost.typical_batch() or 1.0), self.max_batch_size)

@@ -808,3 +808,18 @@ async def test_runner_counts_batches_in_flight_until_answered(runner_env):
     release.set()
     await asyncio.wait_for(asyncio.gather(*tasks), WAIT)
     assert (runner.inflight, runner.accepted) == (0, 2)
+
+
+def test_queued_frames_order_by_priority_then_deadline_then_arrival():
+    """The queue's comparison (written out for the event loop's sake) is ``sort_key``'s order."""
+    import random
+
+    rng = random.Random(3)
+    loop = asyncio.new_event_loop()
+    try:
+        items = [Pending(None, loop.create_future(), 0.0, float(rng.choice([1, 2, 3])),
+                         rng.choice([0, 1, 2]), seq) for seq in range(200)]
+        rng.shuffle(items)
+        assert sorted(items) == sorted(items, key=Pending.sort_key)
+    finally:
+        loop.close()

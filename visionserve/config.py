@@ -432,18 +432,18 @@ class ServerSettings(BaseSettings):
                     "it (the shared-memory arena) instead of copying it out first, and the front "
                     "end reuses the space once the engine has let the frame go, not at its "
                     "answer. The copy holds the serving process's interpreter: 22% of its event "
-                    "loop's time at 1080p saturation on the H200 (docs/gpu.md). Off until a GPU "
-                    "benchmark has compared it (benchgpu --compare "
-                    "VISIONSERVE_FRONTEND_ZERO_COPY=1).")
+                    "loop's time at 1080p saturation on the H200 (docs/gpu.md). Off: with "
+                    "--gpu-graph-fetch, no gain measurable on the H200 (docs/benchmarks.md, "
+                    "session 18).")
     gpu_graph_fetch: bool = Field(
         False,
         description="On the GPU (torch backend), capture the copies of the model's outputs to "
                     "the host in its CUDA graphs, so that a batch costs the compute thread three "
                     "torch calls instead of five, each a wait behind the busy event loop to take "
                     "the interpreter back (docs/gpu.md). Checked at warm-up: a graph whose "
-                    "captured copy does not work is served with the copy after it. Off until a "
-                    "GPU benchmark has compared it (benchgpu --compare "
-                    "VISIONSERVE_GPU_GRAPH_FETCH=1).")
+                    "captured copy does not work is served with the copy after it. Off: with "
+                    "--frontend-zero-copy, no gain measurable on the H200 (docs/benchmarks.md, "
+                    "session 18).")
     gpu_prep_processes: int = Field(
         0, ge=0, le=8,
         description="On the GPU, this many worker processes per model instance prepare its "
@@ -451,9 +451,9 @@ class ServerSettings(BaseSettings):
                     "holds, instead of the instance's thread in the serving process (0): their "
                     "interpreters do nothing else, and each has a JPEG decoder of its own (one "
                     "process has one, behind a lock). A worker that fails is logged and the "
-                    "others, or the serving process, prepare its batches (docs/gpu.md). 0 until "
-                    "a GPU benchmark has compared it (benchgpu --compare "
-                    "VISIONSERVE_GPU_PREP_PROCESSES=1).")
+                    "others, or the serving process, prepare its batches. Measured on the H200: "
+                    "slower than 0 (the serving process's thread takes the interpreter back "
+                    "twice per batch instead of once), so 0 (docs/gpu.md).")
     recipes: Path | None = Field(
         None, description="The recipes file: each product variant's model, version and verdict "
                           "settings, and the stations that run them (docs/recipes.md). Default: "

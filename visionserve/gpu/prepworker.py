@@ -488,6 +488,11 @@ def serve(spec: dict) -> int:
         try:
             head = _read_head(sock)
         except (EOFError, OSError):
+            # the serving process closed the channel: let its slots go before exiting, so that
+            # torch does not warn there of CUDA tensors still shared with a process that ended
+            slots.clear()
+            if cuda:
+                torch.cuda.synchronize()
             return 0
         _, job, k, padded, descs = head
         total = sum(d[4] for d in descs)

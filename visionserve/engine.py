@@ -407,10 +407,12 @@ class Engine(ModelLookup):
             runners.append(Runner(name=f"{entry.name}:{version}#{i}", backend=backend,
                                   config=config, preferred=pad_to, cost=cost,
                                   on_batch=lambda r: None,
-                                  prepare=prep.prepare if prep is not None else None, task=task,
-                                  nice=nice, release=getattr(prep, "release", None),
+                                  prepare=getattr(prep, "prepare_here", None) or (
+                                      prep.prepare if prep is not None else None),
+                                  task=task, nice=nice,
+                                  release=getattr(prep, "release", None),
                                   close=getattr(prep, "close", None),
-                                  prep_threads=getattr(prep, "threads", 1)))
+                                  remote=prep if hasattr(prep, "submit") else None))
 
         async def execute(batch):
             # the instance with the fewest batches in flight (a batch a prep thread took is no
@@ -425,7 +427,7 @@ class Engine(ModelLookup):
                           max_batch_size=b.max_batch_size,
                           max_queue_delay_s=b.max_queue_delay_ms / 1000,
                           max_queue_size=b.max_queue_size, cost=cost,
-                          max_inflight=sum(1 + r.prep_threads for r in runners),
+                          max_inflight=sum(r.batches_in_flight for r in runners),
                           dispatch_when_idle=b.dispatch_when_idle)
         served = Served(entry, version, config, batcher, runners,
                         backend_info=runners[0].backend.describe(), task=task,

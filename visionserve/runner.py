@@ -82,7 +82,7 @@ class Runner:
                  on_batch: Callable[[BatchRecord], None],
                  prepare: Callable | None = None, task: tasks.Task | None = None,
                  nice: int = 0, release: Callable[[Any], None] | None = None,
-                 close: Callable[[], None] | None = None, prep_threads: int = 1) -> None:
+                 close: Callable[[], None] | None = None, remote: Any = None) -> None:
         self.name = name
         # the prep and compute threads (and the decode pool they start) this many nice levels
         # below the event loop (threads.py)
@@ -100,10 +100,9 @@ class Runner:
         # what prepares the batches, after the threads
         self._release = release
         self._close = close
-        # prep threads that call ``prepare`` at once (one per preparation process; else one)
-        self.prep_threads = max(1, prep_threads)
-        self._preps_left = self.prep_threads
-        self._preps_lock = threading.Lock()
+        # preparation processes the event loop sends batches to (gpu/prepworker.py: attach,
+        # submit); the prep thread then prepares only what they cannot
+        self.remote = remote
         self.backend = backend
         self.config = config
         self.preferred = preferred
@@ -115,27 +114,35 @@ class Runner:
         self.inflight = 0
         self.accepted = 0
         self._inbox: queue.Queue = queue.Queue()
-        self._handoff: queue.Queue = queue.Queue(maxsize=1)
+        # batches ready for the compute thread; the batcher's limit on batches in flight bounds
+        # it (the event loop puts into it too, and must never wait)
+        self._handoff: queue.Queue = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the loop."""
         self._loop = loop
-        roles = [(self._prep_loop, "prep" if self.prep_threads == 1 else f"prep{i}")
-                 for i in range(self.prep_threads)] + [(self._compute_loop, "compute")]
-        for target, role in roles:
+        if self.remote is not None:
+            self.remote.attach(loop)
+        for target, role in ((self._prep_loop, "prep"), (self._compute_loop, "compute")):
             t = threading.Thread(target=target, name=f"{self.name}:{role}", daemon=True)
             t.start()
             self._threads.append(t)
 
     def stop(self) -> None:
-        for _ in range(self.prep_threads):
-            self._inbox.put(_STOP)
+        self._inbox.put(_STOP)
         for t in self._threads:
             t.join(timeout=10)
         self._threads.clear()
         if self._close is not None:
             self._close()
+
+    @property
+    def batches_in_flight(self) -> int:
+        """Batches the batcher may give this instance at once: one computing, and one being
+        prepared by the prep thread or by each preparation process."""
+        return 1 + (len(self.remote.workers) if self.remote is not None else 1)
 
     async def execute(self, batch: list[Pending]) -> None:
         """Batcher entry point: returns when every item of ``batch`` has its answer."""
@@ -143,8 +150,34 @@ class Runner:
         self.inflight += 1
         self.accepted += 1
         done.add_done_callback(self._answered)
-        self._inbox.put((batch, done))
+        if not (self.remote is not None and self.healthy and self._submit(batch, done)):
+            self._inbox.put((batch, done))
         await done
+
+    def _submit(self, batch: list[Pending], done: asyncio.Future) -> bool:
+        """On the loop: the batch to a preparation process; when it is in a slot, straight to
+        the compute thread (what the prep thread does with a batch it prepared). False when
+        no process can take it; a batch one took and then could not prepare goes to the prep
+        thread."""
+        t0 = time.monotonic()
+        live = [p for p in batch if not p.future.done()]
+        padded = padded_size(len(live), self.preferred)
+
+        def ready(prepared: Any) -> None:
+            if prepared is None:
+                self._inbox.put((batch, done))
+                return
+            tensor, good, bad = prepared
+            errors = [(live[i], exc) for i, exc in bad]
+            items = [live[i] for i in good]
+            if bad and good:  # as in the prep thread
+                tensor = tensor[:padded_size(len(good), self.preferred)]
+            if errors:
+                _fail_all(errors)
+            self._handoff.put((batch, done, items, tensor, t0, time.monotonic() - t0,
+                               len(errors)))
+
+        return bool(self.remote.submit([p.payload for p in live], padded, ready))
 
     def _answered(self, done: asyncio.Future) -> None:
         self.inflight -= 1
@@ -164,11 +197,7 @@ class Runner:
         while True:
             job = self._inbox.get()
             if job is _STOP:
-                with self._preps_lock:  # the last prep thread to stop stops the compute thread
-                    self._preps_left -= 1
-                    last = self._preps_left == 0
-                if last:
-                    self._handoff.put(_STOP)
+                self._handoff.put(_STOP)
                 return
             batch, done = job
             t0 = time.monotonic()

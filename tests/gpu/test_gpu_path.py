@@ -386,9 +386,9 @@ def test_serving_adds_no_device_memory_after_warm_up(repo, prep_processes):
             assert engine.ready and engine.gpu is not None
             if prep_processes:
                 runner = engine.served[("net", 1)].runners[0]
-                workers = runner.prepare.__self__
+                workers = runner.remote
                 assert len(workers.pids) == 2 and workers.failure is None
-                assert runner.prep_threads == 2
+                assert runner.batches_in_flight == 3
             before = engine.gpu.watch.new_since_mark()
             for n in (1, 3, 16, 7, 2, 16, 5):
                 for k in range(0, len(mixed), n):

@@ -147,18 +147,50 @@ def test_a_worker_that_dies_leaves_its_batches_to_the_serving_process(caplog):
         p.close()
 
 
-def test_a_batch_larger_than_the_socket_buffer_goes_in_one_piece(pp):
-    """Eight raw frames of 1.2 MB (the socket buffer holds about 200 kB): the blocking send
-    waits for the worker to read, and every row arrives."""
-    rng = np.random.default_rng(5)
-    frames = [imaging.raw_frame(rng.integers(0, 255, (640, 640, 3), dtype=np.uint8), (640, 640, 3))
-              for _ in range(8)]
+def big_frames(seed: int = 5) -> list[imaging.Frame]:
+    """Eight raw frames of 4.3 MB: more than a slot's staging memory (32 MB), so their bytes go
+    on the socket, whose buffer holds about 200 kB."""
+    rng = np.random.default_rng(seed)
+    return [imaging.raw_frame(rng.integers(0, 255, (1200, 1200, 3), dtype=np.uint8),
+                              (1200, 1200, 3)) for _ in range(8)]
+
+
+def test_a_batch_larger_than_its_staging_memory_goes_on_the_socket(pp):
+    frames = big_frames()
+    assert sum(f.data.nbytes for f in frames) > prepworker.STAGE_BYTES
     t, good, bad = pp.prepare(frames, 8)
     try:
         assert good == list(range(8)) and bad == []
         assert torch.equal(t, pp.fallback.prepare(frames, 8)[0])
     finally:
         pp.release(t)
+
+
+async def test_the_loop_sends_a_large_batch_as_the_socket_drains(pp):
+    """From the event loop the socket is non-blocking: the loop writes what it takes and the
+    rest when it drains, and frames staged for the next batch do not wait for it."""
+    loop = asyncio.get_running_loop()
+    pp.attach(loop)
+    try:
+        got: list = []
+        small = [jpeg(i) for i in range(3)]
+        for frames in (big_frames(), small):
+            assert pp.submit(frames, 8 if len(frames) > 4 else 4, got.append)
+        await asyncio.wait_for(_until(lambda: len(got) == 2), 60)
+        for (t, good, bad), frames in zip(got, (big_frames(), small)):
+            assert good == list(range(len(frames))) and bad == []
+            assert torch.equal(t, pp.fallback.prepare(frames, t.shape[0])[0])
+            pp.release(t)
+    finally:
+        pp._detach_all()
+        for w in pp.workers:
+            w.sock.setblocking(True)
+            prepworker.set_time_limit(w.sock, pp.reply_timeout_s)
+
+
+async def _until(condition) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)
 
 
 def test_a_worker_that_stops_answering_is_given_up_after_the_time_limit(caplog):
@@ -202,43 +234,92 @@ class Means:
         return {"scores": batch.float().mean(dim=(2, 3)).numpy().copy()}
 
 
-@pytest.fixture(scope="module")
-def pp2():
-    p = worker(workers=2)
-    assert p.start(), p.failure
-    assert len(p.pids) == 2 and p.threads == 2
-    yield p
-    p.close()
+def coloured_batches(loop, count: int, seed: int = 7) -> list[tuple[list, list[Pending]]]:
+    rng = np.random.default_rng(seed)
+    batches = []
+    for _ in range(count):
+        n = int(rng.integers(1, 9))
+        colours = [tuple(int(c) for c in rng.integers(0, 256, 3)) for _ in range(n)]
+        now = time.monotonic()
+        batch = [Pending(imaging.raw_frame(np.full((12, 20, 3), c, np.uint8), (12, 20, 3)),
+                         loop.create_future(), now, now + 60, dispatched=now)
+                 for c in colours]
+        batches.append((colours, batch))
+    return batches
 
 
-async def test_every_answer_is_its_own_frames_through_two_workers(pp2):
-    """A runner whose batches two workers prepare at once (two prep threads): many batches in
-    a row, slots reused, frames of distinct colours; each answer holds its own frame's
-    colour."""
-    loop = asyncio.get_running_loop()
-    runner = Runner(name="means:1#0", backend=Means(), config=CONFIG,  # type: ignore[arg-type]
-                    preferred=PREFERRED, cost=CostModel(lambda n: padded_size(n, PREFERRED)),
-                    on_batch=lambda r: None, prepare=pp2.prepare, release=pp2.release,
-                    close=pp2.close, prep_threads=pp2.threads)
-    runner.start(loop)
-    try:
-        rng = np.random.default_rng(7)
-        batches = []
-        for b in range(24):
-            n = int(rng.integers(1, 9))
-            colours = [tuple(int(c) for c in rng.integers(0, 256, 3)) for _ in range(n)]
-            now = time.monotonic()
-            batch = [Pending(imaging.raw_frame(np.full((12, 20, 3), c, np.uint8), (12, 20, 3)),
-                             loop.create_future(), now, now + 60, dispatched=now)
-                     for c in colours]
-            batches.append((colours, batch))
-        await asyncio.wait_for(asyncio.gather(*(runner.execute(b) for _, b in batches)), 60)
-    finally:
-        await asyncio.to_thread(runner.stop)
+def runner_for(p: prepworker.PrepProcess) -> Runner:
+    """A runner as the engine makes one with --gpu-prep-processes (the batches from the loop
+    to the workers; the prep thread prepares only what they cannot)."""
+    return Runner(name="means:1#0", backend=Means(), config=CONFIG,  # type: ignore[arg-type]
+                  preferred=PREFERRED, cost=CostModel(lambda n: padded_size(n, PREFERRED)),
+                  on_batch=lambda r: None, prepare=p.prepare_here, release=p.release,
+                  close=p.close, remote=p)
+
+
+def assert_own_colours(batches) -> None:
     for colours, batch in batches:
         for c, p in zip(colours, batch):
             r = p.future.result()
             assert isinstance(r, FrameResult) and isinstance(r.result, Classified)
             np.testing.assert_allclose(r.result.scores, c, atol=1e-4)
-    assert [w.free.qsize() for w in pp2.workers] == [prepworker.SLOTS] * 2  # all given back
-    assert pp2.counts["remote_batches"] == 24 and pp2.counts["local_batches"] == 0
+
+
+async def test_every_answer_is_its_own_frames_through_two_workers():
+    """The event loop sends an instance's batches to two workers (at most three in flight, as
+    the batcher allows): many batches, slots reused, frames of distinct colours; each answer
+    holds its own frame's colour, and every slot comes back."""
+    p = worker(workers=2)
+    assert p.start(), p.failure
+    runner = runner_for(p)
+    assert runner.batches_in_flight == 3
+    loop = asyncio.get_running_loop()
+    runner.start(loop)
+    batches = coloured_batches(loop, 30)
+    try:
+        limit = asyncio.Semaphore(runner.batches_in_flight)
+
+        async def one(batch):
+            async with limit:
+                await runner.execute(batch)
+
+        await asyncio.wait_for(asyncio.gather(*(one(b) for _, b in batches)), 60)
+        assert [w.free.qsize() for w in p.workers] == [prepworker.SLOTS] * 2  # all given back
+    finally:
+        await asyncio.to_thread(runner.stop)
+    assert_own_colours(batches)
+    assert p.counts == {"remote_batches": 30, "local_batches": 0}
+    assert all(len(w.outstanding) == 0 for w in p.workers) and p.pids == []
+
+
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+async def test_batches_a_lost_worker_had_are_prepared_in_the_serving_process(how, caplog):
+    """A worker killed, or stopped (SIGSTOP: no answer within the time limit), while the loop
+    has sent it batches: those batches are prepared by the runner's prep thread, later ones by
+    the other worker; every answer is its own frame's."""
+    p = worker(workers=2, reply_timeout_s=2.0)
+    assert p.start(), p.failure
+    runner = runner_for(p)
+    loop = asyncio.get_running_loop()
+    runner.start(loop)
+    victim = p.pids[0]
+    batches = coloured_batches(loop, 20, seed=11)
+    try:
+        os.kill(victim, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        limit = asyncio.Semaphore(runner.batches_in_flight)
+
+        async def one(batch):
+            async with limit:
+                await runner.execute(batch)
+
+        with caplog.at_level(logging.ERROR, logger="visionserve.gpu.prepworker"):
+            await asyncio.wait_for(asyncio.gather(*(one(b) for _, b in batches)), 60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+        await asyncio.to_thread(runner.stop)
+    assert_own_colours(batches)
+    assert p.failure and ("did not answer" in p.failure if how == "stopped" else True)
+    assert p.counts["remote_batches"] + p.counts["local_batches"] == 20
+    assert p.counts["local_batches"] >= 1  # what the lost worker had
+    assert any("1 preparation process(es) left" in r.message for r in caplog.records)

@@ -6,29 +6,36 @@ inside the decoder: on the H200 the prep thread waited for it 37% of its time at
 (docs/gpu.md, "what is left"), and one process has one nvJPEG decoder, behind a mutex, which caps
 1080p at about 0.35x the bare model. With this setting each model instance's batches are
 prepared (decode, resize, normalise: :class:`~.preprocess.TorchPreprocessor`, unchanged) by N
-worker processes whose interpreters do nothing else, each with a decoder of its own; the runner
-runs N prep threads, so N batches are prepared at once:
+worker processes whose interpreters do nothing else, each with a decoder of its own, N batches
+at once:
 
 * **Slots.** At load the serving process allocates ``SLOTS`` tensors per worker of the model's
   input (its largest batch, dtype and memory layout) in its own allocator, inside its budget and
-  before it
-  reports ready, and hands them to the worker: CUDA IPC handles on a GPU, a shared memory file on
-  the CPU. The slots stay the serving process's memory, whatever happens to the worker.
-* **A batch.** The runner's prep thread takes a free slot and sends the worker the frames'
-  descriptions and their bytes in one ``sendmsg`` (the kernel copies them, the interpreter is
-  released; a frame read in place from a front end's arena is sent from there). The worker
+  before it reports ready, and hands them to the worker: CUDA IPC handles on a GPU, a shared
+  memory file on the CPU. The slots stay the serving process's memory, whatever happens to the
+  worker.
+* **A batch.** The event loop, which dispatches the batch, takes a free slot, stages the frames
+  (below) and sends the worker a request on a non-blocking socket, and reads the answer when
+  it comes: no
+  runner thread takes the interpreter back for it (a thread that sent and waited took it back
+  twice a batch, each a wait behind the busy loop: slower than preparing in-process). The worker
   prepares the batch, copies the tensor into the slot, waits for its stream, and answers with
   the rows it wrote and the frames that failed (each alone, with its 400, as in-process). The
-  runner's input tensor is the slot's first rows.
+  loop hands the slot's first rows to the compute thread as the batch's input.
 * **Giving a slot back.** The compute thread gives the slot back when it has finished the batch:
   by then the batch's outputs have been read on the host, so the device is past the copy out of
   the slot. A slot is never written while a batch may still read it.
 * **Failures.** A worker that dies, does not answer within :data:`REPLY_TIMEOUT_S`, or answers
-  another job than the one asked is killed and logged as an error; its batch goes to another
-  worker, and when none is left, that batch and every later one of the instance is prepared in
-  the serving process, as without the setting: no frame fails for it. A worker that cannot
-  start (no CUDA in it, an import failing) is left out, with a warning. A batch a worker says it
-  could not prepare (an unexpected error) is prepared in-process, and the worker stays.
+  another job than the one asked is killed and logged as an error; the batches it had are
+  prepared in the serving process (the runner's prep thread, as without the setting), later ones
+  by the other workers, and when none is left by the serving process: no frame fails for it. A
+  worker that cannot start (no CUDA in it, an import failing) is left out, with a warning. A
+  batch a worker says it could not prepare (an unexpected error) is prepared in-process, and
+  the worker stays.
+* **Frames.** The loop copies a batch's frames into the slot's part of a shared memory file
+  (``STAGE_BYTES`` a slot; one memcpy each, no system call), and the request says where; a
+  batch larger than that sends its bytes on the socket after the request (non-blocking, the
+  loop writing what the socket takes as it drains).
 
 The worker's own memory (its CUDA context, nvJPEG's buffers, the working copies of a batch) is
 outside the serving process's allocator cap; NVML counts it among the card's used memory.
@@ -38,6 +45,8 @@ Run as ``python -m visionserve.gpu.prepworker`` by :class:`PrepProcess` only.
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -52,7 +61,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -73,6 +82,9 @@ SLOTS = 4
 #: size decoded on the CPU take well under this) and for the worker to start and warm up
 REPLY_TIMEOUT_S = 30.0
 START_TIMEOUT_S = 180.0
+#: bytes of frames a slot's batch may stage in shared memory (the rest goes through the socket):
+#: 32 JPEGs of 1080p take about 9 MB. Pages are only used as far as batches fill them.
+STAGE_BYTES = 32 << 20
 _LEN = struct.Struct("<Q")
 
 
@@ -95,19 +107,31 @@ def set_time_limit(sock: socket.socket, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
 
 
-def _send(sock: socket.socket, head: Any, buffers: Sequence[Any] = ()) -> None:
-    """``head`` pickled behind its length, then ``buffers`` as they are, in one ``sendmsg``
-    (more only if a signal or the time limit cut it short)."""
+def _parts(head: Any, buffers: Sequence[Any] = ()) -> list[memoryview]:
+    """A message: ``head`` pickled behind its length, then ``buffers`` as they are."""
     blob = pickle.dumps(head, protocol=pickle.HIGHEST_PROTOCOL)
     parts = [memoryview(_LEN.pack(len(blob))), memoryview(blob)]
     parts += [memoryview(b).cast("B") for b in buffers]
+    return parts
+
+
+def _trim(parts: list[memoryview], sent: int) -> list[memoryview]:
+    """What is left of ``parts`` after ``sent`` bytes went out."""
+    k = 0
+    while k < len(parts) and sent >= len(parts[k]):
+        sent -= len(parts[k])
+        k += 1
+    rest = parts[k:]
+    if rest and sent:
+        rest[0] = rest[0][sent:]
+    return rest
+
+
+def _send(sock: socket.socket, head: Any, buffers: Sequence[Any] = ()) -> None:
+    """A message in one ``sendmsg`` (more only if a signal or the time limit cut it short)."""
+    parts = _parts(head, buffers)
     while parts:
-        sent = sock.sendmsg(parts)
-        while parts and sent >= len(parts[0]):
-            sent -= len(parts[0])
-            parts.pop(0)
-        if parts and sent:
-            parts[0] = parts[0][sent:]
+        parts = _trim(parts, sock.sendmsg(parts))
 
 
 def _recv_exact(sock: socket.socket, into: memoryview) -> None:
@@ -157,6 +181,26 @@ def _frame_buffer(frame: Frame) -> tuple[tuple, Any]:
     return (frame.kind, frame.width, frame.height, frame.channels, len(data), None), data
 
 
+def _request(job: int, k: int, padded: int, frames: list[Frame], stage: np.ndarray | None
+             ) -> list[memoryview]:
+    """The message asking for slot ``k``'s batch. Where the frames fit ``stage`` (slot ``k``'s
+    part of the shared staging memory) they are copied there - one memcpy each, holding the
+    interpreter, no system call - and the message only says where; else their bytes follow
+    the message on the socket."""
+    descs, buffers, off = [], [], 0
+    for f in frames:
+        d, b = _frame_buffer(f)
+        descs.append((*d, off))
+        buffers.append(b)
+        off += d[4]
+    if stage is not None and off <= stage.size:
+        for (*_, n, _shape, at), b in zip(descs, buffers):
+            stage[at:at + n] = np.frombuffer(b, np.uint8) if not isinstance(b, np.ndarray) \
+                else b.reshape(-1).view(np.uint8)
+        return _parts(("prepare", job, k, padded, descs, True))
+    return _parts(("prepare", job, k, padded, descs, False), buffers)
+
+
 def _error(name: str, message: str) -> VisionServeError:
     cls = getattr(errors, name, None)
     if not (isinstance(cls, type) and issubclass(cls, VisionServeError)):
@@ -197,6 +241,17 @@ class _Worker:
         self.slots: list[Any] = []
         self.free: queue.Queue[int] = queue.Queue()  # slots the compute thread gave back
         self.job = 0
+        self.stage: np.ndarray | None = None  # SLOTS x STAGE_BYTES shared with the worker
+        self._stage_map: mmap.mmap | None = None
+        # driven by the event loop (attach): the requests on their way, oldest first, as
+        # (job, slot, ready, timer); what the socket did not take yet; what came in
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.outstanding: collections.deque[tuple[int, int, Callable, Any]] = collections.deque()
+        self._out: list[memoryview] = []
+        self._in = bytearray()
+        self._on_lost: Callable[[_Worker, str], None] = lambda w, why: None
+        self._on_done: Callable[[], None] = lambda: None
+        self.reply_timeout_s = REPLY_TIMEOUT_S
 
     def launch(self, template: Any, stream: Any, spec: dict) -> None:
         """Start the process and hand it the slots; :meth:`wait_ready` waits for its warm-up
@@ -216,7 +271,12 @@ class _Worker:
             os.ftruncate(slot_fd, slot_bytes(template) * SLOTS)
             self.slots = _cpu_slots(template, slot_fd)
             fds.append(slot_fd)
-        spec = {**spec, "channel_fd": theirs.fileno(), "slot_fd": slot_fd,
+        stage_fd = os.memfd_create("visionserve-prep-stage", 0)
+        os.ftruncate(stage_fd, STAGE_BYTES * SLOTS)
+        self._stage_map = mmap.mmap(stage_fd, STAGE_BYTES * SLOTS)
+        self.stage = np.frombuffer(self._stage_map, np.uint8)
+        fds.append(stage_fd)
+        spec = {**spec, "channel_fd": theirs.fileno(), "slot_fd": slot_fd, "stage_fd": stage_fd,
                 "shape": list(template.shape), "stride": list(template.stride())}
         env = {**os.environ, SPEC_ENV: json.dumps(spec)}
         try:
@@ -224,6 +284,7 @@ class _Worker:
                                          env=env, pass_fds=tuple(fds))
         finally:
             theirs.close()
+            os.close(stage_fd)  # mapped here, inherited by the worker
             if slot_fd >= 0:
                 os.close(slot_fd)
         self.sock, self.reader = ours, _Reader(ours)
@@ -258,13 +319,9 @@ class _Worker:
         try:
             self.job += 1
             job = self.job
-            descs, buffers = [], []
-            for f in frames:
-                d, b = _frame_buffer(f)
-                descs.append(d)
-                buffers.append(b)
-            _send(self.sock, ("prepare", job, k, padded, descs), buffers)
-            del buffers
+            parts = _request(job, k, padded, frames, self._stage_of(k))
+            while parts:
+                parts = _trim(parts, self.sock.sendmsg(parts))
             reply = self.reader.message()
         except BaseException:
             self.free.put(k)
@@ -277,6 +334,133 @@ class _Worker:
         _, _, rows, good, bad = reply
         return (self.slots[k][:rows], good,
                 [(i, _error(name, message)) for i, name, message in bad])
+
+    # -- driven by the event loop ---------------------------------------------------------------
+    # The loop sends a batch's frames itself (it holds the interpreter anyway, and a non-blocking
+    # send returns at once) and reads the answer, so no runner thread of the serving process
+    # takes the interpreter back for a batch's preparation: through a thread that sends and
+    # waits it took it back twice a batch, each a wait behind the loop (docs/gpu.md).
+
+    def attach(self, loop: asyncio.AbstractEventLoop, on_lost: Callable[[_Worker, str], None],
+               on_done: Callable[[], None]) -> None:
+        """On the loop: from now on requests go through :meth:`submit`."""
+        assert self.sock is not None
+        self.loop, self._on_lost, self._on_done = loop, on_lost, on_done
+        self.sock.setblocking(False)
+        loop.add_reader(self.sock.fileno(), self._readable)
+
+    def detach(self) -> None:
+        """On the loop: stop watching the socket (before it is closed)."""
+        loop, self.loop = self.loop, None
+        if loop is not None and self.sock is not None:
+            loop.remove_reader(self.sock.fileno())
+            if self._out:
+                loop.remove_writer(self.sock.fileno())
+        self._out = []
+
+    def submit(self, frames: list[Frame], padded: int, ready: Callable[[Any], None]) -> bool:
+        """On the loop: send the batch; ``ready((tensor, good, bad))`` on the loop when it is in
+        a slot, ``ready(None)`` when this worker cannot prepare it (the caller prepares it
+        another way). False, and nothing sent, when no slot is free."""
+        if self.loop is None or self.sock is None:
+            return False
+        try:
+            k = self.free.get_nowait()
+        except queue.Empty:
+            return False
+        self.job += 1
+        timer = self.loop.call_later(self.reply_timeout_s, self._timed_out, self.job)
+        self.outstanding.append((self.job, k, ready, timer))
+        self._write(_request(self.job, k, padded, frames, self._stage_of(k)))
+        return True
+
+    def _stage_of(self, k: int) -> np.ndarray | None:
+        """Slot ``k``'s staging memory: written for a batch only while ``k`` is taken, and
+        the worker is done reading it when it answers."""
+        if self.stage is None:
+            return None
+        return self.stage[k * STAGE_BYTES:(k + 1) * STAGE_BYTES]
+
+    def _write(self, parts: list[memoryview]) -> None:
+        if self._out:  # the socket is full: after what waits
+            self._out += parts
+            return
+        self._out = parts
+        self._writable()
+        if self._out and self.loop is not None and self.sock is not None:
+            self.loop.add_writer(self.sock.fileno(), self._writable)
+
+    def _writable(self) -> None:
+        assert self.sock is not None
+        try:
+            sent = self.sock.sendmsg(self._out[:512])
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._lose(f"sending to it failed ({exc})")
+            return
+        self._out = _trim(self._out, sent)
+        if not self._out and self.loop is not None:
+            self.loop.remove_writer(self.sock.fileno())
+
+    def _readable(self) -> None:
+        assert self.sock is not None
+        try:
+            data = self.sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._lose(f"reading from it failed ({exc})")
+            return
+        if not data:
+            self._lose("it closed the channel (exited)")
+            return
+        buf = self._in
+        buf += data
+        while len(buf) >= _LEN.size:
+            (n,) = _LEN.unpack_from(buf)
+            if len(buf) < _LEN.size + n:
+                break
+            msg = pickle.loads(memoryview(buf)[_LEN.size:_LEN.size + n])
+            del buf[:_LEN.size + n]
+            self._answer(msg)
+            if self.sock is None:  # lost while answering
+                return
+
+    def _answer(self, msg: Any) -> None:
+        if not self.outstanding:
+            self._lose(f"it answered {msg[:2]!r} when nothing was asked")
+            return
+        job, k, ready, timer = self.outstanding.popleft()
+        timer.cancel()
+        if msg[0] == "done" and msg[1] == job:
+            _, _, rows, good, bad = msg
+            self._on_done()
+            ready((self.slots[k][:rows], good,
+                   [(i, _error(name, message)) for i, name, message in bad]))
+            return
+        self.free.put(k)
+        if msg[0] == "failed" and msg[1] == job:
+            log.warning("a preparation process could not prepare a batch (%s); preparing it "
+                        "in the serving process", msg[2])
+            ready(None)
+            return
+        ready(None)
+        self._lose(f"asked for batch {job}, it answered {msg[:2]!r}")
+
+    def _timed_out(self, job: int) -> None:
+        if any(j == job for j, *_ in self.outstanding):
+            self._lose(f"it did not answer within {self.reply_timeout_s:.0f} s")
+
+    def _lose(self, why: str) -> None:
+        """On the loop: the worker is broken; what it was asked goes back to the caller."""
+        pending = list(self.outstanding)
+        self.outstanding.clear()
+        self.detach()
+        self._on_lost(self, why)  # stops (kills) the process
+        for _job, _k, ready, timer in pending:
+            timer.cancel()
+            ready(None)
 
     def stop(self, kill: bool = False) -> None:
         sock, proc, self.sock, self.reader = self.sock, self.proc, None, None
@@ -294,11 +478,12 @@ class _Worker:
 
 
 class PrepProcess:
-    """``prepare(frames, padded)`` -> (tensor, good, bad) through ``workers`` worker processes,
-    the contract of :meth:`TorchPreprocessor.prepare`; ``fallback`` (the in-process
-    preprocessor, warmed up) prepares when no worker can. Called from the runner's
-    :attr:`threads` prep threads at once (each call takes an idle worker); :meth:`release` from
-    its compute thread."""
+    """An instance's batches prepared by ``workers`` worker processes. The runner
+    :meth:`attach`-es it to the event loop and :meth:`submit`-s each batch from there;
+    :meth:`prepare` does the same from a thread that waits (the contract of
+    :meth:`TorchPreprocessor.prepare`; tests, and a caller without a loop). ``fallback`` (the
+    in-process preprocessor, warmed up) prepares what no worker can (:meth:`prepare_here`, the
+    runner's prep thread). :meth:`release` from the compute thread gives a slot back."""
 
     def __init__(self, config: ModelConfig, fallback: Any, *, device: str, dtype: Any,
                  channels_last: bool, one_call: bool, preferred: tuple[int, ...],
@@ -322,11 +507,7 @@ class PrepProcess:
         self._counts_lock = threading.Lock()
         self.failure: str | None = None  # why a worker is gone (the first reason)
         self.counts = {"remote_batches": 0, "local_batches": 0}
-
-    @property
-    def threads(self) -> int:
-        """Prep threads the runner should run: one per worker, so that they work at once."""
-        return len(self.workers)
+        self._loop: asyncio.AbstractEventLoop | None = None  # attached to (see attach)
 
     @property
     def pids(self) -> list[int]:
@@ -368,6 +549,22 @@ class PrepProcess:
         return bool(self.pids)
 
     def close(self) -> None:
+        """Stop the workers; from any thread (the loop stops watching their sockets first)."""
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is loop:
+                self._detach_all()
+            elif not loop.is_closed():
+                done = threading.Event()
+                try:
+                    loop.call_soon_threadsafe(self._detach_all, done)
+                    done.wait(5.0)
+                except RuntimeError:  # the loop closed meanwhile
+                    pass
         for w in self.workers:
             w.stop()
 
@@ -399,9 +596,43 @@ class PrepProcess:
             log.warning("%s: a preparation process could not prepare a batch (%s); "
                         "preparing it here", self.name, out)
             break
+        return self.prepare_here(frames, padded)
+
+    def prepare_here(self, frames: list[Frame], padded: int
+                     ) -> tuple[Any, list[int], list[tuple[int, Exception]]]:
+        """The batch prepared in this process (the fallback), by one thread at a time."""
         self._count("local_batches")
         with self._local:
             return self.fallback.prepare(frames, padded)
+
+    # -- driven by the event loop ---------------------------------------------------------------
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the loop: batches are sent with :meth:`submit` from now on (see
+        :meth:`_Worker.attach`); the runner's thread prepares only what no worker can
+        (:meth:`prepare_here`)."""
+        self._loop = loop
+        for w in self.workers:
+            if w.alive:
+                w.reply_timeout_s = self.reply_timeout_s
+                w.attach(loop, lambda w, why: self._lost(w, f"a preparation process failed: "
+                                                             f"{why}"),
+                         lambda: self._count("remote_batches"))
+
+    def submit(self, frames: list[Frame], padded: int, ready: Callable[[Any], None]) -> bool:
+        """On the loop: the batch to the live worker with the fewest batches on their way;
+        False when there is none (or no free slot): then the caller prepares it."""
+        for w in sorted((w for w in self.workers if w.alive and w.loop is not None),
+                        key=lambda w: len(w.outstanding)):
+            if w.submit(frames, padded, ready):
+                return True
+        return False
+
+    def _detach_all(self, done: threading.Event | None = None) -> None:
+        for w in self.workers:
+            w.detach()
+        if done is not None:
+            done.set()
 
     def _idle_worker(self) -> _Worker | None:
         """An idle live worker (waiting while all live ones are busy), or None if none lives."""
@@ -456,6 +687,7 @@ def serve(spec: dict) -> int:
 
     sock = socket.socket(fileno=spec["channel_fd"])
     reader = _Reader(sock)
+    stage = np.frombuffer(mmap.mmap(spec["stage_fd"], STAGE_BYTES * SLOTS), np.uint8)
     try:
         head = reader.message()
         assert head[0] == "slots", head
@@ -494,18 +726,19 @@ def serve(spec: dict) -> int:
             if cuda:
                 torch.cuda.synchronize()
             return 0
-        _, job, k, padded, descs = head
-        total = sum(d[4] for d in descs)
-        if len(buf) < total:
-            buf = bytearray(max(total, 2 * len(buf)))
-        view = memoryview(buf)
-        _recv_exact(sock, view[:total])
-        data = np.frombuffer(buf, dtype=np.uint8)
-        frames, off = [], 0
-        for kind, width, height, channels, n, shape in descs:
+        _, job, k, padded, descs, staged = head
+        if staged:  # in slot k's staging memory
+            data = stage[k * STAGE_BYTES:(k + 1) * STAGE_BYTES]
+        else:  # on the socket, after the message
+            total = sum(d[4] for d in descs)
+            if len(buf) < total:
+                buf = bytearray(max(total, 2 * len(buf)))
+            _recv_exact(sock, memoryview(buf)[:total])
+            data = np.frombuffer(buf, dtype=np.uint8)
+        frames = []
+        for kind, width, height, channels, n, shape, off in descs:
             b = data[off:off + n]
             frames.append(Frame(kind, b.reshape(shape) if shape else b, width, height, channels))
-            off += n
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), \
                     torch.inference_mode():
@@ -518,7 +751,7 @@ def serve(spec: dict) -> int:
                              for i, e in bad])
         except Exception as exc:  # noqa: BLE001 - the serving process prepares it instead
             reply = ("failed", job, f"{type(exc).__name__}: {exc}")
-        del frames, data, view
+        del frames, data
         _send(sock, reply)
 
 

@@ -121,10 +121,16 @@ class Runner:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """On the loop."""
         self._loop = loop
-        if self.remote is not None:
-            self.remote.attach(loop)
+        if self.remote is not None:  # it watches its sockets from the loop: attach there
+            try:
+                here = asyncio.get_running_loop() is loop
+            except RuntimeError:
+                here = False
+            if here:
+                self.remote.attach(loop)
+            else:  # until then, batches go to the prep thread
+                loop.call_soon_threadsafe(self.remote.attach, loop)
         for target, role in ((self._prep_loop, "prep"), (self._compute_loop, "compute")):
             t = threading.Thread(target=target, name=f"{self.name}:{role}", daemon=True)
             t.start()

@@ -274,7 +274,8 @@ async def test_every_answer_is_its_own_frames_through_two_workers():
     runner = runner_for(p)
     assert runner.batches_in_flight == 3
     loop = asyncio.get_running_loop()
-    runner.start(loop)
+    await asyncio.to_thread(runner.start, loop)  # as the engine starts it: off the loop
+    await asyncio.sleep(0)  # the workers are attached on the loop
     batches = coloured_batches(loop, 30)
     try:
         limit = asyncio.Semaphore(runner.batches_in_flight)

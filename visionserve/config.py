@@ -451,9 +451,11 @@ class ServerSettings(BaseSettings):
                     "holds, instead of the instance's thread in the serving process (0): their "
                     "interpreters do nothing else, and each has a JPEG decoder of its own (one "
                     "process has one, behind a lock). A worker that fails is logged and the "
-                    "others, or the serving process, prepare its batches. Measured on the H200: "
-                    "slower than 0 (the serving process's thread takes the interpreter back "
-                    "twice per batch instead of once), so 0 (docs/gpu.md).")
+                    "others, or the serving process, prepare its batches. The event loop sends "
+                    "the batches and reads the answers, so no thread of the serving process "
+                    "waits for the interpreter to prepare one. A first design, where a thread "
+                    "sent and waited, was slower on the H200; this one is not measured yet, "
+                    "so 0 (docs/gpu.md).")
     recipes: Path | None = Field(
         None, description="The recipes file: each product variant's model, version and verdict "
                           "settings, and the stations that run them (docs/recipes.md). Default: "

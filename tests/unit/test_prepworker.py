@@ -38,16 +38,19 @@ CONFIG = ModelConfig.model_validate({
 })
 
 
-def worker(**kw) -> prepworker.PrepProcess:
-    local = TorchPreprocessor.for_config(CONFIG, device="cpu", dtype=torch.float32)
-    args = {"device": "cpu", "dtype": torch.float32, "channels_last": False, "one_call": True,
-            "preferred": PREFERRED, "name": "means#0", **kw}
+def worker(one_call: bool = False, **kw) -> prepworker.PrepProcess:
+    """Workers without the one call start in under 2 s here, with it in 3-5 (TorchScript
+    compiles it); the module's shared worker has it."""
+    local = TorchPreprocessor.for_config(CONFIG, device="cpu", dtype=torch.float32,
+                                         one_call=one_call)
+    args = {"device": "cpu", "dtype": torch.float32, "channels_last": False,
+            "one_call": one_call, "preferred": PREFERRED, "name": "means#0", **kw}
     return prepworker.PrepProcess(CONFIG, local, **args)
 
 
 @pytest.fixture(scope="module")
 def pp():
-    p = worker()
+    p = worker(one_call=True)
     assert p.start(), p.failure
     yield p
     p.close()

@@ -173,8 +173,9 @@ class GpuReservation:
         the backend cannot take device tensors (no stream: e.g. onnxruntime without torch
         CUDA). Preprocessors of one ``pool_key`` (the versions of a model instance) share
         their pinned staging pool. With ``prep_processes`` worker processes prepare the
-        batches (:class:`.prepworker.PrepProcess`, which has ``release``, ``close`` and
-        ``threads`` too), and this process's preprocessor is their fallback."""
+        batches (:class:`.prepworker.PrepProcess`, which the runner attaches to the event loop;
+        it has ``release``, ``close`` and ``prepare_here`` too), and this process's
+        preprocessor is their fallback."""
         if not backend.takes_device_input:
             return None
         from .preprocess import TorchPreprocessor

@@ -173,11 +173,7 @@ class Runner:
             if prepared is None:
                 self._inbox.put((batch, done))
                 return
-            tensor, good, bad = prepared
-            errors = [(live[i], exc) for i, exc in bad]
-            items = [live[i] for i in good]
-            if bad and good:  # as in the prep thread
-                tensor = tensor[:padded_size(len(good), self.preferred)]
+            tensor, items, errors = self._sorted(live, *prepared)
             if errors:
                 _fail_all(errors)
             self._handoff.put((batch, done, items, tensor, t0, time.monotonic() - t0,
@@ -196,6 +192,19 @@ class Runner:
             self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # loop closed during shutdown
             pass
+
+    def _sorted(self, live: list[Pending], tensor: Any, good: list[int],
+                bad: list[tuple[int, Exception]]) -> tuple[Any, list[Pending], list]:
+        """A prepared batch as the compute thread takes it: (tensor, frames to run, (frame,
+        error) of those that failed)."""
+        # a frame's error needs no traceback, and its traceback and the preparation's list of
+        # errors hold each other, and the batch's frames, until the collector runs (with
+        # --frontend-zero-copy: arena space the front end cannot reuse)
+        errors = [(live[i], exc.with_traceback(None)) for i, exc in bad]
+        items = [live[i] for i in good]
+        if bad and good:  # rows of bad frames need not run: keep the good ones (+ padding)
+            tensor = tensor[:padded_size(len(good), self.preferred)]
+        return tensor, items, errors
 
     def _prep_loop(self) -> None:
         lower_this_thread(self.nice)
@@ -217,13 +226,7 @@ class Runner:
                                                               padded)
                 else:
                     tensor, good, bad = self.prepare([p.payload for p in live], padded)
-                # a frame's error needs no traceback, and its traceback and the preparation's
-                # list of errors hold each other, and the batch's frames, until the collector
-                # runs (with --frontend-zero-copy: arena space the front end cannot reuse)
-                errors = [(live[i], exc.with_traceback(None)) for i, exc in bad]
-                items = [live[i] for i in good]
-                if bad and good:  # rows of bad frames need not run: keep the good ones (+ padding)
-                    tensor = tensor[:padded_size(len(good), self.preferred)]
+                tensor, items, errors = self._sorted(live, tensor, good, bad)
             except _Unhealthy:
                 tensor, items = None, []
                 errors = [(p, Unavailable(f"model instance {self.name} is unhealthy after a device "

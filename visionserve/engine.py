@@ -410,8 +410,6 @@ class Engine(ModelLookup):
                                   prepare=getattr(prep, "prepare_here", None) or (
                                       prep.prepare if prep is not None else None),
                                   task=task, nice=nice,
-                                  release=getattr(prep, "release", None),
-                                  close=getattr(prep, "close", None),
                                   remote=prep if hasattr(prep, "submit") else None))
 
         async def execute(batch):

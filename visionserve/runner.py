@@ -81,8 +81,7 @@ class Runner:
                  preferred: tuple[int, ...], cost: CostModel,
                  on_batch: Callable[[BatchRecord], None],
                  prepare: Callable | None = None, task: tasks.Task | None = None,
-                 nice: int = 0, release: Callable[[Any], None] | None = None,
-                 close: Callable[[], None] | None = None, remote: Any = None) -> None:
+                 nice: int = 0, remote: Any = None) -> None:
         self.name = name
         # the prep and compute threads (and the decode pool they start) this many nice levels
         # below the event loop (threads.py)
@@ -95,13 +94,10 @@ class Runner:
         # prepare(frames, padded) -> (tensor, good, bad): None = imaging.prepare_batch (CPU); the
         # GPU preprocessor (gpu/preprocess.py) when the runner's device is a GPU
         self.prepare = prepare
-        # release(tensor): the compute thread is done with a batch's input (a slot of the
-        # preparation process, gpu/prepworker.py, may then be written again); close(): stop
-        # what prepares the batches, after the threads
-        self._release = release
-        self._close = close
         # preparation processes the event loop sends batches to (gpu/prepworker.py: attach,
-        # submit); the prep thread then prepares only what they cannot
+        # submit); the prep thread then prepares only what they cannot. The compute thread gives
+        # each batch's input back (remote.release: a slot may then be written again), and stop
+        # closes them after the threads
         self.remote = remote
         self.backend = backend
         self.config = config
@@ -141,8 +137,8 @@ class Runner:
         for t in self._threads:
             t.join(timeout=10)
         self._threads.clear()
-        if self._close is not None:
-            self._close()
+        if self.remote is not None:
+            self.remote.close()
 
     @property
     def batches_in_flight(self) -> int:
@@ -270,12 +266,12 @@ class Runner:
                 failure = "the model failed on this batch; see the server log"
                 post(_fail_all, [(p, InternalError(failure)) for p in items])
             finally:
-                if self._release is not None and tensor is not None:
+                if self.remote is not None and tensor is not None:
                     # a batch that ran has had its outputs read on the host, so the device has
                     # read its input; one that failed midway may still have a copy of it queued
                     if not settled:
                         self._settle()
-                    self._release(tensor)
+                    self.remote.release(tensor)
                 post(resolve, done, None)
                 self._post(_run_posted, posts)
                 # nor this one (see the prep thread)
@@ -327,7 +323,7 @@ class Runner:
         try:
             outputs = self.backend.run(tensor)
         except VisionServeError as exc:
-            if self._release is not None:  # it may have queued a read of the input: see above
+            if self.remote is not None:  # it may have queued a read of the input: see above
                 self._settle()
             post(_fail_all, [(p, exc) for p in items])
             return

@@ -256,8 +256,7 @@ def runner_for(p: prepworker.PrepProcess) -> Runner:
     to the workers; the prep thread prepares only what they cannot)."""
     return Runner(name="means:1#0", backend=Means(), config=CONFIG,  # type: ignore[arg-type]
                   preferred=PREFERRED, cost=CostModel(lambda n: padded_size(n, PREFERRED)),
-                  on_batch=lambda r: None, prepare=p.prepare_here, release=p.release,
-                  close=p.close, remote=p)
+                  on_batch=lambda r: None, prepare=p.prepare_here, remote=p)
 
 
 def assert_own_colours(batches) -> None:

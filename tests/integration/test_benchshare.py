@@ -28,7 +28,8 @@ def test_cpu_dry_run_of_the_sharing_benchmark(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": str(REPO) + (os.pathsep + old if old else "")}
     p = subprocess.Popen([sys.executable, "-m", "visionserve_tools.benchshare", "--device", "cpu",
-                          "--quick", "--rate", "6", "--processes", "2", "--out", str(out),
+                          "--quick", "--rate", "6", "--processes", "2", "--baseline-s", "4",
+                          "--alone-s", "3", "--share-s", "4", "--out", str(out),
                           "--log-dir", str(tmp_path)], cwd=str(REPO), env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)

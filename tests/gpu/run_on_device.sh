@@ -39,6 +39,8 @@
 # THREADS_S=15: the benchmark (not its AB=1 repeat) also samples the serving process's threads
 # with py-spy through 15 s of saturation at 640x480 and at 1080p (benchgpu --threads-s; about
 # 40 s more; visionserve_tools.threadstates; threads-*.raw in $OUT, the summary in bench.json)
+#   and a COMPARE samples each setting's threads at 640x480 for as long (threads_640x480 in
+#   compare.json; compare/threads-compare-N.raw)
 # onnxruntime-gpu installed at /tmp/ort (shared/device/ort-gpu-chunks.sh) is used if present.
 set -u
 OUT=${OUT:-$PWD/gpu-out}
@@ -91,7 +93,8 @@ if [ -n "${COMPARE:-}" ]; then  # server settings side by side (benchgpu --compa
   compare_args=()
   for spec in $COMPARE; do compare_args+=(--compare "$spec"); done
   timeout ${COMPARE_T:-400} python3 -m visionserve_tools.benchgpu --quick --out "$OUT/compare.json" \
-    --log-dir "$OUT/compare" "${compare_args[@]}" >"$OUT/compare.txt" 2>&1
+    --log-dir "$OUT/compare" "${compare_args[@]}" ${THREADS_S:+--threads-s $THREADS_S} \
+    >"$OUT/compare.txt" 2>&1
   echo "benchgpu --compare exit $?" >>"$OUT/compare.txt"
   grep -E "compare [0-9]+: " "$OUT/compare.txt" | cut -c1-600
   tail -n 1 "$OUT/compare.txt"

@@ -453,9 +453,9 @@ class ServerSettings(BaseSettings):
                     "process has one, behind a lock). A worker that fails is logged and the "
                     "others, or the serving process, prepare its batches. The event loop sends "
                     "the batches and reads the answers, so no thread of the serving process "
-                    "waits for the interpreter to prepare one. A first design, where a thread "
-                    "sent and waited, was slower on the H200; this one is not measured yet, "
-                    "so 0 (docs/gpu.md).")
+                    "waits for the interpreter to prepare one. Slower than 0 on the H200 in "
+                    "both designs measured (this one: 0.34-0.37x the bare model at 640x480 "
+                    "against 0.40-0.46x), so 0 (docs/benchmarks.md, session 19).")
     recipes: Path | None = Field(
         None, description="The recipes file: each product variant's model, version and verdict "
                           "settings, and the stations that run them (docs/recipes.md). Default: "

@@ -18,6 +18,10 @@
 #                 up to PEERS_T s (540)); pytriton's wheels (and numpy 1.26, which it needs) in
 #                 .whl-peers/ go into a venv at /tmp/ptv that sees this Python's packages.
 #                 tests/gpu/peers_wheels.sh fetches them and says how to carry them
+#   pipe.json / pipe.txt  with PIPE=1: the pipeline's own ceiling, the runner's two threads without
+#                 the serving process, in 1 and in PIPE_P ("2") processes at once, one stream
+#                 and two (python -m visionserve_tools.benchpipe, PIPE_S s a case (4), up to
+#                 PIPE_T s (200))
 #   guard.json / guard.txt  with GUARD_ARGS set (e.g. GUARD_ARGS="--latency-budget-ms 20"): the
 #                 guard's acceptance run (python -m visionserve_tools.benchguard), up to GUARD_T s (300)
 # SKIP_TESTS=1 / SKIP_BENCH=1 leave those parts out (one call may run 10 minutes at most: the
@@ -87,6 +91,14 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   echo "benchgpu exit $?" >>"$OUT/bench.txt"
   kill $dmon 2>/dev/null
   tail -n 60 "$OUT/bench.txt"
+fi
+
+if [ -n "${PIPE:-}" ]; then  # the pipeline without the serving process (benchpipe)
+  # shellcheck disable=SC2086
+  timeout ${PIPE_T:-200} python3 -m visionserve_tools.benchpipe --out "$OUT/pipe.json" \
+    --seconds ${PIPE_S:-4} --processes ${PIPE_P:-2} >"$OUT/pipe.txt" 2>&1
+  echo "benchpipe exit $?" >>"$OUT/pipe.txt"
+  grep -E "benchpipe [0-9:]+\]|exit" "$OUT/pipe.txt" | cut -c1-300
 fi
 
 if [ -n "${COMPARE:-}" ]; then  # server settings side by side (benchgpu --compare)

@@ -456,6 +456,21 @@ class ServerSettings(BaseSettings):
                     "waits for the interpreter to prepare one. Slower than 0 on the H200 in "
                     "both designs measured (this one: 0.34-0.37x the bare model at 640x480 "
                     "against 0.40-0.46x), so 0 (docs/benchmarks.md, session 19).")
+    gpu_batch_processes: int = Field(
+        0, ge=0, le=8,
+        description="On the GPU, this many worker processes per model instance prepare and run "
+                    "its batches (decode, resize, normalise, the model), each with the model "
+                    "loaded and its CUDA graphs captured, and answer with the model's outputs; "
+                    "the event loop sends the frames and reads the outputs, and the serving "
+                    "process only applies the task's postprocessing. No thread of the serving "
+                    "process takes the interpreter for a batch, which the pipeline measured "
+                    "without the serving process says is worth up to 0.69x the bare model at "
+                    "640x480 against 0.40-0.46x served (docs/gpu.md). Each worker's memory (its "
+                    "CUDA context, the model, its graphs) is outside the serving process's "
+                    "budget, beside the instance the serving process still loads: a worker that "
+                    "fails is logged and the serving process prepares and runs its batches. Not "
+                    "for tasks that read their outputs on the device (detection's NMS). 0: in "
+                    "the serving process. Excludes --gpu-prep-processes.")
     recipes: Path | None = Field(
         None, description="The recipes file: each product variant's model, version and verdict "
                           "settings, and the stations that run them (docs/recipes.md). Default: "
@@ -600,6 +615,14 @@ class ServerSettings(BaseSettings):
         if self.capture != "none" and not self.records:
             raise ValueError(f"capture {self.capture!r} needs records on (--records): each "
                              "captured image carries its record")
+        return self
+
+    @model_validator(mode="after")
+    def _one_kind_of_worker(self) -> ServerSettings:
+        if self.gpu_batch_processes and self.gpu_prep_processes:
+            raise ValueError("gpu_batch_processes and gpu_prep_processes exclude each other: "
+                             "the first prepares and runs the batches in worker processes, the "
+                             "second only prepares them there")
         return self
 
     @model_validator(mode="after")

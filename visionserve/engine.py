@@ -342,7 +342,8 @@ class Engine(ModelLookup):
 
             self.gpu = GpuReservation(self.settings.gpu_memory_budget, self.device,
                                       one_call=self.settings.gpu_prep_one_call,
-                                      prep_processes=self.settings.gpu_prep_processes)
+                                      prep_processes=self.settings.gpu_prep_processes,
+                                      batch_processes=self.settings.gpu_batch_processes)
             await self.gpu.reserve([(e.name, effective_config(e.config, self.settings))
                                     for e in entries])
         for entry in entries:
@@ -400,7 +401,7 @@ class Engine(ModelLookup):
                 cost = CostModel(functools.partial(padded_size, preferred=pad_to))
             await run_lowered(nice, self._warmup, backend, preferred, cost, path, task)
             prep = await asyncio.to_thread(self.gpu.preprocessor, backend, config, preferred,
-                                           load_id, (entry.name, i)) \
+                                           load_id, (entry.name, i), path, task) \
                 if self.gpu else None
             log.info("%s:%d instance %d loaded and warmed up in %.1f s (%s)", entry.name, version,
                      i, time.monotonic() - t0, backend.describe())

@@ -66,6 +66,20 @@ class BatchRecord:
     post_s: float
 
 
+@dataclass(frozen=True, slots=True)
+class RanBatch:
+    """A batch prepared and run in a process of its own (``--gpu-batch-processes``,
+    gpu/prepworker.py): the model's outputs (host arrays, a row per frame in ``good``, in order,
+    then padding), the frames that failed preparation (each alone) and the time its model took
+    there."""
+
+    outputs: dict[str, Any]
+    good: list[int]
+    bad: list[tuple[int, Exception]]
+    padded: int
+    infer_s: float
+
+
 def padded_size(n: int, preferred: tuple[int, ...]) -> int:
     for p in preferred:
         if p >= n:
@@ -143,8 +157,13 @@ class Runner:
     @property
     def batches_in_flight(self) -> int:
         """Batches the batcher may give this instance at once: one computing, and one being
-        prepared by the prep thread or by each preparation process."""
-        return 1 + (len(self.remote.workers) if self.remote is not None else 1)
+        prepared by the prep thread or by each preparation process; or two for each process
+        that prepares and runs them (one prepared there while one runs)."""
+        if self.remote is None:
+            return 2
+        if self.remote.runs_model:
+            return 2 * len(self.remote.workers)
+        return 1 + len(self.remote.workers)
 
     async def execute(self, batch: list[Pending]) -> None:
         """Batcher entry point: returns when every item of ``batch`` has its answer."""
@@ -169,6 +188,9 @@ class Runner:
             if prepared is None:
                 self._inbox.put((batch, done))
                 return
+            if isinstance(prepared, RanBatch):
+                self._conclude_ran(done, live, prepared, t0)
+                return
             tensor, items, errors = self._sorted(live, *prepared)
             if errors:
                 _fail_all(errors)
@@ -176,6 +198,34 @@ class Runner:
                                len(errors)))
 
         return bool(self.remote.submit([p.payload for p in live], padded, ready))
+
+    def _conclude_ran(self, done: asyncio.Future, live: list[Pending], ran: RanBatch,
+                      t0: float) -> None:
+        """On the loop: a batch a worker process prepared and ran is answered here, without a
+        thread of this process (what the compute thread does after ``backend.run``)."""
+        posts: list[tuple[Callable, tuple]] = []
+
+        def post(fn: Callable, *args: Any) -> None:
+            posts.append((fn, args))
+
+        errors = [(live[i], exc.with_traceback(None)) for i, exc in ran.bad]
+        if errors:
+            post(_fail_all, errors)
+        # the rows of frames still waiting (a frame cancelled meanwhile is not answered)
+        rows = [j for j, i in enumerate(ran.good) if not live[i].future.done()]
+        items = [live[ran.good[j]] for j in rows]
+        try:
+            if items:  # the preparation as the loop saw it: the round trip but the model
+                self._conclude(items, ran.outputs, rows, ran.padded, 0,
+                               time.monotonic() - t0 - ran.infer_s, ran.infer_s, len(errors),
+                               post)
+        except Exception:
+            log.exception("answering a batch run by a worker process failed in %s", self.name,
+                          extra=batch_ids(items))
+            post(_fail_all, [(p, InternalError("the model's results could not be read; see the "
+                                               "server log")) for p in items])
+        post(resolve, done, None)
+        _run_posted(posts)
 
     def _answered(self, done: asyncio.Future) -> None:
         self.inflight -= 1
@@ -337,6 +387,14 @@ class Runner:
             return
         t2 = time.monotonic()
         rows = out_rows if out_rows is not None else slice(0, len(items))
+        self._conclude(items, outputs, rows, tensor.shape[0], len(late), prep_s, t2 - t1, failed,
+                       post)
+
+    def _conclude(self, items: list[Pending], outputs: Any, rows: Any, padded: int, late: int,
+                  prep_s: float, infer_s: float, failed: int, post: Callable) -> None:
+        """The model's ``outputs`` for ``items`` (their ``rows``) -> each frame's answer, and the
+        batch's record, to ``post`` (in order)."""
+        t2 = time.monotonic()
         sizes = [(p.payload.width, p.payload.height) for p in items]
         if self._task_stream is None:
             results = self.task.postprocess(outputs, rows, sizes)
@@ -367,10 +425,10 @@ class Runner:
         # client holding its answer must find it counted in /stats, even if this thread is slow
         # to get the GIL back after posting
         post(self.on_batch, BatchRecord(
-            size=n, padded=tensor.shape[0], ok=len(answers), failed=failed,
-            late=len(late) + len(too_late),
+            size=n, padded=padded, ok=len(answers), failed=failed,
+            late=late + len(too_late),
             queue_s=tuple(p.dispatched - p.arrival for p in items),
-            prep_s=prep_s, infer_s=t2 - t1, post_s=t3 - t2))
+            prep_s=prep_s, infer_s=infer_s, post_s=t3 - t2))
         if too_late:
             post(_fail_all, too_late)
         post(_answer_all, answers)

@@ -24,9 +24,10 @@ def means_repo(tmp_path_factory):
 
 @pytest.mark.parametrize("frontends, flags", [
     (0, ()), (4, ()), (4, ("--gpu-graph-fetch", "--frontend-zero-copy")),
-    (4, ("--gpu-prep-processes", "2", "--frontend-zero-copy"))],
+    (4, ("--gpu-prep-processes", "2", "--frontend-zero-copy")),
+    (4, ("--gpu-batch-processes", "2", "--frontend-zero-copy"))],
     ids=["in-process", "frontends", "frontends-graph-fetch-zero-copy",
-         "frontends-prep-processes-zero-copy"])
+         "frontends-prep-processes-zero-copy", "frontends-batch-processes-zero-copy"])
 def test_every_answer_belongs_to_its_frame_on_gpu(means_repo, server_factory, frontends, flags):
     extra = ("--frontends", str(frontends)) if frontends else ()
     server = server_factory(means_repo, "--device", "cuda:0", *extra, *flags, grpc=False)
@@ -35,6 +36,10 @@ def test_every_answer_belongs_to_its_frame_on_gpu(means_repo, server_factory, fr
     if os.environ.get("INTEGRITY_OUT"):  # tests/gpu/run_on_device.sh keeps the figures
         with open(Path(os.environ["INTEGRITY_OUT"]) / "integrity.jsonl", "a") as f:
             f.write(json.dumps({"frontends": frontends, "flags": list(flags), **summary}) + "\n")
+    if "--gpu-batch-processes" in flags:  # the workers prepared and ran the batches
+        assert "batches prepared and run by process(es)" in server.log()
+        assert "preparation process failed" not in server.log()
+        assert "could not prepare a batch" not in server.log()
     assert report.wrong == 0, summary
     assert report.answered_200 > 1000, summary
     assert not {s for s in report.statuses if s not in (200, 503, 504)}, summary

@@ -326,3 +326,149 @@ async def test_batches_a_lost_worker_had_are_prepared_in_the_serving_process(how
     assert p.counts["remote_batches"] + p.counts["local_batches"] == 20
     assert p.counts["local_batches"] >= 1  # what the lost worker had
     assert any("1 preparation process(es) left" in r.message for r in caplog.records)
+
+
+# --- --gpu-batch-processes: the workers prepare and run the batches --------------------------
+
+TORCH_CONFIG = ModelConfig.model_validate({**CONFIG.model_dump(mode="json"),
+                                           "runtime": {"backend": "torch"}})
+
+
+@pytest.fixture(scope="module")
+def means_model(tmp_path_factory):
+    """CONFIG's model as a torch program on disk (the mean of each channel), and the serving
+    process's own instance of it (the fallback), loaded as the engine loads one."""
+    from visionserve.backends.torch import TorchBackend
+
+    class MeansModule(torch.nn.Module):
+        def forward(self, x):
+            return x.mean(dim=(2, 3))
+
+    path = tmp_path_factory.mktemp("means") / "means" / "1" / "model.pt2"
+    path.parent.mkdir(parents=True)
+    ep = torch.export.export(MeansModule().eval(), (torch.zeros(2, 3, 16, 16),),
+                             dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=64)},))
+    torch.export.save(ep, str(path))
+    backend = TorchBackend()
+    backend.load(path, TORCH_CONFIG, "cpu")
+    backend.warmup(PREFERRED)
+    return path, backend
+
+
+def batch_workers(means_model, **kw) -> prepworker.PrepProcess:
+    path, backend = means_model
+    return worker(model={"path": str(path), "config": TORCH_CONFIG.model_dump(mode="json"),
+                         "graph_fetch": False}, **kw)
+
+
+def model_runner_for(p: prepworker.PrepProcess, backend) -> Runner:
+    """A runner as the engine makes one with --gpu-batch-processes: its own backend runs only
+    what the workers cannot."""
+    return Runner(name="means:1#0", backend=backend, config=CONFIG,
+                  preferred=PREFERRED, cost=CostModel(lambda n: padded_size(n, PREFERRED)),
+                  on_batch=lambda r: None, prepare=p.prepare_here, remote=p)
+
+
+async def run_all(runner: Runner, batches) -> None:
+    limit = asyncio.Semaphore(runner.batches_in_flight)
+
+    async def one(batch):
+        async with limit:
+            await runner.execute(batch)
+
+    await asyncio.wait_for(asyncio.gather(*(one(b) for _, b in batches)), 60)
+
+
+async def test_batch_workers_answer_every_frame_with_its_own_outputs(means_model):
+    """Two workers prepare and run an instance's batches (two in flight each): every answer
+    holds its own frame's colour, the serving process's model never runs, and no slot is
+    lost."""
+    _, backend = means_model
+    p = batch_workers(means_model, workers=2)
+    assert p.start(), p.failure
+    runner = model_runner_for(p, backend)
+    assert runner.batches_in_flight == 4
+    records: list = []
+    runner.on_batch = records.append
+    ran_here = backend.eager_runs
+    loop = asyncio.get_running_loop()
+    await asyncio.to_thread(runner.start, loop)
+    await asyncio.sleep(0)
+    batches = coloured_batches(loop, 30, seed=3)
+    try:
+        await run_all(runner, batches)
+        assert [w.free.qsize() for w in p.workers] == [prepworker.SLOTS] * 2
+    finally:
+        await asyncio.to_thread(runner.stop)
+    assert_own_colours(batches)
+    assert p.counts == {"remote_batches": 30, "local_batches": 0}
+    assert backend.eager_runs == ran_here  # the model ran in the workers only
+    assert len(records) == 30 and sum(r.size for r in records) == sum(len(b) for _, b in batches)
+    assert all(r.infer_s > 0 and r.prep_s > 0 for r in records)
+
+
+async def test_a_frame_a_batch_worker_cannot_decode_fails_alone(means_model):
+    """A corrupt JPEG among good frames: it alone gets its 400 (InvalidInput), the others their
+    own outputs, from the worker's run of the batch without it."""
+    from visionserve.errors import InvalidInput
+
+    _, backend = means_model
+    p = batch_workers(means_model)
+    assert p.start(), p.failure
+    runner = model_runner_for(p, backend)
+    loop = asyncio.get_running_loop()
+    runner.start(loop)
+    await asyncio.sleep(0)
+    now = time.monotonic()
+    colours = [(200, 10, 10), (10, 200, 10)]
+    frames = [imaging.raw_frame(np.full((12, 20, 3), colours[0], np.uint8), (12, 20, 3)),
+              imaging.encoded_frame(jpeg(1).data[:200] + b"\xff\xd9"),
+              imaging.raw_frame(np.full((12, 20, 3), colours[1], np.uint8), (12, 20, 3))]
+    batch = [Pending(f, loop.create_future(), now, now + 60, dispatched=now) for f in frames]
+    try:
+        await asyncio.wait_for(runner.execute(batch), 60)
+    finally:
+        await asyncio.to_thread(runner.stop)
+    assert isinstance(batch[1].future.exception(), InvalidInput)
+    for p_, c in ((batch[0], colours[0]), (batch[2], colours[1])):
+        np.testing.assert_allclose(p_.future.result().result.scores, c, atol=1e-4)
+    assert p.counts["remote_batches"] == 1
+
+
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+async def test_batches_a_lost_batch_worker_had_run_in_the_serving_process(means_model, how,
+                                                                          caplog):
+    """A batch worker killed, or stopped (no answer within the time limit), with batches on
+    their way: the serving process prepares and runs those, the other worker the later ones;
+    every answer is its own frame's."""
+    _, backend = means_model
+    p = batch_workers(means_model, workers=2, reply_timeout_s=2.0)
+    assert p.start(), p.failure
+    runner = model_runner_for(p, backend)
+    loop = asyncio.get_running_loop()
+    runner.start(loop)
+    victim = p.pids[0]
+    ran_here = backend.eager_runs
+    batches = coloured_batches(loop, 20, seed=13)
+    try:
+        os.kill(victim, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        with caplog.at_level(logging.ERROR, logger="visionserve.gpu.prepworker"):
+            await run_all(runner, batches)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+        await asyncio.to_thread(runner.stop)
+    assert_own_colours(batches)
+    assert p.counts["remote_batches"] + p.counts["local_batches"] == 20
+    assert p.counts["local_batches"] >= 1 and backend.eager_runs > ran_here
+    assert any("1 preparation process(es) left" in r.message for r in caplog.records)
+
+
+def test_batch_workers_exclude_preparation_workers():
+    from pydantic import ValidationError
+
+    from visionserve.config import ServerSettings
+
+    with pytest.raises(ValidationError, match="exclude each other"):
+        ServerSettings(gpu_batch_processes=1, gpu_prep_processes=1)
+    assert ServerSettings(gpu_batch_processes=2).gpu_batch_processes == 2

@@ -70,6 +70,7 @@ from .. import errors
 from ..config import InputSpec, ModelConfig
 from ..errors import VisionServeError
 from ..imaging import Frame
+from ..runner import RanBatch
 from .memory import stage_slot_bytes
 
 log = logging.getLogger(__name__)
@@ -262,7 +263,10 @@ class _Worker:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         fds = [theirs.fileno()]
         slot_fd = -1
-        if template.is_cuda:
+        runs_model = spec.get("model") is not None  # its batches never come back as tensors
+        if runs_model:
+            self.slots = [None] * SLOTS  # a slot is its staging memory and a batch on its way
+        elif template.is_cuda:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 self.slots = [torch.empty_like(template) for _ in range(SLOTS)]
             (stream or torch.cuda.current_stream(template.device)).synchronize()
@@ -288,7 +292,7 @@ class _Worker:
             if slot_fd >= 0:
                 os.close(slot_fd)
         self.sock, self.reader = ours, _Reader(ours)
-        if template.is_cuda:
+        if template.is_cuda and not runs_model:
             from multiprocessing.reduction import ForkingPickler
 
             _send(ours, ("slots", [bytes(ForkingPickler.dumps(s)) for s in self.slots]))
@@ -433,6 +437,13 @@ class _Worker:
             return
         job, k, ready, timer = self.outstanding.popleft()
         timer.cancel()
+        if msg[0] == "ran" and msg[1] == job:  # prepared and run there: the slot is free
+            _, _, outputs, good, bad, padded, infer_s = msg
+            self.free.put(k)
+            self._on_done()
+            ready(RanBatch(outputs, good, [(i, _error(name, message)) for i, name, message in bad],
+                           padded, infer_s))
+            return
         if msg[0] == "done" and msg[1] == job:
             _, _, rows, good, bad = msg
             self._on_done()
@@ -488,8 +499,11 @@ class PrepProcess:
     def __init__(self, config: ModelConfig, fallback: Any, *, device: str, dtype: Any,
                  channels_last: bool, one_call: bool, preferred: tuple[int, ...],
                  name: str = "", workers: int = 1,
-                 reply_timeout_s: float = REPLY_TIMEOUT_S) -> None:
+                 reply_timeout_s: float = REPLY_TIMEOUT_S, model: dict | None = None) -> None:
         self.config = config
+        # {"path", "config" (its JSON dump), "graph_fetch"}: the workers also run the model and
+        # answer with its outputs (--gpu-batch-processes; :class:`~visionserve.runner.RanBatch`)
+        self.runs_model = model is not None
         self.fallback = fallback
         self.device = device
         self.name = name or "model"
@@ -499,7 +513,8 @@ class PrepProcess:
             "input": config.input.model_dump_json(), "max_batch": config.batching.max_batch_size,
             "stage_bytes": stage_slot_bytes(config), "device": device,
             "dtype": str(dtype).removeprefix("torch."), "channels_last": channels_last,
-            "one_call": one_call, "preferred": list(preferred), "parent": os.getpid()}
+            "one_call": one_call, "preferred": list(preferred), "parent": os.getpid(),
+            "model": model}
         self.workers = [_Worker(i) for i in range(workers)]
         self._idle: queue.Queue[_Worker] = queue.Queue()
         self._ptrs: dict[int, tuple[_Worker, int]] = {}  # a slot's data pointer -> its owner
@@ -541,11 +556,12 @@ class PrepProcess:
             except Exception as exc:  # noqa: BLE001 - any failure leaves the in-process path
                 self._lost(w, f"the preparation process did not start: {exc}", logging.WARNING)
                 continue
-            self._ptrs.update({s.data_ptr(): (w, k) for k, s in enumerate(w.slots)})
+            self._ptrs.update({s.data_ptr(): (w, k) for k, s in enumerate(w.slots)
+                               if s is not None})
             self._idle.put(w)
         if self.pids:
-            log.info("%s: batches prepared by process(es) %s", self.name,
-                     ", ".join(map(str, self.pids)))
+            log.info("%s: batches prepared%s by process(es) %s", self.name,
+                     " and run" if self.runs_model else "", ", ".join(map(str, self.pids)))
         return bool(self.pids)
 
     def close(self) -> None:
@@ -582,6 +598,8 @@ class PrepProcess:
 
     def prepare(self, frames: list[Frame], padded: int
                 ) -> tuple[Any, list[int], list[tuple[int, Exception]]]:
+        if self.runs_model:  # its workers answer with outputs, through the loop (submit)
+            return self.prepare_here(frames, padded)
         while (w := self._idle_worker()) is not None:
             try:
                 out = w.prepare(frames, padded)
@@ -678,8 +696,123 @@ def _watch_parent(parent: int) -> None:
             os._exit(0)
 
 
+def _load_model(model: dict, device: str, preferred: tuple[int, ...]) -> Any:
+    """The model loaded and warmed up as the serving process loads it (its outputs on the host:
+    the task reads them there)."""
+    from pathlib import Path
+
+    from .. import tasks
+    from ..backends import base as backends
+    from ..backends import checks
+
+    config = ModelConfig.model_validate(model["config"])
+    path = Path(model["path"])
+    backend = backends.create(config.runtime.backend)
+    backend.graph_fetch = bool(model.get("graph_fetch"))
+    backend.load(path, config, device)
+    task = tasks.create(config)
+    backend.select_outputs(task.bind(checks.Subject(path), backend.outputs), on_device=False)
+    backend.warmup(preferred)
+    return backend
+
+
+def _batches(sock: socket.socket, stage: np.ndarray):
+    """The requests, as (job, slot, padded, frames), until the serving process closes the
+    channel. A batch's frames are views of slot ``k``'s staging memory (or of a buffer reused
+    for the next request): valid until the batch is prepared."""
+    buf = bytearray(1 << 20)
+    while True:
+        try:
+            head = _read_head(sock)
+        except (EOFError, OSError):
+            return
+        _, job, k, padded, descs, staged = head
+        if staged:  # in slot k's staging memory
+            data = stage[k * STAGE_BYTES:(k + 1) * STAGE_BYTES]
+        else:  # on the socket, after the message
+            total = sum(d[4] for d in descs)
+            if len(buf) < total:
+                buf = bytearray(max(total, 2 * len(buf)))
+            _recv_exact(sock, memoryview(buf)[:total])
+            data = np.frombuffer(buf, dtype=np.uint8)
+        frames = []
+        for kind, width, height, channels, n, shape, off in descs:
+            b = data[off:off + n]
+            frames.append(Frame(kind, b.reshape(shape) if shape else b, width, height, channels))
+        del data
+        yield job, k, padded, frames
+
+
+def _bad(bad: list[tuple[int, Exception]]) -> list[tuple[int, str, str]]:
+    return [(i, type(e).__name__, str(getattr(e, "message", e))) for i, e in bad]
+
+
+def _prepare_into_slots(sock: socket.socket, stage: np.ndarray, prep: Any, slots: list[Any],
+                        stream: Any) -> None:
+    """``--gpu-prep-processes``: each batch prepared into its slot; answered with its rows."""
+    import torch
+
+    for job, k, padded, frames in _batches(sock, stage):
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), \
+                    torch.inference_mode():
+                tensor, good, bad = prep.prepare(frames, padded)
+                slots[k][:tensor.shape[0]].copy_(tensor)
+            if stream is not None:
+                stream.synchronize()
+            reply: tuple = ("done", job, int(tensor.shape[0]), good, _bad(bad))
+        except Exception as exc:  # noqa: BLE001 - the serving process prepares it instead
+            reply = ("failed", job, f"{type(exc).__name__}: {exc}")
+        del frames
+        _send(sock, reply)
+
+
+def _prepare_and_run(sock: socket.socket, stage: np.ndarray, prep: Any, backend: Any) -> None:
+    """``--gpu-batch-processes``: this thread prepares batch k+1 while a compute thread runs
+    batch k (both on the model's stream, as the serving process's runner threads do) and
+    answers with its outputs, in the order asked."""
+    import torch
+
+    handoff: queue.Queue = queue.Queue(maxsize=1)
+
+    def compute() -> None:
+        while (item := handoff.get()) is not None:
+            job, outcome = item
+            if isinstance(outcome, str):
+                reply: tuple = ("failed", job, outcome)
+            else:
+                tensor, good, bad = outcome
+                try:
+                    t0 = time.perf_counter()
+                    outputs = backend.run(tensor)
+                    reply = ("ran", job, outputs, good, _bad(bad), int(tensor.shape[0]),
+                             time.perf_counter() - t0)
+                except Exception as exc:  # noqa: BLE001 - the serving process runs it instead
+                    reply = ("failed", job, f"{type(exc).__name__}: {exc}")
+                del tensor
+            del item, outcome
+            try:
+                _send(sock, reply)
+            except OSError:  # the serving process is gone: the reading side ends too
+                return
+
+    thread = threading.Thread(target=compute, name="compute", daemon=True)
+    thread.start()
+    for job, _k, padded, frames in _batches(sock, stage):
+        try:
+            with torch.inference_mode():
+                outcome: Any = prep.prepare(frames, padded)
+        except Exception as exc:  # noqa: BLE001 - the serving process prepares it instead
+            outcome = f"{type(exc).__name__}: {exc}"
+        del frames
+        handoff.put((job, outcome))
+        del outcome
+    handoff.put(None)
+    thread.join(timeout=30)
+
+
 def serve(spec: dict) -> int:
-    """The worker's main: prepare batches until the channel closes."""
+    """The worker's main: prepare (and with a model, run) batches until the channel closes."""
     import torch
 
     from .memory import PinnedPool
@@ -688,6 +821,8 @@ def serve(spec: dict) -> int:
     sock = socket.socket(fileno=spec["channel_fd"])
     reader = _Reader(sock)
     stage = np.frombuffer(mmap.mmap(spec["stage_fd"], STAGE_BYTES * SLOTS), np.uint8)
+    backend = None
+    slots: list[Any] = []
     try:
         head = reader.message()
         assert head[0] == "slots", head
@@ -696,9 +831,13 @@ def serve(spec: dict) -> int:
         dtype = getattr(torch, spec["dtype"])
         stream = None
         if cuda:
+            torch.cuda.set_device(torch.device(device))
+        if spec.get("model") is not None:
+            backend = _load_model(spec["model"], device, tuple(spec["preferred"]))
+            stream = backend.stream
+        elif cuda:
             from .memory import high_priority_stream
 
-            torch.cuda.set_device(torch.device(device))
             stream = high_priority_stream(device)
             slots = [pickle.loads(b) for b in head[1]]
         else:
@@ -715,44 +854,16 @@ def serve(spec: dict) -> int:
             _send(sock, ("failed", f"{type(exc).__name__}: {exc}"))
         return 1
     _send(sock, ("ready",))
-    buf = bytearray(1 << 20)
-    while True:
-        try:
-            head = _read_head(sock)
-        except (EOFError, OSError):
-            # the serving process closed the channel: let its slots go before exiting, so that
-            # torch does not warn there of CUDA tensors still shared with a process that ended
-            slots.clear()
-            if cuda:
-                torch.cuda.synchronize()
-            return 0
-        _, job, k, padded, descs, staged = head
-        if staged:  # in slot k's staging memory
-            data = stage[k * STAGE_BYTES:(k + 1) * STAGE_BYTES]
-        else:  # on the socket, after the message
-            total = sum(d[4] for d in descs)
-            if len(buf) < total:
-                buf = bytearray(max(total, 2 * len(buf)))
-            _recv_exact(sock, memoryview(buf)[:total])
-            data = np.frombuffer(buf, dtype=np.uint8)
-        frames = []
-        for kind, width, height, channels, n, shape, off in descs:
-            b = data[off:off + n]
-            frames.append(Frame(kind, b.reshape(shape) if shape else b, width, height, channels))
-        try:
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), \
-                    torch.inference_mode():
-                tensor, good, bad = prep.prepare(frames, padded)
-                slots[k][:tensor.shape[0]].copy_(tensor)
-            if stream is not None:
-                stream.synchronize()
-            reply: tuple = ("done", job, int(tensor.shape[0]), good,
-                            [(i, type(e).__name__, str(getattr(e, "message", e)))
-                             for i, e in bad])
-        except Exception as exc:  # noqa: BLE001 - the serving process prepares it instead
-            reply = ("failed", job, f"{type(exc).__name__}: {exc}")
-        del frames, data
-        _send(sock, reply)
+    if backend is not None:
+        _prepare_and_run(sock, stage, prep, backend)
+    else:
+        _prepare_into_slots(sock, stage, prep, slots, stream)
+    # the serving process closed the channel: let its slots go before exiting, so that torch
+    # does not warn there of CUDA tensors still shared with a process that ended
+    slots.clear()
+    if cuda:
+        torch.cuda.synchronize()
+    return 0
 
 
 def main() -> int:

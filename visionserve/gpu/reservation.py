@@ -28,6 +28,8 @@ from .memory import (
 )
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from ..backends.base import Backend
     from .nvml import GpuInfo, Nvml
 
@@ -44,11 +46,13 @@ class GpuReservation:
     LOG_EVERY_S = 60.0
 
     def __init__(self, server_budget: str | None, device: str, nvml: Nvml | None = None,
-                 one_call: bool = True, prep_processes: int = 0) -> None:
+                 one_call: bool = True, prep_processes: int = 0,
+                 batch_processes: int = 0) -> None:
         self.server_budget = server_budget
         self.device = device
         self.one_call = one_call  # TorchPreprocessor's one-call preparation (onecall.py)
         self.prep_processes = prep_processes  # worker processes preparing an instance's batches
+        self.batch_processes = batch_processes  # ... preparing and running them
         self._nvml = nvml
         self.plan = BudgetPlan(total=None)
         self.watch = AllocationWatch(device)
@@ -168,14 +172,18 @@ class GpuReservation:
         return [s for streams in self.streams.values() for s in streams]
 
     def preprocessor(self, backend: Backend, config: ModelConfig,
-                     preferred: tuple[int, ...], owner: int, pool_key: tuple | None = None) -> Any:
+                     preferred: tuple[int, ...], owner: int, pool_key: tuple | None = None,
+                     model_path: Path | None = None, task: Any = None) -> Any:
         """A warmed-up GPU preprocessor for ``backend`` of the load ``owner``, or None where
         the backend cannot take device tensors (no stream: e.g. onnxruntime without torch
         CUDA). Preprocessors of one ``pool_key`` (the versions of a model instance) share
         their pinned staging pool. With ``prep_processes`` worker processes prepare the
         batches (:class:`.prepworker.PrepProcess`, which the runner attaches to the event loop;
         it has ``release``, ``close`` and ``prepare_here`` too), and this process's
-        preprocessor is their fallback."""
+        preprocessor is their fallback. With ``batch_processes`` they also run the model
+        (loaded from ``model_path`` with the backend's config) and answer with its outputs,
+        unless ``task`` reads them on the device; the fallback is then this process's
+        preparation and ``backend``."""
         if not backend.takes_device_input:
             return None
         from .preprocess import TorchPreprocessor
@@ -189,13 +197,23 @@ class GpuReservation:
         streams.append(backend.stream)
         if prep.decode_stream is not None:  # the decoded images' blocks live in its pool
             streams.append(prep.decode_stream)
-        if self.prep_processes:
+        name = "#".join(map(str, pool_key)) if pool_key else ""
+        model = None
+        if self.batch_processes:
+            if model_path is None or backend.config is None or getattr(task, "on_device", False):
+                log.warning("%s: its batches are run in the serving process: --gpu-batch-processes "
+                            "needs a task that reads the model's outputs on the host", name)
+                return prep
+            model = {"path": str(model_path), "config": backend.config.model_dump(mode="json"),
+                     "graph_fetch": bool(getattr(backend, "graph_fetch", False))}
+        if self.prep_processes or model is not None:
             from .prepworker import PrepProcess
 
             workers = PrepProcess(config, prep, device=self.device, dtype=backend.input_dtype,
                                   channels_last=backend.channels_last, one_call=self.one_call,
-                                  preferred=preferred, workers=self.prep_processes,
-                                  name="#".join(map(str, pool_key)) if pool_key else "")
+                                  preferred=preferred,
+                                  workers=self.batch_processes or self.prep_processes, name=name,
+                                  model=model)
             workers.start()  # where none can start, it prepares in-process (logged)
             return workers
         return prep

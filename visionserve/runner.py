@@ -157,14 +157,12 @@ class Runner:
     @property
     def batches_in_flight(self) -> int:
         """Batches the batcher may give this instance at once: one computing, and one being
-        prepared by the prep thread or by each preparation process. A process that prepares
-        and runs them has two (one prepared there while one runs), and one more in all waits on
-        a socket, so that a worker that is done preparing does not wait for the loop to read
-        an answer and form the next batch."""
+        prepared by the prep thread or by each preparation process; or two for each process
+        that prepares and runs them (one prepared there while one runs)."""
         if self.remote is None:
             return 2
         if self.remote.runs_model:
-            return 1 + 2 * len(self.remote.workers)
+            return 2 * len(self.remote.workers)
         return 1 + len(self.remote.workers)
 
     async def execute(self, batch: list[Pending]) -> None:

@@ -356,7 +356,7 @@ def means_model(tmp_path_factory):
 
 
 def batch_workers(means_model, **kw) -> prepworker.PrepProcess:
-    path, _ = means_model
+    path, backend = means_model
     return worker(model={"path": str(path), "config": TORCH_CONFIG.model_dump(mode="json"),
                          "graph_fetch": False}, **kw)
 
@@ -380,14 +380,14 @@ async def run_all(runner: Runner, batches) -> None:
 
 
 async def test_batch_workers_answer_every_frame_with_its_own_outputs(means_model):
-    """Two workers prepare and run an instance's batches (two in flight each, and one more):
-    every answer holds its own frame's colour, the serving process's model never runs, and no
-    slot is lost."""
+    """Two workers prepare and run an instance's batches (two in flight each): every answer
+    holds its own frame's colour, the serving process's model never runs, and no slot is
+    lost."""
     _, backend = means_model
     p = batch_workers(means_model, workers=2)
     assert p.start(), p.failure
     runner = model_runner_for(p, backend)
-    assert runner.batches_in_flight == 5
+    assert runner.batches_in_flight == 4
     records: list = []
     runner.on_batch = records.append
     ran_here = backend.eager_runs

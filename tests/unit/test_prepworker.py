@@ -356,7 +356,7 @@ def means_model(tmp_path_factory):
 
 
 def batch_workers(means_model, **kw) -> prepworker.PrepProcess:
-    path, backend = means_model
+    path, _ = means_model
     return worker(model={"path": str(path), "config": TORCH_CONFIG.model_dump(mode="json"),
                          "graph_fetch": False}, **kw)
 

@@ -472,3 +472,41 @@ def test_batch_workers_exclude_preparation_workers():
     with pytest.raises(ValidationError, match="exclude each other"):
         ServerSettings(gpu_batch_processes=1, gpu_prep_processes=1)
     assert ServerSettings(gpu_batch_processes=2).gpu_batch_processes == 2
+
+
+def test_a_batch_worker_whose_device_fails_answers_the_batch_and_stops():
+    """The worker's loop (in this process, over a socket pair): a sticky CUDA error while a
+    batch runs is answered as that batch's failure, then the worker stops reading, so the serving
+    process sees the channel close (and runs what it had sent itself); a batch sent after it is
+    not answered."""
+    import socket
+
+    ours, theirs = socket.socketpair()
+    stage = np.zeros(prepworker.STAGE_BYTES * prepworker.SLOTS, np.uint8)
+
+    class Prep:
+        def prepare(self, frames, padded):
+            return torch.zeros(padded, 3, 4, 4), list(range(len(frames))), []
+
+    class FailingDevice:
+        def run(self, x):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    worker_loop = threading.Thread(target=prepworker._prepare_and_run,
+                                   args=(theirs, stage, Prep(), FailingDevice()), daemon=True)
+    worker_loop.start()
+    frames = [jpeg(0)]
+    parts = []  # both requests at once: the worker stops reading after the first
+    for job in (1, 2):
+        view = stage[job * prepworker.STAGE_BYTES:(job + 1) * prepworker.STAGE_BYTES]
+        parts += prepworker._request(job, job, 1, frames, view)
+    assert ours.sendmsg(parts) == sum(len(p) for p in parts)
+    reader = prepworker._Reader(ours)
+    failed = reader.message()
+    assert failed[:2] == ("failed", 1) and "illegal memory access" in failed[2]
+    with pytest.raises(EOFError):
+        reader.message()
+    worker_loop.join(10)
+    assert not worker_loop.is_alive()
+    ours.close()
+    theirs.close()

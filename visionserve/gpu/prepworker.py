@@ -70,7 +70,7 @@ from .. import errors
 from ..config import InputSpec, ModelConfig
 from ..errors import VisionServeError
 from ..imaging import Frame
-from ..runner import RanBatch
+from ..runner import RanBatch, device_fault
 from .memory import stage_slot_bytes
 
 log = logging.getLogger(__name__)
@@ -770,31 +770,45 @@ def _prepare_into_slots(sock: socket.socket, stage: np.ndarray, prep: Any, slots
 def _prepare_and_run(sock: socket.socket, stage: np.ndarray, prep: Any, backend: Any) -> None:
     """``--gpu-batch-processes``: this thread prepares batch k+1 while a compute thread runs
     batch k (both on the model's stream, as the serving process's runner threads do) and
-    answers with its outputs, in the order asked."""
+    answers with its outputs, in the order asked. A device fault (a sticky CUDA error: this
+    process's context is unusable) is answered as the batch's failure, and then the worker stops
+    reading: the serving process sees the channel close and runs what it had sent itself."""
     import torch
 
     handoff: queue.Queue = queue.Queue(maxsize=1)
 
     def compute() -> None:
+        broken = False  # the device failed, or the serving process is gone: answer no more
         while (item := handoff.get()) is not None:
             job, outcome = item
-            if isinstance(outcome, str):
-                reply: tuple = ("failed", job, outcome)
+            del item
+            if broken:  # drained until the reading side ends
+                continue
+            failure: BaseException | None = None
+            if isinstance(outcome, BaseException):
+                failure = outcome
             else:
                 tensor, good, bad = outcome
                 try:
                     t0 = time.perf_counter()
                     outputs = backend.run(tensor)
-                    reply = ("ran", job, outputs, good, _bad(bad), int(tensor.shape[0]),
-                             time.perf_counter() - t0)
+                    reply: tuple = ("ran", job, outputs, good, _bad(bad), int(tensor.shape[0]),
+                                    time.perf_counter() - t0)
                 except Exception as exc:  # noqa: BLE001 - the serving process runs it instead
-                    reply = ("failed", job, f"{type(exc).__name__}: {exc}")
+                    failure = exc.with_traceback(None)
                 del tensor
-            del item, outcome
+            del outcome
+            if failure is not None:
+                reply = ("failed", job, f"{type(failure).__name__}: {failure}")
             try:
                 _send(sock, reply)
-            except OSError:  # the serving process is gone: the reading side ends too
-                return
+            except OSError:
+                broken = True
+            if failure is not None and device_fault(failure):
+                log.error("the device failed (%s); this worker stops", str(failure)[:300])
+                broken = True
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
 
     thread = threading.Thread(target=compute, name="compute", daemon=True)
     thread.start()
@@ -803,7 +817,7 @@ def _prepare_and_run(sock: socket.socket, stage: np.ndarray, prep: Any, backend:
             with torch.inference_mode():
                 outcome: Any = prep.prepare(frames, padded)
         except Exception as exc:  # noqa: BLE001 - the serving process prepares it instead
-            outcome = f"{type(exc).__name__}: {exc}"
+            outcome = exc.with_traceback(None)
         del frames
         handoff.put((job, outcome))
         del outcome

@@ -39,6 +39,9 @@ MODULE_LAYERS = {
     # the engine's view of the GPU: it builds a backend's GPU preprocessor, so it sits above the
     # backends (which use gpu.memory's streams) and below the engine, its one user
     "gpu.reservation": "data plane",
+    # worker processes that prepare an instance's batches, and with --gpu-batch-processes run
+    # its model too and hand the runner a RanBatch: the runner's other half, in a process
+    "gpu.prepworker": "data plane",
     # the guard's shared-memory "busy word": the batchers write it, guard jobs read it; it imports
     # nothing of the server (the guard owns its layout, so it lives there)
     "guard.share": "foundation",

@@ -129,8 +129,12 @@ def _trim(parts: list[memoryview], sent: int) -> list[memoryview]:
 
 
 def _send(sock: socket.socket, head: Any, buffers: Sequence[Any] = ()) -> None:
-    """A message in one ``sendmsg`` (more only if a signal or the time limit cut it short)."""
-    parts = _parts(head, buffers)
+    """A message in one ``sendmsg``."""
+    _send_parts(sock, _parts(head, buffers))
+
+
+def _send_parts(sock: socket.socket, parts: list[memoryview]) -> None:
+    """``parts`` in one ``sendmsg`` (more only if a signal or the time limit cut it short)."""
     while parts:
         parts = _trim(parts, sock.sendmsg(parts))
 
@@ -323,9 +327,7 @@ class _Worker:
         try:
             self.job += 1
             job = self.job
-            parts = _request(job, k, padded, frames, self._stage_of(k))
-            while parts:
-                parts = _trim(parts, self.sock.sendmsg(parts))
+            _send_parts(self.sock, _request(job, k, padded, frames, self._stage_of(k)))
             reply = self.reader.message()
         except BaseException:
             self.free.put(k)

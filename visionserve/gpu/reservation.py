@@ -214,8 +214,9 @@ class GpuReservation:
                                   preferred=preferred,
                                   workers=self.batch_processes or self.prep_processes, name=name,
                                   model=model)
-            workers.start()  # where none can start, it prepares in-process (logged)
-            return workers
+            if workers.start():
+                return workers
+            workers.close()  # none could start (logged): the instance prepares in-process
         return prep
 
     def ready(self) -> None:

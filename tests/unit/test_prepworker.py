@@ -510,3 +510,35 @@ def test_a_batch_worker_whose_device_fails_answers_the_batch_and_stops():
     assert not worker_loop.is_alive()
     ours.close()
     theirs.close()
+
+
+def test_the_reservation_gives_an_instance_batch_workers_only_where_they_can_serve(means_model,
+                                                                                  tmp_path,
+                                                                                  caplog):
+    """GpuReservation.preprocessor with --gpu-batch-processes (on the CPU here): workers that
+    run the model where they start; the instance's own preprocessor where none can start (a
+    model file they cannot read) or where the task reads its outputs on the device."""
+    from types import SimpleNamespace
+
+    from visionserve.gpu.reservation import GpuReservation
+
+    path, _ = means_model
+    res = GpuReservation("8GiB", "cpu", batch_processes=1)
+    view = SimpleNamespace(takes_device_input=True, input_dtype=torch.float32, stream=None,
+                           channels_last=False, config=TORCH_CONFIG, graph_fetch=False)
+    host_task = SimpleNamespace(on_device=False)
+    workers = res.preprocessor(view, TORCH_CONFIG, PREFERRED, 1, ("means", 0), path, host_task)
+    try:
+        assert isinstance(workers, prepworker.PrepProcess) and workers.runs_model
+        assert len(workers.pids) == 1
+    finally:
+        workers.close()
+    with caplog.at_level(logging.WARNING):
+        broken = res.preprocessor(view, TORCH_CONFIG, PREFERRED, 2, ("means", 0),
+                                  tmp_path / "missing" / "1" / "model.pt2", host_task)
+        on_device = res.preprocessor(view, TORCH_CONFIG, PREFERRED, 3, ("means", 0), path,
+                                     SimpleNamespace(on_device=True))
+    assert isinstance(broken, TorchPreprocessor) and isinstance(on_device, TorchPreprocessor)
+    assert any("did not start" in r.message for r in caplog.records)
+    assert any("needs a task that reads the model's outputs on the host" in r.message
+               for r in caplog.records)

@@ -80,6 +80,15 @@ class RanBatch:
     infer_s: float
 
 
+def _split(live: list[Pending], good: list[int], bad: list[tuple[int, Exception]]
+           ) -> tuple[list[Pending], list[tuple[Pending, Exception]]]:
+    """A prepared batch's frames: (those to run, (frame, error) of those that failed)."""
+    # a frame's error needs no traceback, and its traceback and the preparation's list of errors
+    # hold each other, and the batch's frames, until the collector runs (with
+    # --frontend-zero-copy: arena space the front end cannot reuse)
+    return [live[i] for i in good], [(live[i], exc.with_traceback(None)) for i, exc in bad]
+
+
 def padded_size(n: int, preferred: tuple[int, ...]) -> int:
     for p in preferred:
         if p >= n:
@@ -208,7 +217,7 @@ class Runner:
         def post(fn: Callable, *args: Any) -> None:
             posts.append((fn, args))
 
-        errors = [(live[i], exc.with_traceback(None)) for i, exc in ran.bad]
+        _, errors = _split(live, [], ran.bad)
         if errors:
             post(_fail_all, errors)
         # the rows of frames still waiting (a frame cancelled meanwhile is not answered)
@@ -243,11 +252,7 @@ class Runner:
                 bad: list[tuple[int, Exception]]) -> tuple[Any, list[Pending], list]:
         """A prepared batch as the compute thread takes it: (tensor, frames to run, (frame,
         error) of those that failed)."""
-        # a frame's error needs no traceback, and its traceback and the preparation's list of
-        # errors hold each other, and the batch's frames, until the collector runs (with
-        # --frontend-zero-copy: arena space the front end cannot reuse)
-        errors = [(live[i], exc.with_traceback(None)) for i, exc in bad]
-        items = [live[i] for i in good]
+        items, errors = _split(live, good, bad)
         if bad and good:  # rows of bad frames need not run: keep the good ones (+ padding)
             tensor = tensor[:padded_size(len(good), self.preferred)]
         return tensor, items, errors

@@ -206,6 +206,11 @@ def _request(job: int, k: int, padded: int, frames: list[Frame], stage: np.ndarr
     return _parts(("prepare", job, k, padded, descs, False), buffers)
 
 
+def _errors(bad: list[tuple[int, str, str]]) -> list[tuple[int, Exception]]:
+    """The frames that failed in the worker, as its answer names them (:func:`_bad`)."""
+    return [(i, _error(name, message)) for i, name, message in bad]
+
+
 def _error(name: str, message: str) -> VisionServeError:
     cls = getattr(errors, name, None)
     if not (isinstance(cls, type) and issubclass(cls, VisionServeError)):
@@ -338,8 +343,7 @@ class _Worker:
                 return str(reply[2])
             raise WorkerFailed(f"asked for batch {job}, it answered {reply[:2]!r}")
         _, _, rows, good, bad = reply
-        return (self.slots[k][:rows], good,
-                [(i, _error(name, message)) for i, name, message in bad])
+        return self.slots[k][:rows], good, _errors(bad)
 
     # -- driven by the event loop ---------------------------------------------------------------
     # The loop sends a batch's frames itself (it holds the interpreter anyway, and a non-blocking
@@ -443,14 +447,12 @@ class _Worker:
             _, _, outputs, good, bad, padded, infer_s = msg
             self.free.put(k)
             self._on_done()
-            ready(RanBatch(outputs, good, [(i, _error(name, message)) for i, name, message in bad],
-                           padded, infer_s))
+            ready(RanBatch(outputs, good, _errors(bad), padded, infer_s))
             return
         if msg[0] == "done" and msg[1] == job:
             _, _, rows, good, bad = msg
             self._on_done()
-            ready((self.slots[k][:rows], good,
-                   [(i, _error(name, message)) for i, name, message in bad]))
+            ready((self.slots[k][:rows], good, _errors(bad)))
             return
         self.free.put(k)
         if msg[0] == "failed" and msg[1] == job:

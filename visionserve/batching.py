@@ -10,7 +10,10 @@ Requests wait in a bounded priority queue; a batch is formed when
 * or, with ``dispatch_when_idle``, nothing is running: then waiting only adds latency,
 
 and only when an executor slot is free: while the runner is busy, requests keep joining the next
-batch instead of forming small ones that would just wait. Higher priorities go first, then
+batch instead of forming small ones that would just wait. ``full_extra`` slots beyond
+``max_inflight`` take full batches only: an executor whose next batch must travel (a worker
+process) gets it before it is idle, and under a closed loop of clients batches do not shrink to
+fill the extra slots. Higher priorities go first, then
 earlier deadlines, then arrival order. Requests whose deadline has passed are answered at once
 with :class:`~visionserve.errors.DeadlineExceeded` and never cost compute; cancelled ones (the
 client went away) are dropped.
@@ -182,22 +185,26 @@ class Batcher:
         max_queue_size: int,
         cost: CostModel,
         max_inflight: int = 2,
+        full_extra: int = 0,
         dispatch_when_idle: bool = False,
         safety_s: float = 0.005,
     ) -> None:
-        if max_batch_size < 1 or max_queue_size < 1 or max_inflight < 1 or max_queue_delay_s < 0:
-            raise ValueError("batcher sizes must be >= 1 and the delay >= 0")
+        if max_batch_size < 1 or max_queue_size < 1 or max_inflight < 1 or max_queue_delay_s < 0 \
+                or full_extra < 0:
+            raise ValueError("batcher sizes must be >= 1 and the delay and full_extra >= 0")
         self.name = name
         self.max_batch_size = max_batch_size
         self.max_queue_delay_s = max_queue_delay_s
         self.max_queue_size = max_queue_size
+        self.max_inflight = max_inflight
+        self.full_extra = full_extra
         self.cost = cost
         self._execute = execute
         self.dispatch_when_idle = dispatch_when_idle
         self._safety = safety_s
         self._heap: list[Pending] = []
         self._seq = itertools.count()
-        self._slots = asyncio.Semaphore(max_inflight)
+        self._slots = asyncio.Semaphore(max_inflight + full_extra)
         self._wakeup = asyncio.Event()
         self._tasks: dict[asyncio.Task, list[Pending]] = {}  # running batches
         self._loop_task: asyncio.Task | None = None
@@ -467,6 +474,17 @@ class Batcher:
             n = len(self._heap)
             if n >= self.max_batch_size or not self._accepting:
                 break
+            if len(self._tasks) >= self.max_inflight:
+                # a slot of full_extra: only a full batch takes it; meanwhile a running batch
+                # ends (a slot of max_inflight), the queue fills, or a frame expires
+                expiry = min(p.deadline for p in self._heap)
+                self._wakeup.clear()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(),
+                                           timeout=max(0.0, expiry - time.monotonic()))
+                except (asyncio.TimeoutError, TimeoutError):
+                    pass
+                continue
             if self.dispatch_when_idle and not self._tasks:
                 break  # nothing running: waiting for company would only add latency
             now = time.monotonic()

@@ -427,7 +427,11 @@ class Engine(ModelLookup):
                           max_queue_delay_s=b.max_queue_delay_ms / 1000,
                           max_queue_size=b.max_queue_size, cost=cost,
                           max_inflight=sum(r.batches_in_flight for r in runners),
+                          full_extra=sum(r.full_batches_extra for r in runners),
                           dispatch_when_idle=b.dispatch_when_idle)
+        if batcher.full_extra:
+            log.info("%s:%d batches in flight: %d, and %d more when full", entry.name, version,
+                     batcher.max_inflight, batcher.full_extra)
         served = Served(entry, version, config, batcher, runners,
                         backend_info=runners[0].backend.describe(), task=task,
                         source=_file_stamp(path), load_id=load_id)

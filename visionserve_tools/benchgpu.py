@@ -631,21 +631,23 @@ def settings_spec(spec: str) -> dict[str, str]:
 def compare(specs: list[dict[str, str]], repos: dict[str, Path], jpegs: list[bytes],
             jpegs_1080: list[bytes], log_dir: Path, quick: bool, bare_res: dict, res: dict,
             save=lambda: None, frontends: int = 8, client_procs: int = 0,
-            threads_s: float = 0.0, *, model: str = "rn50", device: str = "cuda",
-            extra: tuple[str, ...] = ("--gpu-memory-budget", "8GiB"),
+            threads_s: float = 0.0, *, threads: tuple[int, ...] = (12,), model: str = "rn50",
+            device: str = "cuda", extra: tuple[str, ...] = ("--gpu-memory-budget", "8GiB"),
             seconds: float | None = None) -> dict:
     """The front-end scenario of :func:`served` once per server setting in ``specs``, in order,
     each on a server of its own: one client, saturation at 640x480 and at 1080p (and, with
     ``threads_s``, the threads sampled at 640x480), each saturation as a ratio to the bare model's
-    batch-32 throughput of this run. ``res`` gets one entry per spec, saved after each.
-    (``model``, ``device``, ``extra`` server arguments and ``seconds`` per load: for a test.)"""
+    batch-32 throughput of this run. ``threads``: senders per client process, one saturation
+    per count at each size (the first as ``saturation_SIZE``, the others as
+    ``saturation_SIZE@CLIENTS``): a deeper pipeline may need more closed-loop clients to fill
+    its batches. ``res`` gets one entry per spec, saved after each. (``model``, ``device``,
+    ``extra`` server arguments and ``seconds`` per load: for a test.)"""
     long = seconds or (8.0 if quick else 20.0)
     short = seconds or (3.0 if quick else 6.0)
     procs = client_procs or min(8, max(2, (os.cpu_count() or 8) // 2))
-    threads = 12
     rate = bare_res.get("torch_fp16_cuda_graph", {}).get(32, {}).get("img_per_s")
     res["setup"] = {"frontends": frontends, "client_processes": procs,
-                    "threads_per_client_process": threads, "bare_bs32_img_per_s": rate}
+                    "threads_per_client_process": list(threads), "bare_bs32_img_per_s": rate}
     for i, env in enumerate(specs):
         name = ",".join(f"{k}={v}" for k, v in env.items()) or "as shipped"
         key = f"{i}: {name}"
@@ -665,13 +667,15 @@ def compare(specs: list[dict[str, str]], repos: dict[str, Path], jpegs: list[byt
             part["start_s"] = s.start_s
             part["single_client"] = load(s, model, jpegs, 1, 1, short)
             for label, frames in (("640x480", jpegs), ("1080p", jpegs_1080)):
-                st0 = s.stats(model)
-                sat = saturation(s, model, frames, procs, threads, long, rate)
-                sat["breakdown"] = breakdown(st0, s.stats(model))
-                part[f"saturation_{label}"] = sat
-                save()
+                for k, n in enumerate(threads):
+                    st0 = s.stats(model)
+                    sat = saturation(s, model, frames, procs, n, long, rate)
+                    sat["breakdown"] = breakdown(st0, s.stats(model))
+                    part[f"saturation_{label}" + (f"@{procs * n}" if k else "")] = sat
+                    save()
             if threads_s:
-                part["threads_640x480"] = sampled_load(s, model, jpegs, procs, threads, threads_s,
+                part["threads_640x480"] = sampled_load(s, model, jpegs, procs, threads[0],
+                                                       threads_s,
                                                        log_dir / f"threads-compare-{i}.raw")
             log(f"compare {key}: " + json.dumps({
                 k: {m: v.get(m) for m in ("throughput_per_s", "ratio_to_bare_bs32", "p50_ms",
@@ -717,6 +721,9 @@ def main(argv: list[str] | None = None) -> int:
                          "a server setting as its environment variable (\"\": as shipped; "
                          "VISIONSERVE_SWITCH_INTERVAL_MS=0.05; several joined by commas); "
                          "repeat for each")
+    ap.add_argument("--compare-threads", type=int, nargs="+", default=[12], metavar="N",
+                    help="with --compare: senders per client process, a saturation load for "
+                         "each count (default: 12; e.g. 12 24)")
     args = ap.parse_args(argv)
     log_dir = args.log_dir or args.out.parent
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -742,7 +749,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 compare(args.compare, repos, jpegs, make_jpegs(16, 1080, 1920), log_dir,
                         args.quick, results["bare"], results["compare"], save, frontends=fe,
-                        client_procs=args.client_procs, threads_s=args.threads_s)
+                        client_procs=args.client_procs, threads_s=args.threads_s,
+                        threads=tuple(args.compare_threads))
             except Exception as exc:  # noqa: BLE001 -- recorded in the results, which are saved
                 results["compare_error"] = repr(exc)
             save()

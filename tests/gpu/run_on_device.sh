@@ -39,7 +39,8 @@
 #   (benchgpu --quick --compare, one server per SPEC; e.g. COMPARE="VISIONSERVE_SWITCH_INTERVAL_MS=0.5
 #   VISIONSERVE_SWITCH_INTERVAL_MS=5 VISIONSERVE_SWITCH_INTERVAL_MS=0.5 VISIONSERVE_SWITCH_INTERVAL_MS=5",
 #   interleaved so the machine's drift shows): compare.json / compare.txt, up to COMPARE_T s (400;
-#   about 40 s per SPEC, plus the bare model)
+#   about 40 s per SPEC, plus the bare model); COMPARE_THREADS="12 24": a saturation load per count
+#   of senders per client process (8 processes: 96 and 192 clients; about 20 s more per SPEC)
 # THREADS_S=15: the benchmark (not its AB=1 repeat) also samples the serving process's threads
 # with py-spy through 15 s of saturation at 640x480 and at 1080p (benchgpu --threads-s; about
 # 40 s more; visionserve_tools.threadstates; threads-*.raw in $OUT, the summary in bench.json)
@@ -106,6 +107,7 @@ if [ -n "${COMPARE:-}" ]; then  # server settings side by side (benchgpu --compa
   for spec in $COMPARE; do compare_args+=(--compare "$spec"); done
   timeout ${COMPARE_T:-400} python3 -m visionserve_tools.benchgpu --quick --out "$OUT/compare.json" \
     --log-dir "$OUT/compare" "${compare_args[@]}" ${THREADS_S:+--threads-s $THREADS_S} \
+    ${COMPARE_THREADS:+--compare-threads $COMPARE_THREADS} \
     >"$OUT/compare.txt" 2>&1
   echo "benchgpu --compare exit $?" >>"$OUT/compare.txt"
   grep -E "compare [0-9]+: " "$OUT/compare.txt" | cut -c1-600

@@ -38,6 +38,7 @@ def test_every_answer_belongs_to_its_frame_on_gpu(means_repo, server_factory, fr
             f.write(json.dumps({"frontends": frontends, "flags": list(flags), **summary}) + "\n")
     if "--gpu-batch-processes" in flags:  # the workers prepared and ran the batches
         assert "batches prepared and run by process(es)" in server.log()
+        assert "batches in flight: 4, and 2 more when full" in server.log()
         assert "preparation process failed" not in server.log()
         assert "could not prepare a batch" not in server.log()
     assert report.wrong == 0, summary

@@ -101,6 +101,48 @@ async def test_more_than_max_batch_size_splits_into_full_batches():
     assert isinstance(items[6].future.exception(), Unavailable)
 
 
+async def test_a_slot_beyond_max_inflight_takes_only_a_full_batch():
+    """``full_extra``: while max_inflight batches run, a partial batch waits (its delay long
+    past) and a full one goes at once; a late frame is still answered in time; once a running
+    batch ends the partial one goes."""
+    rec = Recorder(block_all=True)
+    b = Batcher(name="test", execute=rec, max_batch_size=3, max_queue_delay_s=0.0,
+                max_queue_size=64, cost=CostModel(lambda n: 0.0), max_inflight=1, full_extra=1)
+    b.start()
+    try:
+        first = b.submit("a", deadline=far())
+        await until(lambda: rec.batches == [["a"]])
+        partial = [b.submit("b", deadline=far())]
+        soon = b.submit("late", deadline=time.monotonic() + 0.3)
+        await asyncio.sleep(0.1)
+        assert rec.batches == [["a"]]  # two queued, not a full batch
+        # "late" expires in the queue: answered 504 while the extra slot waits, not held back
+        with pytest.raises(DeadlineExceeded):
+            await asyncio.wait_for(soon.future, WAIT)
+        partial.append(b.submit("c", deadline=far()))
+        await asyncio.sleep(0.1)
+        assert rec.batches == [["a"]]  # b and c: still not full
+        d = b.submit("d", deadline=far())  # b, c, d: full, takes the extra slot
+        await until(lambda: len(rec.batches) == 2)
+        assert rec.batches[1] == ["b", "c", "d"]
+        e = b.submit("e", deadline=far())
+        await asyncio.sleep(0.1)
+        assert len(rec.batches) == 2  # two running, and max_inflight + full_extra is 2
+        rec.gate.set()
+        results = await asyncio.wait_for(
+            asyncio.gather(*(p.future for p in (first, *partial, d, e))), WAIT)
+        assert [r[1] for r in results] == ["a", "b", "c", "d", "e"]
+        assert rec.batches[2] == ["e"]
+    finally:
+        await b.close()
+
+
+def test_full_extra_cannot_be_negative():
+    with pytest.raises(ValueError):
+        Batcher(name="test", execute=Recorder(), max_batch_size=3, max_queue_delay_s=0.0,
+                max_queue_size=64, cost=CostModel(lambda n: 0.0), full_extra=-1)
+
+
 async def test_lone_request_dispatched_after_the_delay():
     rec = Recorder()
     delay = 0.3

@@ -274,7 +274,7 @@ async def test_every_answer_is_its_own_frames_through_two_workers():
     p = worker(workers=2)
     assert p.start(), p.failure
     runner = runner_for(p)
-    assert runner.batches_in_flight == 3
+    assert (runner.batches_in_flight, runner.full_batches_extra) == (3, 0)
     loop = asyncio.get_running_loop()
     await asyncio.to_thread(runner.start, loop)  # as the engine starts it: off the loop
     await asyncio.sleep(0)  # the workers are attached on the loop
@@ -370,7 +370,9 @@ def model_runner_for(p: prepworker.PrepProcess, backend) -> Runner:
 
 
 async def run_all(runner: Runner, batches) -> None:
-    limit = asyncio.Semaphore(runner.batches_in_flight)
+    """Every batch through ``runner``, as many at once as the batcher would give it (full ones
+    included)."""
+    limit = asyncio.Semaphore(runner.batches_in_flight + runner.full_batches_extra)
 
     async def one(batch):
         async with limit:
@@ -380,14 +382,14 @@ async def run_all(runner: Runner, batches) -> None:
 
 
 async def test_batch_workers_answer_every_frame_with_its_own_outputs(means_model):
-    """Two workers prepare and run an instance's batches (two in flight each): every answer
-    holds its own frame's colour, the serving process's model never runs, and no slot is
-    lost."""
+    """Two workers prepare and run an instance's batches (two in flight each, and one more
+    full batch each): every answer holds its own frame's colour, the serving process's model
+    never runs, and no slot is lost."""
     _, backend = means_model
     p = batch_workers(means_model, workers=2)
     assert p.start(), p.failure
     runner = model_runner_for(p, backend)
-    assert runner.batches_in_flight == 4
+    assert (runner.batches_in_flight, runner.full_batches_extra) == (4, 2)
     records: list = []
     runner.on_batch = records.append
     ran_here = backend.eager_runs

@@ -169,14 +169,15 @@ def test_the_gpu_benchmark_compares_server_settings_side_by_side(tmp_path):
     bare = {"torch_fp16_cuda_graph": {32: {"img_per_s": 1000}}}
     jpegs = benchgpu.make_jpegs(4, 48, 64)
     benchgpu.compare(specs, {"means": repo}, jpegs, jpegs, tmp_path, True, bare, res,
-                     frontends=1, client_procs=1, model="means", device="cpu", extra=(),
-                     seconds=0.5)
+                     frontends=1, client_procs=1, threads=(1, 2), model="means", device="cpu",
+                     extra=(), seconds=0.5)
     assert res["setup"]["bare_bs32_img_per_s"] == 1000
+    assert res["setup"]["threads_per_client_process"] == [1, 2]
     runs = [v for k, v in res.items() if k != "setup"]
     assert [r["settings"] for r in runs] == specs
     for run in (runs[0], runs[2]):
         assert run["single_client"]["answers"] > 0
-        for label in ("640x480", "1080p"):
+        for label in ("640x480", "1080p", "640x480@2", "1080p@2"):  # @2: the second count
             sat = run[f"saturation_{label}"]
             assert sat["answers"] > 0 and sat["errors"] == 0
             assert sat["ratio_to_bare_bs32"] == round(sat["throughput_per_s"] / 1000, 3)

@@ -408,6 +408,58 @@ def test_serving_adds_no_device_memory_after_warm_up(repo, prep_processes):
     assert after == {"new_segments": 0, "reserved_growth_bytes": 0, "alloc_retries": 0, "ooms": 0}, after
 
 
+def test_batch_workers_hold_their_memory_inside_the_budget(repo, config, caplog):
+    """--gpu-batch-processes 1 with a budget: what the worker's allocator may hold (what it
+    holds after warm-up and one batch's preparation, its cap) comes off the serving process's
+    cap and into the load's footprint, and its NVML memory into the memory used; with a budget
+    that holds the serving process and not the worker beside it, the instance serves in-process
+    (a warning says why) and answers alike."""
+    import torch
+
+    from visionserve.gpu import telemetry
+    from visionserve.gpu.memory import prep_allowance
+
+    frames = _frames(("jpeg",), 4)
+
+    async def scenario(budget: str):
+        engine = _engine(repo, budget, gpu_batch_processes=1)
+        await engine.start()
+        try:
+            assert engine.ready and engine.gpu is not None
+            res, served = engine.gpu, engine.served[("net", 1)]
+            workers = served.runners[0].remote
+            _, results = await engine.infer("net", None, frames)
+            out = {"results": [r.result for r in results], "workers": workers,
+                   "reserved": torch.cuda.memory_reserved(), "cap": res._serving_cap(),
+                   "torch_cap": res.plan.torch_cap, "footprint": res.footprints[served.load_id],
+                   "worker_bytes": dict(res.worker_bytes), "load_id": served.load_id}
+            if workers is not None:
+                out["device_bytes"] = workers.device_bytes
+                out["used"] = res.telemetry.sample().process_used
+                out["used_alone"] = telemetry.GpuTelemetry(
+                    res.nvml, res.gpu.index, res.plan.total).sample().process_used
+            return out
+        finally:
+            await engine.close()
+
+    roomy = asyncio.run(scenario("4GiB"))
+    assert roomy["workers"] is not None and roomy["workers"].runs_model
+    w = roomy["device_bytes"]
+    assert w > prep_allowance(config)  # a model, its graphs, and room to grow
+    assert roomy["worker_bytes"] == {roomy["load_id"]: w}
+    assert roomy["cap"] == roomy["torch_cap"] - w and roomy["footprint"] > w
+    if roomy["used"] is not None:  # NVML sees per-process memory here
+        assert roomy["used"] > roomy["used_alone"] > 0
+    budget = roomy["reserved"] + prep_allowance(config) + w // 2
+    with caplog.at_level(logging.WARNING):
+        tight = asyncio.run(scenario(str(budget)))
+    assert tight["workers"] is None and tight["worker_bytes"] == {}
+    assert "are prepared and run in the serving process" in caplog.text
+    for a, b in zip(tight["results"], roomy["results"], strict=True):
+        assert a.label == b.label
+        np.testing.assert_allclose(a.scores, b.scores, atol=2e-3)
+
+
 def test_a_swap_on_the_gpu_returns_the_old_memory_and_serving_adds_none_after_it(tmp_path):
     """Model control on the GPU: versions 2 and 3 each load beside the serving one within the
     budget (reckoned at what the first load took) and shares the serving one's pinned pool,

@@ -550,3 +550,58 @@ def test_a_swap_must_fit_beside_the_serving_versions():
     with pytest.raises(Conflict, match="give it runtime.gpu_memory_budget"):
         res.check_beside("new", [], [cfg()])
     GpuReservation(None, "cuda:0").check_beside("x", [], [cfg()])  # no budget: nothing to check
+
+
+def test_worker_processes_are_in_the_budget_and_in_the_memory_used(monkeypatch, caplog):
+    """--gpu-batch-processes: what a load's workers may hold comes off the serving process's
+    allocator cap (and into the load's footprint, for swaps); workers that would leave the
+    serving process less than it holds and one batch's preparation are not used; a swap that
+    unloads them gives their bytes back; the memory-used metric adds the workers' NVML figures."""
+    import asyncio
+    import logging
+    from types import SimpleNamespace
+
+    from visionserve.gpu import reservation
+
+    caps: list[int] = []
+    monkeypatch.setattr(reservation, "cap_torch_allocator", lambda cap, device: caps.append(cap))
+    monkeypatch.setattr(reservation, "allocator_stats",
+                        lambda device: memory.AllocatorStats(1, 1, GIB, GIB, 0, 0))
+    monkeypatch.setattr(reservation, "reserve_small_pool", lambda device, streams: None)
+    monkeypatch.setattr(GpuReservation, "device_bytes", lambda self: GIB)
+    res = GpuReservation("8GiB", "cuda:0", nvml=SimulatedNvml([simulated_gpu(0)]))
+    res.plan = plan_budget("8GiB", [("a", cfg("torch"))])
+    assert res.plan.torch_cap == 8 * GIB
+    allowance = memory.prep_allowance(cfg("torch"))
+    workers = SimpleNamespace(device_bytes=2 * GIB, pids=[501, 502])
+    assert res._take_for_workers(7, workers, cfg("torch"), "a#0")
+    assert caps == [6 * GIB] and res.worker_pids() == [501, 502]
+    res.measure(7, 0)
+    assert res.footprints[7] == GIB + 2 * GIB  # the serving process's part and the workers'
+    # too many: 6 GiB - 5 GiB leaves less than the 1 GiB held and a batch's preparation
+    greedy = SimpleNamespace(device_bytes=5 * GIB, pids=[503])
+    with caplog.at_level(logging.WARNING):
+        assert not res._take_for_workers(8, greedy, cfg("torch"), "a#1")
+    assert caps == [6 * GIB] and 503 not in res.worker_pids()
+    assert "run in the serving process" in caplog.text
+    just = SimpleNamespace(device_bytes=5 * GIB - allowance, pids=[504])
+    assert res._take_for_workers(8, just, cfg("torch"), "a#1")
+    assert caps[-1] == GIB + allowance
+    asyncio.run(res.settled([7, 8]))  # both unloaded: the serving process's cap is whole again
+    assert caps[-1] == 8 * GIB and res.worker_pids() == [] and not res.worker_bytes
+    # on the CPU a worker holds no device bytes, and nothing is capped
+    cpu = GpuReservation("8GiB", "cpu")
+    cpu.plan = res.plan
+    assert cpu._take_for_workers(1, SimpleNamespace(device_bytes=0, pids=[9]), cfg("torch"), "a#0")
+    assert caps[-1] == 8 * GIB
+
+
+def test_the_memory_used_metric_counts_the_worker_processes():
+    nv = SimulatedNvml([simulated_gpu(0, memory_total=80 * GIB)])
+    nv.add_process(0, 99, 3 * GIB)
+    nv.add_process(0, 501, GIB)
+    nv.add_process(0, 777, 5 * GIB)  # someone else's
+    t = telemetry.GpuTelemetry(nv, 0, 6 * GIB, pid=99, workers=lambda: [501, 502])
+    assert t.sample().process_used == 4 * GIB
+    assert telemetry.GpuTelemetry(nv, 0, 6 * GIB, pid=98, workers=lambda: [501]
+                                  ).sample().process_used is None  # the server's own is unknown

@@ -533,6 +533,8 @@ def test_the_reservation_gives_an_instance_batch_workers_only_where_they_can_ser
     try:
         assert isinstance(workers, prepworker.PrepProcess) and workers.runs_model
         assert len(workers.pids) == 1
+        # on the CPU they hold no device memory; the reservation knows them (telemetry)
+        assert workers.device_bytes == 0 and res.worker_pids() == workers.pids
     finally:
         workers.close()
     with caplog.at_level(logging.WARNING):

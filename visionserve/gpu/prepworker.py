@@ -37,8 +37,14 @@ at once:
   batch larger than that sends its bytes on the socket after the request (non-blocking, the
   loop writing what the socket takes as it drains).
 
-The worker's own memory (its CUDA context, nvJPEG's buffers, the working copies of a batch) is
-outside the serving process's allocator cap; NVML counts it among the card's used memory.
+* **Memory.** A worker's torch allocator (a model's copy, its CUDA graphs, the working copies of
+  a batch) comes out of the server's budget: after its warm-up the worker caps its allocator at
+  what it holds then plus one batch's preparation allowance (what the budget plan gives an
+  instance for it), and says how much that is; the serving process lowers its own cap by as
+  much (:class:`~.reservation.GpuReservation`), or serves without the workers where that would
+  leave it less than it holds. A worker's CUDA context and nvJPEG's own buffers are outside the
+  allocators, as the serving process's are; NVML counts them, and the server's
+  ``visionserve_gpu_memory_used_bytes`` includes its workers.
 
 Run as ``python -m visionserve.gpu.prepworker`` by :class:`PrepProcess` only.
 """
@@ -71,7 +77,7 @@ from ..config import InputSpec, ModelConfig
 from ..errors import VisionServeError
 from ..imaging import Frame
 from ..runner import RanBatch, device_fault
-from .memory import stage_slot_bytes
+from .memory import prep_allowance, stage_slot_bytes
 
 log = logging.getLogger(__name__)
 
@@ -262,6 +268,7 @@ class _Worker:
         self._on_lost: Callable[[_Worker, str], None] = lambda w, why: None
         self._on_done: Callable[[], None] = lambda: None
         self.reply_timeout_s = REPLY_TIMEOUT_S
+        self.capped = 0  # device bytes its allocator may hold (the cap it set after warm-up)
 
     def launch(self, template: Any, stream: Any, spec: dict) -> None:
         """Start the process and hand it the slots; :meth:`wait_ready` waits for its warm-up
@@ -314,6 +321,7 @@ class _Worker:
         reply = self.reader.message()
         if reply[0] != "ready":
             raise WorkerFailed(reply[1] if len(reply) > 1 else repr(reply))
+        self.capped = int(reply[1])
         set_time_limit(self.sock, reply_timeout_s)
         for k in range(SLOTS):
             self.free.put(k)
@@ -518,7 +526,7 @@ class PrepProcess:
             "stage_bytes": stage_slot_bytes(config), "device": device,
             "dtype": str(dtype).removeprefix("torch."), "channels_last": channels_last,
             "one_call": one_call, "preferred": list(preferred), "parent": os.getpid(),
-            "model": model}
+            "model": model, "growth": prep_allowance(config)}
         self.workers = [_Worker(i) for i in range(workers)]
         self._idle: queue.Queue[_Worker] = queue.Queue()
         self._ptrs: dict[int, tuple[_Worker, int]] = {}  # a slot's data pointer -> its owner
@@ -531,6 +539,11 @@ class PrepProcess:
     @property
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self.workers if w.alive and w.proc is not None]
+
+    @property
+    def device_bytes(self) -> int:
+        """Device bytes the live workers' allocators may hold together (each its cap)."""
+        return sum(w.capped for w in self.workers if w.alive)
 
     @property
     def pid(self) -> int | None:
@@ -833,7 +846,7 @@ def serve(spec: dict) -> int:
     """The worker's main: prepare (and with a model, run) batches until the channel closes."""
     import torch
 
-    from .memory import PinnedPool
+    from .memory import PinnedPool, cap_torch_allocator
     from .preprocess import TorchPreprocessor
 
     sock = socket.socket(fileno=spec["channel_fd"])
@@ -865,13 +878,19 @@ def serve(spec: dict) -> int:
             InputSpec.model_validate_json(spec["input"]), device=device, dtype=dtype,
             max_batch=spec["max_batch"], stream=stream, channels_last=spec["channels_last"],
             pool=PinnedPool(2, spec["stage_bytes"]) if cuda else None, one_call=spec["one_call"])
+        capped = 0
         if cuda:  # grows nvJPEG's and the allocator's buffers (nothing to grow on the CPU)
             prep.warmup(tuple(spec["preferred"]))
+            # what it holds now, and room for one batch's preparation more: its share of the
+            # server's budget, which the serving process takes off its own cap
+            torch.cuda.synchronize()
+            capped = int(torch.cuda.memory_reserved(device)) + int(spec["growth"])
+            cap_torch_allocator(capped, device)
     except Exception as exc:  # noqa: BLE001 - said to the serving process, which goes on
         with contextlib.suppress(OSError):
             _send(sock, ("failed", f"{type(exc).__name__}: {exc}"))
         return 1
-    _send(sock, ("ready",))
+    _send(sock, ("ready", capped))
     if backend is not None:
         _prepare_and_run(sock, stage, prep, backend)
     else:

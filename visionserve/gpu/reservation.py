@@ -24,6 +24,7 @@ from .memory import (
     check_free,
     pinned_gpu,
     plan_budget,
+    prep_allowance,
     reserve_small_pool,
 )
 
@@ -61,6 +62,10 @@ class GpuReservation:
         self.streams: dict[int, list[Any]] = {}
         # device bytes each load took (Served.load_id -> bytes), for the swaps' budget check
         self.footprints: dict[int, int] = {}
+        # the worker processes of each load (--gpu-batch-processes, --gpu-prep-processes) and
+        # the device bytes their allocators may hold, which the serving process's cap leaves
+        self.workers: dict[int, list[Any]] = {}
+        self.worker_bytes: dict[int, int] = {}
         self.gpu: GpuInfo | None = None
         self.telemetry: Any = None
 
@@ -149,8 +154,10 @@ class GpuReservation:
         return int(torch.cuda.memory_allocated(self.device))
 
     def measure(self, load_id: int, before: int) -> None:
-        """Record what load ``load_id`` took: the allocator's bytes now over ``before``."""
-        self.footprints[load_id] = max(0, self.device_bytes() - before)
+        """Record what load ``load_id`` took: the allocator's bytes now over ``before``, and
+        its worker processes' allocators."""
+        self.footprints[load_id] = (max(0, self.device_bytes() - before)
+                                    + self.worker_bytes.get(load_id, 0))
 
     async def settled(self, gone: list[int]) -> None:
         """After a swap: the versions ``gone`` were unloaded (their streams forgotten; their
@@ -162,11 +169,48 @@ class GpuReservation:
         until the next swap."""
         import asyncio
 
+        freed = 0
         for key in gone:
             self.streams.pop(key, None)
             self.footprints.pop(key, None)
+            self.workers.pop(key, None)  # closed with their runners
+            freed += self.worker_bytes.pop(key, 0)
+        if freed and self.plan.torch_cap is not None:  # theirs is the serving process's again
+            await asyncio.to_thread(cap_torch_allocator, self._serving_cap(), self.device)
         await asyncio.to_thread(reserve_small_pool, self.device, self._serving_streams())
         self.watch.mark()
+
+    def _serving_cap(self) -> int:
+        """The serving process's allocator cap: the plan's, less what the workers hold."""
+        assert self.plan.torch_cap is not None
+        return self.plan.torch_cap - sum(self.worker_bytes.values())
+
+    def worker_pids(self) -> list[int]:
+        """The live worker processes of every load (for telemetry)."""
+        return [pid for group in self.workers.values() for w in group for pid in w.pids]
+
+    def _take_for_workers(self, owner: int, workers: Any, config: ModelConfig,
+                          name: str) -> bool:
+        """Take what ``workers`` (of load ``owner``) may hold off the serving process's cap;
+        False (said in the log) where that would leave it less than it holds and room for one
+        batch's preparation (its own, should the workers go)."""
+        need = workers.device_bytes  # 0 on the CPU
+        if need and self.plan.torch_cap is not None:
+            cap = self._serving_cap() - need
+            reserved = allocator_stats(self.device).reserved_bytes
+            if cap < reserved + prep_allowance(config):
+                log.warning("%s: its %d worker process(es) need %.0f MiB of GPU memory, and the "
+                            "budget leaves %.0f MiB beside the %.0f MiB the serving process "
+                            "holds (--gpu-memory-budget): its batches are prepared and run in "
+                            "the serving process", name, len(workers.pids), need / MIB,
+                            max(0, self._serving_cap() - reserved) / MIB, reserved / MIB)
+                return False
+            cap_torch_allocator(cap, self.device)
+            log.info("%s: %.0f MiB of the GPU memory budget for its worker process(es)", name,
+                     need / MIB)
+        self.workers.setdefault(owner, []).append(workers)
+        self.worker_bytes[owner] = self.worker_bytes.get(owner, 0) + need
+        return True
 
     def _serving_streams(self) -> list[Any]:
         return [s for streams in self.streams.values() for s in streams]
@@ -214,9 +258,9 @@ class GpuReservation:
                                   preferred=preferred,
                                   workers=self.batch_processes or self.prep_processes, name=name,
                                   model=model)
-            if workers.start():
+            if workers.start() and self._take_for_workers(owner, workers, config, name):
                 return workers
-            workers.close()  # none could start (logged): the instance prepares in-process
+            workers.close()  # none could start or fit (logged): the instance runs in-process
         return prep
 
     def ready(self) -> None:
@@ -229,7 +273,8 @@ class GpuReservation:
         self.telemetry = GpuTelemetry(self.nvml, self.gpu.index if self.gpu else None,
                                       self.plan.total,
                                       allocator=lambda: allocator_stats(self.device),
-                                      baseline=lambda: self.watch.baseline)
+                                      baseline=lambda: self.watch.baseline,
+                                      workers=self.worker_pids)
         self.telemetry.update()
         self.telemetry.start()
         log.info("GPU memory after warm-up: %s",

@@ -29,7 +29,8 @@ RESERVED = Gauge("visionserve_gpu_memory_reserved_bytes",
                  "GPU memory held by the torch caching allocator (graphs, buffers, preprocessing)")
 ALLOCATED = Gauge("visionserve_gpu_memory_allocated_bytes", "GPU memory in live torch tensors")
 USED = Gauge("visionserve_gpu_memory_used_bytes",
-             "GPU memory this process uses by NVML (CUDA context, torch, onnxruntime, nvJPEG)")
+             "GPU memory this process and its worker processes use by NVML (CUDA contexts, "
+             "torch, onnxruntime, nvJPEG)")
 DEVICE_USED = Gauge("visionserve_gpu_device_memory_used_bytes",
                     "GPU memory used by all processes (NVML)")
 DEVICE_TOTAL = Gauge("visionserve_gpu_device_memory_total_bytes", "GPU memory of the card (NVML)")
@@ -63,13 +64,15 @@ class GpuTelemetry:
     def __init__(self, nvml: Nvml, gpu_index: int | None, budget: int | None,
                  allocator: Callable[[], AllocatorStats | None] | None = None,
                  baseline: Callable[[], AllocatorStats | None] | None = None,
-                 pid: int | None = None) -> None:
+                 pid: int | None = None,
+                 workers: Callable[[], list[int]] = list) -> None:
         self.nvml = nvml
         self.gpu_index = gpu_index
         self.budget = budget
         self.allocator = allocator
         self.baseline = baseline
         self.pid = os.getpid() if pid is None else pid
+        self.workers = workers  # the pids of its worker processes, whose memory is its too
         self._task: asyncio.Task | None = None
 
     def sample(self) -> GpuSample:
@@ -87,11 +90,13 @@ class GpuTelemetry:
                 log.debug("NVML sample failed: %s", exc)
                 g = None
             if g is not None:
-                mine = [p for p in g.processes if p.pid == self.pid and p.used_bytes is not None]
+                ours = {self.pid, *self.workers()}
+                used = {p.pid: p.used_bytes for p in g.processes
+                        if p.pid in ours and p.used_bytes is not None}
                 values.update(device_used=g.memory_used, device_total=g.memory_total,
                               temperature_c=g.temperature_c, power_w=g.power_w,
                               throttle_reasons=g.throttle_reasons,
-                              process_used=mine[0].used_bytes if mine else None)
+                              process_used=sum(used.values()) if self.pid in used else None)
         return GpuSample(**values)
 
     @staticmethod

@@ -404,14 +404,19 @@ class Batcher:
         a busy runner must not hold a late answer back until it is done."""
         while self._slots.locked():
             self._purge()
-            expiry = min((p.deadline for p in self._heap), default=None)
-            timeout = None if expiry is None else max(0.0, expiry - time.monotonic())
-            self._wakeup.clear()
-            try:
-                await asyncio.wait_for(self._wakeup.wait(), timeout=timeout)
-            except (asyncio.TimeoutError, TimeoutError):
-                pass
+            await self._until_woken()
         await self._slots.acquire()  # free: returns at once
+
+    async def _until_woken(self) -> None:
+        """Wait for a wake-up (a frame queued or cancelled, a batch answered) or until the
+        earliest queued deadline passes (the caller's ``_purge`` then answers that frame)."""
+        expiry = min((p.deadline for p in self._heap), default=None)
+        timeout = None if expiry is None else max(0.0, expiry - time.monotonic())
+        self._wakeup.clear()
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), timeout=timeout)
+        except (asyncio.TimeoutError, TimeoutError):
+            pass
 
     def _loop_ended(self, task: asyncio.Task) -> None:
         """The batching loop only ends when cancelled (close): anything else is a bug that would
@@ -477,13 +482,7 @@ class Batcher:
             if len(self._tasks) >= self.max_inflight:
                 # a slot of full_extra: only a full batch takes it; meanwhile a running batch
                 # ends (a slot of max_inflight), the queue fills, or a frame expires
-                expiry = min(p.deadline for p in self._heap)
-                self._wakeup.clear()
-                try:
-                    await asyncio.wait_for(self._wakeup.wait(),
-                                           timeout=max(0.0, expiry - time.monotonic()))
-                except (asyncio.TimeoutError, TimeoutError):
-                    pass
+                await self._until_woken()
                 continue
             if self.dispatch_when_idle and not self._tasks:
                 break  # nothing running: waiting for company would only add latency

@@ -223,11 +223,7 @@ class Runner:
                       t0: float) -> None:
         """On the loop: a batch a worker process prepared and ran is answered here, without a
         thread of this process (what the compute thread does after ``backend.run``)."""
-        posts: list[tuple[Callable, tuple]] = []
-
-        def post(fn: Callable, *args: Any) -> None:
-            posts.append((fn, args))
-
+        post = _Posted()
         _, errors = _split(live, [], ran.bad)
         if errors:
             post(_fail_all, errors)
@@ -245,7 +241,7 @@ class Runner:
             post(_fail_all, [(p, InternalError("the model's results could not be read; see the "
                                                "server log")) for p in items])
         post(resolve, done, None)
-        _run_posted(posts)
+        post.run()
 
     def _answered(self, done: asyncio.Future) -> None:
         self.inflight -= 1
@@ -316,11 +312,7 @@ class Runner:
             _batch, done, items, tensor, t0, prep_s, failed = job
             # what the batch sends the loop goes in one call_soon_threadsafe: each one writes to
             # the loop's wake-up socket, and each write gives up the interpreter and waits for it
-            posts: list[tuple[Callable, tuple]] = []
-
-            def post(fn: Callable, *args: Any, posts: list = posts) -> None:
-                posts.append((fn, args))
-
+            post = _Posted()
             settled = True  # the device is past every read of ``tensor``
             try:
                 self._compute(items, tensor, t0, prep_s, failed, post)
@@ -339,9 +331,9 @@ class Runner:
                         self._settle()
                     self.remote.release(tensor)
                 post(resolve, done, None)
-                self._post(_run_posted, posts)
+                self._post(post.run)
                 # nor this one (see the prep thread)
-                del job, _batch, done, items, tensor, posts, post
+                del job, _batch, done, items, tensor, post
 
     def _settle(self) -> None:
         stream = getattr(self.backend, "stream", None)
@@ -470,13 +462,19 @@ def device_fault(exc: BaseException) -> bool:
     return "out of memory" not in text and any(k in text for k in _DEVICE_FAULTS)
 
 
-def _run_posted(posts: list[tuple[Callable, tuple]]) -> None:
-    """On the loop: what one batch posted, in order; one failing call does not stop the rest."""
-    for fn, args in posts:
-        try:
-            fn(*args)
-        except Exception:
-            log.exception("answering a batch: %s failed", getattr(fn, "__name__", fn))
+class _Posted(list):
+    """What one batch sends the event loop: ``post(fn, *args)`` adds a call, :meth:`run` (on
+    the loop, once) makes them in order, one failing call not stopping the rest."""
+
+    def __call__(self, fn: Callable, *args: Any) -> None:
+        self.append((fn, args))
+
+    def run(self) -> None:
+        for fn, args in self:
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("answering a batch: %s failed", getattr(fn, "__name__", fn))
 
 
 def _answer_all(answers) -> None:

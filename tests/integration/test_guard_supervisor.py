@@ -161,10 +161,15 @@ def test_failures_are_recorded(guard_factory, tmp_path):
     g = guard_factory()
     bad = g.submit("import sys; sys.exit(3)")
     assert g.wait_state(bad.id, "failed").reason == "exited with exit code 3"
+    # the job waits behind a running one (concurrency 1) while its directory goes: without
+    # that, a busy box could start it before the directory is removed (seen once in CI)
+    blocker = g.submit("import time; time.sleep(60)")
+    g.wait_running(blocker.id)
     gone = tmp_path / "gone"
     gone.mkdir()
     job = g.submit("pass", cwd=str(gone))
     os.rmdir(gone)
+    g.store.request_cancel(blocker.id)
     assert g.wait_state(job.id, "failed").reason.startswith("cannot start")
 
 

@@ -191,9 +191,19 @@ class Runner:
         self.inflight += 1
         self.accepted += 1
         done.add_done_callback(self._answered)
-        if not (self.remote is not None and self.healthy and self._submit(batch, done)):
+        if not (self.remote is not None and self.healthy and not self._here_when_idle()
+                and self._submit(batch, done)):
             self._inbox.put((batch, done))
         await done
+
+    def _here_when_idle(self) -> bool:
+        """Whether a batch of an instance whose workers prepare and run its batches
+        (``--gpu-batch-processes``) runs in this process instead: when it is the only one in
+        flight. The instance is idle then, so this process's two threads take it without
+        waiting behind other work, and it saves a worker's two socket hops (0.2-0.35 ms of a
+        lone client's latency on an H100, docs/benchmarks.md, sessions 20-21). Under load some
+        batch is always in flight, and the workers take them all."""
+        return self.remote.runs_model and self.inflight == 1
 
     def _submit(self, batch: list[Pending], done: asyncio.Future) -> bool:
         """On the loop: the batch to a preparation process; when it is in a slot, straight to

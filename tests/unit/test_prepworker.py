@@ -384,7 +384,7 @@ async def run_all(runner: Runner, batches) -> None:
 async def test_batch_workers_answer_every_frame_with_its_own_outputs(means_model):
     """Two workers prepare and run an instance's batches (two in flight each, and one more
     full batch each): every answer holds its own frame's colour, the serving process's model
-    never runs, and no slot is lost."""
+    runs only the batches that found the instance idle (the first), and no slot is lost."""
     _, backend = means_model
     p = batch_workers(means_model, workers=2)
     assert p.start(), p.failure
@@ -403,15 +403,44 @@ async def test_batch_workers_answer_every_frame_with_its_own_outputs(means_model
     finally:
         await asyncio.to_thread(runner.stop)
     assert_own_colours(batches)
-    assert p.counts == {"remote_batches": 30, "local_batches": 0}
-    assert backend.eager_runs == ran_here  # the model ran in the workers only
+    local = p.counts["local_batches"]
+    assert p.counts["remote_batches"] + local == 30 and 1 <= local <= 3
+    assert backend.eager_runs - ran_here == local  # the rest ran in the workers
     assert len(records) == 30 and sum(r.size for r in records) == sum(len(b) for _, b in batches)
     assert all(r.infer_s > 0 and r.prep_s > 0 for r in records)
 
 
+async def test_a_batch_that_finds_the_instance_idle_runs_in_the_serving_process(means_model):
+    """A lone batch saves the worker's round trip: with nothing else in flight the serving
+    process's own threads prepare and run it; a batch sent while that one is in flight goes to a
+    worker; and once both are answered the next runs here again. Every answer is its own
+    frame's."""
+    _, backend = means_model
+    p = batch_workers(means_model)
+    assert p.start(), p.failure
+    runner = model_runner_for(p, backend)
+    loop = asyncio.get_running_loop()
+    await asyncio.to_thread(runner.start, loop)
+    await asyncio.sleep(0)
+    first, second, third = batches = coloured_batches(loop, 3, seed=5)
+    ran_here = backend.eager_runs
+    try:
+        # the first is in flight (in this process) when the second is sent
+        both = [asyncio.ensure_future(runner.execute(b)) for _, b in (first, second)]
+        await asyncio.wait_for(asyncio.gather(*both), 60)
+        assert p.counts == {"remote_batches": 1, "local_batches": 1}
+        await asyncio.wait_for(runner.execute(third[1]), 60)
+    finally:
+        await asyncio.to_thread(runner.stop)
+    assert p.counts == {"remote_batches": 1, "local_batches": 2}
+    assert backend.eager_runs - ran_here == 2
+    assert_own_colours(batches)
+
+
 async def test_a_frame_a_batch_worker_cannot_decode_fails_alone(means_model):
     """A corrupt JPEG among good frames: it alone gets its 400 (InvalidInput), the others their
-    own outputs, from the worker's run of the batch without it."""
+    own outputs, from the worker's run of the batch without it (sent while another batch is in
+    flight, so that the worker takes it)."""
     from visionserve.errors import InvalidInput
 
     _, backend = means_model
@@ -427,14 +456,17 @@ async def test_a_frame_a_batch_worker_cannot_decode_fails_alone(means_model):
               imaging.encoded_frame(jpeg(1).data[:200] + b"\xff\xd9"),
               imaging.raw_frame(np.full((12, 20, 3), colours[1], np.uint8), (12, 20, 3))]
     batch = [Pending(f, loop.create_future(), now, now + 60, dispatched=now) for f in frames]
+    lead = coloured_batches(loop, 1, seed=9)
     try:
-        await asyncio.wait_for(runner.execute(batch), 60)
+        both = [asyncio.ensure_future(runner.execute(b)) for b in (lead[0][1], batch)]
+        await asyncio.wait_for(asyncio.gather(*both), 60)
     finally:
         await asyncio.to_thread(runner.stop)
     assert isinstance(batch[1].future.exception(), InvalidInput)
     for p_, c in ((batch[0], colours[0]), (batch[2], colours[1])):
         np.testing.assert_allclose(p_.future.result().result.scores, c, atol=1e-4)
-    assert p.counts["remote_batches"] == 1
+    assert p.counts == {"remote_batches": 1, "local_batches": 1}
+    assert_own_colours(lead)
 
 
 @pytest.mark.parametrize("how", ["killed", "stopped"])
@@ -527,12 +559,16 @@ def test_the_reservation_gives_an_instance_batch_workers_only_where_they_can_ser
     path, _ = means_model
     res = GpuReservation("8GiB", "cpu", batch_processes=1)
     view = SimpleNamespace(takes_device_input=True, input_dtype=torch.float32, stream=None,
-                           channels_last=False, config=TORCH_CONFIG, graph_fetch=False)
+                           channels_last=False, config=TORCH_CONFIG, graph_fetch=False,
+                           cudnn_autotune=True)
     host_task = SimpleNamespace(on_device=False)
     workers = res.preprocessor(view, TORCH_CONFIG, PREFERRED, 1, ("means", 0), path, host_task)
     try:
         assert isinstance(workers, prepworker.PrepProcess) and workers.runs_model
         assert len(workers.pids) == 1
+        # the workers load the model as the serving process did (its backend's settings)
+        assert {k: workers._spec["model"][k] for k in ("graph_fetch", "cudnn_autotune")} == \
+            {"graph_fetch": False, "cudnn_autotune": True}
         # on the CPU they hold no device memory; the reservation knows them (telemetry)
         assert workers.device_bytes == 0 and res.worker_pids() == workers.pids
     finally:
@@ -546,3 +582,26 @@ def test_the_reservation_gives_an_instance_batch_workers_only_where_they_can_ser
     assert any("did not start" in r.message for r in caplog.records)
     assert any("needs a task that reads the model's outputs on the host" in r.message
                for r in caplog.records)
+
+
+def test_batch_workers_unset_means_two_for_torch_models_only():
+    """--gpu-batch-processes unset: two per instance of a model in torch's allocator (the torch
+    backend), none for onnxruntime's arena or beside --gpu-prep-processes; a number set is
+    taken as it is (0: in the serving process)."""
+    from types import SimpleNamespace
+
+    from visionserve.config import ServerSettings
+    from visionserve.gpu.reservation import AUTO_BATCH_PROCESSES, GpuReservation
+
+    assert ServerSettings().gpu_batch_processes is None and AUTO_BATCH_PROCESSES == 2
+    assert ServerSettings(gpu_prep_processes=2).gpu_batch_processes is None  # no conflict
+    torch_model, ort_model = (SimpleNamespace(device_memory=m) for m in ("torch", "arena"))
+
+    def workers(backend, **kw) -> int:
+        return GpuReservation("8GiB", "cuda:0", **kw)._batch_processes(backend)
+
+    assert workers(torch_model, batch_processes=None) == 2
+    assert workers(ort_model, batch_processes=None) == 0
+    assert workers(torch_model, batch_processes=None, prep_processes=2) == 0
+    assert workers(torch_model, batch_processes=0) == 0
+    assert workers(ort_model, batch_processes=3) == 3

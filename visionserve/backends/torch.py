@@ -193,6 +193,22 @@ def read_isolated(path: Path) -> Read:
     return module, saved["declared"], saved["names"]
 
 
+@contextlib.contextmanager
+def _cudnn_autotuning(on: bool):
+    """cuDNN's benchmark mode for the eager warm-up runs: each convolution's candidate kernels
+    are timed on its first run and the fastest is kept in torch's plan cache, which the CUDA
+    graphs captured after it reuse (the capture itself runs with the mode as it was, so no
+    timing happens inside one). The mode is process-wide; loads run one at a time."""
+    import torch
+
+    before = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = before or on
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = before
+
+
 READ_FAILED = 3  # the child's exit status when the model file is at fault (message on stdout)
 
 
@@ -309,9 +325,10 @@ class TorchBackend(Backend):
             # Eager warm-up before any capture (lazy initialisation and cuDNN autotuning must
             # not happen inside one), on this runner's stream: the activations it leaves cached
             # are reused there by the GPU preprocessing.
-            for bs in sorted(batch_sizes):
-                for _ in range(WARMUP_ITERS):
-                    outs = self._named(self._module(self._static_in[:bs]))
+            with _cudnn_autotuning(self.cudnn_autotune):
+                for bs in sorted(batch_sizes):
+                    for _ in range(WARMUP_ITERS):
+                        outs = self._named(self._module(self._static_in[:bs]))
             # pinned host buffers, one per output, as large as the largest batch's
             self._out_host = {n: torch.empty(tuple(t.shape), dtype=t.dtype, pin_memory=True)
                               for n, t in outs.items()}
@@ -486,6 +503,8 @@ class TorchBackend(Backend):
             info["cuda_graphs"] = ",".join(str(b) for b in sorted(self._graphs))
         if self._fetch_in_graph:
             info["graph_fetch"] = "on"
+        if self._graphs and self.cudnn_autotune:
+            info["cudnn_autotune"] = "on"
         if self.channels_last:
             info["memory_format"] = "channels_last"
         return info

@@ -726,6 +726,7 @@ def _load_model(model: dict, device: str, preferred: tuple[int, ...]) -> Any:
     path = Path(model["path"])
     backend = backends.create(config.runtime.backend)
     backend.graph_fetch = bool(model.get("graph_fetch"))
+    backend.cudnn_autotune = bool(model.get("cudnn_autotune"))
     backend.load(path, config, device)
     task = tasks.create(config)
     backend.select_outputs(task.bind(checks.Subject(path), backend.outputs), on_device=False)

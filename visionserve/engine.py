@@ -387,6 +387,7 @@ class Engine(ModelLookup):
             backend = backends.create(config.runtime.backend)
             backend.isolated = self._ready and self.settings.isolated_loads  # beside serving ones
             backend.graph_fetch = self.settings.gpu_graph_fetch
+            backend.cudnn_autotune = self.settings.gpu_cudnn_autotune
             made.append(backend)
             t0 = time.monotonic()
             load_config = self.gpu.instance_config(entry.name, config) if self.gpu else config

@@ -164,18 +164,45 @@ def wall_ms(fn, iters: int) -> dict:
             "mean_ms": round(statistics.fmean(times), 3)}
 
 
+def _graph_replay(model_dir: str, how: str, iters: int) -> dict:
+    """In a child process: the model's CUDA graph replay time at bs 1/8/32 with cuDNN's
+    ``heuristic`` kernels, ``autotuned`` ones (``--gpu-cudnn-autotune``: benchmark mode for the
+    warm-up), or ``autotuned_through_capture`` (benchmark mode kept on while the graphs are
+    captured too)."""
+    import torch
+
+    from visionserve.backends.torch import TorchBackend
+    from visionserve.config import load_model_config
+
+    cfg = load_model_config(Path(model_dir) / "model.toml")
+    b = TorchBackend()
+    b.cudnn_autotune = how != "heuristic"
+    torch.backends.cudnn.benchmark = how == "autotuned_through_capture"
+    b.load(Path(model_dir) / "1" / "model.pt2", cfg, "cuda:0")
+    t0 = time.time()
+    b.warmup(cfg.batching.preferred_batch_sizes)
+    out: dict = {"warmup_s": round(time.time() - t0, 2)}
+    for bs in (1, 8, 32):
+        out[bs] = round(cuda_time_ms(b._graphs[bs][0].replay, iters, b.stream), 3)
+    b.close()
+    return out
+
+
 def bare(repos: dict[str, Path], jpegs: list[bytes], quick: bool) -> dict:
     import numpy as np
     import torch
 
     from visionserve import imaging
     from visionserve.backends.torch import TorchBackend
-    from visionserve.config import load_model_config
+    from visionserve.config import ServerSettings, load_model_config
     from visionserve.gpu.preprocess import TorchPreprocessor
 
     res: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     cfg = load_model_config(repos["rn50"] / "rn50" / "model.toml")
     b = TorchBackend()
+    # as the server loads it (its environment's settings, or the shipped defaults)
+    b.cudnn_autotune = ServerSettings().gpu_cudnn_autotune
+    res["cudnn_autotune"] = b.cudnn_autotune
     b.load(repos["rn50"] / "rn50" / "1" / "model.pt2", cfg, "cuda:0")
     t0 = time.time()
     b.warmup(cfg.batching.preferred_batch_sizes)
@@ -192,6 +219,17 @@ def bare(repos: dict[str, Path], jpegs: list[bytes], quick: bool) -> dict:
                      "run_device_input": wall_ms(lambda xd=xd: b.run(xd), iters // 2),
                      "run_host_fp32_input": wall_ms(lambda x=x: b.run(x), iters // 4)}
     res["torch_fp16_cuda_graph"] = graph
+    # cuDNN's kernel choice, each way in a process of its own (torch's plan cache is the
+    # process's: a second load of the same shapes would reuse the first one's plans)
+    ctx = mp.get_context("spawn")
+    res["cudnn_kernels_graph_replay_ms"] = {}
+    for how in ("heuristic", "autotuned", "autotuned_through_capture"):
+        try:
+            with ctx.Pool(1) as pool:
+                res["cudnn_kernels_graph_replay_ms"][how] = pool.apply(
+                    _graph_replay, (str(repos["rn50"] / "rn50"), how, iters))
+        except Exception as exc:  # noqa: BLE001 -- recorded; the rest of the bench goes on
+            res["cudnn_kernels_graph_replay_ms"][how] = repr(exc)[:300]
     with torch.cuda.stream(b.stream), torch.inference_mode():
         x1 = torch.zeros((1, 3, 224, 224), dtype=torch.float16, device="cuda"
                          ).contiguous(memory_format=torch.channels_last)
@@ -665,7 +703,9 @@ def compare(specs: list[dict[str, str]], repos: dict[str, Path], jpegs: list[byt
             continue
         try:
             part["start_s"] = s.start_s
+            st0 = s.stats(model)
             part["single_client"] = load(s, model, jpegs, 1, 1, short)
+            part["single_client"]["breakdown"] = breakdown(st0, s.stats(model))
             for label, frames in (("640x480", jpegs), ("1080p", jpegs_1080)):
                 for k, n in enumerate(threads):
                     st0 = s.stats(model)

@@ -185,6 +185,30 @@ def test_graphs_that_copy_their_outputs_answer_as_graphs_that_do_not(repo, confi
         np.testing.assert_array_equal(fetched.run(x)["output0"], plain.run(x)["output0"])
 
 
+def test_graphs_captured_after_cudnn_autotuning_answer_as_the_heuristic_ones(repo, config):
+    """``--gpu-cudnn-autotune``: the warm-up times cuDNN's kernels, the graphs captured after it
+    give the heuristic graphs' outputs within fp16 rounding at every batch size, and the
+    process's benchmark mode is as it was before the warm-up."""
+    import torch
+
+    from visionserve.backends.torch import TorchBackend
+
+    heuristic, tuned = TorchBackend(), TorchBackend()
+    tuned.cudnn_autotune = True
+    before = torch.backends.cudnn.benchmark
+    for b in (heuristic, tuned):
+        b.load(repo / "net" / "1" / "model.pt2", config, "cuda:0")
+        b.warmup(config.batching.preferred_batch_sizes)
+    assert torch.backends.cudnn.benchmark == before
+    assert tuned.describe().get("cudnn_autotune") == "on"
+    assert "cudnn_autotune" not in heuristic.describe()
+    rng = np.random.default_rng(2)
+    for n in (1, 2, 4, 8, 16, 3):
+        x = rng.normal(size=(n, 3, 96, 96)).astype(np.float32)
+        np.testing.assert_allclose(tuned.run(x)["output0"], heuristic.run(x)["output0"],
+                                   atol=0.05, rtol=0.02)  # fp16, as against the CPU above
+
+
 @pytest.mark.parametrize("kinds, scaled", [(("jpeg",), False), (("png", "raw", "jpeg", "bmp"), False),
                                            (("jpeg",), True)])
 def test_gpu_and_cpu_paths_give_the_same_verdicts(repo, config, kinds, scaled):
@@ -365,13 +389,16 @@ def _engine(repo: Path, budget: str | None, **extra):
     return Engine(settings, device="cuda:0")
 
 
-@pytest.mark.parametrize("prep_processes", [0, 2], ids=["in-process", "prep-processes"])
-def test_serving_adds_no_device_memory_after_warm_up(repo, prep_processes):
+@pytest.mark.parametrize(("prep_processes", "batch_processes"), [(0, 0), (2, 0), (0, 1)],
+                         ids=["in-process", "prep-processes", "batch-processes"])
+def test_serving_adds_no_device_memory_after_warm_up(repo, prep_processes, batch_processes):
     """Budget reserved, every preferred size warmed (model + preprocessing): then a load of
     mixed sizes and kinds (1080p and VGA JPEG, raw, PNG, 1..16 frames) makes no cudaMalloc.
     With --gpu-prep-processes the batches come from the workers, and the serving process's
     allocator adds nothing either (the slots are allocated at load); the workers' allocators
-    come out of the budget too (about 0.7 GiB each here, on an H100), hence 6 GiB."""
+    come out of the budget too (about 0.7 GiB each here, on an H100), hence 6 GiB. With
+    --gpu-batch-processes the lone batches (one at a time, the instance idle) run in the
+    serving process and the concurrent ones in the worker: neither adds memory."""
     import cv2
 
     from visionserve import imaging
@@ -381,10 +408,15 @@ def test_serving_adds_no_device_memory_after_warm_up(repo, prep_processes):
     mixed = _frames(("jpeg", "raw", "png"), 16) + [imaging.encoded_frame(big_jpeg.tobytes())] * 4
 
     async def scenario():
-        engine = _engine(repo, "6GiB", gpu_prep_processes=prep_processes)
+        engine = _engine(repo, "6GiB", gpu_prep_processes=prep_processes,
+                         gpu_batch_processes=batch_processes)
         await engine.start()
         try:
             assert engine.ready and engine.gpu is not None
+            if batch_processes:
+                runner = engine.served[("net", 1)].runners[0]
+                workers = runner.remote
+                assert workers is not None and workers.runs_model, engine.gpu.worker_bytes
             if prep_processes:
                 runner = engine.served[("net", 1)].runners[0]
                 workers = runner.remote
@@ -400,6 +432,9 @@ def test_serving_adds_no_device_memory_after_warm_up(repo, prep_processes):
             if prep_processes:
                 assert workers.counts["remote_batches"] > 20 and workers.failure is None
                 assert workers.counts["local_batches"] == 0
+            if batch_processes:  # the lone ones here, at least one of the concurrent ones there
+                assert workers.counts["local_batches"] > 20 and workers.failure is None
+                assert workers.counts["remote_batches"] >= 1
             return before, after
         finally:
             await engine.close()

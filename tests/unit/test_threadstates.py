@@ -177,6 +177,9 @@ def test_the_gpu_benchmark_compares_server_settings_side_by_side(tmp_path):
     assert [r["settings"] for r in runs] == specs
     for run in (runs[0], runs[2]):
         assert run["single_client"]["answers"] > 0
+        # where a lone frame's time goes, from the server's statistics
+        one = run["single_client"]["breakdown"]["per_frame_mean_ms"]
+        assert one["compute_infer"] > 0 and one["success"] >= one["compute_infer"]
         for label in ("640x480", "1080p", "640x480@2", "1080p@2"):  # @2: the second count
             sat = run[f"saturation_{label}"]
             assert sat["answers"] > 0 and sat["errors"] == 0

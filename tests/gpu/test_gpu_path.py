@@ -496,11 +496,16 @@ def test_batch_workers_hold_their_memory_inside_the_budget(repo, config, caplog)
         np.testing.assert_allclose(a.scores, b.scores, atol=2e-3)
 
 
-def test_a_swap_on_the_gpu_returns_the_old_memory_and_serving_adds_none_after_it(tmp_path):
+@pytest.mark.parametrize(("batch_processes", "budget_gib"), [(0, 4), (None, 8)],
+                         ids=["in-process", "batch-processes"])
+def test_a_swap_on_the_gpu_returns_the_old_memory_and_serving_adds_none_after_it(
+        tmp_path, batch_processes, budget_gib):
     """Model control on the GPU: versions 2 and 3 each load beside the serving one within the
     budget (reckoned at what the first load took) and shares the serving one's pinned pool,
     traffic switches, the old one is released, and from then on serving mixed loads makes no cudaMalloc (the new version's streams got
-    their small-block pools as the first ones did, and no swap emptied a serving cache)."""
+    their small-block pools as the first ones did, and no swap emptied a serving cache). As
+    shipped (batch workers, whose allocators count in the load's footprint: hence 8 GiB) each
+    version has workers of its own, and the old one's stop with it."""
     import shutil
 
     from visionserve.config import ServerSettings
@@ -512,7 +517,9 @@ def test_a_swap_on_the_gpu_returns_the_old_memory_and_serving_adds_none_after_it
     mixed = _frames(("jpeg", "raw", "png"), 16)
 
     async def scenario():
-        engine = Engine(ServerSettings(models=tmp_path, device="cuda", gpu_memory_budget="4GiB",
+        engine = Engine(ServerSettings(models=tmp_path, device="cuda",
+                                       gpu_memory_budget=f"{budget_gib}GiB",
+                                       gpu_batch_processes=batch_processes,
                                        model_control_mode="explicit"), device="cuda:0")
         await engine.start()
         try:
@@ -522,10 +529,18 @@ def test_a_swap_on_the_gpu_returns_the_old_memory_and_serving_adds_none_after_it
                 await engine.infer("net", None, mixed[k:k + 4])
             held = []
 
-            def pool(v):  # the pinned staging pool of version v's preprocessor
-                return engine.served[("net", v)].runners[0].prepare.__self__.pool
+            def prep(v):  # version v's preprocessor in this process (the workers' fallback)
+                p = engine.served[("net", v)].runners[0].prepare.__self__
+                return getattr(p, "fallback", p)
 
-            first = pool(1)
+            def pool(v):  # its pinned staging pool
+                return prep(v).pool
+
+            def workers(v):
+                return engine.served[("net", v)].runners[0].remote
+
+            first, old = pool(1), workers(1)
+            assert (old is not None) == (batch_processes is None)
             for v in (2, 3):
                 shutil.copytree(folder / str(v - 1), folder / str(v))
                 swap = await engine.load_model("net")
@@ -533,6 +548,10 @@ def test_a_swap_on_the_gpu_returns_the_old_memory_and_serving_adds_none_after_it
                 held.append(torch.cuda.memory_reserved())
                 # pinning holds a driver lock that stalls serving: a swap pins nothing new
                 assert pool(v) is first
+                if old is not None:  # the old version's workers went with it
+                    assert workers(v) is not None and workers(v).pids
+                    assert not old.pids and set(engine.gpu.worker_pids()) == set(workers(v).pids)
+                    old = workers(v)
             for n in (1, 3, 16, 7, 2, 16, 5):
                 for k in range(0, len(mixed), n):
                     served, results = await engine.infer("net", None, mixed[k:k + n])
@@ -543,7 +562,7 @@ def test_a_swap_on_the_gpu_returns_the_old_memory_and_serving_adds_none_after_it
             await engine.close()
 
     held, after = asyncio.run(scenario())
-    assert max(held) <= 4 * 1024**3, held  # within the budget's torch cap
+    assert max(held) <= budget_gib * 1024**3, held  # within the budget's torch cap
     assert after == {"new_segments": 0, "reserved_growth_bytes": 0, "alloc_retries": 0, "ooms": 0}, after
 
 

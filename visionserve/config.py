@@ -445,13 +445,14 @@ class ServerSettings(BaseSettings):
                     "--frontend-zero-copy, no gain measurable on the H200 (docs/benchmarks.md, "
                     "session 18).")
     gpu_cudnn_autotune: bool = Field(
-        True,
+        False,
         description="On the GPU (torch backend), time the convolution kernels cuDNN offers for "
                     "each preferred batch size at warm-up and capture the CUDA graphs with the "
                     "fastest (cuDNN's benchmark mode, on for the warm-up only), instead of its "
                     "heuristic's first choice. It adds seconds to a load, and the kernels it "
                     "picks may round differently from the heuristic's (scores within the "
-                    "agreement tolerance of docs/gpu.md).")
+                    "agreement tolerance of docs/gpu.md). Off until measured: benchgpu records "
+                    "the graph replay each way (docs/gpu.md, \"cuDNN's kernels\").")
     gpu_prep_processes: int = Field(
         0, ge=0, le=8,
         description="On the GPU, this many worker processes per model instance prepare its "
@@ -464,8 +465,8 @@ class ServerSettings(BaseSettings):
                     "waits for the interpreter to prepare one. Slower than 0 on the H200 in "
                     "both designs measured (this one: 0.34-0.37x the bare model at 640x480 "
                     "against 0.40-0.46x), so 0 (docs/benchmarks.md, session 19).")
-    gpu_batch_processes: int | None = Field(
-        None, ge=0, le=8,
+    gpu_batch_processes: int = Field(
+        0, ge=0, le=8,
         description="On the GPU, this many worker processes per model instance prepare and run "
                     "its batches (decode, resize, normalise, the model), each with the model "
                     "loaded and its CUDA graphs captured, and answer with the model's outputs; "
@@ -473,15 +474,15 @@ class ServerSettings(BaseSettings):
                     "process only applies the task's postprocessing. The batcher gives each "
                     "worker two batches, and a third only when it is full. A batch that finds "
                     "the instance idle (a lone frame) runs in the serving process, which saves "
-                    "it the workers' socket hops. Unset: 2 for each instance of a torch model "
-                    "whose task reads its outputs on the host, unless --gpu-prep-processes is "
-                    "set (docs/benchmarks.md, sessions 21-22: on an H100, 1 gave 0.58-0.62x the "
-                    "bare model at 640x480 and 192 clients against 0.42-0.44x in-process, 3 "
-                    "gave 0.67x at 640x480 and 0.41x at 1080p with 288 clients). Each worker's "
+                    "it the workers' socket hops. On an H100 (docs/benchmarks.md, session 21): "
+                    "1 gave 0.58-0.62x the bare model at 640x480 and 192 clients against "
+                    "0.42-0.44x in-process, 3 gave 0.67x at 640x480 and 0.41x at 1080p with 288 "
+                    "clients; 0 until the GPU frame-integrity test and a comparison have run "
+                    "with workers as the default (docs/gpu.md). Each worker's "
                     "allocator (the model, its graphs, one batch's preparation) comes out of "
                     "--gpu-memory-budget, beside the instance the serving process still loads; "
-                    "where the budget cannot hold them the instance serves in-process (the log "
-                    "says so), and a worker that fails is logged and the serving process "
+                    "where the budget cannot hold them the instance serves in-process (a "
+                    "warning says so), and a worker that fails is logged and the serving process "
                     "prepares and runs its batches. Its CUDA context is outside the budget, as "
                     "the serving process's is. Not for tasks that read their outputs on the "
                     "device (detection's NMS). 0: in the serving process. Excludes "
@@ -634,8 +635,7 @@ class ServerSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _one_kind_of_worker(self) -> ServerSettings:
-        if self.gpu_batch_processes is not None and self.gpu_batch_processes > 0 \
-                and self.gpu_prep_processes:
+        if self.gpu_batch_processes and self.gpu_prep_processes:
             raise ValueError("gpu_batch_processes and gpu_prep_processes exclude each other: "
                              "the first prepares and runs the batches in worker processes, the "
                              "second only prepares them there")

@@ -583,25 +583,3 @@ def test_the_reservation_gives_an_instance_batch_workers_only_where_they_can_ser
     assert any("needs a task that reads the model's outputs on the host" in r.message
                for r in caplog.records)
 
-
-def test_batch_workers_unset_means_two_for_torch_models_only():
-    """--gpu-batch-processes unset: two per instance of a model in torch's allocator (the torch
-    backend), none for onnxruntime's arena or beside --gpu-prep-processes; a number set is
-    taken as it is (0: in the serving process)."""
-    from types import SimpleNamespace
-
-    from visionserve.config import ServerSettings
-    from visionserve.gpu.reservation import AUTO_BATCH_PROCESSES, GpuReservation
-
-    assert ServerSettings().gpu_batch_processes is None and AUTO_BATCH_PROCESSES == 2
-    assert ServerSettings(gpu_prep_processes=2).gpu_batch_processes is None  # no conflict
-    torch_model, ort_model = (SimpleNamespace(device_memory=m) for m in ("torch", "arena"))
-
-    def workers(backend, **kw) -> int:
-        return GpuReservation("8GiB", "cuda:0", **kw)._batch_processes(backend)
-
-    assert workers(torch_model, batch_processes=None) == 2
-    assert workers(ort_model, batch_processes=None) == 0
-    assert workers(torch_model, batch_processes=None, prep_processes=2) == 0
-    assert workers(torch_model, batch_processes=0) == 0
-    assert workers(ort_model, batch_processes=3) == 3

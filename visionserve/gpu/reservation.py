@@ -36,9 +36,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# --gpu-batch-processes unset: worker processes per instance of a model that can have them
-AUTO_BATCH_PROCESSES = 2
-
 
 
 class GpuReservation:
@@ -51,14 +48,12 @@ class GpuReservation:
 
     def __init__(self, server_budget: str | None, device: str, nvml: Nvml | None = None,
                  one_call: bool = True, prep_processes: int = 0,
-                 batch_processes: int | None = 0) -> None:
+                 batch_processes: int = 0) -> None:
         self.server_budget = server_budget
         self.device = device
         self.one_call = one_call  # TorchPreprocessor's one-call preparation (onecall.py)
         self.prep_processes = prep_processes  # worker processes preparing an instance's batches
-        # ... preparing and running them; None: AUTO_BATCH_PROCESSES where they can (torch
-        # models whose task reads the outputs on the host, no prep_processes), else none
-        self.batch_processes = batch_processes
+        self.batch_processes = batch_processes  # ... preparing and running them
         self._nvml = nvml
         self.plan = BudgetPlan(total=None)
         self.watch = AllocationWatch(device)
@@ -194,33 +189,21 @@ class GpuReservation:
         """The live worker processes of every load (for telemetry)."""
         return [pid for group in self.workers.values() for w in group for pid in w.pids]
 
-    def _batch_processes(self, backend: Backend) -> int:
-        """Batch workers for an instance of ``backend``: the setting, or where it is unset
-        :data:`AUTO_BATCH_PROCESSES` for a model in torch's allocator (the torch backend, the
-        one measured with them; not onnxruntime's arena) unless preparation workers are asked
-        for."""
-        if self.batch_processes is not None:
-            return self.batch_processes
-        in_torch = getattr(backend, "device_memory", None) == "torch"
-        return AUTO_BATCH_PROCESSES if in_torch and not self.prep_processes else 0
-
     def _take_for_workers(self, owner: int, workers: Any, config: ModelConfig,
-                          name: str, quiet: bool = False) -> bool:
+                          name: str) -> bool:
         """Take what ``workers`` (of load ``owner``) may hold off the serving process's cap;
-        False (said in the log; a warning unless ``quiet``: the workers were not asked for)
-        where that would leave it less than it holds and room for one batch's preparation (its
-        own, should the workers go)."""
+        False (said in the log) where that would leave it less than it holds and room for one
+        batch's preparation (its own, should the workers go)."""
         need = workers.device_bytes  # 0 on the CPU
         if need and self.plan.torch_cap is not None:
             cap = self._serving_cap() - need
             reserved = allocator_stats(self.device).reserved_bytes
             if cap < reserved + prep_allowance(config):
-                log.log(logging.INFO if quiet else logging.WARNING,
-                        "%s: its %d worker process(es) need %.0f MiB of GPU memory, and the "
-                        "budget leaves %.0f MiB beside the %.0f MiB the serving process holds "
-                        "(--gpu-memory-budget): its batches are prepared and run in the "
-                        "serving process", name, len(workers.pids), need / MIB,
-                        max(0, self._serving_cap() - reserved) / MIB, reserved / MIB)
+                log.warning("%s: its %d worker process(es) need %.0f MiB of GPU memory, and the "
+                            "budget leaves %.0f MiB beside the %.0f MiB the serving process "
+                            "holds (--gpu-memory-budget): its batches are prepared and run in "
+                            "the serving process", name, len(workers.pids), need / MIB,
+                            max(0, self._serving_cap() - reserved) / MIB, reserved / MIB)
                 return False
             cap_torch_allocator(cap, self.device)
             log.info("%s: %.0f MiB of the GPU memory budget for its worker process(es)", name,
@@ -260,13 +243,10 @@ class GpuReservation:
             streams.append(prep.decode_stream)
         name = "#".join(map(str, pool_key)) if pool_key else ""
         model = None
-        auto = self.batch_processes is None
-        batch_processes = self._batch_processes(backend)
-        if batch_processes:
+        if self.batch_processes:
             if model_path is None or backend.config is None or getattr(task, "on_device", False):
-                log.log(logging.INFO if auto else logging.WARNING,
-                        "%s: its batches are run in the serving process: --gpu-batch-processes "
-                        "needs a task that reads the model's outputs on the host", name)
+                log.warning("%s: its batches are run in the serving process: --gpu-batch-processes "
+                            "needs a task that reads the model's outputs on the host", name)
                 return prep
             model = {"path": str(model_path), "config": backend.config.model_dump(mode="json"),
                      "graph_fetch": bool(getattr(backend, "graph_fetch", False)),
@@ -277,10 +257,9 @@ class GpuReservation:
             workers = PrepProcess(config, prep, device=self.device, dtype=backend.input_dtype,
                                   channels_last=backend.channels_last, one_call=self.one_call,
                                   preferred=preferred,
-                                  workers=batch_processes or self.prep_processes, name=name,
+                                  workers=self.batch_processes or self.prep_processes, name=name,
                                   model=model)
-            if workers.start() and self._take_for_workers(owner, workers, config, name,
-                                                          quiet=auto):
+            if workers.start() and self._take_for_workers(owner, workers, config, name):
                 return workers
             workers.close()  # none could start or fit (logged): the instance runs in-process
         return prep

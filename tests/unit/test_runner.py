@@ -173,3 +173,44 @@ async def test_a_verdict_ready_after_the_deadline_is_answered_late_not_given():
         np.testing.assert_allclose(r.result.scores, colours[i])  # its own row, not another frame's
     (rec,) = records
     assert (rec.size, rec.ok, rec.late, rec.failed) == (3, 2, 1, 0)
+
+
+async def test_a_lone_batch_runs_on_the_prep_thread_and_overlapping_ones_on_the_compute_thread():
+    """The only batch in flight is prepared and run by the prep thread (no hand-off to wake the
+    compute thread); batches sent while another is in flight are handed over, so preparation
+    and compute overlap. Every answer is its own frame's either way."""
+    import threading
+
+    class Threads(MeansBackend):
+        def __init__(self) -> None:
+            super().__init__()
+            self.threads: list[str] = []
+
+        def run(self, batch):
+            self.threads.append(threading.current_thread().name)
+            return super().run(batch)
+
+    loop = asyncio.get_running_loop()
+    backend = Threads()
+    prepare, _ = make_prepare(slow_s=0.05)
+    runner = start_runner(backend, prepare, loop)
+
+    def batch_of(*colours):
+        now = time.monotonic()
+        return [Pending(frame(c), loop.create_future(), now, now + 60, dispatched=now)
+                for c in colours]
+
+    try:
+        lone = batch_of(COLOURS[0])
+        await asyncio.wait_for(runner.execute(lone), 10)
+        assert backend.threads == ["means:1#0:prep"]
+        together = [batch_of(COLOURS[1], COLOURS[2]), batch_of(COLOURS[3]), batch_of(COLOURS[4])]
+        await asyncio.wait_for(asyncio.gather(*(runner.execute(b) for b in together)), 10)
+    finally:
+        await asyncio.to_thread(runner.stop)
+    # the first of the three found the instance idle; the two sent beside it were handed over
+    assert backend.threads == ["means:1#0:prep"] * 2 + ["means:1#0:compute"] * 2
+    for b, colours in zip([lone, *together], [COLOURS[:1], COLOURS[1:3], COLOURS[3:4],
+                                              COLOURS[4:]]):
+        for p, c in zip(b, colours):
+            np.testing.assert_allclose(p.future.result().result.scores, c)

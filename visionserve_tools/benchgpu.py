@@ -654,15 +654,30 @@ def served(repos: dict[str, Path], jpegs: list[bytes], log_dir: Path, quick: boo
 
 def settings_spec(spec: str) -> dict[str, str]:
     """``--compare``'s SPEC: ``""`` (as shipped) or ``NAME=VALUE[,NAME=VALUE...]``, each NAME a
-    server setting's environment variable (``VISIONSERVE_...``)."""
+    server setting's environment variable (``VISIONSERVE_...``), or ``CODE=DIR``: the server's
+    code from DIR, a folder holding the ``visionserve`` package of another commit (``git archive
+    COMMIT visionserve | tar -x -C DIR``), for an A/B of code on one machine."""
     env: dict[str, str] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, eq, value = part.partition("=")
-        if not eq or not name.startswith("VISIONSERVE_"):
+        if not eq or not (name.startswith("VISIONSERVE_") or name == "CODE"):
             raise argparse.ArgumentTypeError(
                 f"{part!r}: a setting is VISIONSERVE_NAME=VALUE (e.g. "
-                "VISIONSERVE_SWITCH_INTERVAL_MS=0.05)")
+                "VISIONSERVE_SWITCH_INTERVAL_MS=0.05) or CODE=DIR")
+        if name == "CODE" and not (Path(value) / "visionserve" / "__init__.py").is_file():
+            raise argparse.ArgumentTypeError(f"{part!r}: {value} holds no visionserve package")
         env[name] = value
+    return env
+
+
+def server_env(spec: dict[str, str]) -> dict[str, str]:
+    """A SPEC's environment for the server: ``CODE=DIR`` puts DIR first on its path, and keeps
+    ``python -m`` from putting the working directory before it (PYTHONSAFEPATH)."""
+    env = {k: v for k, v in spec.items() if k != "CODE"}
+    if "CODE" in spec:
+        env["PYTHONSAFEPATH"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, (str(Path(spec["CODE"]).resolve()), os.environ.get("PYTHONPATH"))))
     return env
 
 
@@ -696,7 +711,7 @@ def compare(specs: list[dict[str, str]], repos: dict[str, Path], jpegs: list[byt
             # VISIONSERVE_FRONTENDS in a spec is the number of front ends (0: in-process)
             fe = () if "VISIONSERVE_FRONTENDS" in env else ("--frontends", str(frontends))
             s = Server(repos[model], log_dir / f"compare-{i}.log", *extra, *fe, device=device,
-                       env=env)
+                       env=server_env(env))
         except RuntimeError as exc:  # a setting the server refuses: said, and the next one runs
             part["error"] = str(exc)
             save()
@@ -759,8 +774,9 @@ def main(argv: list[str] | None = None) -> int:
                     metavar="SPEC",
                     help="instead of the served scenarios: the front-end scenario once per SPEC, "
                          "a server setting as its environment variable (\"\": as shipped; "
-                         "VISIONSERVE_SWITCH_INTERVAL_MS=0.05; several joined by commas); "
-                         "repeat for each")
+                         "VISIONSERVE_SWITCH_INTERVAL_MS=0.05; several joined by commas; "
+                         "CODE=DIR: the server's code from DIR, a folder holding another "
+                         "commit's visionserve package); repeat for each")
     ap.add_argument("--compare-threads", type=int, nargs="+", default=[12], metavar="N",
                     help="with --compare: senders per client process, a saturation load for "
                          "each count (default: 12; e.g. 12 24)")

@@ -154,17 +154,25 @@ def test_without_py_spy_the_gpu_benchmark_skips_the_sampled_load(monkeypatch, tm
 def test_the_gpu_benchmark_compares_server_settings_side_by_side(tmp_path):
     """benchgpu ``--compare``: the front-end scenario once per setting, each on a real server of
     its own (on the CPU here) started with it; a setting the server refuses is said and the next
-    one still runs; VISIONSERVE_FRONTENDS=0 serves in-process; a spec that is no server setting
-    is refused on the command line."""
+    one still runs; VISIONSERVE_FRONTENDS=0 serves in-process; CODE=DIR serves another copy of
+    the code; a spec that is no server setting is refused on the command line."""
     import argparse
+    import shutil
 
+    import visionserve
     from tests.tools.integrity import make_repo
     from visionserve_tools import benchgpu
 
     repo = make_repo(tmp_path / "repo")
+    other = tmp_path / "other"  # "another commit": this code, saying where it runs from
+    shutil.copytree(Path(visionserve.__file__).parent, other / "visionserve",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    with open(other / "visionserve" / "__init__.py", "a") as f:
+        f.write("\nprint('code from', __file__, flush=True)\n")
     specs = [benchgpu.settings_spec(""),
              benchgpu.settings_spec("VISIONSERVE_SWITCH_INTERVAL_MS=-1"),  # refused: gt=0
-             benchgpu.settings_spec("VISIONSERVE_SWITCH_INTERVAL_MS=0.05,VISIONSERVE_FRONTENDS=0")]
+             benchgpu.settings_spec("VISIONSERVE_SWITCH_INTERVAL_MS=0.05,VISIONSERVE_FRONTENDS=0"),
+             benchgpu.settings_spec(f"CODE={other},VISIONSERVE_FRONTENDS=0")]
     res: dict = {}
     bare = {"torch_fp16_cuda_graph": {32: {"img_per_s": 1000}}}
     jpegs = benchgpu.make_jpegs(4, 48, 64)
@@ -175,7 +183,7 @@ def test_the_gpu_benchmark_compares_server_settings_side_by_side(tmp_path):
     assert res["setup"]["threads_per_client_process"] == [1, 2]
     runs = [v for k, v in res.items() if k != "setup"]
     assert [r["settings"] for r in runs] == specs
-    for run in (runs[0], runs[2]):
+    for run in (runs[0], runs[2], runs[3]):
         assert run["single_client"]["answers"] > 0
         # where a lone frame's time goes, from the server's statistics
         one = run["single_client"]["breakdown"]["per_frame_mean_ms"]
@@ -189,5 +197,10 @@ def test_the_gpu_benchmark_compares_server_settings_side_by_side(tmp_path):
     assert "--frontends 1" in (tmp_path / "compare-0.log").read_text()
     last = (tmp_path / "compare-2.log").read_text()
     assert "VISIONSERVE_SWITCH_INTERVAL_MS=0.05" in last and "--frontends" not in last
+    assert "code from" not in last
+    assert f"code from {other / 'visionserve' / '__init__.py'}" in (
+        tmp_path / "compare-3.log").read_text()
+    with pytest.raises(argparse.ArgumentTypeError, match="holds no visionserve"):
+        benchgpu.settings_spec(f"CODE={tmp_path}")
     with pytest.raises(argparse.ArgumentTypeError, match="VISIONSERVE_NAME=VALUE"):
         benchgpu.settings_spec("SWITCH_INTERVAL_MS=0.05")

@@ -6,9 +6,6 @@ compute thread: drop what expired meanwhile -> backend.run -> the model's task (
                 frame whose verdict is ready after its deadline gets DeadlineExceeded instead (a
                 late verdict is no decision for a PLC: it gets LATE, as a frame dropped unrun)
 
-A batch that is the only one in flight (the instance idle: a lone client) is prepared and run by
-the prep thread alone: with nothing to overlap, handing it over would only cost a wake-up.
-
 Answers go back to the event loop with one ``call_soon_threadsafe`` per batch; every future is
 answered exactly once and only if nobody cancelled it.
 """
@@ -194,18 +191,19 @@ class Runner:
         self.inflight += 1
         self.accepted += 1
         done.add_done_callback(self._answered)
-        # The only batch in flight (a lone client, a quiet line): the instance is idle, so this
-        # process's prep thread takes it at once and runs it too, without handing it to the
-        # compute thread (one thread wake-up less), and an instance whose workers prepare and
-        # run its batches (--gpu-batch-processes) keeps it here, which saves the worker's two
-        # socket hops (0.2-0.35 ms of a lone client's latency on an H100, docs/benchmarks.md,
-        # sessions 20-21). Under load some batch is always in flight: the threads overlap, and
-        # the workers take every batch.
-        lone = self.inflight == 1
-        if not (self.remote is not None and self.healthy
-                and not (lone and self.remote.runs_model) and self._submit(batch, done)):
-            self._inbox.put((batch, done, lone))
+        if not (self.remote is not None and self.healthy and not self._here_when_idle()
+                and self._submit(batch, done)):
+            self._inbox.put((batch, done))
         await done
+
+    def _here_when_idle(self) -> bool:
+        """Whether a batch of an instance whose workers prepare and run its batches
+        (``--gpu-batch-processes``) runs in this process instead: when it is the only one in
+        flight. The instance is idle then, so this process's two threads take it without
+        waiting behind other work, and it saves a worker's two socket hops (0.2-0.35 ms of a
+        lone client's latency on an H100, docs/benchmarks.md, sessions 20-21). Under load some
+        batch is always in flight, and the workers take them all."""
+        return self.remote.runs_model and self.inflight == 1
 
     def _submit(self, batch: list[Pending], done: asyncio.Future) -> bool:
         """On the loop: the batch to a preparation process; when it is in a slot, straight to
@@ -218,7 +216,7 @@ class Runner:
 
         def ready(prepared: Any) -> None:
             if prepared is None:
-                self._inbox.put((batch, done, False))
+                self._inbox.put((batch, done))
                 return
             if isinstance(prepared, RanBatch):
                 self._conclude_ran(done, live, prepared, t0)
@@ -284,7 +282,7 @@ class Runner:
             if job is _STOP:
                 self._handoff.put(_STOP)
                 return
-            batch, done, lone = job
+            batch, done = job
             t0 = time.monotonic()
             live = [p for p in batch if not p.future.done()]
             try:
@@ -310,11 +308,7 @@ class Runner:
                           for p in live]
             if errors:
                 self._post(_fail_all, errors)
-            job = (batch, done, items, tensor, t0, time.monotonic() - t0, len(errors))
-            if lone:  # nothing else in flight, so the compute thread is idle: run it here
-                self._run(job)
-            else:
-                self._handoff.put(job)
+            self._handoff.put((batch, done, items, tensor, t0, time.monotonic() - t0, len(errors)))
             # this thread holds no frame while it waits for the next batch (with
             # --frontend-zero-copy a frame held is arena space the front end cannot reuse)
             del job, batch, done, live, items, tensor, errors
@@ -325,35 +319,31 @@ class Runner:
             job = self._handoff.get()
             if job is _STOP:
                 return
-            self._run(job)
-            del job  # nor this thread (see the prep thread)
-
-    def _run(self, job: tuple) -> None:
-        """A prepared batch through the model and answered (the compute thread's work; the
-        prep thread's for a lone batch). It holds no frame once it returns."""
-        _batch, done, items, tensor, t0, prep_s, failed = job
-        # what the batch sends the loop goes in one call_soon_threadsafe: each one writes to
-        # the loop's wake-up socket, and each write gives up the interpreter and waits for it
-        post = _Posted()
-        settled = True  # the device is past every read of ``tensor``
-        try:
-            self._compute(items, tensor, t0, prep_s, failed, post)
-        except Exception as exc:  # never let the thread die: the batch fails, runner goes on
-            settled = False
-            if device_fault(exc):
-                self._mark_unhealthy(exc)
-            log.exception("compute failed in %s", self.name, extra=batch_ids(items))
-            failure = "the model failed on this batch; see the server log"
-            post(_fail_all, [(p, InternalError(failure)) for p in items])
-        finally:
-            if self.remote is not None and tensor is not None:
-                # a batch that ran has had its outputs read on the host, so the device has
-                # read its input; one that failed midway may still have a copy of it queued
-                if not settled:
-                    self._settle()
-                self.remote.release(tensor)
-            post(resolve, done, None)
-            self._post(post.run)
+            _batch, done, items, tensor, t0, prep_s, failed = job
+            # what the batch sends the loop goes in one call_soon_threadsafe: each one writes to
+            # the loop's wake-up socket, and each write gives up the interpreter and waits for it
+            post = _Posted()
+            settled = True  # the device is past every read of ``tensor``
+            try:
+                self._compute(items, tensor, t0, prep_s, failed, post)
+            except Exception as exc:  # never let the thread die: the batch fails, runner goes on
+                settled = False
+                if device_fault(exc):
+                    self._mark_unhealthy(exc)
+                log.exception("compute failed in %s", self.name, extra=batch_ids(items))
+                failure = "the model failed on this batch; see the server log"
+                post(_fail_all, [(p, InternalError(failure)) for p in items])
+            finally:
+                if self.remote is not None and tensor is not None:
+                    # a batch that ran has had its outputs read on the host, so the device has
+                    # read its input; one that failed midway may still have a copy of it queued
+                    if not settled:
+                        self._settle()
+                    self.remote.release(tensor)
+                post(resolve, done, None)
+                self._post(post.run)
+                # nor this one (see the prep thread)
+                del job, _batch, done, items, tensor, post
 
     def _settle(self) -> None:
         stream = getattr(self.backend, "stream", None)

@@ -451,8 +451,9 @@ class ServerSettings(BaseSettings):
                     "fastest (cuDNN's benchmark mode, on for the warm-up only), instead of its "
                     "heuristic's first choice. It adds seconds to a load, and the kernels it "
                     "picks may round differently from the heuristic's (scores within the "
-                    "agreement tolerance of docs/gpu.md). Off until measured: benchgpu records "
-                    "the graph replay each way (docs/gpu.md, \"cuDNN's kernels\").")
+                    "agreement tolerance of docs/gpu.md). Off: for a ResNet-50 on an H100 the "
+                    "tuned kernels were no faster than the heuristic's (docs/gpu.md, \"cuDNN's "
+                    "kernels\").")
     gpu_prep_processes: int = Field(
         0, ge=0, le=8,
         description="On the GPU, this many worker processes per model instance prepare its "

@@ -13,7 +13,10 @@ naive FastAPI + torch server, with the same model, the same JPEGs and the same l
   batch-32 throughput (CUDA graph replay) is measured in the same run, for the ratios.
 
 Targets: ``visionserve`` (``--frontends``, inspect API), ``visionserve-oip`` (the same server,
-OIP v2 HTTP binary tensors: Triton's protocol), ``triton`` (pytriton 0.7.0 / Triton 2.51, its
+OIP v2 HTTP binary tensors: Triton's protocol), ``visionserve-ort`` (a server of its own serving
+the same network exported to ONNX, fp32, on onnxruntime's CUDA execution provider, inspect API;
+it needs onnxruntime-gpu, ``../shared/device/ort-gpu-chunks.sh``, and is an error where only the
+CPU build is installed), ``triton`` (pytriton 0.7.0 / Triton 2.51, its
 dynamic batcher, max batch 32, 2 ms delay; OIP v2 HTTP binary), ``naive`` (FastAPI + torch,
 one request one inference). fastapi and uvicorn must be importable by this Python, and pytriton by
 ``--triton-python`` (default: this one). pytriton 0.7.0 needs numpy < 2: where this Python has
@@ -47,23 +50,26 @@ from visionserve_tools.benchclient import report
 TARGETS = {
     "visionserve": "inspect",
     "visionserve-oip": "oip",
+    "visionserve-ort": "inspect",
     "triton": "oip",
     "naive": "inspect",
 }
 MODEL = "rn50"
+ORT_MODEL = "rn50-ort"  # the same network, exported to ONNX (benchgpu.export_models)
 
 
-def measure(server, protocols: list[str], jpegs: list[bytes], args) -> dict[str, dict]:
+def measure(server, protocols: list[str], jpegs: list[bytes], args,
+            model: str = MODEL) -> dict[str, dict]:
     """One client, then saturation, per protocol, against one running server; the batch sizes
     it ran at saturation from the OIP statistics extension (Triton's and visionserve's)."""
     out = {}
     for protocol in protocols:
-        single = benchgpu.load(server, MODEL, jpegs, 1, 1, args.single_s, protocol)
-        before = report.scrape_oip_batch_stats(server.url, MODEL)
-        sat = benchgpu.load(server, MODEL, jpegs, args.client_processes, args.threads,
+        single = benchgpu.load(server, model, jpegs, 1, 1, args.single_s, protocol)
+        before = report.scrape_oip_batch_stats(server.url, model)
+        sat = benchgpu.load(server, model, jpegs, args.client_processes, args.threads,
                             args.saturation_s, protocol)
         sat["batches"] = report.oip_batch_delta(before,
-                                                report.scrape_oip_batch_stats(server.url, MODEL))
+                                                report.scrape_oip_batch_stats(server.url, model))
         out[protocol] = {"single_client": single, "saturation": sat}
         benchgpu.log(f"  {protocol}: one client p50 {single.get('p50_ms')} p99 "
                      f"{single.get('p99_ms')} ms; saturation {sat.get('throughput_per_s')}/s "
@@ -104,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(res, indent=2, default=str) + "\n")
 
     with tempfile.TemporaryDirectory(prefix="gpupeers-") as tmp:
-        repos = benchgpu.export_models(Path(tmp), ("rn50",))
+        repos = benchgpu.export_models(
+            Path(tmp), ("rn50", ORT_MODEL) if "visionserve-ort" in names else ("rn50",))
         jpegs = benchgpu.make_jpegs()
         if args.device.startswith("cuda"):
             bare = benchgpu.bare(repos, jpegs, args.quick)
@@ -114,18 +121,24 @@ def main(argv: list[str] | None = None) -> int:
                            "bs1_run_p50_ms": graph[1]["run_device_input"]["p50_ms"]}
             save()
         models = repos["rn50"]
-        vs = [n for n in names if n.startswith("visionserve")]
-        if vs:
-            benchgpu.log(f"visionserve --frontends {args.frontends}")
+        budget = ("--gpu-memory-budget", "8GiB") if args.device.startswith("cuda") else ()
+        # visionserve's targets: one server per model, each measured over its targets' protocols
+        for model, vs, log_name in (
+                (MODEL, [n for n in names if n in ("visionserve", "visionserve-oip")],
+                 "visionserve.log"),
+                (ORT_MODEL, [n for n in names if n == "visionserve-ort"],
+                 "visionserve-ort.log")):
+            if not vs:
+                continue
+            benchgpu.log(f"visionserve --frontends {args.frontends}, model {model}")
             try:
-                budget = ("--gpu-memory-budget", "8GiB") if args.device.startswith("cuda") else ()
-                s = benchgpu.Server(models, log_dir / "visionserve.log", *budget, "--frontends",
+                s = benchgpu.Server(repos[model], log_dir / log_name, *budget, "--frontends",
                                     str(args.frontends), device=args.device)
             except RuntimeError as exc:
                 res["targets"].update({n: {"error": str(exc)} for n in vs})
             else:
                 try:
-                    got = measure(s, [TARGETS[n] for n in vs], jpegs, args)
+                    got = measure(s, [TARGETS[n] for n in vs], jpegs, args, model)
                     res["targets"].update({n: got[TARGETS[n]] for n in vs})
                 finally:
                     s.stop()
@@ -159,7 +172,7 @@ def ratios(res: dict) -> dict:
         rate = res["bare"]["bs32_img_per_s"]
         out.update({f"{n}_vs_bare_bs32": round(s["throughput_per_s"] / rate, 3)
                     for n, s in sat.items()})
-    for v in ("visionserve", "visionserve-oip"):
+    for v in ("visionserve", "visionserve-oip", "visionserve-ort"):
         for peer in ("triton", "naive"):
             if v in sat and peer in sat:
                 out[f"{v}_vs_{peer}"] = {

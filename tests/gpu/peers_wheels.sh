@@ -15,8 +15,13 @@
 #   every chunk but the last:  mkdir -p /tmp/ptw && cp .ptchunks/c.NN /tmp/ptw/
 #   the last:  cp .ptchunks/c.NN /tmp/ptw/ && cat /tmp/ptw/c.* | tar -x && \
 #              SKIP_TESTS=1 SKIP_BENCH=1 PEERS=1 bash tests/gpu/run_on_device.sh
+# ORT=1 bash tests/gpu/peers_wheels.sh also puts onnxruntime-gpu (255 MB, for CUDA 13 like the
+# machine's torch) in .whl-ort/, in the same chunks: run_on_device.sh installs it to /tmp/ort, for
+# the visionserve-ort target (the same network served on onnxruntime's CUDA provider). That makes
+# about ten chunks (the repository, 28 MB, travels with each), so ten calls back to back, none
+# more than 30 s after the last (the machine keeps /tmp that long).
 set -euo pipefail
-for d in /.whl/ /.whl-peers/ /.ptchunks/; do
+for d in /.whl/ /.whl-peers/ /.whl-ort/ /.ptchunks/; do
   grep -qx "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude
 done
 fetch() {  # fetch DIR NAME...: Python 3.12 x86-64 wheels, without their dependencies
@@ -57,7 +62,14 @@ EOF
 rm -rf "$tmp"
 fetch .whl-peers numpy==1.26.4 pyzmq sh geventhttpclient gevent greenlet zope.event zope.interface \
   brotli
+dirs=(.whl .whl-peers)
+if [[ ${ORT:-} == 1 ]]; then
+  rm -rf .whl-ort && mkdir -p .whl-ort
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 -d .whl-ort "onnxruntime-gpu==${ORT_VERSION:-1.31.1}"
+  dirs+=(.whl-ort)
+fi
 rm -f .ptchunks/c.*
-tar -cf - .whl .whl-peers | split -b 36M -d - .ptchunks/c.
-du -sh .whl .whl-peers
+tar -cf - "${dirs[@]}" | split -b 36M -d - .ptchunks/c.
+du -sh "${dirs[@]}"
 ls -la .ptchunks

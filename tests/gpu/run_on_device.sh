@@ -17,7 +17,10 @@
 #                 FastAPI + torch server, same model, JPEGs and generator (loadtest/peers/run_peers_gpu.py,
 #                 up to PEERS_T s (540)); pytriton's wheels (and numpy 1.26, which it needs) in
 #                 .whl-peers/ go into a venv at /tmp/ptv that sees this Python's packages.
-#                 tests/gpu/peers_wheels.sh fetches them and says how to carry them
+#                 tests/gpu/peers_wheels.sh fetches them and says how to carry them. The target
+#                 visionserve-ort (the same network on onnxruntime's CUDA provider) needs
+#                 onnxruntime-gpu (ORT=1 there puts it in the chunks, installed to /tmp/ort);
+#                 without it that target is an error and the others run
 #   pipe.json / pipe.txt  with PIPE=1: the pipeline's own ceiling, the runner's two threads without
 #                 the serving process, in 1 and in PIPE_P ("2") processes at once, one stream
 #                 and two (python -m visionserve_tools.benchpipe, PIPE_S s a case (4), up to
@@ -55,6 +58,11 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl >"$OUT/env.txt" 2>&1 || echo "wheel install failed" >>"$OUT/env.txt"
   export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
+# onnxruntime-gpu: carried as .whl-ort/ in the peers' chunks (tests/gpu/peers_wheels.sh, ORT=1)
+if ls .whl-ort/*.whl >/dev/null 2>&1 && [ ! -d /tmp/ort ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/ort \
+    .whl-ort/*.whl >>"$OUT/env.txt" 2>&1 || { echo "onnxruntime-gpu install failed" >>"$OUT/env.txt"; rm -rf /tmp/ort; }
 fi
 [ -d /tmp/ort ] && export PYTHONPATH=/tmp/ort:$PYTHONPATH
 [ -x /tmp/site/bin/py-spy ] && export PY_SPY=/tmp/site/bin/py-spy

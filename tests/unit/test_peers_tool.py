@@ -75,3 +75,31 @@ def test_the_gpu_peers_torch_model_gives_the_verdicts_of_the_onnx_peer(tmp_path)
     assert [v[:2] for v in torch_model.verdicts(got)] == [v[:2] for v in onnx.verdicts(expected)]
     with pytest.raises(ValueError, match="cannot decode"):
         torch_model.prepare([frames[0], b"not a jpeg"])
+
+
+def test_the_gpu_peers_compare_each_visionserve_target_with_the_bare_model_and_each_peer():
+    """loadtest/peers/run_peers_gpu.py's ratios: every target's saturation against the bare
+    model's batch-32 throughput of the same run, and each visionserve target (torch over the
+    inspect API and over OIP, onnxruntime-gpu over the inspect API) against each peer that
+    answered; a target that failed is left out, not counted as zero."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "loadtest" / "peers"))
+    try:
+        import run_peers_gpu
+    finally:
+        sys.path.remove(str(REPO / "loadtest" / "peers"))
+
+    def sat(rate, p99):
+        return {"saturation": {"answers": 100, "throughput_per_s": rate, "p99_ms": p99}}
+
+    assert run_peers_gpu.TARGETS["visionserve-ort"] == "inspect"
+    res = {"bare": {"bs32_img_per_s": 1000.0},
+           "targets": {"visionserve": sat(500.0, 20.0), "visionserve-ort": sat(300.0, 30.0),
+                       "triton": sat(100.0, 100.0), "naive": {"error": "server exited"}}}
+    got = run_peers_gpu.ratios(res)
+    assert got["visionserve_vs_bare_bs32"] == 0.5
+    assert got["visionserve-ort_vs_bare_bs32"] == 0.3
+    assert got["visionserve-ort_vs_triton"] == {"throughput": 3.0, "p99_ms": [30.0, 100.0]}
+    assert got["visionserve_vs_triton"] == {"throughput": 5.0, "p99_ms": [20.0, 100.0]}
+    assert not any("naive" in k for k in got)

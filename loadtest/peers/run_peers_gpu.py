@@ -15,8 +15,8 @@ naive FastAPI + torch server, with the same model, the same JPEGs and the same l
 Targets: ``visionserve`` (``--frontends``, inspect API), ``visionserve-oip`` (the same server,
 OIP v2 HTTP binary tensors: Triton's protocol), ``visionserve-ort`` (a server of its own serving
 the same network exported to ONNX, fp32, on onnxruntime's CUDA execution provider, inspect API;
-it needs onnxruntime-gpu, ``../shared/device/ort-gpu-chunks.sh``, and is an error where only the
-CPU build is installed), ``triton`` (pytriton 0.7.0 / Triton 2.51, its
+it needs onnxruntime-gpu, carried to the GPU machine by ``ORT=1 bash tests/gpu/peers_wheels.sh``,
+and is an error where only the CPU build is installed), ``triton`` (pytriton 0.7.0 / Triton 2.51, its
 dynamic batcher, max batch 32, 2 ms delay; OIP v2 HTTP binary), ``naive`` (FastAPI + torch,
 one request one inference). fastapi and uvicorn must be importable by this Python, and pytriton by
 ``--triton-python`` (default: this one). pytriton 0.7.0 needs numpy < 2: where this Python has

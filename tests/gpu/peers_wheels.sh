@@ -64,9 +64,8 @@ fetch .whl-peers numpy==1.26.4 pyzmq sh geventhttpclient gevent greenlet zope.ev
   brotli
 dirs=(.whl .whl-peers)
 if [[ ${ORT:-} == 1 ]]; then
-  rm -rf .whl-ort && mkdir -p .whl-ort
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 -d .whl-ort "onnxruntime-gpu==${ORT_VERSION:-1.31.1}"
+  rm -rf .whl-ort
+  fetch .whl-ort "onnxruntime-gpu==${ORT_VERSION:-1.31.1}"
   dirs+=(.whl-ort)
 fi
 rm -f .ptchunks/c.*

@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-
 class GpuReservation:
     """What the engine does on a GPU: plan and check the budget before loading, cap the
     allocators, give each instance its share and a GPU preprocessor, mark the allocator when

@@ -102,26 +102,34 @@ def classify(frames: list[str]) -> tuple[str, str]:
 
 
 def summarise(raw: str) -> dict:
-    """Per thread (``tid name``): samples, share per state, top sites per state."""
+    """Per thread (``tid name``): samples, share per state, top sites per state.
+
+    A thread is one entry per id: py-spy leaves the name out of the samples where it could not
+    read it (a thread caught while it starts, or one between two reads of its name), and those
+    samples count for the named thread of the same id. A thread never seen with a name is
+    ``tid (unnamed)``."""
     counts: dict[str, Counter] = {}
     sites: dict[str, dict[str, Counter]] = {}
+    names: dict[str, str] = {}
     for line in raw.splitlines():
         stack, _, n = line.rstrip().rpartition(" ")
         if not stack or not n.isdigit():
             continue
         thread, *frames = stack.split(";")
         m = re.match(r"thread \((\w+)\)(?::\s*(.*))?", thread)
-        name = f"{m[1]} {m[2] or ''}".strip() if m else thread
+        tid, name = (m[1], (m[2] or "").strip()) if m else (thread, "")
+        if name:
+            names.setdefault(tid, name)
         state, site = classify(frames)
-        counts.setdefault(name, Counter())[state] += int(n)
-        sites.setdefault(name, {}).setdefault(state, Counter())[site] += int(n)
+        counts.setdefault(tid, Counter())[state] += int(n)
+        sites.setdefault(tid, {}).setdefault(state, Counter())[site] += int(n)
     threads = {}
-    for name, c in sorted(counts.items(), key=lambda kv: -sum(kv[1].values())):
+    for tid, c in sorted(counts.items(), key=lambda kv: -sum(kv[1].values())):
         total = sum(c.values())
-        threads[name] = {
+        threads[f"{tid} {names.get(tid, '(unnamed)')}"] = {
             "samples": total,
             "share": {s: round(c[s] / total, 3) for s in STATES if c[s]},
-            "sites": {s: [[site, round(k / total, 3)] for site, k in sites[name][s].most_common(3)]
+            "sites": {s: [[site, round(k / total, 3)] for site, k in sites[tid][s].most_common(3)]
                       for s in STATES if c[s]},
         }
     return {"threads": threads}

@@ -63,6 +63,20 @@ def test_the_summary_gives_each_thread_its_shares_and_top_sites():
     assert "interpreter_wait" in ts.table({"threads": s})
 
 
+def test_samples_without_the_thread_name_count_for_the_named_thread_of_that_id():
+    """py-spy leaves the name out where it could not read it (CI saw this once): one entry per
+    thread id all the same, named when any sample names it."""
+    raw = textwrap.dedent(f"""\
+        thread (101): MainThread;{LOOP};epoll_wait (libc.so.6) 4
+        thread (101);{LOOP};Link.on_message (hub.py:95) 1
+        thread (103);start_thread (libc.so.6);epoll_wait (libc.so.6) 2
+        """)
+    s = ts.summarise(raw)["threads"]
+    assert list(s) == ["101 MainThread", "103 (unnamed)"]
+    assert s["101 MainThread"]["samples"] == 5
+    assert s["101 MainThread"]["share"] == {"python": 0.2, "idle": 0.8}
+
+
 def test_no_py_spy_is_said_not_raised(monkeypatch, tmp_path):
     monkeypatch.setenv("PY_SPY", str(tmp_path / "missing-py-spy"))
     out = ts.finish(ts.start(1, 1.0, tmp_path / "t.raw"), tmp_path / "t.raw")

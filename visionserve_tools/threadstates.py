@@ -104,10 +104,9 @@ def classify(frames: list[str]) -> tuple[str, str]:
 def summarise(raw: str) -> dict:
     """Per thread (``tid name``): samples, share per state, top sites per state.
 
-    A thread is one entry per id: py-spy leaves the name out of the samples where it could not
-    read it (a thread caught while it starts, or one between two reads of its name), and those
-    samples count for the named thread of the same id. A thread never seen with a name is
-    ``tid (unnamed)``."""
+    A thread is one entry per id: py-spy leaves the name out of some samples (it could not read
+    it then), and those count for the named thread of the same id. A thread never seen with a
+    name is ``tid (unnamed)``."""
     counts: dict[str, Counter] = {}
     sites: dict[str, dict[str, Counter]] = {}
     names: dict[str, str] = {}

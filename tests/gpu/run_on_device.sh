@@ -2,7 +2,8 @@
 # The GPU data path on a CUDA machine, in one call: the gpu tests (and the CPU tests of the same
 # code), then the GPU benchmark. Results land in $OUT:
 #   env.txt       nvidia-smi, versions, onnxruntime providers
-#   pytest.txt    test output;  junit.xml  the same, machine-readable
+#   pytest.txt    test output, a line per test;  junit.xml  the same, machine-readable
+#   stall.txt     only when the tests ran past PYTEST_T: py-spy's stacks of the stalled run
 #   integrity.jsonl  the frame-integrity test's counts (answers checked, wrong answers)
 #   bench.json    benchmark results;  bench.txt  its progress log;  dmon.txt  nvidia-smi dmon -s u
 #                 during it (utilisation of the SMs and of the JPEG engines, "jpg")
@@ -78,16 +79,53 @@ export PYTHONUNBUFFERED=1
 
 # the guard's acceptance test (2-3 min) runs on its own: tests/gpu/test_guard_acceptance.py; so
 # does its GPU-sharing test (about 2 min): tests/gpu/test_guard_share_gpu.py
+# limited LIMIT_S STACKS_FILE CMD...: CMD, stopped after LIMIT_S seconds (exit 124, as timeout's).
+# A run that stalls is the one whose junit.xml is never written: before stopping it, py-spy (when
+# carried) dumps the Python and native stacks of every thread of CMD and of its child processes
+# to STACKS_FILE, so a stall says where it stood.
+limited() {
+  local limit=$1 stacks=$2 pid deadline p
+  shift 2
+  "$@" &
+  pid=$!
+  deadline=$(( $(date +%s) + limit ))
+  while kill -0 "$pid" 2>/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 1; done
+  if kill -0 "$pid" 2>/dev/null; then
+    {
+      echo "still running after ${limit} s: stacks of $pid and its children"
+      for p in $pid $(pgrep -P "$pid"); do
+        if [ -n "${PY_SPY:-}" ]; then
+          timeout 60 "$PY_SPY" dump --native --pid "$p" 2>&1 || echo "py-spy could not read $p"
+        else
+          echo "pid $p: no py-spy (carry .whl)"
+        fi
+      done
+    } >"$stacks" 2>&1
+    kill -TERM "$pid" 2>/dev/null
+    sleep 5
+    kill -KILL "$pid" 2>/dev/null
+    wait "$pid" 2>/dev/null
+    return 124
+  fi
+  wait "$pid"
+}
+
 if [ -z "${SKIP_TESTS:-}" ]; then
-  # TESTS="paths...": only those (a shorter call), e.g. the data path's after a change to it
+  # TESTS="paths...": only those (a shorter call), e.g. the data path's after a change to it.
+  # One line per test (-v: a stall's test is the last named); a test still running after
+  # FAULT_T s (150) has every thread's Python stack written to pytest.txt (faulthandler, from a
+  # thread of its own: it is written even when the interpreter is held); a run past PYTEST_T is
+  # dumped by py-spy to stall.txt (limited, above)
   # shellcheck disable=SC2086
-  INTEGRITY_OUT="$OUT" timeout ${PYTEST_T:-540} python3 -m pytest -p no:cacheprovider -q -rs -o addopts="" \
+  INTEGRITY_OUT="$OUT" limited ${PYTEST_T:-540} "$OUT/stall.txt" python3 -m pytest -p no:cacheprovider -v -rs \
+    -o addopts="" -o faulthandler_timeout=${FAULT_T:-150} \
     ${TESTS:-tests/gpu tests/unit/test_gpu_memory.py tests/unit/test_torch_backend.py tests/unit/test_frontend_hub.py \
     tests/unit/test_runner.py tests/unit/test_prepworker.py} \
     --ignore=tests/gpu/test_guard_acceptance.py --ignore=tests/gpu/test_guard_share_gpu.py \
     --junitxml="$OUT/junit.xml" >"$OUT/pytest.txt" 2>&1
   echo "pytest exit $?" >>"$OUT/pytest.txt"
   tail -n 25 "$OUT/pytest.txt"
+  [ -s "$OUT/stall.txt" ] && head -c 6000 "$OUT/stall.txt"
 fi
 
 if [ -z "${SKIP_BENCH:-}" ]; then

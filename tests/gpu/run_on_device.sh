@@ -77,8 +77,6 @@ export PYTHONUNBUFFERED=1
   python3 -m visionserve doctor --device cuda:0 2>&1; echo "doctor exit $?"
 } >>"$OUT/env.txt" 2>&1
 
-# the guard's acceptance test (2-3 min) runs on its own: tests/gpu/test_guard_acceptance.py; so
-# does its GPU-sharing test (about 2 min): tests/gpu/test_guard_share_gpu.py
 # limited LIMIT_S STACKS_FILE CMD...: CMD, stopped after LIMIT_S seconds (exit 124, as timeout's).
 # A run that stalls is the one whose junit.xml is never written: before stopping it, py-spy (when
 # carried) dumps the Python and native stacks of every thread of CMD and of its child processes
@@ -86,6 +84,7 @@ export PYTHONUNBUFFERED=1
 limited() {
   local limit=$1 stacks=$2 pid deadline p
   shift 2
+  rm -f "$stacks"
   "$@" &
   pid=$!
   deadline=$(( $(date +%s) + limit ))
@@ -110,6 +109,8 @@ limited() {
   wait "$pid"
 }
 
+# the guard's acceptance test (2-3 min) runs on its own: tests/gpu/test_guard_acceptance.py; so
+# does its GPU-sharing test (about 2 min): tests/gpu/test_guard_share_gpu.py
 if [ -z "${SKIP_TESTS:-}" ]; then
   # TESTS="paths...": only those (a shorter call), e.g. the data path's after a change to it.
   # One line per test (-v: a stall's test is the last named); a test still running after

@@ -3,7 +3,8 @@
 # code), then the GPU benchmark. Results land in $OUT:
 #   env.txt       nvidia-smi, versions, onnxruntime providers
 #   pytest.txt    test output, a line per test;  junit.xml  the same, machine-readable
-#   stall.txt     only when the tests ran past PYTEST_T: py-spy's stacks of the stalled run
+#   stall.txt     only when the tests ran past PYTEST_T: py-spy's stacks of the run where it stood
+#                 (slow or stuck: a test under FAULT_T s has no faulthandler stacks in pytest.txt)
 #   integrity.jsonl  the frame-integrity test's counts (answers checked, wrong answers)
 #   bench.json    benchmark results;  bench.txt  its progress log;  dmon.txt  nvidia-smi dmon -s u
 #                 during it (utilisation of the SMs and of the JPEG engines, "jpg")
@@ -28,10 +29,13 @@
 #                 PIPE_T s (200))
 #   guard.json / guard.txt  with GUARD_ARGS set (e.g. GUARD_ARGS="--latency-budget-ms 20"): the
 #                 guard's acceptance run (python -m visionserve_tools.benchguard), up to GUARD_T s (300)
-# SKIP_TESTS=1 / SKIP_BENCH=1 leave those parts out (one call may run 10 minutes at most: the
-# tests take up to 540 s (PYTEST_T) with the four frame-integrity runs, the benchmark up to 270 s
-# (BENCH_T), so run them in two calls: SKIP_BENCH=1 bash tests/gpu/run_on_device.sh, then
-# SKIP_TESTS=1 ...; a COMPARE of several settings fits a third: SKIP_TESTS=1 SKIP_BENCH=1 COMPARE=...).
+# SKIP_TESTS=1 / SKIP_BENCH=1 leave those parts out. One call may run 10 minutes at most, and the
+# default test list takes about 930 s on an H100 (2026-12-06: test_frame_integrity_gpu.py ~360 s,
+# test_gpu_path.py 275 s with onnxruntime-gpu, test_prepworker.py 173 s, the rest 125 s; each new
+# Python process there spends ~5 s compiling torch, for which the image keeps no bytecode), so
+# give TESTS in three calls with SKIP_BENCH=1 (those three files, the rest in the third); the
+# benchmark (up to BENCH_T s, 270) in a call of its own with SKIP_TESTS=1; a COMPARE of several
+# settings in another: SKIP_TESTS=1 SKIP_BENCH=1 COMPARE=....
 # Run from the repository root:  bash tests/gpu/run_on_device.sh
 # Wheels for packages the machine lacks may be carried in .whl/ (installed to /tmp/site), e.g.
 #   ../shared/device/wheels.sh fastapi starlette uvicorn pydantic pydantic-core pydantic-settings \
@@ -78,9 +82,9 @@ export PYTHONUNBUFFERED=1
 } >>"$OUT/env.txt" 2>&1
 
 # limited LIMIT_S STACKS_FILE CMD...: CMD, stopped after LIMIT_S seconds (exit 124, as timeout's).
-# A run that stalls is the one whose junit.xml is never written: before stopping it, py-spy (when
-# carried) dumps the Python and native stacks of every thread of CMD and of its child processes
-# to STACKS_FILE, so a stall says where it stood.
+# A run stopped at the limit writes no junit.xml: before stopping it, py-spy (when carried)
+# dumps the Python and native stacks of every thread of CMD and of its child processes to
+# STACKS_FILE, so it says where it stood (a test stuck, or one still running at the limit).
 limited() {
   local limit=$1 stacks=$2 pid deadline p
   shift 2
@@ -113,10 +117,10 @@ limited() {
 # does its GPU-sharing test (about 2 min): tests/gpu/test_guard_share_gpu.py
 if [ -z "${SKIP_TESTS:-}" ]; then
   # TESTS="paths...": only those (a shorter call), e.g. the data path's after a change to it.
-  # One line per test (-v: a stall's test is the last named); a test still running after
-  # FAULT_T s (150) has every thread's Python stack written to pytest.txt (faulthandler, from a
-  # thread of its own: it is written even when the interpreter is held); a run past PYTEST_T is
-  # dumped by py-spy to stall.txt (limited, above)
+  # One line per test (-v: the test running at the limit is the last named); a test still
+  # running after FAULT_T s (150) has every thread's Python stack written to pytest.txt
+  # (faulthandler, from a thread of its own: it is written even when the interpreter is held); a
+  # run past PYTEST_T is dumped by py-spy to stall.txt (limited, above)
   # shellcheck disable=SC2086
   INTEGRITY_OUT="$OUT" limited ${PYTEST_T:-540} "$OUT/stall.txt" python3 -m pytest -p no:cacheprovider -v -rs \
     -o addopts="" -o faulthandler_timeout=${FAULT_T:-150} \

@@ -257,6 +257,7 @@ def test_exif_orientation_is_ignored_regions_are_in_the_stored_pixels(server):
     same = ("score", "anomaly_map", "regions", "verdict", "reasons")
     assert {k: a_tagged[k] for k in same} == {k: a_plain[k] for k in same}
     assert a_tagged["verdict"] == "NG" and a_tagged["regions"]
+    assert a_tagged["frame"] == {"width": 48, "height": 40}
     x1, y1, x2, y2 = a_tagged["regions"][0]["box"]
     assert 8 <= x1 <= 12 and 20 <= x2 <= 26 and y2 <= 26  # the spot, in 48x40 pixels
     img = cv2.imdecode(np.frombuffer(inspect(tagged, "image/jpeg").content, np.uint8),

@@ -349,6 +349,7 @@ def test_exif_orientation_is_ignored_boxes_are_in_the_stored_pixels(server, expe
     a_plain, a_tagged = inspect("det-yolo", plain), inspect("det-yolo", tagged)
     check(want, a_tagged["detections"])
     assert a_tagged["detections"] == a_plain["detections"]
+    assert a_tagged["frame"] == a_plain["frame"] == {"width": 480, "height": 320}
     for d in a_tagged["detections"]:  # in the 480x320 of the header, on the red part
         x1, y1, x2, y2 = d["box"]
         assert 0 <= x1 < x2 <= 480 and 0 <= y1 < y2 <= 320
@@ -356,7 +357,9 @@ def test_exif_orientation_is_ignored_boxes_are_in_the_stored_pixels(server, expe
     assert best[2] <= 240 and best[3] <= 160, best  # the top-left quarter
     turned_px = cv2.imdecode(np.frombuffer(turned, np.uint8), cv2.IMREAD_COLOR)
     assert turned_px.shape[:2] == (480, 320)
-    check(expected.refs["det-yolo"](turned_px), inspect("det-yolo", turned)["detections"])
+    a_turned = inspect("det-yolo", turned)
+    assert a_turned["frame"] == {"width": 320, "height": 480}
+    check(expected.refs["det-yolo"](turned_px), a_turned["detections"])
     # the rule: the object lies in the zone in the stored pixels of plain and tagged; the turned
     # frame holds it in its top-right corner (x 208..288 of 320), outside the zone
     verdicts = [inspect("det-yolo-exclude", b)["verdict"] for b in (plain, tagged, turned)]

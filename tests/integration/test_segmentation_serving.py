@@ -211,6 +211,7 @@ def test_exif_orientation_is_ignored_masks_are_in_the_stored_pixels(server, expe
 
     a_plain, a_tagged = answer(plain), answer(tagged)
     assert a_tagged["detections"] == a_plain["detections"]
+    assert a_tagged["frame"] == {"width": 480, "height": 320}
     want = expected.refs[model](cv2.imdecode(np.frombuffer(plain, np.uint8), cv2.IMREAD_COLOR))
     got = from_inspect(a_tagged)
     assert sorted(d.label for d in want) == sorted(g["label"] for g in got) and got

@@ -213,6 +213,7 @@ class _Rule:
 
 class AnomalyDetection(Task):
     name = "anomaly"
+    geometry = True
     schema = AnomalyConfig
     config: AnomalyConfig
 

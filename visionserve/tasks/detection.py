@@ -164,6 +164,7 @@ class DetectionTask(Task):
     name = "detection"
     schema: ClassVar[type[ModelConfig]] = DetectionConfig
     on_device = True
+    geometry = True
     config: DetectionConfig
 
     def __init__(self, config: DetectionConfig) -> None:

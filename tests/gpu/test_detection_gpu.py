@@ -214,7 +214,8 @@ def test_exif_tagged_jpegs_are_decoded_by_nvjpeg_as_stored_and_padding_boxes_dro
             assert d.box[2] > d.box[0] and d.box[3] > d.box[1] and d.area > 0, d
     # the GPU's decoder differs from the CPU's by a level or two: the same labels, and the best
     # red boxes in the same place
-    assert {d.label for d in gpu[1].result.detections} == {d.label for d in cpu[1].result.detections}
+    assert {d.label for d in gpu[1].result.detections} == \
+        {d.label for d in cpu[1].result.detections}
     best = [max(r[1].result.detections, key=lambda d: d.score).box for r in (gpu, cpu)]
     a, b = np.asarray(best[0]), np.asarray(best[1])
     inter = np.prod(np.clip(np.minimum(a[2:], b[2:]) - np.maximum(a[:2], b[:2]), 0, None))

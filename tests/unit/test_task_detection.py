@@ -247,7 +247,7 @@ def test_boxes_in_the_padding_are_clipped_then_dropped_on_both_paths():
                  np.float32)
     for out in ({"out": x}, {"out": torch.from_numpy(x)}):
         before = detection.DEGENERATE.labels("pad")._value.get()
-        (verdict, r), = t.postprocess(out, slice(0, 1), [(128, 64)])
+        (_, r), = t.postprocess(out, slice(0, 1), [(128, 64)])
         assert detection.DEGENERATE.labels("pad")._value.get() - before == 1
         assert [(round(d.score, 3), d.box, d.area) for d in r.detections] == \
             [(0.8, (44.0, 0.0, 84.0, 28.0), 40.0 * 28.0)]  # clipped at the frame's top edge

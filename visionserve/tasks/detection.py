@@ -18,8 +18,9 @@ Boxes come back in the pixels of the frame the client sent, as stored (an EXIF o
 ignored; :class:`.geometry.FrameMap` undoes stretch, letterbox or crop). Each box is clipped to
 the frame first; then a box of no size (zero width or height once clipped: one in the letterbox
 padding, say) or with NaN is dropped and counted (``visionserve_degenerate_boxes_total``), before
-NMS and the top ``max_detections``, so it can neither suppress nor crowd out a real one. On a GPU with the torch backend the score filter and
-NMS (``torchvision.ops.batched_nms``) run on the device; elsewhere numpy and OpenCV's
+NMS and the top ``max_detections``, so it can neither suppress nor crowd out a real one. On a
+GPU with the torch backend the score filter, the clipping and NMS
+(``torchvision.ops.batched_nms``) run on the device; elsewhere numpy and OpenCV's
 ``cv2.dnn.NMSBoxesBatched``, with the same results.
 
 OIP outputs, Triton's EfficientNMS convention: ``num_detections`` INT32 ``[N]``,

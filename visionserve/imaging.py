@@ -228,7 +228,11 @@ def _cv2():
 
 def decode(frame: Frame, channels: int, scale: int = 1) -> np.ndarray:
     """Decoded pixels: ``HxWx3`` BGR uint8 (channels=3) or ``HxW`` grey (channels=1); a JPEG at
-    1/``scale`` of its size (2, 4 or 8: :func:`jpeg_scale`)."""
+    1/``scale`` of its size (2, 4 or 8: :func:`jpeg_scale`).
+
+    The pixels are the file's stored pixels: an EXIF orientation is ignored (machine-vision
+    cameras do not rotate), as nvJPEG on the GPU path ignores it, so the image is the size its
+    header declares (``frame.width`` x ``frame.height``) and answers are in those pixels."""
     cv2 = _cv2()
     if frame.kind == "raw":
         px = frame.data
@@ -242,6 +246,7 @@ def decode(frame: Frame, channels: int, scale: int = 1) -> np.ndarray:
     flag = cv2.IMREAD_GRAYSCALE if channels == 1 else cv2.IMREAD_COLOR
     if scale > 1 and frame.kind == "jpeg":
         flag = getattr(cv2, f"IMREAD_REDUCED_{'GRAYSCALE' if channels == 1 else 'COLOR'}_{scale}")
+    flag |= cv2.IMREAD_IGNORE_ORIENTATION
     try:
         img = cv2.imdecode(np.frombuffer(frame.data, dtype=np.uint8), flag)
     except cv2.error as exc:  # OpenCV's own size limit or a decoder fault
@@ -254,8 +259,8 @@ def decode(frame: Frame, channels: int, scale: int = 1) -> np.ndarray:
 
 def jpeg_scale(frame: Frame, spec: InputSpec) -> int:
     """How much smaller the CPU path may decode a JPEG (1, 2, 4 or 8): the largest scale whose
-    image is still at least as large as the resize's target on both sides (either orientation:
-    the decoder applies EXIF rotation). libjpeg scales in the DCT, which averages blocks as
+    image's short side still holds the resize's target in either orientation (a bound simpler
+    than the exact one, and never too small). libjpeg scales in the DCT, which averages blocks as
     ``area`` does, so only with ``area``; and only when both sides divide by the scale, so that
     letterbox and centre-crop geometry is exactly the full frame's."""
     if frame.kind != "jpeg" or not spec.scaled_decode or spec.interpolation != "area":

@@ -117,3 +117,109 @@ def test_device_postprocess_equals_the_host_path(tmp_path, seg):
                     ma, mb = rle_decode(da.mask), rle_decode(db.mask)
                     assert (ma != mb).sum() <= max(2, 0.01 * mb.sum())
     backend.close()
+
+
+# --- EXIF orientation and boxes in the padding on the GPU decode path ----------------------------
+
+#: a 480x320 scene with one red part in its top-left quarter (frame pixels 48..168, 32..128)
+EXIF_RED = (48, 32, 168, 128)
+
+
+def colour_detector(root: Path) -> str:
+    """The colour-window detector of tests/tools/detmodels.py (its ``padding`` variant: a
+    96x64 letterboxed input; some boxes land wholly in the padding of a 1:2 frame), exported for
+    the torch backend, so that detections are filtered and suppressed on the device."""
+    from tests.tools import detmodels as dm
+
+    folder = root / "colours"
+    (folder / "1").mkdir(parents=True)
+    net = dm.yolo_module(96, 64, escape=True).eval()
+    ep = torch.export.export(net, (torch.rand(2, 3, 64, 96),), dynamic_shapes=(
+        {0: torch.export.Dim("batch", min=1, max=64)},))
+    torch.export.save(ep, str(folder / "1" / "model.pt2"))
+    output = "\n".join(('format = "yolo"', *dm.NMS, dm._labels()))
+    folder.joinpath("model.toml").write_text(
+        dm.toml("detection", 96, 64, "letterbox", output, "colour windows")
+        + '[runtime]\nbackend = "torch"\nprecision = "fp32"\n')
+    return "colours"
+
+
+def serve_frames(root: Path, device: str, bodies: list[bytes]) -> tuple[list, list[float], dict]:
+    """Each JPEG answered alone by an engine on ``device``: (results, boxes dropped as
+    degenerate while each was answered, the GPU preprocessor's decoder counts; {} on the CPU)."""
+    import asyncio
+
+    from visionserve import imaging
+    from visionserve.config import ServerSettings
+    from visionserve.engine import Engine
+    from visionserve.tasks.detection import DEGENERATE
+
+    async def scenario():
+        settings = ServerSettings(models=root, device="cuda" if device != "cpu" else "cpu")
+        engine = Engine(settings, device=device)
+        await engine.start()
+        try:
+            runner = engine.served[("colours", 1)].runners[0]
+            prep = getattr(runner.prepare, "__self__", None)
+            before = dict(prep.counts) if prep is not None else {}
+            results, dropped = [], []
+            for body in bodies:
+                n = DEGENERATE.labels("colours")._value.get()
+                _, [r] = await engine.infer("colours", None, [imaging.encoded_frame(body)])
+                results.append(r)
+                dropped.append(DEGENERATE.labels("colours")._value.get() - n)
+            counts = {k: v - before[k] for k, v in prep.counts.items()} if prep else {}
+            return results, dropped, counts
+        finally:
+            await engine.close()
+
+    return asyncio.run(scenario())
+
+
+def test_exif_tagged_jpegs_are_decoded_by_nvjpeg_as_stored_and_padding_boxes_dropped(tmp_path):
+    """On the GPU decode path a JPEG tagged EXIF Orientation=6 goes to nvJPEG (not the CPU
+    decoder) and is answered on its stored pixels: the untagged file's boxes, in the 480x320 of
+    its header, on the red part, as the CPU path answers it. A frame whose best boxes lie in the
+    letterbox padding: clipped to the frame they have no width, and the device-side filter drops
+    and counts them as the host path does."""
+    import cv2
+
+    from tests.tools import detmodels as dm
+    from tests.tools import jpegs
+
+    colour_detector(tmp_path)
+    scene = dm.scene(480, 320, [("red", 0.1, 0.1, 0.35, 0.4)])
+    plain = jpegs.baseline(scene, quality=95)
+    tagged = jpegs.with_orientation(plain, 6)
+    padding = jpegs.baseline(dm.scene(240, 480, [("red", 0.0, 0.05, 0.5, 0.95)]), quality=95)
+    # the tag is real: a decoder that applies it turns the frame
+    assert cv2.imdecode(np.frombuffer(tagged, np.uint8), cv2.IMREAD_COLOR).shape[:2] == (480, 320)
+    gpu, gpu_dropped, counts = serve_frames(tmp_path, "cuda:0", [plain, tagged, padding])
+    assert counts["nvjpeg"] == 3 and counts["cpu_decoded"] == 0, counts
+    cpu, cpu_dropped, _ = serve_frames(tmp_path, "cpu", [plain, tagged, padding])
+
+    def boxes(r) -> list[tuple[str, float, tuple]]:
+        return [(d.label, d.score, d.box) for d in r.result.detections]
+
+    for path in (gpu, cpu):
+        p, t = boxes(path[0]), boxes(path[1])
+        assert [x[0] for x in t] == [x[0] for x in p] and t, (p, t)
+        assert np.allclose([x[1:2] + x[2] for x in t], [x[1:2] + x[2] for x in p], atol=1e-4)
+        x1, y1, x2, y2 = max(path[1].result.detections, key=lambda d: d.score).box
+        cx, cy = (x1 + x2) / 2, (y1 + y2) / 2  # on the red part of the stored pixels
+        assert EXIF_RED[0] <= cx <= EXIF_RED[2] and EXIF_RED[1] <= cy <= EXIF_RED[3], (x1, y1)
+        for d in path[1].result.detections:
+            assert 0 <= d.box[0] < d.box[2] <= 480 and 0 <= d.box[1] < d.box[3] <= 320
+        for d in path[2].result.detections:  # the padding frame: no box of no size
+            assert d.box[2] > d.box[0] and d.box[3] > d.box[1] and d.area > 0, d
+    # the GPU's decoder differs from the CPU's by a level or two: the same labels, and the best
+    # red boxes in the same place
+    assert {d.label for d in gpu[1].result.detections} == \
+        {d.label for d in cpu[1].result.detections}
+    best = [max(r[1].result.detections, key=lambda d: d.score).box for r in (gpu, cpu)]
+    a, b = np.asarray(best[0]), np.asarray(best[1])
+    inter = np.prod(np.clip(np.minimum(a[2:], b[2:]) - np.maximum(a[:2], b[:2]), 0, None))
+    union = np.prod(a[2:] - a[:2]) + np.prod(b[2:] - b[:2]) - inter
+    assert inter / union >= 0.5, best
+    assert gpu_dropped[2] == cpu_dropped[2] >= 5, (gpu_dropped, cpu_dropped)
+    assert gpu_dropped[:2] == cpu_dropped[:2] == [0, 0]

@@ -234,3 +234,35 @@ def test_the_server_refuses_a_misfit_and_says_why(tmp_path):
     assert rc != 0
     assert "field 'output.map'" in log and "no model output is named 'heatmap'" in log, log[-2000:]
     assert "'anomaly_map'" in log and "'pred_score'" in log  # the outputs there are
+
+
+def test_exif_orientation_is_ignored_regions_are_in_the_stored_pixels(server):
+    """A JPEG tagged EXIF Orientation=6 is answered on its stored pixels, as the same file
+    untagged: the same score, map and regions, in the 48x40 of its header (also the annotated
+    image); the same part turned (its pixels rotated) is answered in its own 40x48."""
+    from tests.tools import jpegs
+
+    part = frames()[1][..., ::-1]  # BGR, the spot at x 10..24, y 9..21
+    plain = jpegs.baseline(part, quality=95)
+    tagged = jpegs.with_orientation(plain, 6)
+    turned = jpegs.baseline(cv2.rotate(part, cv2.ROTATE_90_CLOCKWISE), quality=95)
+
+    def inspect(body: bytes, accept: str = "application/json") -> httpx.Response:
+        r = httpx.post(f"{server.url}/v1/models/parts/inspect", content=body, timeout=30,
+                       headers={"Content-Type": "image/jpeg", "Accept": accept})
+        assert r.status_code == 200, r.text
+        return r
+
+    a_plain, a_tagged = inspect(plain).json(), inspect(tagged).json()
+    same = ("score", "anomaly_map", "regions", "verdict", "reasons")
+    assert {k: a_tagged[k] for k in same} == {k: a_plain[k] for k in same}
+    assert a_tagged["verdict"] == "NG" and a_tagged["regions"]
+    assert a_tagged["frame"] == {"width": 48, "height": 40}
+    x1, y1, x2, y2 = a_tagged["regions"][0]["box"]
+    assert 8 <= x1 <= 12 and 20 <= x2 <= 26 and y2 <= 26  # the spot, in 48x40 pixels
+    img = cv2.imdecode(np.frombuffer(inspect(tagged, "image/jpeg").content, np.uint8),
+                       cv2.IMREAD_COLOR)
+    assert img.shape == (40, 48, 3)
+    a_turned = inspect(turned).json()
+    x1, y1, x2, y2 = a_turned["regions"][0]["box"]  # turned clockwise: x = 39 - y, y = x
+    assert 14 <= x1 and x2 <= 34 and 8 <= y1 <= 12 and 20 <= y2 <= 26, a_turned["regions"]

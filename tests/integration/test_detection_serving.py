@@ -16,7 +16,9 @@ ONNX file with onnxruntime, torchvision's NMS and its own decoding and geometry:
 
 Also: a model.toml that does not fit its model is refused at load with the model, the output and
 the expected and actual shapes named; a frame with nothing in it is a normal answer; degenerate
-boxes from a model are dropped (and counted), never a 500.
+boxes from a model, and boxes wholly in the letterbox padding, are dropped (and counted), never
+a 500 or a box of no size; a JPEG's EXIF orientation is ignored, so boxes are in its stored
+pixels.
 """
 
 from __future__ import annotations
@@ -35,17 +37,23 @@ import tritonclient.http as httpclient
 from conftest import start_server
 
 from tests.tools import detmodels as dm
-from tests.tools import detref
+from tests.tools import detref, jpegs
 from tests.tools.detmodels import FRAMES, MEDIA, decoded, encoded
 
 BOX_TOL = 0.1  # frame pixels
 SCORE_TOL = 1e-4
-MODELS = list(dm.DETECTORS)
+#: det-padding answers only the frame made for it (test_boxes_in_the_letterbox_padding_...)
+MODELS = [m for m in dm.DETECTORS if m != "det-padding"]
 OIP = ("num_detections", "detection_boxes", "detection_scores", "detection_classes")
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory) -> Path:
-    return dm.make_repo(tmp_path_factory.mktemp("detrepo"), MODELS)
+    root = dm.make_repo(tmp_path_factory.mktemp("detrepo"), [*MODELS, "det-padding"])
+    # det-yolo with a rule: objects in the frame's top-left quarter (480x320 frames) don't count
+    excl = root / "det-yolo-exclude"
+    dm.make("det-yolo", excl)
+    excl.joinpath("model.toml").write_text(excl.joinpath("model.toml").read_text() + EXCLUDE)
+    return root
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +66,7 @@ def server(repo, tmp_path_factory):
 @pytest.fixture(scope="module")
 def expected(repo):
     """``expected(model, frame)`` -> the reference's objects (computed once each)."""
-    return dm.expectations(repo, MODELS)
+    return dm.expectations(repo, [*MODELS, "det-padding"])
 
 
 def check(want: list[detref.Det], got: list[dict]) -> None:
@@ -276,6 +284,86 @@ def test_degenerate_boxes_are_dropped_and_counted(server, expected):
                   metrics, re.MULTILINE)
     assert m is not None and float(m[1]) >= len(dm.DEGENERATE), \
         "degenerate boxes not counted in /metrics"
+
+
+#: a frame whose left half is red, letterboxed by the 96x64 det-padding into x = 32..64: its
+#: windows at x = 32..40 score highest and their boxes lie wholly in the padding to the left
+PADDING_FRAME = dm.scene(240, 480, [("red", 0.0, 0.05, 0.5, 0.95), ("blue", 0.6, 0.3, 0.95, 0.6)])
+
+
+def degenerate_count(server, model: str) -> float:
+    metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+    m = re.search(rf'^visionserve_degenerate_boxes_total\{{model="{model}"\}} (\S+)$', metrics,
+                  re.MULTILINE)
+    return float(m[1]) if m is not None else 0.0
+
+
+def test_boxes_in_the_letterbox_padding_are_dropped_and_counted(server, expected):
+    """Clipped to the frame, such a box has no width: it is dropped and counted, not answered
+    as a box of no size, and it takes no place among the frame's detections."""
+    ref = expected.refs["det-padding"]
+    boxes, scores, _, _ = ref.candidates(ref.raw([PADDING_FRAME]), 0)
+    outside = (boxes[:, 2] <= dm.ESCAPE_X) & (scores >= 0.3)  # the frame starts at x = 32
+    assert outside.sum() >= 5 and scores[outside].max() == scores.max()  # the best of all
+    want = ref(PADDING_FRAME)
+    assert want and all(d.box[2] > d.box[0] and d.box[3] > d.box[1] for d in want)
+    before = degenerate_count(server, "det-padding")
+    png = cv2.imencode(".png", PADDING_FRAME)[1]
+    r = httpx.post(f"{server.url}/v1/models/det-padding/inspect", content=png.tobytes(),
+                   headers={"Content-Type": "image/png"}, timeout=30)
+    assert r.status_code == 200, r.text
+    got = r.json()["detections"]
+    for d in got:
+        x1, y1, x2, y2 = d["box"]
+        assert x2 > x1 and y2 > y1 and d["area"] > 0, d
+        assert 0 <= x1 and x2 <= 240 and 0 <= y1 and y2 <= 480, d
+    check(want, got)
+    assert degenerate_count(server, "det-padding") - before == outside.sum()
+
+
+#: det-yolo-exclude's rule: what lies in the top-left quarter of a 480x320 frame is excluded
+EXCLUDE = "[verdict]\nexclude = [[[0, 0], [240, 0], [240, 160], [0, 160]]]\n"
+#: a 480x320 scene with one red part in its top-left quarter
+EXIF_SCENE = dm.scene(480, 320, [("red", 0.1, 0.1, 0.35, 0.4)])
+
+
+def test_exif_orientation_is_ignored_boxes_are_in_the_stored_pixels(server, expected):
+    """The same scene as a JPEG whose pixels were turned (what a camera that rotates writes), and
+    as the unturned JPEG tagged EXIF Orientation=6 ("turn to view"): the tagged one is answered
+    on its stored pixels, exactly as the untagged file, in the width and height of its header;
+    the turned one on its own pixels. An exclusion zone (frame pixels) therefore judges each by
+    where its object is in the pixels the answer states."""
+    plain = jpegs.baseline(EXIF_SCENE)
+    tagged = jpegs.with_orientation(plain, 6)
+    turned = jpegs.baseline(cv2.rotate(EXIF_SCENE, cv2.ROTATE_90_CLOCKWISE))
+
+    def inspect(model, body):
+        r = httpx.post(f"{server.url}/v1/models/{model}/inspect", content=body,
+                       headers={"Content-Type": "image/jpeg"}, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    stored = cv2.imdecode(np.frombuffer(plain, np.uint8), cv2.IMREAD_COLOR)
+    want = expected.refs["det-yolo"](stored)
+    assert want and all(d.label == "red" for d in want)
+    a_plain, a_tagged = inspect("det-yolo", plain), inspect("det-yolo", tagged)
+    check(want, a_tagged["detections"])
+    assert a_tagged["detections"] == a_plain["detections"]
+    assert a_tagged["frame"] == a_plain["frame"] == {"width": 480, "height": 320}
+    for d in a_tagged["detections"]:  # in the 480x320 of the header, on the red part
+        x1, y1, x2, y2 = d["box"]
+        assert 0 <= x1 < x2 <= 480 and 0 <= y1 < y2 <= 320
+    best = a_tagged["detections"][0]["box"]
+    assert best[2] <= 240 and best[3] <= 160, best  # the top-left quarter
+    turned_px = cv2.imdecode(np.frombuffer(turned, np.uint8), cv2.IMREAD_COLOR)
+    assert turned_px.shape[:2] == (480, 320)
+    a_turned = inspect("det-yolo", turned)
+    assert a_turned["frame"] == {"width": 320, "height": 480}
+    check(expected.refs["det-yolo"](turned_px), a_turned["detections"])
+    # the rule: the object lies in the zone in the stored pixels of plain and tagged; the turned
+    # frame holds it in its top-right corner (x 208..288 of 320), outside the zone
+    verdicts = [inspect("det-yolo-exclude", b)["verdict"] for b in (plain, tagged, turned)]
+    assert verdicts == ["OK", "OK", "NG"]
 
 
 # a model.toml that does not fit its model: (model file, [output] lines, labels, task,

@@ -191,6 +191,44 @@ def test_inspect_api(server, expected, model, frame):
     assert {x["rule"] for x in a["reasons"]} == {f"defect:{d.label}" for d in want}
 
 
+@pytest.mark.parametrize("model", ["seg-yolo", "seg-semantic"])
+def test_exif_orientation_is_ignored_masks_are_in_the_stored_pixels(server, expected, model):
+    """A JPEG tagged EXIF Orientation=6 is answered on its stored pixels, exactly as the same
+    file untagged: the same objects, boxes and masks, each mask the size of the header (480x320);
+    the same scene turned (its pixels rotated) is answered in its own 320x480."""
+    from tests.tools import jpegs
+
+    scene = dm.scene(480, 320, [("red", 0.1, 0.1, 0.35, 0.4), ("blue", 0.6, 0.5, 0.9, 0.9)])
+    plain = jpegs.baseline(scene)
+    tagged = jpegs.with_orientation(plain, 6)
+    turned = jpegs.baseline(cv2.rotate(scene, cv2.ROTATE_90_CLOCKWISE))
+
+    def answer(body: bytes) -> dict:
+        r = httpx.post(f"{server.url}/v1/models/{model}/inspect", content=body,
+                       headers={"Content-Type": "image/jpeg"}, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    a_plain, a_tagged = answer(plain), answer(tagged)
+    assert a_tagged["detections"] == a_plain["detections"]
+    assert a_tagged["frame"] == {"width": 480, "height": 320}
+    want = expected.refs[model](cv2.imdecode(np.frombuffer(plain, np.uint8), cv2.IMREAD_COLOR))
+    got = from_inspect(a_tagged)
+    assert sorted(d.label for d in want) == sorted(g["label"] for g in got) and got
+    for g in got:
+        assert g["mask"].shape == (320, 480)
+        x1, y1, x2, y2 = g["box"]
+        assert 0 <= x1 < x2 <= 480 and 0 <= y1 < y2 <= 320
+    red = next(g for g in got if g["label"] == "red")
+    assert red["mask"][:160, :240].sum() >= 0.9 * red["mask"].sum()  # the top-left quarter
+    for g in from_inspect(answer(turned)):
+        assert g["mask"].shape == (480, 320)
+    # turned clockwise, the red part lies in the top-right quarter
+    red = max((g for g in from_inspect(answer(turned)) if g["label"] == "red"),
+              key=lambda g: g["score"])
+    assert red["mask"][:240, 160:].sum() >= 0.9 * red["mask"].sum()
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_oip_http_json(server, expected, model):
     req = {"inputs": [{"name": "image", "datatype": "BYTES", "shape": [len(FRAMES)],

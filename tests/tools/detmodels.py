@@ -43,6 +43,10 @@ FINAL_SCALES = ((8, 8), (16, 8))
 #: the anchors of the ``degenerate`` variant whose boxes are broken: zero width, negative
 #: height, NaN centre (the first three 8x8 windows of the top row)
 DEGENERATE = {0: "zero width", 1: "negative height", 2: "NaN centre"}
+#: the ``padding`` variant (a 96x64 input) moves the boxes of its 8x8 windows at x = 32..40 by
+#: this many pixels to the left: for a frame letterboxed into x = 32..64 (one of aspect 1:2)
+#: they lie wholly in the padding, as a real model's can, and are clipped to no width
+ESCAPE_X, ESCAPE_SHIFT = 32, -16.0
 MASK_COEFFS = 32
 
 BATCHING = """\
@@ -88,7 +92,8 @@ def coverage(x):
                                  b - torch.maximum(r, g)], dim=1))
 
 
-def _module(width: int, height: int, scales: Sequence[tuple[int, int]], degenerate: bool = False):
+def _module(width: int, height: int, scales: Sequence[tuple[int, int]], degenerate: bool = False,
+            escape: bool = False):
     """The candidate generator shared by every format: ``forward(x) -> (cxcywh [B, 4, A],
     scores [B, 3, A])``."""
     torch = _torch()
@@ -110,6 +115,11 @@ def _module(width: int, height: int, scales: Sequence[tuple[int, int]], degenera
                 fix[2, 0] = 0.0  # zero width
                 fix[3, 1] = -1.0  # negative height
                 shift[0, 2] = math.nan  # NaN centre
+            if escape:  # the first scale's windows at x = ESCAPE_X: boxes into the padding
+                size, stride = scales[0]
+                per_row = (width - size) // stride + 1
+                shift[0, ESCAPE_X // stride::per_row][:(height - size) // stride + 1] = \
+                    ESCAPE_SHIFT
             self.register_buffer("fix", torch.from_numpy(fix))
             self.register_buffer("shift", torch.from_numpy(shift))
             ys, xs = np.mgrid[0:height, 0:width].astype(np.float32) + 0.5
@@ -175,10 +185,11 @@ def _on_candidates(cand, head, name: str):
     return Head()
 
 
-def yolo_module(width: int, height: int, transposed: bool = False, degenerate: bool = False):
+def yolo_module(width: int, height: int, transposed: bool = False, degenerate: bool = False,
+                escape: bool = False):
     """``[B, 4+nc, A]`` (``transposed``: ``[B, A, 4+nc]``): cx, cy, w, h, class scores."""
     torch = _torch()
-    cand = _module(width, height, NMS_SCALES, degenerate)
+    cand = _module(width, height, NMS_SCALES, degenerate, escape)
 
     def head(boxes, scores, x):
         out = torch.cat([boxes, scores], dim=1)
@@ -350,6 +361,7 @@ DETECTORS: dict[str, tuple[str, int, int, str, tuple[str, ...]]] = {
                    'classes_tensor = "classes"', 'count_tensor = "num"',
                    "score_threshold = 0.3")),
     "det-degenerate": ("degenerate", 96, 64, "letterbox", ('format = "yolo"', *NMS)),
+    "det-padding": ("padding", 96, 64, "letterbox", ('format = "yolo"', *NMS)),
 }
 
 SEGMENTERS: dict[str, tuple[str, int, int, str, tuple[str, ...]]] = {
@@ -364,6 +376,7 @@ BUILDERS = {
     "yolo": (lambda w, h: yolo_module(w, h), ("output0",)),
     "yolo-t": (lambda w, h: yolo_module(w, h, transposed=True), ("output0",)),
     "degenerate": (lambda w, h: yolo_module(w, h, degenerate=True), ("output0",)),
+    "padding": (lambda w, h: yolo_module(w, h, escape=True), ("output0",)),
     "objectness": (objectness_module, ("output0",)),
     "end2end": (end2end_module, ("output0",)),
     "end2end-v7": (end2end_flat_module, ("output",)),

@@ -11,7 +11,9 @@ cropped to the box, thresholded at 0.5), and turn a semantic map into per-class 
 imports nothing of ``visionserve.tasks``.
 
 Conventions it holds the server to: boxes are x1, y1, x2, y2 in frame pixels, clipped to the
-frame; a score at the threshold passes; degenerate boxes (no area, NaN) are dropped before NMS;
+frame, and in the pixels the file stores (an EXIF orientation is ignored); a score at the
+threshold passes; boxes are clipped to the frame, then degenerate ones (no area, NaN) are
+dropped, before NMS;
 detections come highest score first; a YOLO-seg mask is cut to the frame pixels whose centres
 lie in its box; a semantic map's logits are resized to the frame before each pixel takes its
 best class (as HF transformers' and mmsegmentation's post-processing do); a region's box is x1,
@@ -127,6 +129,12 @@ class Placement:
         out[:, 1::2] = np.clip((b[:, 1::2] - self.oy) / self.ky, 0, self.frame_h)
         return out
 
+    def window(self, b: np.ndarray) -> np.ndarray:
+        """Boxes in model input pixels clipped to the frame's extent there."""
+        lo = np.array([self.ox, self.oy] * 2)
+        hi = lo + np.array([self.frame_w * self.kx, self.frame_h * self.ky] * 2)
+        return np.minimum(np.maximum(b, lo), hi).astype(np.float32)
+
     def seen(self, input_w: int, input_h: int) -> np.ndarray:
         """``[frame h, frame w]``: the frame pixels whose centres the model input covers (all of
         them but what a centre crop cut away)."""
@@ -227,6 +235,7 @@ class Reference:
         if self.format == "semantic":
             return self._semantic(outputs, row, place)
         boxes, scores, classes, extra = self.candidates(outputs, row)
+        boxes = place.window(boxes)
         o = self.out
         nms = self.format in ("yolo", "yolo-objectness", "yolo-seg")
         keep = select(boxes, scores, classes, threshold=o.get("score_threshold", 0.25),

@@ -445,24 +445,17 @@ def test_a_jpeg_a_decoder_rejects_goes_to_the_next_or_fails_alone(kind):
     assert counts["cpu_decoded"] == (1 if kind == "cmyk" else 0)  # CMYK: the host decodes it
 
 
-def test_rotated_and_cmyk_jpegs_are_decoded_on_the_host():
+def test_cmyk_jpegs_are_decoded_on_the_host_and_rotated_ones_by_nvjpeg():
+    """EXIF orientation is ignored on both paths, so it sends no JPEG to the CPU decoder."""
     from tests.tools import jpegs
     from visionserve.gpu.preprocess import host_decoded
 
-    def jpeg_with_orientation(o: int, endian: str = "<") -> bytes:
-        import struct
-
-        mark = b"II" if endian == "<" else b"MM"
-        tiff = mark + struct.pack(endian + "HI", 42, 8) + struct.pack(endian + "H", 1) + \
-            struct.pack(endian + "HHIHH", 0x0112, 3, 1, o, 0) + b"\0\0\0\0"
-        app1 = b"Exif\0\0" + tiff
-        return b"\xff\xd8" + b"\xff\xe1" + struct.pack(">H", len(app1) + 2) + app1 + b"\xff\xda\x00\x02"
-
-    assert host_decoded(jpeg_with_orientation(6))
-    assert host_decoded(jpeg_with_orientation(3, ">"))
-    assert not host_decoded(jpeg_with_orientation(1))
-    assert not host_decoded(b"\xff\xd8\xff\xe0\x00\x04ab\xff\xda\x00\x02")
     picture = np.full((24, 40, 3), (30, 140, 220), np.uint8)
+    plain = jpegs.baseline(picture)
+    assert not host_decoded(plain)
+    assert not host_decoded(jpegs.with_orientation(plain, 6))
+    assert not host_decoded(jpegs.with_orientation(plain, 3, ">"))
+    assert not host_decoded(b"\xff\xd8\xff\xe0\x00\x04ab\xff\xda\x00\x02")
     assert host_decoded(jpegs.cmyk(picture))  # 4 components
     assert not host_decoded(jpegs.progressive(picture))  # nvJPEG's, falling back per frame
     import cv2

@@ -411,3 +411,19 @@ def test_scaled_decode_gives_nearly_the_full_decodes_pixels(resize):
     # edges; a geometry one pixel off would put whole edges out of place (tens of levels there)
     assert np.abs(full - scaled).mean() < 3.0
     assert np.abs(full[:, 2:] - scaled[:, :-2]).mean() > 2 * np.abs(full - scaled).mean()
+
+
+@pytest.mark.parametrize("channels, scale", [(3, 1), (1, 1), (3, 2), (1, 2)])
+def test_an_exif_orientation_is_ignored_the_pixels_are_the_stored_ones(channels, scale):
+    """Decoded as the header's width x height, the same pixels as the untagged file (colour,
+    grey and scaled decodes); OpenCV's default would turn the image."""
+    from tests.tools import jpegs
+
+    plain = encode(".jpg", _scene(64, 32))
+    tagged = jpegs.with_orientation(plain, 6)
+    assert cv2.imdecode(np.frombuffer(tagged, np.uint8), cv2.IMREAD_COLOR).shape[:2] == (64, 32)
+    frame = imaging.encoded_frame(tagged)
+    assert (frame.width, frame.height) == (64, 32)
+    got = imaging.decode(frame, channels, scale)
+    assert got.shape[:2] == (32 // scale, 64 // scale)
+    assert np.array_equal(got, imaging.decode(imaging.encoded_frame(plain), channels, scale))

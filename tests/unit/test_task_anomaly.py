@@ -119,6 +119,24 @@ def test_letterbox_regions_map_back():
     assert a.regions[0].area == pytest.approx(128 * 64)
 
 
+def test_a_hot_letterbox_padding_is_no_region():
+    """Map pixels over the padding are not on the frame: a region there would be a box of no
+    size with an area; only the part on the frame counts."""
+    data = {"task": "anomaly", "input": {"width": 64, "height": 64, "resize": "letterbox"},
+            "verdict": {"image_threshold": 1.0, "min_region_area": 1}}
+    t = tasks.create(ModelConfig.model_validate(data))
+    t.bind(Subject(Path("/x/m/1/model.onnx")), OUTPUTS)
+    # a 128x64 frame letterboxed into 64x64: map rows 0..3 and 12..15 are padding
+    m = np.zeros((16, 16), np.float32)
+    m[0:4, :] = 0.9  # the top padding only
+    (v, a), = t.postprocess(batch(m), slice(0, 1), [(128, 64)])
+    assert (v, a.regions, a.region_count) == ("OK", (), 0)
+    m[0:6, 2:4] = 0.9  # into the frame by two map rows: 2x2 map pixels of 8x8 frame pixels
+    (v, a), = t.postprocess(batch(m), slice(0, 1), [(128, 64)])
+    assert v == "NG" and [r.box for r in a.regions] == [(16.0, 0.0, 32.0, 16.0)]
+    assert a.regions[0].area == pytest.approx(4 * 64)
+
+
 def test_roi_and_mm2():
     # ROI: the frame's left half (frames 640x480); the blob at the left counts, the right not
     roi = [[[0, 0], [320, 0], [320, 480], [0, 480]]]

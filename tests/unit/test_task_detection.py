@@ -233,6 +233,26 @@ def test_degenerate_boxes_are_dropped_and_counted():
     assert detection.DEGENERATE.labels("degen")._value.get() - before == 2
 
 
+def test_boxes_in_the_padding_are_clipped_then_dropped_on_both_paths():
+    """Clip to the frame first, then drop and count what has no size, then NMS and top-k: a box
+    wholly in the letterbox padding (the best-scoring one here) takes no place among a frame's
+    max_detections, on the host and on the device path alike."""
+    torch = pytest.importorskip("torch")
+    t = make({"format": "yolo", "labels": ["a"], "score_threshold": 0.1, "max_detections": 1},
+             resize="letterbox")
+    t.bind(Subject(Path("/repo/pad/1/model.onnx")), [TensorSpec("out", (N, 5, 3), "float32")])
+    # a 128x64 frame letterboxed into 64x64 fills rows 16..48: a box in rows 2..10 (padding),
+    # one straddling the top edge (rows 10..30), one on the frame
+    x = np.array([[[32, 32, 40], [6, 20, 40], [40, 20, 8], [8, 20, 8], [0.9, 0.8, 0.7]]],
+                 np.float32)
+    for out in ({"out": x}, {"out": torch.from_numpy(x)}):
+        before = detection.DEGENERATE.labels("pad")._value.get()
+        (_, r), = t.postprocess(out, slice(0, 1), [(128, 64)])
+        assert detection.DEGENERATE.labels("pad")._value.get() - before == 1
+        assert [(round(d.score, 3), d.box, d.area) for d in r.detections] == \
+            [(0.8, (44.0, 0.0, 84.0, 28.0), 40.0 * 28.0)]  # clipped at the frame's top edge
+
+
 def test_zero_detections_is_an_ok_answer():
     t = make({"format": "yolo", "labels": ["a"], "score_threshold": 0.5})
     t.bind(SUBJECT, [TensorSpec("out", (N, 5, 4), "float32")])

@@ -16,9 +16,11 @@ Same verdicts as the CPU path, by construction:
 * JPEG decoders differ: nvJPEG's IDCT and chroma upsampling are not libjpeg-turbo's, typically
   by 1-2 levels, more on sharp colour edges. So the GPU and CPU paths agree on labels, and on
   scores within a tolerance (tests/gpu/test_gpu_path.py), not bit for bit.
-* A JPEG nvJPEG rejects (or one carrying an EXIF rotation, which OpenCV applies and nvJPEG
-  does not) is decoded by OpenCV instead; only if that fails too does the frame fail, alone,
+* A JPEG nvJPEG rejects (or one of CMYK/YCCK components, whose colours OpenCV's decoder
+  defines) is decoded by OpenCV instead; only if that fails too does the frame fail, alone,
   with 400.
+* An EXIF orientation is ignored on both paths (nvJPEG never applies it; the CPU decoder is told
+  not to): a frame's pixels are its stored pixels, the size its header declares.
 
 A batch of JPEGs of one size, resized to the whole input, is prepared by one TorchScript call
 (:mod:`.onecall`, the same ops) that holds the interpreter once instead of at every torch call;
@@ -128,14 +130,13 @@ def resize_modes(interp: str, in_hw: tuple[int, int], out_hw: tuple[int, int]) -
     return "area" if (ih >= oh and iw >= ow) else "area_up"
 
 
-# --- EXIF orientation (OpenCV applies it, nvJPEG does not) -----------------------------------
+# --- JPEGs for the CPU decoder ----------------------------------------------------------------
 
 def host_decoded(frame_bytes: bytes | np.ndarray) -> bool:
-    """True for a JPEG that the CPU decodes, not nvJPEG: one whose EXIF says the image must be
-    rotated or flipped (orientation != 1; nvJPEG ignores it), or one of other than 1 or 3
-    components (CMYK, YCCK: OpenCV undoes Adobe's inverted CMYK, and the CPU path's colours are
-    the reference). ``frame_bytes``: the file's bytes, or a uint8 array of them (a frame read in
-    place from a front end's arena)."""
+    """True for a JPEG that the CPU decodes, not nvJPEG: one of other than 1 or 3 components
+    (CMYK, YCCK: OpenCV undoes Adobe's inverted CMYK, and the CPU path's colours are the
+    reference). An EXIF orientation is no reason: neither path applies it. ``frame_bytes``: the
+    file's bytes, or a uint8 array of them (a frame read in place from a front end's arena)."""
     data = memoryview(frame_bytes)  # type: ignore[arg-type]  # ints when indexed, as bytes
     i, n = 2, min(len(data), 1 << 16)
     while i + 4 <= n and data[i] == 0xFF:
@@ -143,30 +144,10 @@ def host_decoded(frame_bytes: bytes | np.ndarray) -> bool:
         if marker == 0xDA:  # start of scan: no more headers
             return False
         (length,) = struct.unpack(">H", data[i + 2:i + 4])
-        if marker == 0xE1 and bytes(data[i + 4:i + 10]) == b"Exif\x00\x00" \
-                and _tiff_orientation(bytes(data[i + 10:i + 2 + length])) not in (None, 1):
-            return True
         if marker in SOF_MARKERS and i + 9 < n and data[i + 9] not in (1, 3):
             return True
         i += 2 + length
     return False
-
-
-def _tiff_orientation(tiff: bytes) -> int | None:
-    try:
-        end = {b"II": "<", b"MM": ">"}.get(tiff[:2])
-        if end is None:
-            return None
-        (ifd,) = struct.unpack(end + "I", tiff[4:8])
-        (count,) = struct.unpack(end + "H", tiff[ifd:ifd + 2])
-        for k in range(count):
-            e = ifd + 2 + 12 * k
-            tag, _typ, _cnt = struct.unpack(end + "HHI", tiff[e:e + 8])
-            if tag == 0x0112:
-                return struct.unpack(end + "H", tiff[e + 8:e + 10])[0]
-    except struct.error:
-        return None
-    return None
 
 
 # --- the preprocessor ------------------------------------------------------------------------

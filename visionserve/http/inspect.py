@@ -215,6 +215,8 @@ async def inspect_frame(request: Request, model_name: str | None, model_version:
         "version": str(served.version),
         "verdict": r.verdict,
         **task.inspect_fields(r.result),  # what the model's task says of the frame
+        # the pixels boxes, masks and regions are in: the file's stored ones (EXIF ignored)
+        **({"frame": {"width": frame.width, "height": frame.height}} if task.geometry else {}),
         **({} if head.station is None else {"station": head.station, "recipe": head.recipe}),
         "batch_size": r.batch_size,
         "deadline_met": r.deadline_met,

@@ -213,6 +213,7 @@ class _Rule:
 
 class AnomalyDetection(Task):
     name = "anomaly"
+    geometry = True
     schema = AnomalyConfig
     config: AnomalyConfig
 
@@ -391,8 +392,9 @@ class AnomalyDetection(Task):
         return verdict, Anomaly(score, raw, keep, count, tuple(reasons), amap)
 
     def _regions(self, rule: _Rule, amap: np.ndarray, fm: FrameMap) -> list[FrameRegion]:
-        """Regions of the map at or above pixel_threshold, inside the ROI: found on the model's
-        map, given in frame pixels (each map pixel covers the same frame area)."""
+        """Regions of the map at or above pixel_threshold, on the frame (not in the letterbox
+        padding) and inside the ROI: found on the model's map, given in frame pixels (each map
+        pixel covers the same frame area)."""
         v = rule.verdict
         hit = amap >= v.pixel_threshold
         if not hit.any():
@@ -400,6 +402,8 @@ class AnomalyDetection(Task):
         spec = self.config.input
         h, w = amap.shape
         sx, sy = w / spec.width, h / spec.height  # map pixels per model input pixel
+        cols, rows = fm.on_frame(w, h, spec.width, spec.height)
+        hit &= rows[:, None] & cols[None, :]  # the letterbox padding is no part of the frame
         if rule.roi:
             # frame -> model input: frame / scale + offset; -> map: * (sx, sy)
             polys = [np.stack([(p[:, 0] / fm.scale_x + fm.offset_x) * sx,

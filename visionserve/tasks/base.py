@@ -89,6 +89,9 @@ class Task(ABC):
     #: postprocess takes device tensors where the backend can leave its outputs on the device
     #: (torch on a GPU: ``Backend.device_outputs``); else it always gets numpy arrays
     on_device: ClassVar[bool] = False
+    #: its answers hold boxes, masks or regions in frame pixels: the inspect answer then gives
+    #: the frame's stored size (``"frame": {"width", "height"}``), the pixels they are in
+    geometry: ClassVar[bool] = False
 
     def __init__(self, config: ModelConfig) -> None:
         self.config = config

@@ -14,10 +14,13 @@
   boxes ``[B, K, 4]`` (x1, y1, x2, y2), scores ``[B, K]``, classes ``[B, K]``, optional count
   ``[B]``.
 
-Boxes come back in the pixels of the frame the client sent (:class:`.geometry.FrameMap` undoes
-stretch, letterbox or crop). Boxes of no size or with NaN are dropped and counted
-(``visionserve_degenerate_boxes_total``). On a GPU with the torch backend the score filter and
-NMS (``torchvision.ops.batched_nms``) run on the device; elsewhere numpy and OpenCV's
+Boxes come back in the pixels of the frame the client sent, as stored (an EXIF orientation is
+ignored; :class:`.geometry.FrameMap` undoes stretch, letterbox or crop). Each box is clipped to
+the frame first; then a box of no size (zero width or height once clipped: one in the letterbox
+padding, say) or with NaN is dropped and counted (``visionserve_degenerate_boxes_total``), before
+NMS and the top ``max_detections``, so it can neither suppress nor crowd out a real one. On a
+GPU with the torch backend the score filter, the clipping and NMS
+(``torchvision.ops.batched_nms``) run on the device; elsewhere numpy and OpenCV's
 ``cv2.dnn.NMSBoxesBatched``, with the same results.
 
 OIP outputs, Triton's EfficientNMS convention: ``num_detections`` INT32 ``[N]``,
@@ -41,12 +44,13 @@ from ..backends.checks import Dim, Subject, TensorSpec, fmt
 from ..config import Labels, ModelConfig, _Strict
 from ..errors import ConfigError
 from .base import OipOutput, Rows, Task, pickled_as_fields
-from .geometry import FrameMap, Size, frame_maps
+from .geometry import FrameMap, Size, frame_maps, windows
 from .rules import Judge, Reason, RegionVerdict
 
 DEGENERATE = Counter(
     "visionserve_degenerate_boxes",
-    "Boxes a detection or segmentation model gave with no area, or NaN, dropped from answers",
+    "Boxes a detection or segmentation model gave with no area within the frame, or NaN, "
+    "dropped from answers",
     ["model"])
 
 #: candidates per frame that go into NMS at most (the highest scores): a model that scores
@@ -147,7 +151,7 @@ class Kept:
     coefficients of YOLO-seg)."""
 
     frame: np.ndarray  # [M] int
-    boxes: np.ndarray  # [M, 4] float32, x1 y1 x2 y2, model input pixels
+    boxes: np.ndarray  # [M, 4] float32, x1 y1 x2 y2, model input pixels, clipped to the frame
     scores: np.ndarray  # [M] float32
     classes: np.ndarray  # [M] int
     anchor: np.ndarray  # [M] int
@@ -161,6 +165,7 @@ class DetectionTask(Task):
     name = "detection"
     schema: ClassVar[type[ModelConfig]] = DetectionConfig
     on_device = True
+    geometry = True
     config: DetectionConfig
 
     def __init__(self, config: DetectionConfig) -> None:
@@ -306,11 +311,10 @@ class DetectionTask(Task):
 
     def postprocess(self, outputs: Mapping[str, Any], rows: Rows,
                     sizes: Sequence[Size] | None = None) -> list[tuple[str, Detected]]:
-        n = len(row_ids(rows))
-        kept = self.select(outputs, rows, n)
+        maps = frame_maps(self.config.input, sizes, len(row_ids(rows)))
+        kept = self.select(outputs, rows, windows(maps))
         if kept.dropped:
             DEGENERATE.labels(self._model).inc(kept.dropped)
-        maps = frame_maps(self.config.input, sizes, n)
         return self.answers(kept, maps, outputs, rows, self.judge)
 
     def reconfigure(self, config: ModelConfig) -> None:
@@ -345,17 +349,19 @@ class DetectionTask(Task):
                                                                    scores.tolist(), boxes, areas)))
         return verdict, Detected(dets, reasons)
 
-    def select(self, outputs: Mapping[str, Any], rows: Rows, n: int) -> Kept:
-        """Score filter, NMS (where the model has none), top-k per frame, for ``n`` frames."""
+    def select(self, outputs: Mapping[str, Any], rows: Rows, bounds: np.ndarray) -> Kept:
+        """Score filter, boxes clipped to their frames (``bounds``: ``[N, 4]``, each frame's
+        :meth:`.geometry.FrameMap.window`) and those of no size dropped, NMS (where the model
+        has none), top-k per frame, for the N frames of ``rows``."""
         fmt_ = self.config.output.format
         first = next(iter(outputs.values()))
         if type(first).__module__.startswith("torch"):
-            return select_on_device(self, outputs, rows, n)
+            return select_on_device(self, outputs, rows, bounds)
         if fmt_ == "boxes":
-            return self._select_boxes(outputs, rows, n)
+            return self._select_boxes(outputs, rows, bounds)
         x = np.asarray(outputs[self._name(outputs)])
         if fmt_ == "end2end":
-            return self._select_end2end(x, rows, n)
+            return self._select_end2end(x, rows, bounds)
         x = x[rows]
         # the best score of every anchor, reduced along the head's own layout (a transposed
         # view would make numpy stride across memory); classes only for the candidates
@@ -375,7 +381,7 @@ class DetectionTask(Task):
         scores = best[f, a].astype(np.float32)
         b = (x[f, 0:4, a] if cf else x[f, a, 0:4]).astype(np.float32)
         xyxy = np.concatenate([b[:, :2] - b[:, 2:] / 2, b[:, :2] + b[:, 2:] / 2], 1)
-        return self._nms(f, xyxy, scores, classes, a)
+        return self._nms(f, clipped(xyxy, bounds[f]), scores, classes, a)
 
     def _valid(self, xyxy: np.ndarray, scores: np.ndarray) -> np.ndarray:
         return (np.isfinite(xyxy).all(1) & np.isfinite(scores)
@@ -423,19 +429,20 @@ class DetectionTask(Task):
         return xyxy
 
     def _filtered(self, f: np.ndarray, xyxy: np.ndarray, scores: np.ndarray,
-                  classes: np.ndarray) -> Kept:
-        """Detections the model already suppressed: score filter, valid classes, top-k."""
+                  classes: np.ndarray, bounds: np.ndarray) -> Kept:
+        """Detections the model already suppressed: score filter, clipped to the frame, valid
+        boxes and classes, top-k."""
         thr = self.config.output.score_threshold
         take = (scores >= thr) | np.isnan(scores)
-        f, xyxy, scores, classes = f[take], self._scale(xyxy[take].astype(np.float32)), \
-            scores[take], classes[take]
+        f, scores, classes = f[take], scores[take], classes[take]
+        xyxy = clipped(self._scale(xyxy[take].astype(np.float32)), bounds[f])
         valid = self._valid(xyxy, scores) & (classes >= 0) & (classes < self.nc)
         dropped = int((~valid).sum())
         a = np.zeros(int(valid.sum()), dtype=np.int64)
         return self._topk(f[valid], xyxy[valid], scores[valid], classes[valid].astype(np.int64),
                           a, dropped)
 
-    def _select_end2end(self, x: np.ndarray, rows: Rows, n: int) -> Kept:
+    def _select_end2end(self, x: np.ndarray, rows: Rows, bounds: np.ndarray) -> Kept:
         if self._flat:  # YOLOv7: [M, 7] = batch, x1, y1, x2, y2, class, score
             which = row_ids(rows)
             pos = {int(r): j for j, r in enumerate(which)}
@@ -444,13 +451,14 @@ class DetectionTask(Task):
             x = x[take]
             f = np.array([pos[int(v)] for v in b[take]], dtype=np.int64)
             return self._filtered(f, x[:, 1:5], x[:, 6].astype(np.float32),
-                                  _classes(x[:, 5]))
+                                  _classes(x[:, 5]), bounds)
         x = x[rows]
         f = np.repeat(np.arange(len(x)), x.shape[1])
         x = x.reshape(-1, x.shape[2])
-        return self._filtered(f, x[:, 0:4], x[:, 4].astype(np.float32), _classes(x[:, 5]))
+        return self._filtered(f, x[:, 0:4], x[:, 4].astype(np.float32), _classes(x[:, 5]),
+                              bounds)
 
-    def _select_boxes(self, outputs: Mapping[str, Any], rows: Rows, n: int) -> Kept:
+    def _select_boxes(self, outputs: Mapping[str, Any], rows: Rows, bounds: np.ndarray) -> Kept:
         o = self.config.output
         boxes = np.asarray(outputs[o.boxes_tensor])[rows]
         scores = np.asarray(outputs[o.scores_tensor])[rows].astype(np.float32)
@@ -461,7 +469,7 @@ class DetectionTask(Task):
             count = np.asarray(outputs[o.count_tensor])[rows].reshape(len(boxes), -1)[:, 0]
             live = np.arange(k)[None, :] < count[:, None]
         f = np.repeat(np.arange(len(boxes)), k).reshape(len(boxes), k)
-        return self._filtered(f[live], boxes[live], scores[live], classes[live])
+        return self._filtered(f[live], boxes[live], scores[live], classes[live], bounds)
 
     # --- the answer ---------------------------------------------------------------------------
 
@@ -534,10 +542,11 @@ class DetectionTask(Task):
             else ("", -1, float("nan"))
 
 
-def select_on_device(task: DetectionTask, outputs: Mapping[str, Any], rows: Rows, n: int
-                     ) -> Kept:
-    """The score filter and NMS on the device (a torch backend on a GPU): the best class per
-    anchor, the filter, one ``torchvision.ops.batched_nms`` over the whole batch (frames and, for
+def select_on_device(task: DetectionTask, outputs: Mapping[str, Any], rows: Rows,
+                     bounds: np.ndarray) -> Kept:
+    """The score filter and NMS on the device (a torch backend on a GPU), in the host path's
+    order: the best class per anchor, the filter, the boxes clipped to their frames and those of
+    no size dropped, one ``torchvision.ops.batched_nms`` over the whole batch (frames and, for
     per-class NMS, classes kept apart by the group index) and one copy of what survives to the
     host. Formats with NMS in the graph have few rows: copied to the host, the numpy path."""
     import torch
@@ -546,7 +555,7 @@ def select_on_device(task: DetectionTask, outputs: Mapping[str, Any], rows: Rows
     o = task.config.output
     if o.format in ("end2end", "boxes"):
         host = {k: v.cpu().numpy() for k, v in outputs.items()}
-        return task.select(host, rows, n)
+        return task.select(host, rows, bounds)
     x = outputs[task._name(outputs)]
     if not isinstance(rows, slice):
         x = x.index_select(0, torch.as_tensor(row_ids(rows), device=x.device))
@@ -565,7 +574,9 @@ def select_on_device(task: DetectionTask, outputs: Mapping[str, Any], rows: Rows
     s = scores[f, a]
     c = classes[f, a]
     b = boxes[f, a]
-    xyxy = torch.cat([b[:, :2] - b[:, 2:] / 2, b[:, :2] + b[:, 2:] / 2], 1)
+    xyxy = torch.cat([b[:, :2] - b[:, 2:] / 2, b[:, :2] + b[:, 2:] / 2], 1).float()
+    win = torch.as_tensor(bounds, device=xyxy.device)[f]
+    xyxy = torch.minimum(torch.maximum(xyxy, win[:, [0, 1, 0, 1]]), win[:, [2, 3, 2, 3]])
     valid = torch.isfinite(xyxy).all(1) & torch.isfinite(s) & (xyxy[:, 2] > xyxy[:, 0]) \
         & (xyxy[:, 3] > xyxy[:, 1])
     dropped = int(f.numel() - int(valid.sum()))  # one sync, with the nonzero above
@@ -579,6 +590,12 @@ def select_on_device(task: DetectionTask, outputs: Mapping[str, Any], rows: Rows
                         f[keep, None].float(), a[keep, None].float()], 1).cpu().numpy()
     return task._topk(packed[:, 6].astype(np.int64), packed[:, :4], packed[:, 4],
                       packed[:, 5].astype(np.int64), packed[:, 7].astype(np.int64), dropped)
+
+
+def clipped(xyxy: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """Boxes ``[M, 4]`` (x1, y1, x2, y2) clipped to their frames' windows ``[M, 4]``, model input
+    pixels; NaN stays NaN (dropped as invalid)."""
+    return np.minimum(np.maximum(xyxy, bounds[:, [0, 1, 0, 1]]), bounds[:, [2, 3, 2, 3]])
 
 
 def row_ids(rows: Rows) -> np.ndarray:

@@ -49,6 +49,23 @@ class FrameMap:
         np.clip(out[:, 1::2], 0, self.height, out=out[:, 1::2])
         return out
 
+    def window(self) -> tuple[float, float, float, float]:
+        """The frame's extent in model input pixels (x1, y1, x2, y2): the part of the input the
+        frame fills (letterbox), all of it (stretch), or more than it (centre crop). A box
+        clipped to it is the box clipped to the frame."""
+        return (self.offset_x, self.offset_y, self.offset_x + self.width / self.scale_x,
+                self.offset_y + self.height / self.scale_y)
+
+    def on_frame(self, map_w: int, map_h: int, input_w: int, input_h: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        """(columns, rows) of a ``[map_h, map_w]`` map over the model input (any resolution
+        proportional to it) whose pixel centres lie on the frame: all but the letterbox
+        padding."""
+        x1, y1, x2, y2 = self.window()
+        u = (np.arange(map_w) + 0.5) * input_w / map_w
+        v = (np.arange(map_h) + 0.5) * input_h / map_h
+        return (u >= x1) & (u < x2), (v >= y1) & (v < y2)
+
     def mask(self, m: np.ndarray, input_w: int, input_h: int,
              window: tuple[int, int, int, int] | None = None) -> np.ndarray:
         """A ``[h, w]`` map over the model input (any resolution proportional to it: a prototype
@@ -88,6 +105,11 @@ class FrameMap:
         mx = (np.arange(x1, x2) + 0.5) / self.scale_x + self.offset_x
         my = (np.arange(y1, y2) + 0.5) / self.scale_y + self.offset_y
         return (mx >= 0) & (mx < input_w), (my >= 0) & (my < input_h)
+
+
+def windows(maps: Sequence[FrameMap]) -> np.ndarray:
+    """``[N, 4]`` float32: each frame's :meth:`FrameMap.window`."""
+    return np.asarray([m.window() for m in maps], dtype=np.float32).reshape(-1, 4)
 
 
 def frame_maps(spec: InputSpec, sizes: Sequence[Size] | None, n: int) -> list[FrameMap]:

@@ -346,9 +346,9 @@ class S3Target:
         metrics.CAPTURE_SPOOLED.set(self._spooled)
         return self.location(key)
 
-    def flush(self, budget_s: float = 1.0) -> None:
+    def flush(self, budget_s: float = 0.5) -> None:
         """Upload spooled images, oldest first, for up to ``budget_s`` (the capture thread calls
-        it when idle); after a failure, not again before the retry pause."""
+        it about once a second); after a failure, not again before the retry pause."""
         if self.spool is None or not self._spooled or time.monotonic() < self._next_try:
             return
         end = time.monotonic() + budget_s

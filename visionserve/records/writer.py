@@ -346,10 +346,13 @@ class Recorder:
         """The disk (or the database's limit) is full: make room, records first. The store's
         own slack, then our oldest captured images on the store's disk, and only then the
         oldest records. True when room was made (the batch is tried again at once)."""
-        size = self.store.size()
-        self.store.reclaim()
-        if self.store.size() < size:
-            return True
+        try:
+            size = self.store.size()
+            self.store.reclaim()
+            if self.store.size() < size:
+                return True
+        except StoreFault:
+            return False
         folder = self.store.folder
         spool = self.target.spool if isinstance(self.target, S3Target) else self.target
         if folder is not None and spool is not None:
@@ -412,16 +415,19 @@ class Recorder:
     def _capture_run(self) -> None:
         assert self.target is not None and self.policy is not None
         flush = getattr(self.target, "flush", None)
+        next_flush = 0.0
         try:
             while True:
                 stopping = self._stopping.is_set()
+                if flush is not None and not stopping and time.monotonic() >= next_flush:
+                    # spooled images: also under a steady stream of new ones
+                    self._guarded(flush)
+                    next_flush = time.monotonic() + IDLE_S
                 try:
                     item = self._captures.get(timeout=0.05 if stopping else IDLE_S)
                 except queue.Empty:
                     if stopping:
                         break
-                    if flush is not None:
-                        self._guarded(flush)
                     continue
                 if item is _WAKE:
                     continue
@@ -448,9 +454,10 @@ class Recorder:
         if not keep:
             metrics.CAPTURE_DROPPED.labels("shutdown").inc()
         else:
-            key = image_key(record, frame.kind)
-            kept = dataclasses.replace(record, image=self.target.location(key))
+            key = "?"
             try:
+                key = image_key(record, frame.kind)
+                kept = dataclasses.replace(record, image=self.target.location(key))
                 image = self.target.put(key, image_bytes(frame.kind, frame.data), sidecar(kept))
             except NoRoom as exc:
                 metrics.CAPTURE_DROPPED.labels("no_room").inc()

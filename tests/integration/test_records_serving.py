@@ -6,10 +6,15 @@ and shown, records resume once there is room); the PostgreSQL store against a re
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
+import re
 import shutil
+import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -184,15 +189,18 @@ def test_postgres_store_writes_reads_exports_and_retains(postgres_url):
 
 # --- S3 ------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def s3_endpoint(tmp_path_factory):
-    """moto's S3-compatible server on loopback (its own venv: tests/tools/setup_moto.sh), or a
-    skip saying why there is none."""
+def _moto_exe() -> Path:
+    """moto_server (its own venv: tests/tools/setup_moto.sh), or a skip saying why none."""
     exe = Path(os.environ.get("VISIONSERVE_MOTO_SERVER", REPO / ".work/moto-venv/bin/moto_server"))
     if not exe.exists():
         pytest.skip(f"no moto_server at {exe}: run tests/tools/setup_moto.sh")
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")  # noqa: SIM115
+    return exe
+
+
+@contextlib.contextmanager
+def _moto(exe: Path, port: int, folder: Path):
+    """moto's S3-compatible server on 127.0.0.1:``port`` while the block runs."""
+    log = open(folder / f"moto-{port}.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)], stdout=log,
                             stderr=subprocess.STDOUT)
     try:
@@ -202,6 +210,13 @@ def s3_endpoint(tmp_path_factory):
         proc.terminate()
         proc.wait(10)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint(tmp_path_factory):
+    """moto's S3-compatible server on loopback, or a skip saying why there is none."""
+    with _moto(_moto_exe(), free_port(), tmp_path_factory.mktemp("moto")) as endpoint:
+        yield endpoint
 
 
 def _listening(port: int) -> bool:
@@ -233,3 +248,173 @@ def test_captured_images_go_to_an_s3_bucket_with_their_record(server_factory, ti
     assert client.get_object("line3", name).read() == jpeg_bytes
     side = json.loads(client.get_object("line3", name + ".json").read())
     assert side["part_id"] == "S-1" and side["image"] == rec["image"]
+
+
+# --- data safety: a full disk, repeated ids, an unreachable bucket, a shared capture folder ----
+
+S3_CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_REGION": "us-east-1"}
+
+
+def _rows(db: Path, where: str = "1", args: tuple = ()) -> list[sqlite3.Row]:
+    c = sqlite3.connect(f"{db.as_uri()}?mode=ro", uri=True)
+    try:
+        c.row_factory = sqlite3.Row
+        return c.execute(f"SELECT * FROM records WHERE {where} ORDER BY id", args).fetchall()
+    finally:
+        c.close()
+
+
+def _noise_jpeg(seed: int, size: int = 96) -> bytes:
+    import cv2
+
+    img = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    return cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, 95])[1].tobytes()
+
+
+def _send_all(server, frames: list[tuple[str, bytes]], parallel: int = 8) -> list[int]:
+    async def run() -> list[int]:
+        gate = asyncio.Semaphore(parallel)
+        async with httpx.AsyncClient(timeout=60) as client:
+            async def one(part: str, body: bytes) -> int:
+                async with gate:
+                    r = await client.post(f"{server.url}/v1/models/tiny/inspect", content=body,
+                                          headers={"Content-Type": "image/jpeg",
+                                                   "X-Part-Id": part})
+                    return r.status_code
+            return list(await asyncio.gather(*(one(p, b) for p, b in frames)))
+
+    return asyncio.run(run())
+
+
+def test_a_full_disk_keeps_the_records_before_the_images_and_no_loss_is_silent(
+        request, server_factory, tiny_repo, tmp_path):
+    """--records --capture all on a 3 MiB file system, 700 frames of ~20 KB: the images fill it,
+    the server deletes its own oldest images and every record is written; then a burst and
+    SIGTERM at once: the records in SQLite plus the losses the server counted and logged are
+    every answered frame."""
+    disk = mount_disk(request, tmp_path, "full", "3m")
+    server = server_factory(tiny_repo, "--records", "--records-dir", str(disk.dir),
+                            "--capture", "all", "--frontends", "0", grpc=False)
+    frame = _noise_jpeg(0, 128)
+    assert len(frame) > 15_000
+    codes = _send_all(server, [(f"F-{i}", frame) for i in range(700)])
+    assert codes == [200] * 700
+    wait_for(lambda: _metric(server, "visionserve_records_written_total")
+             + _metric(server, "visionserve_records_dropped_total") >= 700, 60,
+             "every record written or counted")
+    assert _metric(server, "visionserve_captures_deleted_total") > 0  # the disk did fill
+    assert _metric(server, "visionserve_records_dropped_total") == 0
+    assert _metric(server, "visionserve_records_deleted_total") == 0
+    db = disk.dir / "records.sqlite"
+    assert len(_rows(db)) == 700
+    # written after the disk filled (older images make way for newer ones)
+    assert len(_rows(db, "part_id = ?", ("F-699",))) == 1
+    assert any((disk.dir / "captures" / row["image"]).exists() for row in _rows(db)[-20:])
+    # a burst, and SIGTERM as soon as it is answered: queued records are stored or counted
+    assert _send_all(server, [(f"B-{i}", frame) for i in range(100)], 16) == [200] * 100
+    assert server.stop(signal.SIGTERM) == 0
+    log = server.log()
+    m = re.search(r"records: .*since start (\d+) written, (\d+) lost, (\d+) deleted", log)
+    assert m, log[-3000:]
+    written, lost, deleted = map(int, m.groups())
+    assert len(_rows(db)) == written - deleted
+    assert len(_rows(db)) + lost + deleted == 800
+
+
+def test_repeated_ids_keep_each_answers_own_image_over_http_and_grpc(server_factory, tiny_repo,
+                                                                     tmp_path):
+    """Two different frames with the same part id and request id (a retry), and two gRPC calls
+    with the same request id (tritonclient's default is fixed): two images, and each record
+    points at its own frame's."""
+    import tritonclient.grpc as grpcclient
+
+    data = tmp_path / "data"
+    server = server_factory(tiny_repo, "--records", "--records-dir", str(data), "--capture", "all",
+                            "--frontends", "0")
+    frames = [_noise_jpeg(1, 64), _noise_jpeg(2, 64)]
+    answers = []
+    for body in frames:
+        r = httpx.post(f"{server.url}/v1/models/tiny/inspect", content=body, timeout=30,
+                       headers={"Content-Type": "image/jpeg", "X-Part-Id": "R-1",
+                                "X-Request-Id": "retry-1"})
+        assert r.status_code == 200, r.text
+        answers.append(r.json())
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    for body in frames:
+        inp = grpcclient.InferInput("image", [1], "BYTES")
+        inp.set_data_from_numpy(np.array([body], dtype=object))
+        client.infer("tiny", [inp], request_id="same", parameters={"part_id": "G-1"})
+    db = data / "records.sqlite"
+    for part, rid in (("R-1", "retry-1"), ("G-1", "same")):
+        rows = wait_for(lambda part=part: len(r := _rows(db, "part_id = ?", (part,))) == 2 and r,
+                        20, f"both records of {part}")
+        assert [row["request_id"] for row in rows] == [rid, rid]
+        images = [row["image"] for row in rows]
+        assert None not in images and images[0] != images[1]
+        assert {(data / "captures" / img).read_bytes() for img in images} == set(frames)
+        # each record's image is the frame its result came from
+        for row in rows:
+            body = (data / "captures" / row["image"]).read_bytes()
+            i = frames.index(body)
+            assert json.loads(row["result"])["scores"] == pytest.approx(answers[i]["scores"],
+                                                                       abs=1e-4)
+
+
+def test_the_capture_quota_deletes_only_the_servers_own_images(server_factory, tiny_repo,
+                                                               tmp_path):
+    folder = tmp_path / "captures"
+    (folder / "golden").mkdir(parents=True)
+    (folder / "notes.txt").write_text("camera 3: lens cleaned 2026-11-30")
+    (folder / "golden" / "reference.png").write_bytes(b"\x89PNG" + b"g" * 40_000)
+    server = server_factory(tiny_repo, "--records", "--records-dir", str(tmp_path / "data"),
+                            "--capture", "all", "--capture-target", str(folder),
+                            "--capture-quota", "60000", "--frontends", "0", grpc=False)
+    frame = _noise_jpeg(3, 64)
+    assert _send_all(server, [(f"Q-{i}", frame) for i in range(12)], 1) == [200] * 12
+    wait_for(lambda: len(_rows(tmp_path / "data" / "records.sqlite")) == 12, 20, "the records")
+    assert _metric(server, "visionserve_captures_deleted_total") > 0
+    assert (folder / "notes.txt").read_text() == "camera 3: lens cleaned 2026-11-30"
+    assert (folder / "golden" / "reference.png").stat().st_size == 40_004
+    kept = [p for p in folder.glob("*/*.jpg")]
+    assert 0 < len(kept) < 12
+
+
+def test_an_unreachable_bucket_never_leaves_a_record_pointing_at_nothing(
+        server_factory, tiny_repo, tmp_path):
+    """The S3 endpoint is a closed loopback port: each image waits in the local spool, and the
+    record names where it will be uploaded; with moto_server, once it answers, the spooled
+    images are uploaded and the spool empties."""
+    port = free_port()  # nothing listens there
+    data = tmp_path / "data"
+    server = server_factory(tiny_repo, "--records", "--records-dir", str(data), "--capture", "all",
+                            "--capture-target", "s3://line3/captures", "--capture-s3-endpoint",
+                            f"http://127.0.0.1:{port}", "--frontends", "0", grpc=False,
+                            env=S3_CREDS)
+    frames = {f"U-{i}": _noise_jpeg(10 + i, 64) for i in range(3)}
+    assert _send_all(server, list(frames.items()), 1) == [200] * 3
+    db = data / "records.sqlite"
+    rows = wait_for(lambda: len(r := _rows(db)) == 3 and r, 20, "the records")
+    spool = data / "capture-spool"
+    for row in rows:
+        assert row["image"].startswith("s3://line3/captures/")
+        key = row["image"].removeprefix("s3://line3/captures/")
+        assert (spool / key).read_bytes() == frames[row["part_id"]]  # stored, to be uploaded
+    assert _metric(server, "visionserve_capture_spooled") == 3
+    assert "cannot be reached" in server.log()
+    exe = _moto_exe()  # the rest needs a server that comes back
+    import minio
+
+    with _moto(exe, port, tmp_path) as endpoint:
+        client = minio.Minio(endpoint.split("//")[1], access_key="testing", secret_key="testing",
+                             secure=False, region="us-east-1")
+        client.make_bucket("line3")
+        wait_for(lambda: _metric(server, "visionserve_capture_spooled") == 0, 120,
+                 "the spool uploaded")
+        for row in rows:
+            name = row["image"].removeprefix("s3://line3/")
+            assert client.get_object("line3", name).read() == frames[row["part_id"]]
+            assert json.loads(client.get_object("line3", name + ".json").read())["image"] == \
+                row["image"]
+        assert not list(spool.rglob("*.jpg"))
+        assert "answers again" in server.log()

@@ -14,14 +14,15 @@ import pytest
 
 
 class Disk:
-    """A folder on a file system of its own: ``full`` (a 4 MiB tmpfs, filled on :meth:`fail`)
-    or ``readonly`` (a bind mount, remounted read-only on :meth:`fail`)."""
+    """A folder on a file system of its own: ``full`` (a tmpfs of ``size``, 4 MiB by default,
+    filled on :meth:`fail`, or by what the test writes) or ``readonly`` (a bind mount, remounted
+    read-only on :meth:`fail`)."""
 
-    def __init__(self, root: Path, kind: str) -> None:
+    def __init__(self, root: Path, kind: str, size: str = "4m") -> None:
         self.kind, self.dir = kind, root / "disk"
         self.dir.mkdir()
         if kind == "full":
-            self._mount("-t", "tmpfs", "-o", "size=4m", "tmpfs", str(self.dir))
+            self._mount("-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(self.dir))
         else:
             (root / "backing").mkdir()
             self._mount("--bind", str(root / "backing"), str(self.dir))
@@ -68,12 +69,12 @@ class Disk:
             self.mounted = False
 
 
-def mount_disk(request, tmp_path: Path, kind: str) -> Disk:
+def mount_disk(request, tmp_path: Path, kind: str, size: str = "4m") -> Disk:
     """A Disk of ``kind`` for this test (unmounted after it), or a skip saying why none."""
     if os.geteuid() != 0:
         pytest.skip("needs root to mount a file system that can fail")
     try:
-        d = Disk(tmp_path, kind)
+        d = Disk(tmp_path, kind, size)
     except OSError as exc:
         pytest.skip(f"cannot mount here: {exc}")
     request.addfinalizer(d.close)

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import time
 from argparse import Namespace
 from pathlib import Path
@@ -203,6 +204,84 @@ async def test_a_store_that_refuses_is_counted_and_its_records_written_once_it_w
         await asyncio.to_thread(rec.close)
 
 
+def _refusing(store: SqliteStore, refuse, cause: str = "attempt to write a readonly database"):
+    """``store`` whose writes raise StoreFault(``cause``) while ``refuse(records)`` is true."""
+    real_write = store.write
+
+    def write(records):
+        if refuse(records):
+            raise StoreFault(store.where, cause)
+        real_write(records)
+
+    store.write = write  # type: ignore[method-assign]
+    return store
+
+
+async def _answer(rec: Recorder, part: str, n: int = 1, verdict: str = "NG") -> None:
+    items = _pending(n)
+    rec.watch(SERVED, items, (part, None, None))
+    for it in items:
+        it.future.set_result(_result() if verdict == "NG" else _result("OK", (0.95, 0.03, 0.02)))
+    await asyncio.sleep(0)
+
+
+async def test_a_batch_the_store_keeps_refusing_is_dropped_counted_and_logged(tmp_path,
+                                                                             monkeypatch, caplog):
+    """Bounded retry: a batch refused for GIVE_UP_S is counted lost and logged, and the records
+    after it are written (they do not starve behind it)."""
+    from visionserve.records import writer
+
+    monkeypatch.setattr(writer, "GIVE_UP_S", 0.5)
+    monkeypatch.setattr(writer, "RETRY_MIN_S", 0.05)
+    store = _refusing(SqliteStore(tmp_path / "r.sqlite"),
+                      lambda records: any(r.part_id == "bad" for r in records))
+    before = metric("visionserve_records_dropped_total", reason="store_fault")
+    rec = Recorder(store, max_age_s=1e9, max_bytes=1 << 30)
+    rec.start()
+    try:
+        await _answer(rec, "bad", 3)
+        wait_for(lambda: metric("visionserve_records_dropped_total", reason="store_fault")
+                 - before == 3, 10, "the refused batch counted")
+        await _answer(rec, "good", 2)
+        wait_for(lambda: len(store.history("good")) == 2, 10, "the next records written")
+    finally:
+        await asyncio.to_thread(rec.close)
+    assert "records: 3 records are lost" in caplog.text and rec.lost == 3
+
+
+async def test_a_full_disk_deletes_captured_images_before_any_record(tmp_path, monkeypatch):
+    """Records come before images: the store finds its disk full, the writer deletes the
+    server's oldest captures on that disk (not records) and the batch is written at once."""
+    target = FolderTarget(tmp_path / "cap", 1 << 30)
+    old = _record(time.time() - 60, part="old")
+    for _ in range(4):
+        target.put(image_key(old, "jpeg"), b"x" * 1000, b"{}")
+    # the disk as the records see it: full, and the records' share not free
+    monkeypatch.setattr(FolderTarget, "_room", lambda self: (0, 1500))
+    store = _refusing(SqliteStore(tmp_path / "r.sqlite"),
+                      lambda records: len(target.images()) == 4, "database or disk is full")
+    rec = Recorder(store, max_age_s=1e9, max_bytes=1 << 30, policy=Policy("ng"), target=target)
+    rec.start()
+    try:
+        await _answer(rec, "P-1", 2, "OK")  # answered OK: not captured
+        wait_for(lambda: len(store.history("P-1")) == 2, 10, "the records written")
+    finally:
+        await asyncio.to_thread(rec.close)
+    assert len(target.images()) < 4 and rec.deleted == 0 and rec.lost == 0
+
+
+async def test_close_counts_and_logs_every_record_it_could_not_store(tmp_path, caplog):
+    store = _refusing(SqliteStore(tmp_path / "r.sqlite"), lambda records: True)
+    before = metric("visionserve_records_dropped_total", reason="shutdown")
+    rec = Recorder(store, max_age_s=1e9, max_bytes=1 << 30)
+    rec.start()
+    await _answer(rec, "P-1", 5)
+    wait_for(lambda: rec.fault is not None, 10, "the fault")
+    await asyncio.to_thread(rec.close, 0.5)
+    assert metric("visionserve_records_dropped_total", reason="shutdown") - before == 5
+    assert "records: 5 records lost at shutdown" in caplog.text
+
+
 # --- capture -------------------------------------------------------------------------------------
 
 def test_the_capture_policies_pick_what_they_say():
@@ -223,13 +302,35 @@ def test_the_capture_policies_pick_what_they_say():
 def test_the_capture_folder_stays_under_its_quota_oldest_first(tmp_path):
     target = FolderTarget(tmp_path / "cap", quota=10_000)
     for i in range(12):
-        target.put(f"2026-12-0{1 + i // 6}/p{i}.jpg", b"x" * 1000, b"{}")
-        os.utime(tmp_path / "cap" / f"2026-12-0{1 + i // 6}/p{i}.jpg", (1000 + i, 1000 + i))
-    kept = sorted(p.name for p in (tmp_path / "cap").rglob("*.jpg"))
+        key = f"2026-12-0{1 + i // 6}/p{i}.{i:012x}.jpg"
+        target.put(key, b"x" * 1000, b"{}")
+        os.utime(tmp_path / "cap" / key, (1000 + i, 1000 + i))
+    kept = sorted(p.name.split(".")[0] for p in (tmp_path / "cap").rglob("*.jpg"))
     total = sum(p.stat().st_size for p in (tmp_path / "cap").rglob("*") if p.is_file())
     assert total <= 10_000 and target.used == total
-    assert "p11.jpg" in kept and "p0.jpg" not in kept
+    assert "p11" in kept and "p0" not in kept
     assert metric("visionserve_captures_deleted_total") >= 3
+
+
+def test_the_quota_deletes_only_the_servers_own_captures(tmp_path):
+    """A capture folder that also holds an engineer's notes and golden images: the quota deletes
+    the server's oldest images, never those (nor their folder), and does not count them."""
+    cap = tmp_path / "cap"
+    (cap / "golden").mkdir(parents=True)
+    (cap / "notes.txt").write_text("line 3 camera notes")
+    (cap / "golden" / "reference.png").write_bytes(b"\x89PNG" + b"g" * 5000)
+    (cap / "2026-12-01").mkdir()
+    (cap / "2026-12-01" / "by-hand.jpg").write_bytes(b"h" * 3000)  # not a name the server writes
+    target = FolderTarget(cap, quota=5_000)
+    assert target.used == 0
+    rec = _record(time.time(), part="Q-1")
+    for _ in range(12):
+        target.put(image_key(rec, "jpeg"), b"x" * 1000, b"{}")
+    assert (cap / "notes.txt").read_text() == "line 3 camera notes"
+    assert (cap / "golden" / "reference.png").stat().st_size == 5004
+    assert (cap / "2026-12-01" / "by-hand.jpg").exists()
+    ours = list(cap.glob("*/Q-1*.jpg"))
+    assert 0 < len(ours) < 12 and target.used <= 5_000
 
 
 async def test_captured_frames_are_the_bytes_received_with_their_record_beside(tmp_path):
@@ -248,8 +349,8 @@ async def test_captured_frames_are_the_bytes_received_with_their_record_beside(t
         await asyncio.to_thread(rec.close)
     (image,) = (tmp_path / "cap").rglob("*.jpg")
     assert image.read_bytes() == JPEG
-    assert image.name == "P_7_x.jpg" and image.parent.name == time.strftime("%Y-%m-%d",
-                                                                             time.gmtime())
+    assert image.name.startswith("P_7_x.") and image.parent.name == time.strftime(
+        "%Y-%m-%d", time.gmtime())
     side = json.loads(image.with_name(image.name + ".json").read_text())
     assert side["part_id"] == "P/7 x" and side["verdict"] == "NG" and side["image"] == \
         f"{image.parent.name}/{image.name}"
@@ -257,11 +358,13 @@ async def test_captured_frames_are_the_bytes_received_with_their_record_beside(t
     assert records["NG"].image == side["image"] and records["OK"].image is None
 
 
-def test_image_keys_are_unique_per_request_and_frame():
+def test_image_keys_are_unique_per_answer_even_when_ids_repeat():
     r = _record(0.0, part="A-1")
-    assert image_key(r, "jpeg") == "1970-01-01/A-1_rid.jpg"
-    assert image_key(dataclasses.replace(r, part_id=None, frame_index=2), "raw") == \
-        "1970-01-01/rid-2.npy"
+    keys = {image_key(r, "jpeg") for _ in range(1000)}  # a retry: same part, same request id
+    assert len(keys) == 1000
+    assert all(re.fullmatch(r"1970-01-01/A-1_rid\.[0-9a-f]{12}\.jpg", k) for k in keys)
+    assert re.fullmatch(r"1970-01-01/rid-2\.[0-9a-f]{12}\.npy",
+                        image_key(dataclasses.replace(r, part_id=None, frame_index=2), "raw"))
 
 
 # --- export --------------------------------------------------------------------------------------

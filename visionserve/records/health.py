@@ -138,7 +138,9 @@ def check_capture(settings: ServerSettings | None) -> Finding:
     if read_only:
         return ("fail", f"{root} is on a read-only file system: no image is kept",
                 "remount it read-write, or point capture_target at a writable disk")
-    used = sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.exists() else 0
+    from .capture import FolderTarget
+
+    used = FolderTarget(root, quota).used if root.exists() else 0  # the server's own images
     detail = f"{root}: {_gib(used)} of capture_quota {_gib(quota)}, {_gib(free)} free"
     if free < quota - used:
         return ("warn", detail + "; the disk fills before the quota: the oldest images are "

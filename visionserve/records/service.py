@@ -63,4 +63,5 @@ async def records_running(engine, settings: ServerSettings):
         engine.untap(recorder)
         import asyncio
 
-        await asyncio.to_thread(recorder.close)
+        # what is queued is stored within the drain time; what is not is counted and logged
+        await asyncio.to_thread(recorder.close, max(1.0, settings.drain_timeout_s))

@@ -92,6 +92,14 @@ class RecordStore(ABC):
     def close(self) -> None:
         """Release the writer's connection (reads open their own)."""
 
+    @property
+    def folder(self) -> Path | None:
+        """The folder the store's files are in (None: a database server's)."""
+        return None
+
+    def reclaim(self) -> None:
+        """On a full disk: give back the space the store holds beyond its records, if any."""
+
 
 def open_store(url: str | None, folder: Path) -> RecordStore:
     """The store a settings' ``records_url`` names (None: ``records.sqlite`` in ``folder``)."""
@@ -202,6 +210,18 @@ class SqliteStore(RecordStore):
             except sqlite3.Error:
                 pass
         self._conn = self._inode = None
+
+    @property
+    def folder(self) -> Path:
+        return self.path.parent
+
+    def reclaim(self) -> None:
+        """Copy the WAL into the database and truncate it (the WAL only shrinks at a checkpoint:
+        on a small disk it can hold much of the space)."""
+        try:
+            self._writer().execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        except (sqlite3.Error, StoreFault):
+            self.close()
 
     def _tx(self, statements) -> None:
         """Run ``statements(connection)`` in one write transaction; StoreFault when the file or

@@ -10,14 +10,22 @@ One thread, the writer, takes the tuples, makes the records (the task renders it
 inspect answer's fields, here and not on the loop), and appends them in batches, one transaction
 each (up to ``BATCH_MAX`` records, or what came within ``BATCH_WINDOW_S`` of the first). When the
 store refuses (disk full, read-only, deleted, database down) the batch is kept and tried again
-with a growing pause; records wait in the queue meanwhile and, past it, are dropped and counted.
-The fault is logged when it starts, every ``FAULT_LOG_S`` while it lasts, and when it ends, and
-``visionserve_records_store_fault`` reads 1 while it lasts. Retention runs in the same thread
-every ``RETAIN_EVERY_S``.
+with a growing pause, for up to ``GIVE_UP_S``; then it is dropped, counted and logged, and the
+writer goes on with the next. A full disk is met by making room, records first: the store's own
+slack (SQLite's WAL), then the server's oldest captured images on that disk, and only then the
+oldest records. The fault is logged when it starts, every ``FAULT_LOG_S`` while it lasts, and
+when it ends, and ``visionserve_records_store_fault`` reads 1 while it lasts. Retention runs in
+the same thread every ``RETAIN_EVERY_S``.
 
 Frames the capture policy picks (decided on the loop, from the verdict and the task's margin:
 the frame's bytes are only kept for those) go, with their record, to a second bounded queue and
-thread, so a slow bucket or disk never holds up the records.
+thread, so a slow bucket or disk never holds up the other records. That thread stores the image
+first and then hands the record on to the writer, naming the image only if it was stored: a
+record never points at an image that is not there.
+
+At :meth:`Recorder.close` (shutdown) both threads store what is queued within the given time
+(images get the first half of it; after that, records go on without their image); every record
+that could not be stored is counted (``reason="shutdown"``) and one line says how many.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from typing import Any
 from .. import imaging
 from ..logs import request_id
 from . import metrics
-from .capture import FolderTarget, Policy, S3Target, image_bytes, image_key, sidecar
+from .capture import FolderTarget, NoRoom, Policy, S3Target, image_bytes, image_key, sidecar
 from .record import Record
 from .store import RecordStore, StoreFault
 
@@ -47,10 +55,21 @@ RETAIN_EVERY_S = 600.0
 FAULT_LOG_S = 60.0
 RETRY_MIN_S = 0.5
 RETRY_MAX_S = 30.0
-#: on close, how long the writer may take to store what is queued
+#: a batch the store refuses this long is dropped (counted, logged): the next ones get their turn
+GIVE_UP_S = 120.0
+#: on close, how long the writer may take to store what is queued (the server passes its drain
+#: time)
 CLOSE_TIMEOUT_S = 10.0
+#: past the close time, how long a store call in progress (SQLite's busy wait, a database
+#: connect) may still take before what remains is counted lost
+STUCK_GRACE_S = 6.0
+#: how long the capture thread waits for room in the writer's queue before dropping a record
+FORWARD_WAIT_S = 1.0
+#: the capture thread's idle poll (when it uploads spooled images)
+IDLE_S = 1.0
 
-_STOP = object()
+#: put into the queues at close: wakes a thread that waits on them
+_WAKE = object()
 
 
 class Recorder:
@@ -64,17 +83,28 @@ class Recorder:
         self.store = store
         self.max_age_s, self.max_bytes = max_age_s, max_bytes
         self.retain_every_s = retain_every_s
+        #: answered frames (tuples) and, from the capture thread, finished records
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self.policy = policy if policy is not None and policy.active and target else None
         self.target = target if self.policy is not None else None
         self._captures: queue.Queue = queue.Queue(maxsize=capture_queue)
         self._put = self._queue.put_nowait
-        self._dropped = metrics.DROPPED.labels("queue_full")
         self._threads: list[threading.Thread] = []
         #: the store's refusal while it lasts (doctor and tests read it)
         self.fault: StoreFault | None = None
         self._fault_since = self._fault_logged = 0.0
-        self._capture_fault_logged = 0.0
+        self._capture_fault_logged = self._room_fault_logged = 0.0
+        self._retry_now = False
+        # shutdown: set by close(); the capture thread takes no frame once it has closed
+        self._stopping = threading.Event()
+        self._capture_done = threading.Event()
+        self._capture_lock = threading.Lock()
+        self._capture_closed = False
+        self._deadline = self._capture_deadline = math.inf
+        self._in_flight = 0  # the writer's batch now (for close, should the writer hang)
+        #: since start: records written, lost (every reason) and deleted by retention
+        self._count_lock = threading.Lock()
+        self.written = self.lost = self.deleted = 0
         metrics.QUEUE_DEPTH.set_function(self._queue.qsize)
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -84,20 +114,47 @@ class Recorder:
         if self.policy is not None:
             self._threads.append(threading.Thread(target=self._capture_run, name="capture",
                                                   daemon=True))
+        else:
+            self._capture_done.set()
         for t in self._threads:
             t.start()
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
-        """Store what is queued (within ``timeout_s``), then stop the threads."""
-        deadline = time.monotonic() + timeout_s
+        """Store what is queued (within ``timeout_s``), then stop the threads; what could not be
+        stored is counted lost, and one line says how many."""
+        now = time.monotonic()
+        self._deadline, self._capture_deadline = now + timeout_s, now + timeout_s / 2
+        lost_before = self.lost
+        self._stopping.set()
         for q in (self._queue, self._captures):
             try:
-                q.put(_STOP, timeout=max(0.0, deadline - time.monotonic()))
+                q.put_nowait(_WAKE)
             except queue.Full:
-                log.warning("records: %d records still queued at shutdown are dropped",
-                            q.qsize())
+                pass  # a full queue wakes its thread anyway
         for t in self._threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+            t.join(max(0.0, self._deadline + STUCK_GRACE_S - time.monotonic()))
+        stuck = [t.name for t in self._threads if t.is_alive()]
+        # what no thread will store now: the writer's batch if it hangs, and what is queued
+        left = self._in_flight if "records" in stuck else 0
+        for q in (self._queue, self._captures):
+            while True:
+                try:
+                    item = q.get_nowait()
+                except queue.Empty:
+                    break
+                left += item is not _WAKE
+        if left:
+            self._lose(left, "shutdown")
+        lost = self.lost - lost_before
+        if lost:
+            log.error("records: %d records lost at shutdown: not stored within %.1f s%s "
+                      "(visionserve_records_dropped_total); since start %d written, %d lost, %d "
+                      "deleted by retention", lost, timeout_s,
+                      f", {' and '.join(stuck)} thread hung" if stuck else "", self.written,
+                      self.lost, self.deleted)
+        else:
+            log.info("records: stopped, every queued record stored; since start %d written, %d "
+                     "lost, %d deleted by retention", self.written, self.lost, self.deleted)
         self.store.close()
 
     # --- engine side (its event loop): one callback and one put per frame ------------------------
@@ -132,7 +189,12 @@ class Recorder:
         try:
             self._put(item)
         except queue.Full:
-            self._dropped.inc()
+            self._lose(1, "queue_full")
+
+    def _lose(self, n: int, reason: str) -> None:
+        metrics.DROPPED.labels(reason).inc(n)
+        with self._count_lock:
+            self.lost += n
 
     # --- the writer thread ---------------------------------------------------------------------
 
@@ -140,43 +202,68 @@ class Recorder:
         self._retain()
         next_retain = time.monotonic() + self.retain_every_s
         pending: list[Record] = []
-        stopping = False
-        while not (stopping and not pending):
+        failing_since = 0.0
+        while True:
+            stopping = self._stopping.is_set()
             if not pending:
-                stopping = self._collect(pending, max(0.0, next_retain - time.monotonic()))
+                if stopping and self._capture_done.is_set() and self._queue.empty():
+                    return
+                self._collect(pending, 0.05 if stopping else
+                              max(0.0, next_retain - time.monotonic()))
+                self._in_flight = len(pending)
             if pending:
                 if self._write(pending):
-                    pending = []
-                elif stopping:
-                    metrics.DROPPED.labels("store_fault").inc(len(pending))
-                    log.error("records: %d records could not be stored before shutdown (%s)",
-                              len(pending), self.fault.cause if self.fault else "?")
-                    pending = []
+                    pending, failing_since = [], 0.0
+                    self._in_flight = 0
+                    continue
+                now = time.monotonic()
+                failing_since = failing_since or now
+                if stopping and now >= self._deadline:
+                    self._give_up(pending, "shutdown")
+                    return  # close() counts what is still queued
+                if now - failing_since >= GIVE_UP_S:
+                    self._give_up(pending, "store_fault")
+                    pending, failing_since = [], 0.0
+                elif self._retry_now:
+                    self._retry_now = False
                 else:  # the store refuses: the batch waits, so does the queue
-                    time.sleep(self._backoff())
+                    pause = self._backoff()
+                    if stopping:
+                        pause = min(pause, max(0.0, self._deadline - now), 0.5)
+                        time.sleep(pause)
+                    else:
+                        self._stopping.wait(pause)  # close() ends the pause
             if time.monotonic() >= next_retain and self.fault is None:
                 self._retain()
                 next_retain = time.monotonic() + self.retain_every_s
 
-    def _collect(self, out: list[Record], wait_s: float) -> bool:
-        """Take a batch from the queue into ``out``; True when told to stop."""
+    def _give_up(self, batch: list[Record], reason: str) -> None:
+        self._lose(len(batch), reason)
+        log.error("records: %d records are lost: the store refused them for %.0f s (%s)%s",
+                  len(batch), time.monotonic() - self._fault_since,
+                  self.fault.cause if self.fault else "?",
+                  " and the server is shutting down" if reason == "shutdown" else
+                  "; the writer goes on with the next ones")
+        self._in_flight = 0
+
+    def _collect(self, out: list[Record], wait_s: float) -> None:
+        """Take a batch from the queue into ``out``."""
         try:
             item = self._queue.get(timeout=max(0.01, wait_s))
         except queue.Empty:
-            return False
+            return
         end = time.monotonic() + BATCH_WINDOW_S
         while True:
-            if item is _STOP:
-                return True
-            record = self._record(item)
-            if record is not None:
+            # a finished record back from the capture thread, or an answered frame
+            record = item if isinstance(item, Record) or item is _WAKE else self._record(item)
+            if isinstance(record, Record):
                 out.append(record)
             if len(out) >= BATCH_MAX:
-                return False
+                return
             try:
                 item = self._queue.get(timeout=max(0.0, end - time.monotonic()))
             except queue.Empty:
-                return False
+                return
 
     def _record(self, item: tuple) -> Record | None:
         wall, served, origin, rid, index, r, exc, total_s, frame = item
@@ -203,10 +290,10 @@ class Recorder:
                     {"total_ms": round(total_s * 1000, 3)}, rid, index, f"{kind}: {message}")
         except Exception:
             log.exception("records: a record of model %s could not be made", served.name)
-            metrics.DROPPED.labels("error").inc()
+            self._lose(1, "error")
             return None
         if frame is not None:
-            record = self._capture(record, frame)
+            return self._capture(record, frame)
         return record
 
     def _write(self, batch: list[Record]) -> bool:
@@ -216,13 +303,15 @@ class Recorder:
             metrics.STORE_ERRORS.inc()
             self._failed(exc)
             if exc.full:
-                self._make_room()
+                self._retry_now = self._make_room()
             return False
         except Exception:  # a bug, not the store's state: retrying cannot help
             log.exception("records: %d records could not be written", len(batch))
-            metrics.DROPPED.labels("error").inc(len(batch))
+            self._lose(len(batch), "error")
             return True
         metrics.WRITTEN.inc(len(batch))
+        with self._count_lock:
+            self.written += len(batch)
         self._recovered()
         return True
 
@@ -231,8 +320,9 @@ class Recorder:
         if self.fault is None:
             self._fault_since = self._fault_logged = now
             metrics.STORE_FAULT.set(1)
-            log.error("records: %s. Inference goes on; records wait in the queue (%d places) and "
-                      "past it are dropped (visionserve_records_dropped_total)", exc.message,
+            log.error("records: %s. Inference goes on; the batch is retried for up to %.0f s, "
+                      "records wait in the queue (%d places); what is dropped is counted "
+                      "(visionserve_records_dropped_total) and logged", exc.message, GIVE_UP_S,
                       self._queue.maxsize)
         elif now - self._fault_logged >= FAULT_LOG_S:
             self._fault_logged = now
@@ -252,17 +342,43 @@ class Recorder:
         held = time.monotonic() - self._fault_since
         return min(RETRY_MAX_S, max(RETRY_MIN_S, held / 2))
 
-    def _make_room(self) -> None:
-        """The disk (or the database's limit) is full below ``max_bytes``: delete the oldest
-        records, so new ones fit where old ones were."""
+    def _make_room(self) -> bool:
+        """The disk (or the database's limit) is full: make room, records first. The store's
+        own slack, then our oldest captured images on the store's disk, and only then the
+        oldest records. True when room was made (the batch is tried again at once)."""
         try:
             size = self.store.size()
-            deleted = self.store.retain(self.max_age_s, min(self.max_bytes, int(size * 0.8)))
+            self.store.reclaim()
+            if self.store.size() < size:
+                return True
         except StoreFault:
-            return
+            return False
+        folder = self.store.folder
+        spool = self.target.spool if isinstance(self.target, S3Target) else self.target
+        if folder is not None and spool is not None:
+            freed = spool.free_for_records(folder)
+            if freed:
+                log.warning("records: the disk of %s is full: deleted captured images (%d "
+                            "bytes) to make room for the records", self.store.where, freed)
+                return True
+        try:
+            deleted = self.store.retain(self.max_age_s, min(self.max_bytes, int(size * 0.8)))
+        except StoreFault as exc:
+            now = time.monotonic()
+            if now - self._room_fault_logged >= FAULT_LOG_S:
+                self._room_fault_logged = now
+                log.error("records: the store is full and deleting its oldest records failed "
+                          "too (%s): no room could be made (logged once a minute)", exc.cause)
+            return False
         if deleted:
-            metrics.DELETED.inc(deleted)
+            self._deleted(deleted)
             log.warning("records: the store is full; deleted the %d oldest records", deleted)
+        return bool(deleted)
+
+    def _deleted(self, n: int) -> None:
+        metrics.DELETED.inc(n)
+        with self._count_lock:
+            self.deleted += n
 
     def _retain(self) -> None:
         try:
@@ -276,44 +392,100 @@ class Recorder:
             log.exception("records: retention failed")
             return
         if deleted:
-            metrics.DELETED.inc(deleted)
+            self._deleted(deleted)
             log.info("records: retention deleted %d records", deleted)
 
     # --- capture -------------------------------------------------------------------------------
 
-    def _capture(self, record: Record, frame: Any) -> Record:
-        """Hand the frame to the capture thread; the record names where it goes (if there was
-        room in the capture queue)."""
-        assert self.target is not None and self.policy is not None
-        key = image_key(record, frame.kind)
-        kept = dataclasses.replace(record, image=self.target.location(key))
-        try:
-            self._captures.put_nowait((kept, key, frame))
-        except queue.Full:
-            metrics.CAPTURE_DROPPED.labels("queue_full").inc()
-            return record
-        return kept
+    def _capture(self, record: Record, frame: Any) -> Record | None:
+        """Hand the frame and its record to the capture thread, which hands the record back
+        once the image is stored (None here); the record itself when there is no room in the
+        capture queue, or capture has closed."""
+        with self._capture_lock:
+            if self._capture_closed:
+                metrics.CAPTURE_DROPPED.labels("shutdown").inc()
+                return record
+            try:
+                self._captures.put_nowait((record, frame))
+            except queue.Full:
+                metrics.CAPTURE_DROPPED.labels("queue_full").inc()
+                return record
+        return None
 
     def _capture_run(self) -> None:
         assert self.target is not None and self.policy is not None
-        captured = metrics.CAPTURED.labels(self.policy.mode)
-        while True:
-            item = self._captures.get()
-            if item is _STOP:
-                return
-            record, key, frame = item
+        flush = getattr(self.target, "flush", None)
+        next_flush = 0.0
+        try:
+            while True:
+                stopping = self._stopping.is_set()
+                if flush is not None and not stopping and time.monotonic() >= next_flush:
+                    # spooled images: also under a steady stream of new ones
+                    self._guarded(flush)
+                    next_flush = time.monotonic() + IDLE_S
+                try:
+                    item = self._captures.get(timeout=0.05 if stopping else IDLE_S)
+                except queue.Empty:
+                    if stopping:
+                        break
+                    continue
+                if item is _WAKE:
+                    continue
+                record, frame = item
+                self._store_image(record, frame, time.monotonic() < self._capture_deadline)
+            with self._capture_lock:
+                self._capture_closed = True
+            while True:  # what came in meanwhile: its records, without their image
+                try:
+                    item = self._captures.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not _WAKE:
+                    record, frame = item
+                    self._store_image(record, frame, keep=False)
+        finally:
+            self._capture_done.set()
+
+    def _store_image(self, record: Record, frame: Any, keep: bool) -> None:
+        """Store the image (``keep``) and hand its record to the writer, naming the image only
+        if it is stored."""
+        assert self.target is not None and self.policy is not None
+        image = None
+        if not keep:
+            metrics.CAPTURE_DROPPED.labels("shutdown").inc()
+        else:
+            key = "?"
             try:
-                self.target.put(key, image_bytes(frame.kind, frame.data), sidecar(record))
+                key = image_key(record, frame.kind)
+                kept = dataclasses.replace(record, image=self.target.location(key))
+                image = self.target.put(key, image_bytes(frame.kind, frame.data), sidecar(kept))
+            except NoRoom as exc:
+                metrics.CAPTURE_DROPPED.labels("no_room").inc()
+                self._capture_failed(key, exc)
             except Exception as exc:  # noqa: BLE001 - a full or gone target must not stop capture
                 metrics.CAPTURE_DROPPED.labels("error").inc()
-                now = time.monotonic()
-                if now - self._capture_fault_logged >= FAULT_LOG_S:
-                    self._capture_fault_logged = now
-                    log.error("capture: %s could not be written to %s: %s (logged once a "
-                              "minute; visionserve_captures_dropped_total counts them)", key,
-                              self.target.where, exc)
-                continue
-            captured.inc()
+                self._capture_failed(key, exc)
+            else:
+                metrics.CAPTURED.labels(self.policy.mode).inc()
+        try:
+            self._queue.put(dataclasses.replace(record, image=image), timeout=FORWARD_WAIT_S)
+        except queue.Full:
+            self._lose(1, "queue_full")
+
+    def _capture_failed(self, key: str, exc: BaseException) -> None:
+        now = time.monotonic()
+        if now - self._capture_fault_logged >= FAULT_LOG_S:
+            self._capture_fault_logged = now
+            assert self.target is not None
+            log.error("capture: %s could not be written to %s: %s; its record names no image "
+                      "(logged once a minute; visionserve_captures_dropped_total counts them)",
+                      key, self.target.where, exc)
+
+    def _guarded(self, fn) -> None:
+        try:
+            fn()
+        except Exception:  # a bug: logged, and the capture thread keeps running
+            log.exception("capture: uploading the spooled images failed")
 
 
 def _request_id() -> str | None:

@@ -362,3 +362,43 @@ def test_plc_servers_run_apart_judge_a_frozen_server_and_die_with_it(tiny_repo, 
     finally:
         plc.close()
         s.server.stop()
+
+
+def test_idle_connections_make_room_for_the_real_plc_and_time_out(tiny_repo, tmp_path):
+    """Every --plc-max-clients slot (the default 8) held by sockets that never send a byte: a
+    real PLC still connects and reads and writes at once (the oldest silent socket gives way),
+    and the silent ones are closed after --plc-idle-timeout-s while the polling PLC stays."""
+    s = start_plc_server(tiny_repo, tmp_path, "--plc-idle-timeout-s", "3")
+    idle = [socket.create_connection(("127.0.0.1", s.modbus_port), timeout=5) for _ in range(8)]
+    plc = None
+    try:
+        time.sleep(0.3)  # every one of them accepted and holding its slot
+        start = time.monotonic()
+        plc = Plc(s.modbus_port)
+        plc.reset()
+        assert Status.ENABLED in plc.status()
+        assert time.monotonic() - start < 5
+        idle[0].settimeout(5)
+        assert idle[0].recv(1) == b""  # the oldest silent one made room
+        assert "closed to make room for a new client" in s.server.log()
+
+        def all_closed() -> bool:
+            assert Status.ENABLED in plc.status()  # the PLC polls: it keeps its slot
+            for sock in idle[1:]:
+                sock.setblocking(False)
+                try:
+                    if sock.recv(1) != b"":
+                        return False
+                except BlockingIOError:
+                    return False
+            return True
+
+        wait_for(all_closed, 15, "the idle connections to be closed")
+        assert "nothing sent for 3 s" in s.server.log()
+        assert Status.ENABLED in plc.status()
+    finally:
+        for sock in idle:
+            sock.close()
+        if plc is not None:
+            plc.close()
+        s.server.stop()

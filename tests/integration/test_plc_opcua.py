@@ -14,6 +14,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from conftest import REPO, wait_for
@@ -163,19 +164,67 @@ async def test_clients_cannot_write_results_or_status(plc_server, pki):
         await client.disconnect()
 
 
-def test_connections_past_the_limit_are_closed(plc_server):
+def test_a_new_connection_past_the_limit_replaces_the_oldest_silent_one(plc_server):
     port = int(plc_server.opcua_url.rsplit(":", 1)[1])
-    socks = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(MAX_CLIENTS + 1)]
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(MAX_CLIENTS)]
     try:
-        socks[-1].settimeout(5)
-        assert socks[-1].recv(64) == b""  # closed by the server without a word
-        socks[0].sendall(b"HEL")  # the others are still open (a half hello: no answer yet)
-        socks[0].settimeout(0.3)
-        with pytest.raises(socket.timeout):
-            socks[0].recv(64)
+        time.sleep(0.3)  # every one of them accepted and holding its slot
+        socks.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        socks[0].settimeout(5)
+        assert socks[0].recv(64) == b""  # closed by the server without a word
+        for s in socks[1:]:  # the others are still open (a half hello: no answer yet)
+            s.sendall(b"HEL")
+            s.settimeout(0.3)
+            with pytest.raises(socket.timeout):
+                s.recv(64)
     finally:
         for s in socks:
             s.close()
+
+
+async def test_idle_sockets_do_not_lock_out_a_real_client(plc_server, pki):
+    """Every slot taken by sockets that send nothing (or a hello and then nothing): a real
+    client still connects, logs in and reads within seconds, and a second one too, while the
+    first one's session keeps its slot."""
+    port = int(plc_server.opcua_url.rsplit(":", 1)[1])
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(MAX_CLIENTS)]
+    socks[-1].sendall(b"HEL")
+    clients = []
+    try:
+        await asyncio.sleep(0.3)
+        for _ in range(2):
+            start = time.monotonic()
+            client = await opcua_client(plc_server.opcua_url, pki)
+            clients.append(client)
+            ns, system = await vision_system(client)
+            assert await read(system, ns, "Status", "Ready") is True
+            assert time.monotonic() - start < 5
+        ns, system = await vision_system(clients[0])  # the first one was not pushed out
+        assert await read(system, ns, "Status", "Ready") is True
+    finally:
+        for client in clients:
+            await client.disconnect()
+        for s in socks:
+            s.close()
+
+
+async def test_a_session_on_a_channel_without_security_is_refused(plc_server, pki, monkeypatch):
+    """A client that skips its own endpoint check and opens its channel with security None,
+    though None is not offered: no session (so no password sent and no browse)."""
+    from asyncua import Client
+    from asyncua.ua.uaerrors import BadSecurityPolicyRejected
+
+    # asyncua's client refuses by itself once it has the server's endpoints; this one does not
+    monkeypatch.setattr(Client, "find_endpoint", staticmethod(lambda endpoints, mode, uri: endpoints[0]))
+    client = Client(plc_server.opcua_url, timeout=10)
+    client.set_user(USER)
+    client.set_password(PASSWORD)
+    with pytest.raises(BadSecurityPolicyRejected):
+        await client.connect()
+    await client.disconnect()
+    assert "which is not offered (--opcua-security)" in plc_server.server.log()
+    endpoints = await Client(plc_server.opcua_url).connect_and_get_server_endpoints()
+    assert endpoints  # discovery still answers on such a channel
 
 
 async def test_the_server_certificate_is_made_once_and_kept_private(plc_server):

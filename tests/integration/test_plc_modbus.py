@@ -402,3 +402,49 @@ def test_idle_connections_make_room_for_the_real_plc_and_time_out(tiny_repo, tmp
         if plc is not None:
             plc.close()
         s.server.stop()
+
+
+def _plc_children(pid: int) -> list[int]:
+    kids = []
+    for k in _children(pid):
+        with open(f"/proc/{k}/cmdline", "rb") as f:
+            if b"visionserve.plc.child" in f.read():
+                kids.append(k)
+    return kids
+
+
+def test_a_killed_plc_server_process_is_reaped_and_started_again(tiny_repo, tmp_path, jpeg_bytes):
+    """kill -9 of the Modbus server's process: the server reports not ready while it is down,
+    reaps it (no zombie), starts it again, and the PLC reads and writes and gets results again;
+    then the server is ready again."""
+    import httpx
+
+    s = start_plc_server(tiny_repo, tmp_path)
+    ready_url = s.server.url + "/v2/health/ready"
+    try:
+        (kid,) = _plc_children(s.server.proc.pid)
+        os.kill(kid, signal.SIGKILL)
+        wait_for(lambda: httpx.get(ready_url, timeout=5).status_code == 503, 10, "not ready")
+        wait_for(lambda: not os.path.exists(f"/proc/{kid}"), 10, "the dead process to be reaped")
+
+        def plc_back() -> Plc | None:
+            try:
+                return Plc(s.modbus_port)
+            except AssertionError:  # not listening yet
+                return None
+
+        plc = wait_for(plc_back, 30, "the Modbus server to listen again")
+        try:
+            plc.reset()
+            assert Status.ENABLED in plc.status()
+            wait_for(lambda: httpx.get(ready_url, timeout=5).status_code == 200, 30, "ready again")
+            assert s.inspect("9101", jpeg=jpeg_bytes).status_code == 200
+            assert part_of(plc.take()) == 9101
+        finally:
+            plc.close()
+        assert [k for k in _plc_children(s.server.proc.pid) if k != kid]
+        log = s.server.log()
+        assert "starting the modbus PLC server process again" in log
+        assert "the modbus PLC server is back" in log
+    finally:
+        s.server.stop()

@@ -529,8 +529,9 @@ async def simulate(args: argparse.Namespace, plcs: list, line: Line | None) -> d
         await plc.connect()
         if line is None:
             plc.tally.echo = True
-            print(f"{plc.protocol}: connected to {args.modbus if plc.protocol == 'modbus' else args.opcua}"
-                  f", station {args.station}; a line per result, Ctrl-C ends", flush=True)
+            where = args.modbus if plc.protocol == "modbus" else args.opcua
+            print(f"{plc.protocol}: connected to {where}, station {args.station}; a line per "
+                  "result, Ctrl-C ends", flush=True)
     before = await asyncio.to_thread(bus_delays, args.url) if line is not None else {}
     start = time.perf_counter()
     runners = [asyncio.create_task(plc.run(stop)) for plc in plcs]

@@ -52,11 +52,11 @@ from pathlib import Path
 
 from asyncua import Server, ua
 from asyncua.common.utils import ServiceError
-from asyncua.server.binary_server_asyncio import BinaryServer, OPCUAProtocol
-from asyncua.server.uaprocessor import UaProcessor
 from asyncua.crypto import cert_gen, uacrypto
 from asyncua.crypto.permission_rules import User, UserRole
+from asyncua.server.binary_server_asyncio import BinaryServer, OPCUAProtocol
 from asyncua.server.event_generator import EventGenerator
+from asyncua.server.uaprocessor import UaProcessor
 from asyncua.server.user_managers import UserManager
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
@@ -203,8 +203,11 @@ def ensure_certificate(folder: Path, app_uri: str, hosts: list[str]) -> tuple[Pa
 
 
 #: what a channel whose policy is not offered may ask: discovery, never a session
-_DISCOVERY = frozenset(ua.NodeId(i) for i in (ua.ObjectIds.GetEndpointsRequest_Encoding_DefaultBinary,
-                                              ua.ObjectIds.FindServersRequest_Encoding_DefaultBinary))
+_DISCOVERY = frozenset(ua.NodeId(ua.Int32(i)) for i in (
+    ua.ObjectIds.GetEndpointsRequest_Encoding_DefaultBinary,
+    ua.ObjectIds.FindServersRequest_Encoding_DefaultBinary))
+#: hosts refused a session for their channel's policy: each is logged once
+_REFUSED_HOSTS: set[str] = set()
 
 
 class _Processor(UaProcessor):
@@ -212,20 +215,17 @@ class _Processor(UaProcessor):
     a secure channel whose policy and mode were not offered (asyncua itself lets any client
     open a session on a channel with security None)."""
 
-    offered: list = []  # the server's policy factories (set_policies)
-    refused_hosts: set[str] = set()  # of every connection: each host is logged once
-
     def set_policies(self, policies) -> None:
-        self.offered = policies
+        self.offered = policies  # the server's policy factories
         super().set_policies(policies)
 
     async def _process_message(self, typeid, requesthdr, seqhdr, body):
         policy = self._connection.security_policy
         if typeid not in _DISCOVERY and not any(f.matches(policy.URI, policy.Mode)
-                                                for f in self.offered):
+                                                for f in getattr(self, "offered", ())):
             host = str(self.name[0]) if self.name else "?"
-            if host not in self.refused_hosts:  # once per host: a client retrying must not flood
-                self.refused_hosts.add(host)
+            if host not in _REFUSED_HOSTS:  # once per host: a client retrying must not flood
+                _REFUSED_HOSTS.add(host)
                 log.warning("OPC UA: refused a session request from %s on a channel with security "
                             "%s, %s, which is not offered (--opcua-security)", host,
                             policy.URI.rsplit("#", 1)[-1], policy.Mode.name)
@@ -244,7 +244,9 @@ class _Connection(OPCUAProtocol):
 
     def connection_made(self, transport) -> None:
         if len(self.clients) >= self.iserver.max_connections:
-            victim = slots.evictee([c for c in self.clients if not c.in_session()], min_idle_s=0)
+            victim = slots.evictee([c for c in self.clients
+                                    if isinstance(c, _Connection) and not c.in_session()],
+                                   min_idle_s=0)
             if victim is not None:
                 log.info("OPC UA: closed a connection from %s without a session to make room "
                          "for a new client (--plc-max-clients)", victim.peer_name)
@@ -283,7 +285,7 @@ class _Server(Server):
         await self.iserver.start()
         try:
             host, port = self._get_bind_socket_info()
-            self.bserver = _Listener(self.iserver, host, port, self.limits)
+            self.bserver = _Listener(self.iserver, host, port, self.limits)  # type: ignore[arg-type]
             self.bserver.set_policies(self._policies)
             await self.bserver.start()
         except Exception:

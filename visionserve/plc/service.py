@@ -16,8 +16,9 @@ counters every period; each process judges the engine's health on its own (the h
 when the probes stop coming: a stuck engine loop, not only a dead process). When the serving
 process dies, the processes see the end of the socket pair (or SIGHUP) and exit, closing their
 ports: the PLC sees the connection drop. When a PLC server process dies on its own, it is reaped
-and started again (with the front-end processes' backoff, :class:`~visionserve.process.RestartBackoff`);
-the server reports not ready until it listens again (the PLC's results in its buffers are lost).
+and started again (with the front-end processes' backoff,
+:class:`~visionserve.process.RestartBackoff`); the server reports not ready until it listens
+again (the results in its buffers are lost).
 
 :func:`plc_running` is what ``serve`` wraps itself in: it does nothing unless ``--opcua`` or
 ``--modbus`` is set.
@@ -243,7 +244,8 @@ class PlcProcess:
         elif self.listening and not self.stopping:  # (one that failed to start said why)
             log.error("the %s PLC server process (pid %s) exited%s: the PLC sees its "
                       "connection closed and no heartbeat", self.protocol,
-                      self.proc.pid if self.proc else "?", "" if code is None else f" (code {code})")
+                      self.proc.pid if self.proc else "?",
+                      "" if code is None else f" (code {code})")
         self.listening = False
         self._lost.set()
 

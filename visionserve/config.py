@@ -553,7 +553,12 @@ class ServerSettings(BaseSettings):
                           "(one unit id per station). Default: off.")
     plc_max_clients: int = Field(
         8, ge=1, le=256,
-        description="PLC connections at once, per protocol (Modbus TCP, OPC UA); more are refused.")
+        description="PLC connections at once, per protocol (Modbus TCP, OPC UA). When all are "
+                    "taken, a new one replaces one that never spoke or has long been idle.")
+    plc_idle_timeout_s: float = Field(
+        30.0, gt=0, le=3600,
+        description="A Modbus connection that sends nothing for this long, or an OPC UA one "
+                    "without an open session by then, is closed (default 30 s).")
     plc_stations: str = Field(
         "*", description="PLC stations, by camera id (X-Camera-Id, OIP parameter camera_id), "
                          "comma-separated; station N is OPC UA Station<N> and Modbus unit id N. "

@@ -190,6 +190,8 @@ class Engine(ModelLookup):
         self._loading: dict[str, list[int]] = {}
         # model -> why it serves no version (unloaded, or its last load failed)
         self.reasons: dict[str, str] = {}
+        # service -> why it holds readiness false (a PLC server process being restarted)
+        self.unready: dict[str, str] = {}
         # model -> its folder's signature when last read (the repository poll compares it)
         self._signatures: dict[str, tuple] = {}
         self._poller: asyncio.Task | None = None
@@ -210,7 +212,8 @@ class Engine(ModelLookup):
 
     @property
     def ready(self) -> bool:
-        return self._ready and not self._draining and all(s.ready for s in self.served.values())
+        return self._ready and not self._draining and not self.unready \
+            and all(s.ready for s in self.served.values())
 
     @property
     def draining(self) -> bool:

@@ -1,5 +1,7 @@
 """What every process of the server does for itself: run its event loop, and (a child process:
-a front end, a PLC server) die with the serving process that started it (:func:`child_main`)."""
+a front end, a PLC server) die with the serving process that started it (:func:`child_main`);
+and, for the serving process, when to start such a child again after it died
+(:class:`RestartBackoff`)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable
 
 from .config import ServerSettings
@@ -17,6 +20,29 @@ from .logs import configure_logging
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
+
+
+class RestartBackoff:
+    """How long to wait before starting a child process again after it died: at once when it had
+    run ``stable_s`` or more, else ``first_s``, doubling while it keeps dying early, up to
+    ``max_s`` (a bad setting or a crash at start would otherwise spin)."""
+
+    def __init__(self, first_s: float = 1.0, max_s: float = 30.0, stable_s: float = 10.0) -> None:
+        self.first_s, self.max_s, self.stable_s = first_s, max_s, stable_s
+        self._delay = 0.0
+        self._started = time.monotonic()
+
+    def started(self) -> None:
+        """The child was (re)started now."""
+        self._started = time.monotonic()
+
+    def delay(self) -> float:
+        """Seconds to wait before the next start, the child having died just now."""
+        if time.monotonic() - self._started >= self.stable_s:
+            self._delay = 0.0
+        else:
+            self._delay = min(self.max_s, self._delay * 2 or self.first_s)
+        return self._delay
 
 
 def run_loop(main):

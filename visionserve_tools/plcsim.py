@@ -10,6 +10,9 @@ PLC is a machine of its own), so that its decoding and the line's answers do not
 other. With --url and neither protocol it is only the line: the inspect answer's latency, the
 baseline to compare a server without PLC servers against.
 
+Without --url it prints a line per result as it comes (and a summary when Ctrl-C or
+--duration-s ends it); with --url only the summary.
+
 Examples:
   visionserve plc-sim --modbus 127.0.0.1:5020                        # Ctrl-C (or --duration-s) ends
   visionserve plc-sim --opcua opc.tcp://127.0.0.1:4840 --user plc --password-file plc.pw
@@ -103,9 +106,13 @@ class Tally:
     max_beat_gap_s: float = 0.0
     faults: int = 0  # readings with Fault set
     fault_bits: int = 0
+    echo: bool = False  # print a line per result
 
-    def result(self, part: str, code: int, now: float) -> None:
+    def result(self, part: str, code: int, now: float, detail: str = "") -> None:
         self.codes[CODES.get(code, "none")] += 1
+        if self.echo:
+            print(f"{self.protocol}: part {part or '-'} {CODES.get(code, code)}"
+                  f"{f' ({detail})' if detail else ''}", flush=True)
         if part not in self.seen:
             self.seen[part] = now
             self.code[part] = code
@@ -170,7 +177,8 @@ class ModbusPlc:
                 t.fault_bits |= regs[1]
             valid = Status.RESULT_VALID in status
             if valid and not acking:
-                t.result(_modbus_part(regs[8], regs[9], regs[10]), regs[3], now)
+                t.result(_modbus_part(regs[8], regs[9], regs[10]), regs[3], now,
+                         f"inspection {regs[2]}, label {regs[5]}, score {regs[6] / 1000:.3f}")
                 if self.ack:
                     await self._control(int(Control.ENABLE | Control.RESULT_ACK))
                     acking = True
@@ -206,11 +214,14 @@ class OpcUaPlc:
         self.client: Any = None
 
     async def connect(self) -> None:
-        from asyncua import Client
+        from asyncua import Client, ua
 
         from visionserve.plc.opcua import NAMESPACE
 
         client = Client(self.url, timeout=10)
+        # within what servers grant (asyncua's: 5 s to 10 min): asyncua's own default, an hour,
+        # is cut down and warned about; a minute outlives a short outage of the network
+        client.session_timeout = 60_000
         if self.security != "None":
             uri = f"urn:{socket.gethostname()}:visionserve:plc-sim"
             key, cert = await client_certificate(self.cert_dir, uri)
@@ -228,13 +239,20 @@ class OpcUaPlc:
         beat = await system.get_child([f"{ns}:Status", f"{ns}:Heartbeat"])
         fault = await system.get_child([f"{ns}:Status", f"{ns}:Fault"])
         self._beat, self._fault = beat.nodeid, fault.nodeid
-        sub = await client.create_subscription(self.publish_ms, self)
+        # asked within what servers grant, so that asyncua does not warn of revised values: a
+        # keep-alive about every 10 s, the lifetime (10,000 intervals) over three of them
+        params = ua.CreateSubscriptionParameters(
+            RequestedPublishingInterval=self.publish_ms, RequestedLifetimeCount=10_000,
+            RequestedMaxKeepAliveCount=max(1, min(3000, int(10_000 / max(self.publish_ms, 1)))),
+            MaxNotificationsPerPublish=10_000, PublishingEnabled=True, Priority=0)
+        sub = await client.create_subscription(params, self)
         await sub.subscribe_events(station, etype)
         await sub.subscribe_data_change([beat, fault])
 
     # asyncua calls these (subscription handler)
     def event_notification(self, event) -> None:
-        self.tally.result(event.PartId or "", int(event.ResultCode), time.perf_counter())
+        self.tally.result(event.PartId or "", int(event.ResultCode), time.perf_counter(),
+                          f"{event.Verdict} {event.Label} {event.Score:.3f}")
 
     def datachange_notification(self, node, value, data) -> None:
         if node.nodeid == self._beat:
@@ -509,6 +527,11 @@ async def simulate(args: argparse.Namespace, plcs: list, line: Line | None) -> d
             loop.add_signal_handler(sig, stop.set)
     for plc in plcs:
         await plc.connect()
+        if line is None:
+            plc.tally.echo = True
+            where = args.modbus if plc.protocol == "modbus" else args.opcua
+            print(f"{plc.protocol}: connected to {where}, station {args.station}; a line per "
+                  "result, Ctrl-C ends", flush=True)
     before = await asyncio.to_thread(bus_delays, args.url) if line is not None else {}
     start = time.perf_counter()
     runners = [asyncio.create_task(plc.run(stop)) for plc in plcs]

@@ -362,3 +362,89 @@ def test_plc_servers_run_apart_judge_a_frozen_server_and_die_with_it(tiny_repo, 
     finally:
         plc.close()
         s.server.stop()
+
+
+def test_idle_connections_make_room_for_the_real_plc_and_time_out(tiny_repo, tmp_path):
+    """Every --plc-max-clients slot (the default 8) held by sockets that never send a byte: a
+    real PLC still connects and reads and writes at once (the oldest silent socket gives way),
+    and the silent ones are closed after --plc-idle-timeout-s while the polling PLC stays."""
+    s = start_plc_server(tiny_repo, tmp_path, "--plc-idle-timeout-s", "3")
+    idle = [socket.create_connection(("127.0.0.1", s.modbus_port), timeout=5) for _ in range(8)]
+    plc = None
+    try:
+        time.sleep(0.3)  # every one of them accepted and holding its slot
+        start = time.monotonic()
+        plc = Plc(s.modbus_port)
+        plc.reset()
+        assert Status.ENABLED in plc.status()
+        assert time.monotonic() - start < 5
+        idle[0].settimeout(5)
+        assert idle[0].recv(1) == b""  # the oldest silent one made room
+        assert "closed to make room for a new client" in s.server.log()
+
+        def all_closed() -> bool:
+            assert Status.ENABLED in plc.status()  # the PLC polls: it keeps its slot
+            for sock in idle[1:]:
+                sock.setblocking(False)
+                try:
+                    if sock.recv(1) != b"":
+                        return False
+                except BlockingIOError:
+                    return False
+            return True
+
+        wait_for(all_closed, 15, "the idle connections to be closed")
+        assert "nothing sent for 3 s" in s.server.log()
+        assert Status.ENABLED in plc.status()
+    finally:
+        for sock in idle:
+            sock.close()
+        if plc is not None:
+            plc.close()
+        s.server.stop()
+
+
+def _plc_children(pid: int) -> list[int]:
+    kids = []
+    for k in _children(pid):
+        with open(f"/proc/{k}/cmdline", "rb") as f:
+            if b"visionserve.plc.child" in f.read():
+                kids.append(k)
+    return kids
+
+
+def test_a_killed_plc_server_process_is_reaped_and_started_again(tiny_repo, tmp_path, jpeg_bytes):
+    """kill -9 of the Modbus server's process: the server reports not ready while it is down,
+    reaps it (no zombie), starts it again, and the PLC reads and writes and gets results again;
+    then the server is ready again."""
+    import httpx
+
+    s = start_plc_server(tiny_repo, tmp_path)
+    ready_url = s.server.url + "/v2/health/ready"
+    try:
+        (kid,) = _plc_children(s.server.proc.pid)
+        os.kill(kid, signal.SIGKILL)
+        wait_for(lambda: httpx.get(ready_url, timeout=5).status_code == 503, 10, "not ready")
+        wait_for(lambda: not os.path.exists(f"/proc/{kid}"), 10, "the dead process to be reaped")
+
+        def plc_back() -> Plc | None:
+            try:
+                return Plc(s.modbus_port)
+            except AssertionError:  # not listening yet
+                return None
+
+        plc = wait_for(plc_back, 30, "the Modbus server to listen again")
+        try:
+            plc.reset()
+            assert Status.ENABLED in plc.status()
+            wait_for(lambda: httpx.get(ready_url, timeout=5).status_code == 200, 30, "ready again")
+            assert s.inspect("9101", jpeg=jpeg_bytes).status_code == 200
+            assert part_of(plc.take()) == 9101
+        finally:
+            plc.close()
+        assert [k for k in _plc_children(s.server.proc.pid) if k != kid]
+        log = s.server.log()
+        assert "starting the modbus PLC server process again" in log
+        assert "the modbus PLC server is back" in log
+    finally:
+        s.server.stop()

@@ -14,6 +14,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from conftest import REPO, wait_for
@@ -163,19 +164,67 @@ async def test_clients_cannot_write_results_or_status(plc_server, pki):
         await client.disconnect()
 
 
-def test_connections_past_the_limit_are_closed(plc_server):
+def test_a_new_connection_past_the_limit_replaces_the_oldest_silent_one(plc_server):
     port = int(plc_server.opcua_url.rsplit(":", 1)[1])
-    socks = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(MAX_CLIENTS + 1)]
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(MAX_CLIENTS)]
     try:
-        socks[-1].settimeout(5)
-        assert socks[-1].recv(64) == b""  # closed by the server without a word
-        socks[0].sendall(b"HEL")  # the others are still open (a half hello: no answer yet)
-        socks[0].settimeout(0.3)
-        with pytest.raises(socket.timeout):
-            socks[0].recv(64)
+        time.sleep(0.3)  # every one of them accepted and holding its slot
+        socks.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        socks[0].settimeout(5)
+        assert socks[0].recv(64) == b""  # closed by the server without a word
+        for s in socks[1:]:  # the others are still open (a half hello: no answer yet)
+            s.sendall(b"HEL")
+            s.settimeout(0.3)
+            with pytest.raises(socket.timeout):
+                s.recv(64)
     finally:
         for s in socks:
             s.close()
+
+
+async def test_idle_sockets_do_not_lock_out_a_real_client(plc_server, pki):
+    """Every slot taken by sockets that send nothing (or a hello and then nothing): a real
+    client still connects, logs in and reads within seconds, and a second one too, while the
+    first one's session keeps its slot."""
+    port = int(plc_server.opcua_url.rsplit(":", 1)[1])
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(MAX_CLIENTS)]
+    socks[-1].sendall(b"HEL")
+    clients = []
+    try:
+        await asyncio.sleep(0.3)
+        for _ in range(2):
+            start = time.monotonic()
+            client = await opcua_client(plc_server.opcua_url, pki)
+            clients.append(client)
+            ns, system = await vision_system(client)
+            assert await read(system, ns, "Status", "Ready") is True
+            assert time.monotonic() - start < 5
+        ns, system = await vision_system(clients[0])  # the first one was not pushed out
+        assert await read(system, ns, "Status", "Ready") is True
+    finally:
+        for client in clients:
+            await client.disconnect()
+        for s in socks:
+            s.close()
+
+
+async def test_a_session_on_a_channel_without_security_is_refused(plc_server, pki, monkeypatch):
+    """A client that skips its own endpoint check and opens its channel with security None,
+    though None is not offered: no session (so no password sent and no browse)."""
+    from asyncua import Client
+    from asyncua.ua.uaerrors import BadSecurityPolicyRejected
+
+    # asyncua's client refuses by itself once it has the server's endpoints; this one does not
+    monkeypatch.setattr(Client, "find_endpoint", staticmethod(lambda endpoints, mode, uri: endpoints[0]))
+    client = Client(plc_server.opcua_url, timeout=10)
+    client.set_user(USER)
+    client.set_password(PASSWORD)
+    with pytest.raises(BadSecurityPolicyRejected):
+        await client.connect()
+    await client.disconnect()
+    assert "which is not offered (--opcua-security)" in plc_server.server.log()
+    endpoints = await Client(plc_server.opcua_url).connect_and_get_server_endpoints()
+    assert endpoints  # discovery still answers on such a channel
 
 
 async def test_the_server_certificate_is_made_once_and_kept_private(plc_server):
@@ -307,3 +356,96 @@ async def test_a_plc_activates_a_stations_recipe(tmp_path, pki):
     finally:
         await client.disconnect()
         s.server.stop()
+
+
+# --- the README's walkthrough ----------------------------------------------------------------
+
+
+def test_the_readme_plc_walkthrough_works_as_written(tmp_path, jpeg_bytes):
+    """The commands of the README's "Talking to the PLC", run as written by bash in a checkout
+    with its .venv (the suite's) and a fresh home folder: the password file is made, the server
+    starts on it, each plc-sim connects, prints a line per result and a summary on Ctrl-C, with
+    no warning. Only the ports are this test's own, and the pip line is not run (offline: the
+    suite's venv has the extra)."""
+    import os
+    import re
+    from pathlib import Path
+
+    import httpx
+    from conftest import free_port
+
+    venv = Path(sys.prefix)
+    if not (venv / "bin" / "visionserve").exists():
+        pytest.skip("the suite does not run from a venv with the visionserve command")
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Talking to the PLC"):]
+    section = section[:section.index("\n## ")]
+    commands = [c.strip() for block in re.findall(r"```bash\n(.*?)```", section, re.S)
+                for c in block.replace("\\\n", " ").splitlines() if c.strip()]
+    install, password, serve, sim_modbus, sim_opcua = commands
+    assert install.startswith(".venv/bin/pip install -e '.[plc]' -c requirements/constraints.txt")
+
+    home, checkout = tmp_path / "home", tmp_path / "checkout"
+    home.mkdir()
+    checkout.mkdir()
+    (checkout / ".venv").symlink_to(venv)
+    (checkout / "models").symlink_to(REPO / "models")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XDG_")}
+    env.update(HOME=str(home), PYTHONPATH=str(REPO))
+    ports = {":5020": f":{free_port()}", ":4840": f":{free_port()}"}
+    http_port = free_port()
+
+    def here(command: str) -> str:
+        for theirs, ours in ports.items():
+            command = command.replace(theirs, ours)
+        return command
+
+    def start(command: str, name: str) -> tuple[subprocess.Popen, Path]:
+        out = tmp_path / f"{name}.out"
+        with open(out, "wb") as f:
+            proc = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=checkout, env=env,
+                                    stdout=f, stderr=subprocess.STDOUT)
+        return proc, out
+
+    subprocess.run(["bash", "-c", password], cwd=checkout, env=env, check=True)
+    pw = home / ".config" / "visionserve" / "plc.pw"
+    assert pw.read_text().strip() and stat.S_IMODE(pw.stat().st_mode) == 0o600
+    server, server_out = start(here(serve) + f" --http-port {http_port} --grpc-port -1", "serve")
+    sims: list[tuple[subprocess.Popen, Path]] = []
+    try:
+        url = f"http://127.0.0.1:{http_port}"
+
+        def ready() -> bool:
+            assert server.poll() is None, server_out.read_text()
+            try:
+                return httpx.get(url + "/v2/health/ready", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(ready, 120, "the server to be ready")
+        sims = [start(here(sim_modbus), "sim-modbus"), start(here(sim_opcua), "sim-opcua")]
+        for proc, out in sims:
+            wait_for(lambda: proc.poll() is None and "connected to" in out.read_text()
+                     or proc.poll() is not None, 60, "plc-sim to connect")
+            assert proc.poll() is None, out.read_text()
+        r = httpx.post(url + "/v1/models/defect-classifier/inspect", content=jpeg_bytes,
+                       headers={"Content-Type": "image/jpeg", "X-Part-Id": "4242"}, timeout=30)
+        assert r.status_code in (200, 504), r.text
+        for name, (proc, out) in zip(("modbus", "opcua"), sims):
+            wait_for(lambda: f"{name}: part 4242 " in out.read_text(), 20, f"the {name} result line")
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(30) == 0, out.read_text()
+            text = out.read_text()
+            assert f"{name}: 1 results" in text, text  # the summary
+            assert "WARNING" not in text and "Traceback" not in text, text
+    finally:
+        for proc, _ in sims:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()

@@ -60,3 +60,25 @@ def test_the_serving_loop_is_uvloop_when_installed():
         return type(asyncio.get_running_loop())
 
     assert run_loop(which()) is uvloop.Loop
+
+
+def test_a_child_that_keeps_dying_early_is_started_again_ever_later(monkeypatch):
+    """RestartBackoff (front ends and PLC server processes): 1 s, doubling up to 30 s while the
+    child dies within 10 s of its start; at once again after one that ran 10 s."""
+    import visionserve.process as process
+
+    now = [100.0]
+    monkeypatch.setattr(process.time, "monotonic", lambda: now[0])
+    b = process.RestartBackoff()
+    delays = []
+    for _ in range(7):
+        b.started()
+        now[0] += 0.5
+        delays.append(b.delay())
+    assert delays == [1, 2, 4, 8, 16, 30, 30]
+    b.started()
+    now[0] += 10
+    assert b.delay() == 0
+    b.started()
+    now[0] += 1
+    assert b.delay() == 1

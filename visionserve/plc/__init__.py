@@ -5,6 +5,7 @@ with a fail-safe handshake, both fed by one result bus (docs/plc.md).
 - :mod:`.watchdog`: is the engine making progress? (the heartbeat stops when it is not)
 - :mod:`.handshake`: one station's result buffer and acknowledge handshake (no I/O).
 - :mod:`.modbus`, :mod:`.opcua`: the two servers; :mod:`.service` runs them in their own thread.
+- :mod:`.slots`: which connection gives its slot to a new one, and idle ones closed.
 - :mod:`.sim`: ``visionserve plc-sim``, a PLC for tests, demos and the latency benchmark.
 
 asyncua and pymodbus come with the ``plc`` extra; nothing here imports them until a PLC server

@@ -65,7 +65,7 @@ def build_publisher(protocol: str, settings, stations: Stations, mirror: BusMirr
         from .modbus import ModbusPublisher
 
         return ModbusPublisher(address, stations, mirror, settings.plc_buffer,
-                               settings.plc_max_clients)
+                               settings.plc_max_clients, settings.plc_idle_timeout_s)
     endpoint = parse_endpoint(settings.opcua)
     require("asyncua")
     from .opcua import OpcUaPublisher
@@ -74,6 +74,7 @@ def build_publisher(protocol: str, settings, stations: Stations, mirror: BusMirr
         endpoint, stations, mirror, policies=settings.opcua_security,
         anonymous=settings.opcua_anonymous, user=settings.opcua_user,
         password_file=settings.opcua_password_file, max_clients=settings.plc_max_clients,
+        idle_timeout_s=settings.plc_idle_timeout_s,
         data_dir=Path(settings.plc_data_dir or default_data_dir()), recipes=recipes, ask=ask)
 
 

@@ -37,7 +37,7 @@ from pymodbus.datastore import ModbusServerContext
 from pymodbus.server import ModbusTcpServer
 from pymodbus.server.requesthandler import ServerRequestHandler
 
-from . import metrics
+from . import metrics, slots
 from .bus import BusMirror, ResultBus, ResultCode, ResultEvent, Stations, part_number
 from .handshake import CONTROL_BITS, STATUS_BITS, Control, Handshake, LineStatus
 
@@ -241,8 +241,8 @@ class _Context(ModbusServerContext):
 
 
 class _Handler(ServerRequestHandler):
-    """One client connection: enforces the client limit and says once per client what went
-    wrong (pymodbus itself would log every bad frame)."""
+    """One client connection: enforces the client limit (:mod:`.slots`) and says once per client
+    what went wrong (pymodbus itself would log every bad frame)."""
 
     def __init__(self, owner: _Server) -> None:
         super().__init__(owner, owner.trace_packet, owner.trace_pdu, owner.trace_connect)
@@ -250,11 +250,19 @@ class _Handler(ServerRequestHandler):
         self.peer = "?"
         self.malformed = 0
         self.refused = False
+        self.connected_at = time.monotonic()
+        self.heard_at: float | None = None
 
     def callback_connected(self) -> None:
         super().callback_connected()
         peer = self.transport.get_extra_info("peername") if self.transport else None
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        if len(self.owner.active_connections) > self.owner.max_clients:
+            others = [h for h in self.owner.active_connections.values()
+                      if h is not self and isinstance(h, _Handler) and not h.refused]
+            victim = slots.evictee(others)
+            if victim is not None:
+                victim.drop("closed to make room for a new client (--plc-max-clients)")
         if len(self.owner.active_connections) > self.owner.max_clients:
             self.refused = True
             host = self.peer.rpartition(":")[0]
@@ -271,15 +279,24 @@ class _Handler(ServerRequestHandler):
         super().callback_disconnected(exc)
         if self.refused:
             return
+        self._left(f" ({exc})" if exc else "")
+
+    def _left(self, why: str) -> None:
         self.owner.refused_hosts.clear()  # a slot is free: say again when someone is refused
         metrics.CLIENTS.labels("modbus").set(len(self.owner.active_connections))  # we left it
-        log.info("Modbus client %s disconnected%s%s", self.peer,
-                 f" ({exc})" if exc else "",
+        log.info("Modbus client %s disconnected%s%s", self.peer, why,
                  f"; {self.malformed} malformed frames" if self.malformed else "")
+
+    def drop(self, why: str) -> None:
+        """Close this connection from the server's side (pymodbus then calls no callback)."""
+        self.refused = True  # its remaining bytes are ignored
+        self.close()
+        self._left(f": {why}")
 
     def callback_data(self, data: bytes, addr: tuple | None = None) -> int:
         if self.refused:
             return len(data)
+        self.heard_at = time.monotonic()
         if len(data) >= 8:
             proto, length = int.from_bytes(data[2:4], "big"), int.from_bytes(data[4:6], "big")
             fc = data[7]
@@ -308,34 +325,50 @@ class _Handler(ServerRequestHandler):
 
 
 class _Server(ModbusTcpServer):
-    def __init__(self, context: _Context, address: tuple[str, int], max_clients: int) -> None:
+    def __init__(self, context: _Context, address: tuple[str, int], max_clients: int,
+                 idle_timeout_s: float) -> None:
         super().__init__(context, address=address)
         self.max_clients = max_clients
+        self.idle_timeout_s = idle_timeout_s
         self.refused_hosts: set[str] = set()
 
     def callback_new_connection(self) -> _Handler:
         return _Handler(self)
+
+    async def close_idle(self) -> None:
+        """Close connections that have sent nothing for ``idle_timeout_s``, for ever."""
+        while True:
+            await asyncio.sleep(min(1.0, self.idle_timeout_s / 4))
+            now = time.monotonic()
+            for h in list(self.active_connections.values()):
+                if isinstance(h, _Handler) and not h.refused \
+                        and slots.idle_s(h, now) >= self.idle_timeout_s:
+                    h.drop(f"nothing sent for {self.idle_timeout_s:g} s (--plc-idle-timeout-s)")
 
 
 class ModbusPublisher:
     protocol = "modbus"
 
     def __init__(self, address: tuple[str, int], stations: Stations, bus: ResultBus | BusMirror,
-                 depth: int, max_clients: int) -> None:
+                 depth: int, max_clients: int, idle_timeout_s: float = 30.0) -> None:
         self.address = address
         self.map = ModbusStations(stations, bus, depth)
         self.max_clients = max_clients
+        self.idle_timeout_s = idle_timeout_s
         self.server: _Server | None = None
+        self._sweeper: asyncio.Task | None = None
 
     async def start(self) -> None:
         # pymodbus logs every odd frame and client at ERROR; we say it once per client instead
         logging.getLogger("pymodbus").setLevel(logging.CRITICAL)
-        self.server = _Server(_Context(self.map), self.address, self.max_clients)
+        self.server = _Server(_Context(self.map), self.address, self.max_clients,
+                              self.idle_timeout_s)
         try:
             await self.server.serve_forever(background=True)
         except RuntimeError as exc:
             raise OSError(f"Modbus TCP: cannot listen on {self.address[0]}:{self.address[1]} "
                           "(in use, or not an address of this machine?)") from exc
+        self._sweeper = asyncio.create_task(self.server.close_idle())
         log.info("Modbus TCP listening on %s:%d (%d stations, unit ids 1..%d)", *self.address,
                  len(self.map.handshakes), len(self.map.handshakes))
 
@@ -347,6 +380,9 @@ class ModbusPublisher:
         self.map.line = line
 
     async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
         if self.server is not None:
             await self.server.shutdown()
             await asyncio.sleep(0)

@@ -27,6 +27,13 @@ application certificates: when ``<data>/opcua/trusted`` holds certificates, only
 accepted and others are copied to ``<data>/opcua/rejected`` for the administrator to move over,
 the usual OPC UA PKI workflow; an empty folder accepts every client certificate (a warning says
 so).
+
+A secure channel with security None is always open for discovery (GetEndpoints, FindServers: a
+client learns the server's certificate that way), but a session is only created or activated on
+a channel whose policy and mode are among those offered (:class:`_Processor`): a client that
+skips its own endpoint check cannot open one unsecured, nor send its password in plain text.
+Connections without an activated session give their slot to a new client when all are taken
+and are closed after ``--plc-idle-timeout-s`` (:mod:`.slots`).
 """
 
 from __future__ import annotations
@@ -45,16 +52,18 @@ from pathlib import Path
 
 from asyncua import Server, ua
 from asyncua.common.utils import ServiceError
-from asyncua.crypto import cert_gen
+from asyncua.crypto import cert_gen, uacrypto
 from asyncua.crypto.permission_rules import User, UserRole
+from asyncua.server.binary_server_asyncio import BinaryServer, OPCUAProtocol
 from asyncua.server.event_generator import EventGenerator
+from asyncua.server.uaprocessor import UaProcessor
 from asyncua.server.user_managers import UserManager
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from ..errors import ConfigError, VisionServeError
-from . import metrics
+from . import metrics, slots
 from .bus import RESULT_STATE, RESULT_STATE_FAILED, ResultCode, ResultEvent, Stations
 from .handshake import LineStatus
 from .watchdog import SystemState
@@ -193,6 +202,97 @@ def ensure_certificate(folder: Path, app_uri: str, hosts: list[str]) -> tuple[Pa
     return key_path, cert_path
 
 
+#: what a channel whose policy is not offered may ask: discovery, never a session
+_DISCOVERY = frozenset(ua.NodeId(ua.Int32(i)) for i in (
+    ua.ObjectIds.GetEndpointsRequest_Encoding_DefaultBinary,
+    ua.ObjectIds.FindServersRequest_Encoding_DefaultBinary))
+#: hosts refused a session for their channel's policy: each is logged once
+_REFUSED_HOSTS: set[str] = set()
+
+
+class _Processor(UaProcessor):
+    """asyncua's request processor for one connection, refusing every request but discovery on
+    a secure channel whose policy and mode were not offered (asyncua itself lets any client
+    open a session on a channel with security None)."""
+
+    def set_policies(self, policies) -> None:
+        self.offered = policies  # the server's policy factories
+        super().set_policies(policies)
+
+    async def _process_message(self, typeid, requesthdr, seqhdr, body):
+        policy = self._connection.security_policy
+        if typeid not in _DISCOVERY and not any(f.matches(policy.URI, policy.Mode)
+                                                for f in getattr(self, "offered", ())):
+            host = str(self.name[0]) if self.name else "?"
+            if host not in _REFUSED_HOSTS:  # once per host: a client retrying must not flood
+                _REFUSED_HOSTS.add(host)
+                log.warning("OPC UA: refused a session request from %s on a channel with security "
+                            "%s, %s, which is not offered (--opcua-security)", host,
+                            policy.URI.rsplit("#", 1)[-1], policy.Mode.name)
+            raise ServiceError(ua.StatusCodes.BadSecurityPolicyRejected)
+        return await super()._process_message(typeid, requesthdr, seqhdr, body)
+
+
+class _Connection(OPCUAProtocol):
+    """One client connection: its slot (:mod:`.slots`) and the processor that checks its
+    channel's policy."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.connected_at = time.monotonic()
+        self.heard_at: float | None = None
+
+    def connection_made(self, transport) -> None:
+        if len(self.clients) >= self.iserver.max_connections:
+            victim = slots.evictee([c for c in self.clients
+                                    if isinstance(c, _Connection) and not c.in_session()],
+                                   min_idle_s=0)
+            if victim is not None:
+                log.info("OPC UA: closed a connection from %s without a session to make room "
+                         "for a new client (--plc-max-clients)", victim.peer_name)
+                self.clients.remove(victim)  # its slot is free now, not when the close is done
+                if victim.transport is not None:
+                    victim.transport.close()
+        super().connection_made(transport)
+        if self.processor is not None:  # accepted
+            self.processor = _Processor(self.iserver, self.transport, self.limits)
+            self.processor.set_policies(self.policies)
+
+    def in_session(self) -> bool:
+        session = self.processor.session if self.processor is not None else None
+        return session is not None and session.is_activated()
+
+    def data_received(self, data: bytes) -> None:
+        self.heard_at = time.monotonic()
+        super().data_received(data)
+
+
+class _Listener(BinaryServer):
+    def _make_protocol(self) -> _Connection:
+        return _Connection(iserver=self.iserver, policies=self._policies, clients=self.clients,
+                           closing_tasks=self.closing_tasks, limits=self.limits)
+
+
+class _Server(Server):
+    """asyncua's server, listening with :class:`_Listener`: ``start`` is asyncua 2.1.0's (the
+    version pinned), but for the listener class, which it names inline."""
+
+    async def start(self) -> None:
+        if self.iserver.certificate is not None:  # warnings about it (a host name missing...)
+            uacrypto.check_certificate(self.iserver.certificate, self._application_uri,
+                                       socket.gethostname())
+        await self._setup_server_nodes()
+        await self.iserver.start()
+        try:
+            host, port = self._get_bind_socket_info()
+            self.bserver = _Listener(self.iserver, host, port, self.limits)  # type: ignore[arg-type]
+            self.bserver.set_policies(self._policies)
+            await self.bserver.start()
+        except Exception:
+            await self.iserver.stop()
+            raise
+
+
 def _value(value, vtype) -> ua.DataValue:
     return ua.DataValue(ua.Variant(value, vtype))
 
@@ -202,7 +302,8 @@ class OpcUaPublisher:
 
     def __init__(self, endpoint: str, stations: Stations, bus, *, policies: str, anonymous: bool,
                  user: str | None, password_file: Path | None, data_dir: Path,
-                 recipes: dict, max_clients: int = 8, ask=None) -> None:
+                 recipes: dict, max_clients: int = 8, idle_timeout_s: float = 30.0,
+                 ask=None) -> None:
         self.endpoint = endpoint
         self.stations = stations
         self.bus = bus
@@ -219,6 +320,7 @@ class OpcUaPublisher:
         self.recipes = recipes  # {"recipes": [...], "stations": {station: recipe or None}}
         self.ask = ask  # ask(station, recipe, caller): the serving process switches (awaitable)
         self.max_clients = max_clients
+        self.idle_timeout_s = idle_timeout_s
         self.server: Server | None = None
         self._nodes: dict[str, ua.NodeId] = {}
         self._station_nodes: list[dict[str, ua.NodeId]] = []
@@ -237,9 +339,10 @@ class OpcUaPublisher:
         # asyncua logs its whole standard address space being built at INFO; its warnings about
         # our certificate are worth seeing
         logging.getLogger("asyncua").setLevel(logging.WARNING)
-        server = Server(user_manager=self.users)
+        server = _Server(user_manager=self.users)
         await server.init()
         server.iserver.max_connections = self.max_clients  # more are closed at once (asyncua)
+        server.iserver.max_pending_activation_seconds = self.idle_timeout_s
         server.set_endpoint(self.endpoint)
         server.set_server_name("visionserve")
         await server.set_application_uri(app_uri)

@@ -15,7 +15,10 @@ The watchdog's probe runs on the engine's loop and goes to the processes with th
 counters every period; each process judges the engine's health on its own (the heartbeat stops
 when the probes stop coming: a stuck engine loop, not only a dead process). When the serving
 process dies, the processes see the end of the socket pair (or SIGHUP) and exit, closing their
-ports: the PLC sees the connection drop.
+ports: the PLC sees the connection drop. When a PLC server process dies on its own, it is reaped
+and started again (with the front-end processes' backoff,
+:class:`~visionserve.process.RestartBackoff`); the server reports not ready until it listens
+again (the results in its buffers are lost).
 
 :func:`plc_running` is what ``serve`` wraps itself in: it does nothing unless ``--opcua`` or
 ``--modbus`` is set.
@@ -37,6 +40,7 @@ from pathlib import Path
 from ..config import data_home
 from ..errors import ConfigError, Conflict, VisionServeError
 from ..frontends.channel import Channel, connect
+from ..process import RestartBackoff
 from . import metrics
 from .bus import ResultBus, Stations
 from .watchdog import Watchdog
@@ -107,12 +111,27 @@ class PlcProcess:
         self.channel: Channel | None = None
         self.stopping = False
         self._started: asyncio.Future | None = None
+        self._lost = asyncio.Event()
+        self.listening = False  # its server listens (the process said so) and it is not lost
+        self._backoff = RestartBackoff()
+        self._supervisor: asyncio.Task | None = None
 
     async def start(self, timeout: float = START_TIMEOUT_S) -> None:
         """Start the process and wait until its server listens; raises ConfigError saying why
-        it could not (bad settings, port in use, the process died)."""
+        it could not (bad settings, port in use, the process died). From then on it is started
+        again whenever it dies."""
+        try:
+            await self._spawn(timeout)
+        except ConfigError:
+            await self.stop()
+            raise
+        self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
+
+    async def _spawn(self, timeout: float) -> None:
+        """One process, up to its server listening; ConfigError (the process reaped) if not."""
         loop = asyncio.get_running_loop()
         self._started = loop.create_future()
+        self._lost.clear()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         spec = {"protocol": self.protocol, "channel_fd": theirs.fileno(), "parent": os.getpid(),
                 "recipes": self.recipes}
@@ -130,8 +149,53 @@ class PlcProcess:
         except asyncio.TimeoutError:
             failure = f"the {self.protocol} server did not start within {timeout:.0f} s"
         if failure:
-            await self.stop()
+            await self._reap()
             raise ConfigError(failure)
+        self._backoff.started()
+
+    async def _supervise(self) -> None:
+        """Start the process again each time it dies, reaped first; readiness is held false
+        (``engine.unready``) until its server listens again."""
+        name = f"plc:{self.protocol}"
+        unready = getattr(self.engine, "unready", {})
+        while True:
+            await self._lost.wait()
+            if self.stopping:
+                return
+            unready[name] = f"the {self.protocol} PLC server process exited; restarting it"
+            await self._reap()
+            while not self.stopping:
+                delay = self._backoff.delay()
+                log.warning("starting the %s PLC server process again%s; not ready until it "
+                            "listens", self.protocol, f" in {delay:g} s" if delay else "")
+                await asyncio.sleep(delay)
+                if self.engine is not None:  # what the stations run now
+                    self.recipes = recipe_spec(self.engine)
+                try:
+                    await self._spawn(START_TIMEOUT_S)
+                except ConfigError as exc:
+                    log.error("the %s PLC server did not start again: %s", self.protocol,
+                              exc.message)
+                    continue
+                break
+            unready.pop(name, None)
+            if not self.stopping:
+                assert self.proc is not None
+                log.info("the %s PLC server is back (pid %d)", self.protocol, self.proc.pid)
+
+    async def _reap(self) -> None:
+        """The process gone and waited for (no zombie): it is given a moment to exit on its
+        own, then killed."""
+        if self.channel is not None and not self.channel.closed:
+            self.channel.close()
+        proc = self.proc
+        if proc is None:
+            return
+        try:
+            await asyncio.to_thread(proc.wait, 2.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            await asyncio.to_thread(proc.wait)
 
     def send(self, msg: tuple) -> bool:
         """Queue ``msg`` for the process; False (nothing sent) when it is gone or behind."""
@@ -152,6 +216,7 @@ class PlcProcess:
             task.add_done_callback(self._calls.discard)
         elif kind in ("listening", "failed") and self._started is not None \
                 and not self._started.done():
+            self.listening = kind == "listening"
             self._started.set_result(msg[1] if kind == "failed" else None)
 
     async def _switch(self, rid: int, station: str, recipe: str, caller: dict) -> None:
@@ -173,15 +238,22 @@ class PlcProcess:
     def _on_lost(self) -> None:
         code = self.proc.poll() if self.proc is not None else None
         if self._started is not None and not self._started.done():
-            self._started.set_result(f"the {self.protocol} server process exited (code {code}) "
-                                     "before it listened; see the lines above")
-        elif not self.stopping:
-            log.error("the %s PLC server process (pid %s) exited (code %s): the PLC sees its "
+            self._started.set_result(f"the {self.protocol} server process exited "
+                                     f"{'' if code is None else f'(code {code}) '}before it "
+                                     "listened; see the lines above")
+        elif self.listening and not self.stopping:  # (one that failed to start said why)
+            log.error("the %s PLC server process (pid %s) exited%s: the PLC sees its "
                       "connection closed and no heartbeat", self.protocol,
-                      self.proc.pid if self.proc else "?", code)
+                      self.proc.pid if self.proc else "?",
+                      "" if code is None else f" (code {code})")
+        self.listening = False
+        self._lost.set()
 
     async def stop(self) -> None:
         self.stopping = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            await asyncio.gather(self._supervisor, return_exceptions=True)
         if self.channel is not None and not self.channel.closed:
             self.channel.send(("stop",))
             self.channel.close()

@@ -30,13 +30,13 @@ from ..config import ServerSettings
 from ..errors import ConfigError, VisionServeError
 from ..frontends.arena import create_memfd
 from ..frontends.hub import Hub
+from ..process import RestartBackoff
 from .startup import start_engine
 
 log = logging.getLogger(__name__)
 
 SPEC_ENV = "VSFRONTEND_SPEC"
 SETTINGS_ENV = "VSFRONTEND_SETTINGS"
-RESTART_BACKOFF_S = 1.0
 
 
 def listen_socket(host: str, port: int, *, reuse_port: bool = False,
@@ -64,6 +64,7 @@ class FrontEnds:
         self.http_sock = http_sock
         self.grpc_port = grpc_port
         self.procs: dict[int, subprocess.Popen] = {}
+        self.backoff = {i: RestartBackoff() for i in range(settings.frontends)}
         self.stopping = False
         self._watcher: asyncio.Task | None = None
 
@@ -89,10 +90,10 @@ class FrontEnds:
         finally:
             os.close(arena_fd)  # mapped by the hub, inherited by the front end
         self.procs[index] = proc
+        self.backoff[index].started()
         log.info("front end %d started (pid %d)", index, proc.pid)
 
     async def _watch(self) -> None:
-        failures: dict[int, float] = {}
         while not self.stopping:
             await asyncio.sleep(0.2)
             for index, proc in list(self.procs.items()):
@@ -101,11 +102,7 @@ class FrontEnds:
                 log.error("front end %d (pid %d) exited with %s; starting it again", index,
                           proc.pid, proc.returncode)
                 self.hub.detach(index)
-                # back off when it keeps dying (a bad setting would otherwise spin)
-                now = time.monotonic()
-                if now - failures.get(index, 0.0) < 10.0:
-                    await asyncio.sleep(RESTART_BACKOFF_S)
-                failures[index] = now
+                await asyncio.sleep(self.backoff[index].delay())
                 if not self.stopping:
                     await self._spawn(index)
 

@@ -36,7 +36,8 @@ def test_every_route_of_the_app_is_in_the_table():
     from visionserve.http.app import create_app
     from visionserve.records.http import make_router as records_router
 
-    app = create_app(None, ServerSettings(api_docs=True), (guard_router(None), records_router(None)))
+    routers = (guard_router(None), records_router(None))
+    app = create_app(None, ServerSettings(api_docs=True), routers)
     schema = app.openapi()
     routes = [(m.upper(), p) for p, ops in schema["paths"].items() for m in ops]
     routes += [("GET", p) for p in ("/metrics", "/docs", "/docs/oauth2-redirect", "/redoc",

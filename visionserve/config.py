@@ -705,6 +705,8 @@ OTHER_VARIABLES: dict[str, str] = {
     "IMAGE": "deploy/docker-compose.yml: the image the containers run",
     "MODELS_DIR": "deploy/docker-compose.yml: the host folder mounted as the model repository",
     "GUARD_DEVICE": "deploy/docker-compose.yml: the guard container's `--device`",
+    "ADMIN_TOKEN_SECRET": "deploy/docker-compose.yml: the host file holding the admin token "
+                          "(a Compose secret; docs/security.md)",
     "ORT_SPIN": "onnxruntime on the CPU: `1` lets idle intra-op threads spin (default: they sleep)",
     "IMAGE_CACHE": "`visionserve bench`: where generated image sets are cached (`off`: not at all)",
     "GUARD_JOB_ID": "set by the training-queue guard for its jobs (docs/guard.md)",

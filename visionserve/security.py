@@ -162,7 +162,8 @@ def load_token(token: str | None, token_file: Path | None, name: str = "auth_tok
 def with_admin_token(settings: ServerSettings) -> ServerSettings:
     """``settings`` with the admin token every process of the server uses: the one configured,
     or, on a non-loopback bind without one, the token in ``data_home()/admin-token`` (made with
-    mode 0600 at the first start, read at the next). Raises ConfigError when it cannot be had."""
+    mode 0600 at the first start, read at the next; where it cannot be kept, one nobody knows).
+    Raises ConfigError for a token file that cannot be read."""
     admin = load_token(settings.admin_token, settings.admin_token_file, "admin_token")
     inference = load_token(settings.auth_token, settings.auth_token_file)
     if admin is not None and admin == inference:
@@ -178,9 +179,12 @@ def with_admin_token(settings: ServerSettings) -> ServerSettings:
         load_token(None, path, "admin_token")  # names an empty or unreadable file
         log.info("access: admin token read from %s", path)
     except OSError as exc:
-        raise ConfigError(f"this server listens on {settings.host or 'all interfaces'} and has no "
-                          f"admin token, and cannot make one in {path}: {exc.strerror or exc}. "
-                          "Set admin_token_file (docs/security.md), or --host 127.0.0.1") from None
+        # a read-only container without a secret: serve inference, shut the protected routes
+        # behind a token nobody is told
+        log.warning("access: no admin token is set and none can be kept in %s (%s): protected "
+                    "routes are closed to every client. Set admin_token_file (docs/security.md) "
+                    "or --host 127.0.0.1", path, exc.strerror or exc)
+        return settings.model_copy(update={"admin_token": secrets.token_urlsafe(32)})
     else:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(secrets.token_urlsafe(32) + "\n")

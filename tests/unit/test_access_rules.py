@@ -176,3 +176,13 @@ def test_admin_token_made_once_with_mode_0600(tmp_path, monkeypatch):
     assert with_admin_token(ServerSettings(admin_token="a")).admin_token_file is None
     with pytest.raises(ConfigError, match="the same"):
         with_admin_token(ServerSettings(admin_token="a", auth_token="a"))
+
+
+def test_no_place_for_the_admin_token_closes_the_protected_routes(tmp_path, monkeypatch, caplog):
+    """A read-only container without a secret still serves inference."""
+    (tmp_path / "ro").write_text("a file where the data folder would be")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "ro"))
+    settings = with_admin_token(ServerSettings(host="0.0.0.0"))
+    assert settings.admin_token and settings.admin_token_file is None
+    assert "protected routes are closed to every client" in caplog.text
+    assert settings.admin_token not in caplog.text

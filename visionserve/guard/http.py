@@ -113,8 +113,8 @@ def make_router(store: JobStore) -> APIRouter:
     async def submit(request: Request):
         try:
             body = parse_json(await request.body())
-        except InvalidInput as exc:
-            return _error(400, exc.message)
+        except InvalidInput:  # not JSON, or nested too deeply to parse
+            return _error(400, "body is not valid JSON")
         try:
             req = JobRequest.model_validate(body)
         except ValidationError as exc:

@@ -100,6 +100,12 @@ RUN groupadd --system --gid 10001 visionserve \
 # HOLD_ON_ERROR: a start-up that fails (a missing or unreadable mounted model repository, a model
 # that does not load) logs its reason once and the container stays up, unhealthy, instead of
 # exiting into `restart: unless-stopped` and crash-looping.
+# HOST=0.0.0.0: protected routes (state changes, guard jobs, records; docs/security.md) need the
+# admin token, which comes from a secret mounted as a file, never from this file:
+#   docker run -v /etc/visionserve/admin-token:/run/secrets/admin-token:ro \
+#     -e VISIONSERVE_ADMIN_TOKEN_FILE=/run/secrets/admin-token ...
+# (the Compose and Kubernetes files do that). Without one the server makes one in its home, or, on
+# a read-only root, closes those routes; inference needs no token either way.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \

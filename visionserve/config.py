@@ -395,6 +395,26 @@ class ServerSettings(BaseSettings):
         True, description="/metrics stays open when auth is on, for Prometheus scrapers that send "
                           "no token (the Kubernetes scrape annotations). It shows model names and "
                           "traffic, no frames.")
+    admin_token: str | None = Field(
+        None, description="The token protected routes (state changes, guard jobs, records, API "
+                          "docs: docs/security.md) need off a loopback bind. Unset: made at the "
+                          "first start in $XDG_DATA_HOME/visionserve/admin-token.")
+    admin_token_file: Path | None = Field(
+        None, description="Read the admin token from this file instead (a mounted secret).")
+    allowed_hosts: str = Field(
+        "", description="Names, besides localhost, this machine's names and the bind address, "
+                        "that protected requests may give in Host (comma-separated; * any). IP "
+                        "addresses always pass.")
+    allowed_origins: str = Field(
+        "", description="Web origins (http://name:port, comma-separated; * any) besides the "
+                        "server's own that may call protected routes. Default: none.")
+    trusted_proxies: str = Field(
+        "", description="Reverse proxies (addresses or networks, comma-separated) whose "
+                        "X-Forwarded-For/-Proto give the client's address. Default: none, the "
+                        "headers are ignored.")
+    api_docs: bool = Field(
+        False, description="Serve the API pages /docs, /redoc and /openapi.json (protected "
+                           "routes; the pages load their scripts from a CDN).")
     tls_cert: Path | None = Field(
         None, description="PEM certificate: serve HTTPS and gRPC over TLS.")
     tls_key: Path | None = Field(None, description="PEM private key for --tls-cert.")
@@ -510,8 +530,7 @@ class ServerSettings(BaseSettings):
                     "not fit travels in the message instead (slower, never refused).")
     guard: bool = Field(
         False, description="Also host the training-queue guard (and /v1/guard/jobs, which runs "
-                           "commands: refused unless an auth token is set or --host is a loopback "
-                           "address).")
+                           "commands: a protected route, docs/security.md).")
     guard_db: Path | None = Field(
         None, description="The guard's SQLite database (default: VISIONSERVE_GUARD_DB, else "
         "$XDG_DATA_HOME/visionserve/guard.sqlite, i.e. ~/.local/share/visionserve/guard.sqlite: "
@@ -691,6 +710,8 @@ OTHER_VARIABLES: dict[str, str] = {
     "IMAGE": "deploy/docker-compose.yml: the image the containers run",
     "MODELS_DIR": "deploy/docker-compose.yml: the host folder mounted as the model repository",
     "GUARD_DEVICE": "deploy/docker-compose.yml: the guard container's `--device`",
+    "ADMIN_TOKEN_SECRET": "deploy/docker-compose.yml: the host file holding the admin token "
+                          "(a Compose secret; docs/security.md)",
     "ORT_SPIN": "onnxruntime on the CPU: `1` lets idle intra-op threads spin (default: they sleep)",
     "IMAGE_CACHE": "`visionserve bench`: where generated image sets are cached (`off`: not at all)",
     "GUARD_JOB_ID": "set by the training-queue guard for its jobs (docs/guard.md)",

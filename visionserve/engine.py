@@ -320,7 +320,7 @@ class Engine(ModelLookup):
         ms = (time.monotonic() - t0) * 1000
         who = dict(caller or {})
         audit.info("station %s switched from recipe %s to %s by %s in %.1f ms", station, old,
-                   recipe_id, who.get("client", "?"), ms,
+                   recipe_id, _by(who), ms,
                    extra={"audit": {"action": "recipe", "station": station, "old": old,
                                     "new": recipe_id, "caller": who}})
         return {"station": station, **recipe.view(), "version": served.version,
@@ -582,8 +582,8 @@ class Engine(ModelLookup):
             self.generation += 1
             new = verdicts.current(config)
         who = dict(caller or {})
-        audit.info("verdict of model %s changed by %s: %s -> %s", name,
-                   who.get("client", "?"), json.dumps(old), json.dumps(new),
+        audit.info("verdict of model %s changed by %s: %s -> %s", name, _by(who),
+                   json.dumps(old), json.dumps(new),
                    extra={"model": name, "audit": {"action": "verdict", "model": name,
                                                    "old": old, "new": new, "caller": who}})
         return new
@@ -1006,3 +1006,9 @@ class Engine(ModelLookup):
     def _record_drop(self, served: Served, reason: str) -> None:
         if reason == "late":  # metrics: where its request is answered (count_error)
             served.stats.fail.add(0.0)
+
+
+def _by(caller: dict) -> str:
+    """Who an audit line names: the credential's identity and the client's address."""
+    client = caller.get("client", "?")
+    return f"{caller['operator']} from {client}" if caller.get("operator") else client

@@ -1,13 +1,25 @@
-"""Security basics shared by both front ends: bearer-token auth and request ids.
+"""Who may call what, for both front ends: the route table, the tokens, and the checks.
 
-Auth is off unless a token is configured (``--auth-token`` / ``VISIONSERVE_AUTH_TOKEN`` or
-``--auth-token-file``). Once it is on, every path needs it but these, which change nothing, run
-nothing and read no file: the health endpoints, so load balancers and kubelets can probe without
-the secret (``--no-auth-health-open`` closes them too), and ``/metrics``, so Prometheus can scrape
-it (``--no-auth-metrics-open`` closes it).
+Every HTTP route is in :data:`ROUTES`, in one of two classes (docs/security.md):
 
-The training-queue guard's job API (``/v1/guard``, ``serve --guard``) runs commands, so it is
-refused (403) unless a token is set, or the server listens on loopback only.
+- *open*: inference (OIP infer, metadata, config, ready, stats; inspect), health and
+  ``/metrics``. Open to every client unless an inference token is set (``--auth-token``): then
+  they need it, but health (``--no-auth-health-open`` closes it) and ``/metrics``
+  (``--no-auth-metrics-open``), which load balancers and scrapers probe without the secret.
+- *protected*: whatever changes state, writes a file, runs a command, or reads more than a
+  verdict (verdict and recipe changes, the model repository, the guard's job API, part records,
+  the API docs). They need ``Authorization: Bearer <admin token>`` unless the server binds
+  loopback addresses only. The bind address decides, not the client's: behind a reverse proxy
+  on the same machine every client is 127.0.0.1, and behind a Docker port mapping none is.
+  Whatever the bind address, a protected request must name this server in ``Host`` (DNS
+  rebinding), must not come from a foreign ``Origin``, and a body it sends must be JSON (415):
+  what a web page can send without the browser asking first is refused.
+
+The admin token also passes where the inference token is asked for; the inference token never
+opens a protected route. A server that binds a non-loopback address and has no admin token
+makes one at its first start and keeps it in the data directory (:func:`with_admin_token`).
+
+The HTTP middleware also gives every request its id (``X-Request-Id`` in and out).
 """
 
 from __future__ import annotations
@@ -15,17 +27,113 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
+import logging
+import os
+import re
+import secrets
+import socket
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
+from .config import ServerSettings, data_home
 from .errors import ConfigError
 from .logs import new_request_id, request_id
 
-HEALTH_PATHS = ("/v2/health/live", "/v2/health/ready")
+log = logging.getLogger("visionserve")
+
+# --- the route table ------------------------------------------------------------------------------
+
+INFERENCE, HEALTH, METRICS, ADMIN = "inference", "health", "metrics", "admin"
+
+
+@dataclass(frozen=True)
+class Route:
+    """Requests of ``methods`` (space-separated) to ``path`` (``{name}``: one path segment) are
+    of class ``access``."""
+
+    methods: str
+    path: str
+    access: str
+
+    def matches(self, method: str, path: str) -> bool:
+        method = "GET" if method == "HEAD" else method
+        return method in self.methods.split() and _pattern(self.path).match(path) is not None
+
+
+#: every route of the server (HTTP), classified; a request that matches none is protected
+ROUTES: tuple[Route, ...] = (
+    Route("GET", "/v2/health/live", HEALTH),
+    Route("GET", "/v2/health/ready", HEALTH),
+    Route("GET", "/metrics", METRICS),
+    Route("GET", "/v2", INFERENCE),
+    Route("GET", "/v2/models/stats", INFERENCE),
+    Route("GET", "/v2/models/{m}", INFERENCE),
+    Route("GET", "/v2/models/{m}/versions/{v}", INFERENCE),
+    Route("GET", "/v2/models/{m}/ready", INFERENCE),
+    Route("GET", "/v2/models/{m}/versions/{v}/ready", INFERENCE),
+    Route("GET", "/v2/models/{m}/config", INFERENCE),
+    Route("GET", "/v2/models/{m}/versions/{v}/config", INFERENCE),
+    Route("GET", "/v2/models/{m}/stats", INFERENCE),
+    Route("GET", "/v2/models/{m}/versions/{v}/stats", INFERENCE),
+    Route("POST", "/v2/models/{m}/infer", INFERENCE),
+    Route("POST", "/v2/models/{m}/versions/{v}/infer", INFERENCE),
+    Route("POST", "/v1/models/{m}/inspect", INFERENCE),
+    Route("POST", "/v1/models/{m}/versions/{v}/inspect", INFERENCE),
+    Route("POST", "/v1/stations/{s}/inspect", INFERENCE),
+    Route("GET", "/v1/models/{m}/verdict", INFERENCE),  # the rule /v2/models/{m}/config shows
+    Route("GET", "/v1/recipes", INFERENCE),
+    Route("GET", "/v1/stations/{s}", INFERENCE),
+    Route("PUT", "/v1/models/{m}/verdict", ADMIN),
+    Route("POST", "/v2/repository/index", ADMIN),
+    Route("POST", "/v2/repository/models/{m}/load", ADMIN),
+    Route("POST", "/v2/repository/models/{m}/unload", ADMIN),
+    Route("POST", "/v1/stations/{s}/recipe", ADMIN),
+    Route("GET POST", "/v1/guard/jobs", ADMIN),
+    Route("GET", "/v1/guard/jobs/{id}", ADMIN),
+    Route("POST", "/v1/guard/jobs/{id}/cancel", ADMIN),
+    Route("GET", "/v1/guard/jobs/{id}/logs", ADMIN),  # a command's output
+    Route("GET", "/v1/guard/health", ADMIN),
+    Route("GET", "/v1/parts/{id}", ADMIN),  # records and image names
+    Route("GET", "/docs", ADMIN),  # the API pages (api_docs): they can send any call
+    Route("GET", "/docs/oauth2-redirect", ADMIN),
+    Route("GET", "/redoc", ADMIN),
+    Route("GET", "/openapi.json", ADMIN),
+)
+
+HEALTH_PATHS = tuple(r.path for r in ROUTES if r.access == HEALTH)
+
+#: the gRPC methods that are protected routes (the model repository)
+GRPC_ADMIN_METHODS = tuple(f"/inference.GRPCInferenceService/{m}" for m in (
+    "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload"))
 GRPC_HEALTH_METHODS = ("/inference.GRPCInferenceService/ServerLive",
                        "/inference.GRPCInferenceService/ServerReady",
                        "/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
-METRICS_PATH = "/metrics"
-GUARD_PREFIX = "/v1/guard"
+
+_PATTERNS: dict[str, re.Pattern] = {}
+
+
+def _pattern(path: str) -> re.Pattern:
+    if path not in _PATTERNS:
+        _PATTERNS[path] = re.compile("^" + re.sub(r"\\\{\w+\\\}", "[^/]+", re.escape(path)) + "$")
+    return _PATTERNS[path]
+
+
+def classify(method: str, path: str) -> str:
+    """The class of a request: the first route of :data:`ROUTES` it matches, else ADMIN."""
+    return next((r.access for r in ROUTES if r.matches(method, path)), ADMIN)
+
+
+def grpc_class(method: str) -> str:
+    if method in GRPC_ADMIN_METHODS:
+        return ADMIN
+    return HEALTH if method in GRPC_HEALTH_METHODS else INFERENCE
+
+
+# --- tokens ---------------------------------------------------------------------------------------
+
+#: the admin token a server makes for itself, in the data directory
+ADMIN_TOKEN_FILE = "admin-token"
 
 
 def is_loopback(host: str) -> bool:
@@ -38,49 +146,240 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def guard_api_refusal(token: str | None, host: str) -> str | None:
-    """Why the guard's job API must stay shut, or None when it may be served (behind the token,
-    or to local clients only). A client's address is no test: behind a reverse proxy on the same
-    machine every client comes from 127.0.0.1."""
-    if token or is_loopback(host):
-        return None
-    return (f"the guard's job API ({GUARD_PREFIX}) is off: it runs commands, and this server "
-            f"listens on {host or 'all interfaces'} without an auth token. Set --auth-token or "
-            "--auth-token-file, or --host 127.0.0.1; on this machine `visionserve guard submit` "
-            "still queues jobs")
-
-
-def load_token(token: str | None, token_file: Path | None) -> str | None:
+def load_token(token: str | None, token_file: Path | None, name: str = "auth_token") -> str | None:
     if token and token_file:
-        raise ConfigError("give either auth_token or auth_token_file, not both")
+        raise ConfigError(f"give either {name} or {name}_file, not both")
     if token_file:
         try:
             token = Path(token_file).read_text(encoding="utf-8").strip()
         except OSError as exc:
-            raise ConfigError(f"auth_token_file {token_file}: {exc.strerror or exc}") from None
+            raise ConfigError(f"{name}_file {token_file}: {exc.strerror or exc}") from None
         if not token:
-            raise ConfigError(f"auth_token_file {token_file} is empty")
+            raise ConfigError(f"{name}_file {token_file} is empty")
     return token or None
 
 
-def bearer_ok(header: str | None, token: str) -> bool:
-    if not header or not header.lower().startswith("bearer "):
+def with_admin_token(settings: ServerSettings) -> ServerSettings:
+    """``settings`` with the admin token every process of the server uses: the one configured,
+    or, on a non-loopback bind without one, the token in ``data_home()/admin-token`` (made with
+    mode 0600 at the first start, read at the next; where it cannot be kept, one nobody knows).
+    Raises ConfigError for a token file that cannot be read."""
+    admin = load_token(settings.admin_token, settings.admin_token_file, "admin_token")
+    inference = load_token(settings.auth_token, settings.auth_token_file)
+    if admin is not None and admin == inference:
+        raise ConfigError("admin_token and auth_token are the same: the inference token would "
+                          "open every route; give the administration a token of its own")
+    if admin is not None or is_loopback(settings.host):
+        return settings
+    path = data_home() / ADMIN_TOKEN_FILE
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        load_token(None, path, "admin_token")  # names an empty or unreadable file
+        log.info("access: admin token read from %s", path)
+    except OSError as exc:
+        # a read-only container without a secret: serve inference, shut the protected routes
+        # behind a token nobody is told
+        log.warning("access: no admin token is set and none can be kept in %s (%s): protected "
+                    "routes are closed to every client. Set admin_token_file (docs/security.md) "
+                    "or --host 127.0.0.1", path, exc.strerror or exc)
+        return settings.model_copy(update={"admin_token": secrets.token_urlsafe(32)})
+    else:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+        log.info("access: made an admin token for protected routes, in %s (mode 0600)", path)
+    return settings.model_copy(update={"admin_token_file": path})
+
+
+def _bearer(header: bytes | str | None) -> bytes | None:
+    """The token of an ``Authorization: Bearer`` value, as bytes: HTTP gives the header's bytes
+    (a non-ASCII token arrives as its UTF-8 bytes), gRPC a str."""
+    if isinstance(header, str):
+        header = header.encode("utf-8")
+    if not header or header[:7].lower() != b"bearer ":
+        return None
+    return header[7:].strip()
+
+
+def _matches(bearer: bytes | None, token: bytes | None) -> bool:
+    return bearer is not None and token is not None and hmac.compare_digest(bearer, token)
+
+
+def _utf8(token: str | None) -> bytes | None:
+    return token.encode("utf-8") if token else None
+
+
+# --- the rules ------------------------------------------------------------------------------------
+
+UNAUTHENTICATED, FORBIDDEN = "unauthenticated", "forbidden"
+ADMIN_NEEDED = ("it changes the server or reads its records, so it needs the admin token "
+                "(Authorization: Bearer <admin token>; docs/security.md)")
+
+
+@dataclass(frozen=True)
+class Access:
+    """The access rules of one server, from its settings (:meth:`from_settings`)."""
+
+    token: bytes | None = None  # the inference token (UTF-8)
+    admin_token: bytes | None = None
+    admin_required: bool = True  # protected routes need the admin token (a non-loopback bind)
+    health_open: bool = True
+    metrics_open: bool = True
+    hosts: frozenset[str] | None = frozenset()  # Host names on protected routes; None: any
+    origins: frozenset[str] | None = frozenset()  # other origins allowed; None: any
+
+    @classmethod
+    def from_settings(cls, settings: ServerSettings) -> Access:
+        """Call with the settings :func:`with_admin_token` gave (the token file resolved)."""
+        return cls(_utf8(load_token(settings.auth_token, settings.auth_token_file)),
+                   _utf8(load_token(settings.admin_token, settings.admin_token_file,
+                                    "admin_token")),
+                   not is_loopback(settings.host), settings.auth_health_open,
+                   settings.auth_metrics_open, host_names(settings),
+                   _listed(settings.allowed_origins))
+
+    def credential(self, kind: str, authorization: bytes | str | None) -> tuple[str | None, str]:
+        """(refusal, identity) of a request of class ``kind``: refusal is None (pass),
+        UNAUTHENTICATED or FORBIDDEN (the inference token on a protected route); identity is who
+        the credential says it is (``admin-token``, ``loopback``), or "" for an open route."""
+        bearer = _bearer(authorization)
+        if kind == ADMIN:
+            if _matches(bearer, self.admin_token):
+                return None, "admin-token"
+            if self.admin_required:
+                return (FORBIDDEN if _matches(bearer, self.token) else UNAUTHENTICATED), ""
+            if self.token and not _matches(bearer, self.token):
+                return UNAUTHENTICATED, ""
+            return None, "loopback"
+        if not self.token or (kind == HEALTH and self.health_open) or \
+                (kind == METRICS and self.metrics_open):
+            return None, ""
+        if _matches(bearer, self.token) or _matches(bearer, self.admin_token):
+            return None, ""
+        return UNAUTHENTICATED, ""
+
+    def cross_site(self, host: bytes | None, origin: bytes | None) -> str | None:
+        """Why a protected request is refused (403) for its ``Host`` or ``Origin``, or None."""
+        name = _split_host(host.decode("latin-1"))[0] if host else ""
+        if self.hosts is not None and name and not _ip_literal(name) and name not in self.hosts:
+            return (f"Host {name!r} is not a name this server answers to (DNS rebinding); add it "
+                    "to the setting allowed_hosts")
+        if origin is None or self.origins is None:
+            return None
+        seen = origin.decode("latin-1").strip().lower()
+        if seen in self.origins or (host and _same_origin(seen, host.decode("latin-1"))):
+            return None
+        return (f"cross-site request refused: Origin {seen!r} is not this server; add it to the "
+                "setting allowed_origins")
+
+    def summary(self, settings: ServerSettings) -> list[str]:
+        """The start-up block: which routes are open to whom."""
+        inference = ("need the inference token (auth_token) or the admin token" if self.token
+                     else "open to every client")
+        probes = ", ".join(n for n, on in (("health", self.health_open),
+                                           ("/metrics", self.metrics_open)) if on or not self.token)
+        if self.admin_required:
+            where = f" (from {settings.admin_token_file})" if settings.admin_token_file else ""
+            protected = f"need the admin token{where}"
+        else:
+            protected = (f"open to this machine only (bind {settings.host})"
+                         + (", with the inference or admin token" if self.token else ""))
+        hosts = "any" if self.hosts is None else ", ".join(sorted(self.hosts)) + ", IP addresses"
+        opened = f"; {probes}: open" if probes else ""
+        return [f"inference (infer, metadata, config, ready, stats, inspect): {inference}{opened}",
+                ("protected (verdict and recipe changes, /v2/repository, /v1/guard, /v1/parts, "
+                 f"API docs): {protected}; Host: {hosts}; JSON bodies only, no foreign Origin")]
+
+
+def _listed(value: str) -> frozenset[str] | None:
+    names = {n.strip().lower() for n in value.split(",") if n.strip()}
+    return None if "*" in names else frozenset(names)
+
+
+def host_names(settings: ServerSettings) -> frozenset[str] | None:
+    """The names a protected request's ``Host`` may give: localhost, this machine's host name
+    and FQDN, the bind address and ``allowed_hosts`` (None: ``*``, any name)."""
+    extra = _listed(settings.allowed_hosts)
+    if extra is None:
+        return None
+    own = {"localhost", socket.gethostname(), socket.getfqdn(), settings.host.strip("[]")}
+    return frozenset(n.lower() for n in own if n) | extra
+
+
+def _split_host(host: str) -> tuple[str, str]:
+    """(name, port) of a ``Host`` value (``[::1]:8000`` -> ``("::1", "8000")``); port "" when
+    it gives none."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        name, _, rest = host[1:].partition("]")
+        return name, rest[1:] if rest.startswith(":") else ""
+    if host.count(":") == 1:
+        name, _, port = host.partition(":")
+        return name, port
+    return host, ""
+
+
+def _ip_literal(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
         return False
-    return hmac.compare_digest(header[7:].strip().encode(), token.encode())
+    return True
+
+
+_DEFAULT_PORTS = {"http": "80", "https": "443"}
+
+
+def _same_origin(origin: str, host: str) -> bool:
+    """An ``Origin`` (``http://name:port``) that names the host and port of the request's
+    ``Host``."""
+    try:
+        parts = urlsplit(origin)
+        default = _DEFAULT_PORTS.get(parts.scheme, "")
+        port = str(parts.port or default)
+    except ValueError:
+        return False
+    name, host_port = _split_host(host)
+    return (parts.hostname or "") == name and port == (host_port or default)
+
+
+_JSON_TYPE = re.compile(r"^\s*application/(?:[\w.+-]+\+)?json\s*(?:;|$)", re.IGNORECASE)
+_WRITES = ("POST", "PUT", "PATCH", "DELETE")
+
+
+def body_refusal(method: str, headers: dict[bytes, bytes]) -> str | None:
+    """Why a protected request's body is refused (415), or None: a state-changing request whose
+    body is not declared JSON. A body without ``Content-Type`` passes from clients that are no
+    browser (no ``Origin``): tritonclient sends its load and unload bodies so."""
+    if method not in _WRITES:
+        return None
+    length = headers.get(b"content-length", b"").strip()
+    if (length in (b"", b"0")) and b"transfer-encoding" not in headers:
+        return None
+    kind = headers.get(b"content-type")
+    if kind is None and b"origin" not in headers:
+        return None
+    if kind is not None and _JSON_TYPE.match(kind.decode("latin-1")):
+        return None
+    shown = kind.decode("latin-1") if kind is not None else "none"
+    return (f"this route takes a JSON body (Content-Type: application/json), or none; got "
+            f"Content-Type {shown}")
+
+
+# --- HTTP -----------------------------------------------------------------------------------------
+
+#: where the middleware leaves the identity of a protected request's credential (scope key)
+IDENTITY_KEY = "visionserve.identity"
 
 
 class HttpSecurity:
-    """ASGI middleware: a request id for every request (``X-Request-Id`` in and out); when a
-    token is set, ``Authorization: Bearer <token>`` on everything but the open paths; and 403 with
-    ``guard_refusal`` as the message under the guard's prefix when that is given."""
+    """ASGI middleware: a request id for every request (``X-Request-Id`` in and out), and the
+    rules of ``access`` (401, 403, 415) before the app sees the request."""
 
-    def __init__(self, app, token: str | None, health_open: bool = True, metrics_open: bool = True,
-                 guard_refusal: str | None = None) -> None:
+    def __init__(self, app, access: Access) -> None:
         self.app = app
-        self.token = token
-        self.open_paths = (set(HEALTH_PATHS) if health_open else set()) | \
-            ({METRICS_PATH} if metrics_open else set())
-        self.guard_refusal = guard_refusal
+        self.access = access
 
     def answer_from_head(self, scope) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
         """(status, headers, body) of a request that the app answers from its head alone
@@ -91,7 +390,7 @@ class HttpSecurity:
         if inner is None or scope["type"] != "http":
             return None
         headers = dict(scope.get("headers") or [])
-        if self._refusal(scope["path"], headers) is not None:
+        if self._refusal(scope, headers) is not None:
             return None  # __call__ says it
         rid = scope[_RID_KEY] = _request_id(headers)
         reset = request_id.set(rid)
@@ -104,15 +403,28 @@ class HttpSecurity:
         return (response.status_code,
                 [*response.raw_headers, (b"x-request-id", rid.encode("latin-1"))], response.body)
 
-    def _refusal(self, path: str, headers: dict[bytes, bytes]) -> tuple | None:
-        """(status, message, extra headers) of a request refused here, or None."""
-        if self.guard_refusal and (path == GUARD_PREFIX or path.startswith(GUARD_PREFIX + "/")):
-            return 403, self.guard_refusal, ()
-        if self.token and path not in self.open_paths:
-            auth = headers.get(b"authorization", b"").decode("latin-1")
-            if not bearer_ok(auth, self.token):
-                return (401, "missing or wrong bearer token (Authorization: Bearer <token>)",
-                        ((b"www-authenticate", b'Bearer realm="visionserve"'),))
+    def _refusal(self, scope, headers: dict[bytes, bytes]) -> tuple | None:
+        """(status, message, extra headers) of a request refused here, or None; a protected
+        request that passes gets its identity in the scope."""
+        method, path = scope["method"], scope["path"]
+        kind = classify(method, path)
+        if kind == ADMIN:
+            why = self.access.cross_site(headers.get(b"host"), headers.get(b"origin"))
+            if why is not None:
+                return 403, why, ()
+        refused, identity = self.access.credential(kind, headers.get(b"authorization"))
+        if refused == FORBIDDEN:
+            return 403, f"the inference token does not open {method} {path}: {ADMIN_NEEDED}", ()
+        if refused is not None:
+            message = (f"{method} {path}: {ADMIN_NEEDED}" if kind == ADMIN and
+                       self.access.admin_required else
+                       "missing or wrong bearer token (Authorization: Bearer <token>)")
+            return 401, message, ((b"www-authenticate", b'Bearer realm="visionserve"'),)
+        if kind == ADMIN:
+            why = body_refusal(method, headers)
+            if why is not None:
+                return 415, why, ()
+            scope[IDENTITY_KEY] = identity
         return None
 
     async def __call__(self, scope, receive, send) -> None:
@@ -124,7 +436,7 @@ class HttpSecurity:
         rid = rid or _request_id(headers)
         reset = request_id.set(rid)
         try:
-            refused = None if _RID_KEY in scope else self._refusal(scope["path"], headers)
+            refused = None if _RID_KEY in scope else self._refusal(scope, headers)
             if refused is not None:
                 status, message, extra = refused
                 await _reply(send, rid, status, message, *extra)
@@ -160,35 +472,47 @@ async def _reply(send, rid: str, status: int, message: str, *headers: tuple[byte
     await send({"type": "http.response.body", "body": body})
 
 
-def grpc_auth_interceptor(token: str, health_open: bool = True):
-    """A grpc.aio server interceptor that requires ``authorization: Bearer <token>`` metadata."""
+# --- gRPC -----------------------------------------------------------------------------------------
+
+def grpc_auth_interceptor(access: Access):
+    """A grpc.aio server interceptor with the rules of ``access`` (``authorization: Bearer``
+    metadata); None when they let every call through."""
+    if not access.token and not access.admin_required:
+        return None
     import grpc
 
-    open_methods = set(GRPC_HEALTH_METHODS) if health_open else set()
+    def denial(code: grpc.StatusCode, message: str, handler):
+        async def unary(request, context):
+            await context.abort(code, message)
 
-    async def _deny_async(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        async def stream(request, context):
+            await context.abort(code, message)
+            yield  # pragma: no cover - makes this an async generator
 
-    async def _deny_stream(request_iterator, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-        yield  # pragma: no cover - makes this an async generator
+        if handler.request_streaming:
+            if handler.response_streaming:
+                return grpc.stream_stream_rpc_method_handler(stream)
+            return grpc.stream_unary_rpc_method_handler(unary)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(stream)
+        return grpc.unary_unary_rpc_method_handler(unary)
 
     class AuthInterceptor(grpc.aio.ServerInterceptor):
         async def intercept_service(self, continuation, details):
-            if details.method in open_methods:
-                return await continuation(details)
+            kind = grpc_class(details.method)
             meta = dict(details.invocation_metadata or ())
-            if bearer_ok(meta.get("authorization"), token):
+            refused, _ = access.credential(kind, meta.get("authorization"))
+            if refused is None:
                 return await continuation(details)
             handler = await continuation(details)
             if handler is None:
                 return None
-            if handler.request_streaming:
-                if handler.response_streaming:
-                    return grpc.stream_stream_rpc_method_handler(_deny_stream)
-                return grpc.stream_unary_rpc_method_handler(_deny_async)
-            if handler.response_streaming:
-                return grpc.unary_stream_rpc_method_handler(_deny_stream)
-            return grpc.unary_unary_rpc_method_handler(_deny_async)
+            name = details.method.rsplit("/", 1)[-1]
+            if refused == FORBIDDEN:
+                return denial(grpc.StatusCode.PERMISSION_DENIED,
+                              f"the inference token does not open {name}: {ADMIN_NEEDED}", handler)
+            message = (f"{name}: {ADMIN_NEEDED}" if kind == ADMIN and access.admin_required
+                       else "missing or wrong bearer token")
+            return denial(grpc.StatusCode.UNAUTHENTICATED, message, handler)
 
     return AuthInterceptor()

@@ -21,6 +21,8 @@ from dockerkit import REPO, build_image, compose_command, docker, skip_without_e
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(900)]
 
+ADMIN_TOKEN = "compose-test-admin-token"
+
 TEST_OVERRIDE = """\
 services:
   server:
@@ -58,8 +60,12 @@ def stack(tmp_path_factory):
             "-f", str(REPO / "deploy" / "docker-compose.yml"),
             "-f", str(REPO / "deploy" / "docker-compose.cpu.yml"), "-f", str(override),
             "--profile", "guard"]
+    secret = override.parent / "admin-token"  # the secret the compose file mounts
+    secret.write_text(ADMIN_TOKEN + "\n")
+    secret.chmod(0o644)  # the container's user is not this one
     env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-           "VISIONSERVE_IMAGE": image, "HOME": str(tmp_path_factory.getbasetemp())}
+           "VISIONSERVE_IMAGE": image, "HOME": str(tmp_path_factory.getbasetemp()),
+           "VISIONSERVE_ADMIN_TOKEN_SECRET": str(secret)}
 
     def run(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
         return subprocess.run([*base, *args], capture_output=True, text=True, timeout=timeout,
@@ -92,6 +98,10 @@ def test_compose_starts_the_stack_with_the_guard(stack):
     url = f"http://127.0.0.1:{port['HostPort']}"
     assert httpx.get(url + "/v2/health/ready").status_code == 200
     assert httpx.get(url + "/v2/models/defect-classifier/ready").status_code == 200
+    # the admin token is the compose secret: protected routes need it, inference does not
+    assert httpx.post(url + "/v2/repository/index").status_code == 401
+    r = httpx.post(url + "/v2/repository/index", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+    assert r.status_code == 200, r.text
 
     guard = _container(run, "guard")
     assert guard["State"]["Running"], guard["State"]

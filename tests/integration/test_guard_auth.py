@@ -1,5 +1,5 @@
-"""The guard's job API runs commands, so it is refused unless a token is set or the server listens
-on loopback only (issue 14, defect 3). Real servers, bound to a non-loopback address inside a
+"""The guard's job API runs commands: a protected route, which needs the admin token unless the
+server listens on loopback only (docs/security.md). Real servers, bound to a non-loopback address inside a
 network namespace the test makes for itself: nothing outside the test can reach them, even if the
 refusal were broken. Where no namespace can be made (not root), the server binds 0.0.0.0 and the
 test connects over loopback: the rule is about the bind address, not the client's."""
@@ -19,6 +19,7 @@ from conftest import wait_for
 
 ADDR = "10.231.0.1"  # lives only on the namespace's own lo
 TOKEN = "plant-7-secret"
+ADMIN = "plant-7-admin"
 CLONE_NEWNET = 0x40000000
 
 
@@ -72,23 +73,28 @@ def job(marker) -> dict:
 
 
 @pytest.mark.parametrize("frontends", ["0", "2"])
-def test_guard_api_refused_without_token_beyond_loopback(tiny_repo, server_factory, tmp_path, jpeg_bytes,
-                                                         frontends):
+def test_guard_api_refused_without_the_admin_token_beyond_loopback(tiny_repo, server_factory, tmp_path,
+                                                                   jpeg_bytes, frontends):
     """With front-end processes each one serves the guard's API, and each one refuses it."""
     marker = tmp_path / "ran.txt"
 
     def check(bind: str, connect: str) -> None:
-        s, url = guard_server(server_factory, tiny_repo, tmp_path, bind, connect, "--frontends", frontends)
+        s, url = guard_server(server_factory, tiny_repo, tmp_path, bind, connect, "--frontends", frontends,
+                              "--auth-token", TOKEN, "--admin-token", ADMIN)
         r = httpx.post(url + "/v1/guard/jobs", json=job(marker))
-        assert r.status_code == 403, r.text
-        assert "auth token" in r.json()["error"] and "--host 127.0.0.1" in r.json()["error"]
-        for method, path in (("GET", "/v1/guard/jobs"), ("GET", "/v1/guard/jobs/1"),
+        assert r.status_code == 401, r.text
+        assert "admin token" in r.json()["error"]
+        inference = {"Authorization": f"Bearer {TOKEN}"}
+        for method, path in (("POST", "/v1/guard/jobs"), ("GET", "/v1/guard/jobs"), ("GET", "/v1/guard/jobs/1"),
                              ("GET", "/v1/guard/jobs/1/logs"), ("POST", "/v1/guard/jobs/1/cancel")):
-            assert httpx.request(method, url + path).status_code == 403, path
+            assert httpx.request(method, url + path).status_code == 401, path
+            # the inference token opens no protected route
+            assert httpx.request(method, url + path, headers=inference).status_code == 403, path
         # the rest of the server is unchanged
-        r = httpx.post(url + "/v1/models/tiny/inspect", content=jpeg_bytes, headers={"Content-Type": "image/jpeg"})
+        r = httpx.post(url + "/v1/models/tiny/inspect", content=jpeg_bytes,
+                       headers={"Content-Type": "image/jpeg", **inference})
         assert r.status_code == 200, r.text
-        assert "guard: the guard's job API (/v1/guard) is off" in s.log()
+        assert "access: protected" in s.log() and "need the admin token" in s.log()
 
     isolated(check)
     time.sleep(1.0)  # a queued job would have started by now
@@ -98,19 +104,19 @@ def test_guard_api_refused_without_token_beyond_loopback(tiny_repo, server_facto
     assert JobStore(str(tmp_path / "guard.sqlite")).list(None) == []
 
 
-def test_guard_api_needs_the_token_beyond_loopback(tiny_repo, server_factory, tmp_path):
+def test_guard_api_needs_the_admin_token_beyond_loopback(tiny_repo, server_factory, tmp_path):
     marker = tmp_path / "ran.txt"
 
     def check(bind: str, connect: str) -> None:
-        s, url = guard_server(server_factory, tiny_repo, tmp_path, bind, connect, "--auth-token", TOKEN)
-        assert "guard: the job API (/v1/guard) runs commands; it needs the bearer token" in s.log()
+        s, url = guard_server(server_factory, tiny_repo, tmp_path, bind, connect, "--auth-token", TOKEN,
+                              "--admin-token", ADMIN)
         assert httpx.post(url + "/v1/guard/jobs", json=job(marker)).status_code == 401
         assert httpx.post(url + "/v1/guard/jobs", json=job(marker),
                           headers={"Authorization": "Bearer nope"}).status_code == 401
-        r = httpx.post(url + "/v1/guard/jobs", json=job(marker), headers={"Authorization": f"Bearer {TOKEN}"})
+        r = httpx.post(url + "/v1/guard/jobs", json=job(marker), headers={"Authorization": f"Bearer {ADMIN}"})
         assert r.status_code == 201, r.text
         wait_for(marker.exists, timeout=60, what="the job to run")
-        # open with auth on: health (probes) and /metrics (scrapers); all else needs the token
+        # open with auth on: health (probes) and /metrics (scrapers); all else needs a token
         assert httpx.get(url + "/v2/health/ready").status_code == 200
         assert httpx.get(url + "/metrics").status_code == 200
         for path in ("/v2", "/v2/models/tiny", "/v2/models/tiny/config", "/v2/models/stats", "/docs",

@@ -27,7 +27,7 @@ def server(tiny_repo, tmp_path_factory):
     /config below): on a loaded 2-core test box the clients cannot send 32 requests within 2 ms,
     and batching under concurrency should be shown, not left to chance."""
     s = start_server(tiny_repo, tmp_path_factory.mktemp("http-api"), "--max-queue-delay-ms", "20",
-                     grpc=False)
+                     "--api-docs", grpc=False)
     yield s
     s.stop()
 

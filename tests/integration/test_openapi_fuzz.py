@@ -62,8 +62,18 @@ def _fuzz(operation, mode: GenerationMode, path_parameters: dict | None) -> str 
     return None
 
 
-def test_api_conforms_to_its_openapi_document(tiny_server):
-    schema = schemathesis.openapi.from_url(tiny_server.url + "/openapi.json")
+@pytest.fixture(scope="module")
+def docs_server(tiny_repo, tmp_path_factory):
+    """The tiny model with its API pages on (--api-docs), on loopback."""
+    from conftest import start_server
+
+    s = start_server(tiny_repo, tmp_path_factory.mktemp("fuzz"), "--api-docs")
+    yield s
+    s.stop()
+
+
+def test_api_conforms_to_its_openapi_document(docs_server):
+    schema = schemathesis.openapi.from_url(docs_server.url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     assert len(operations) >= 12
     failures = []
@@ -84,10 +94,10 @@ def test_api_conforms_to_its_openapi_document(tiny_server):
     assert not failures, "\n\n".join(failures)
 
 
-def test_document_has_the_oip_routes(tiny_server):
+def test_document_has_the_oip_routes(docs_server):
     import httpx
 
-    doc = httpx.get(tiny_server.url + "/openapi.json", timeout=10).json()
+    doc = httpx.get(docs_server.url + "/openapi.json", timeout=10).json()
     paths = doc["paths"]
     for path in ("/v2/health/live", "/v2/health/ready", "/v2", "/v2/models/{model_name}",
                  "/v2/models/{model_name}/ready", "/v2/models/{model_name}/config",

@@ -85,7 +85,10 @@ def test_get_put_and_answers_change_from_the_next_batch(served):
                     what="the audit line")
     a = line["audit"]
     assert (a["model"], a["old"]["ok_threshold"], a["new"]["ok_threshold"]) == ("tiny", 0.0, 1.0)
-    assert a["caller"]["operator"] == "qe-anna" and a["caller"]["client"].startswith("127.0.0.1")
+    # the operator is who the credential says (here: the loopback bind); X-Operator is what the
+    # client says, kept beside it
+    assert (a["caller"]["operator"], a["caller"]["operator_declared"]) == ("loopback", "qe-anna")
+    assert a["caller"]["client"].startswith("127.0.0.1")
 
 
 @pytest.mark.parametrize("body, field", [

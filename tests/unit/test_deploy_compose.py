@@ -233,3 +233,13 @@ def test_every_setting_in_dot_env_reaches_the_server():
     entries = [e if isinstance(e, dict) else {"path": e} for e in (env_file if isinstance(env_file, list) else [env_file])]
     assert any(e["path"] == ".env" for e in entries)
     assert all(e.get("required") is False for e in entries), "a missing deploy/.env is no error"
+
+
+def test_admin_token_from_a_compose_secret(compose, server, monkeypatch):
+    """Protected routes need the admin token, mounted as a Compose secret; inference needs none."""
+    settings = _settings(server["environment"], monkeypatch)
+    assert settings.admin_token_file is not None and settings.auth_token is None
+    assert settings.auth_token_file is None
+    (name,) = server["secrets"]
+    assert str(settings.admin_token_file) == f"/run/secrets/{name}"
+    assert compose["secrets"][name]["file"]

@@ -215,3 +215,20 @@ def test_kserve_example(settings):
     assert int(c["resources"]["limits"]["nvidia.com/gpu"]) == 1
     drain = float(env.get("VISIONSERVE_DRAIN_TIMEOUT_S", settings.drain_timeout_s))
     assert predictor["terminationGracePeriodSeconds"] > drain
+
+
+def test_admin_token_from_a_secret(settings, deployment, container):
+    """Protected routes need the admin token, a Secret mounted as a file; inference needs none."""
+    assert settings.admin_token_file is not None and settings.auth_token_file is None
+    folder = str(settings.admin_token_file.parent)
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == folder]
+    (volume,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"]
+                 if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"] and mount["readOnly"]
+    isvc = _docs(KSERVE)[0]["spec"]["predictor"]
+    (c,) = isvc["containers"]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    kfolder = env["VISIONSERVE_ADMIN_TOKEN_FILE"].rsplit("/", 1)[0]
+    (kmount,) = [m for m in c["volumeMounts"] if m["mountPath"] == kfolder]
+    (kvolume,) = [v for v in isvc["volumes"] if v["name"] == kmount["name"]]
+    assert kvolume["secret"]["secretName"] == volume["secret"]["secretName"]

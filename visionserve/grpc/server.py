@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -71,6 +72,7 @@ class GrpcServer:
         self.health = _Health(self._refresh)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self._published: bool | None = None  # the readiness the health service says
+        self.ipv6_hold: socket.socket | None = None  # see _hold_ipv6_wildcard
         self._watcher: asyncio.Task | None = None
 
     def __getattr__(self, name: str) -> Any:
@@ -88,6 +90,8 @@ class GrpcServer:
                 await self._watcher
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        if self.ipv6_hold is not None:
+            self.ipv6_hold.close()
 
     async def _publish(self, ready: bool) -> None:
         status = _SERVING if ready else _NOT_SERVING
@@ -114,11 +118,10 @@ def create_server(engine: DataPlane, settings: ServerSettings, *,
     """``shared_port``: several front-end processes serve the one port (SO_REUSEPORT); the serving
     process holds the port so that no other program can take it."""
     limit = settings.grpc_max_message_bytes
-    from ..security import grpc_auth_interceptor, load_token
+    from ..security import Access, grpc_auth_interceptor
 
-    token = load_token(settings.auth_token, settings.auth_token_file)
-    interceptors = [grpc_auth_interceptor(token, settings.auth_health_open)] if token else []
-    server = grpc.aio.server(interceptors=interceptors, options=[
+    interceptor = grpc_auth_interceptor(Access.from_settings(settings))
+    server = grpc.aio.server(interceptors=[interceptor] if interceptor else [], options=[
         ("grpc.max_send_message_length", limit),
         ("grpc.max_receive_message_length", limit),
         # one port per server: a second server on the same port must fail, not share it
@@ -126,8 +129,14 @@ def create_server(engine: DataPlane, settings: ServerSettings, *,
     ])
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
         InferenceServicer(engine, settings), server)
-    address = f"{_host(settings.host)}:{settings.grpc_port}"
+    port, ipv6_hold = settings.grpc_port, None
+    if settings.host == "0.0.0.0":
+        ipv6_hold = _hold_ipv6_wildcard(port)
+        if ipv6_hold is not None:
+            port = ipv6_hold.getsockname()[1]
+    address = f"{_host(settings.host)}:{port}"
     grpc_server = GrpcServer(server, engine, address)
+    grpc_server.ipv6_hold = ipv6_hold
     try:
         if settings.tls_cert:
             assert settings.tls_key is not None  # the settings check they come together
@@ -141,6 +150,22 @@ def create_server(engine: DataPlane, settings: ServerSettings, *,
     except RuntimeError as exc:
         raise ConfigError(f"cannot listen for gRPC on {address}: {exc}") from None
     return grpc_server
+
+
+def _hold_ipv6_wildcard(port: int) -> socket.socket | None:
+    """A socket bound to [::]:``port`` (IPv6 only, never listening), or None where there is no
+    IPv6 or another socket holds it already. gRPC takes 0.0.0.0 for "every address, IPv6 too"
+    (it binds [::] dual-stack); with [::] taken it binds 0.0.0.0 alone, as HTTP does."""
+    hold = None
+    try:
+        hold = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        hold.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        hold.bind(("::", port))
+    except OSError:
+        if hold is not None:
+            hold.close()
+        return None
+    return hold
 
 
 def _host(host: str) -> str:

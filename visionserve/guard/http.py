@@ -25,8 +25,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..config import parse_bytes
-from ..errors import NotFound, Unavailable, VisionServeError, describe_validation
-from ..http.common import error_response
+from ..errors import InvalidInput, NotFound, Unavailable, VisionServeError, describe_validation
+from ..http.common import error_response, parse_json
 from .store import STATES, JobSpec, JobStateError, JobStore, StoreFault
 
 #: the supervisor records a heartbeat every second; older than this, health says it is not working
@@ -112,8 +112,8 @@ def make_router(store: JobStore) -> APIRouter:
             "application/json": {"schema": JobRequest.model_json_schema()}}}})
     async def submit(request: Request):
         try:
-            body = await request.json()
-        except ValueError:
+            body = parse_json(await request.body())
+        except InvalidInput:  # not JSON, or nested too deeply to parse
             return _error(400, "body is not valid JSON")
         try:
             req = JobRequest.model_validate(body)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -11,6 +13,7 @@ from .. import __version__
 from ..config import ServerSettings
 from ..dataplane import DataPlane
 from ..errors import VisionServeError, describe_validation
+from ..security import ADMIN, classify
 from . import inspect, recipes, v2, verdict
 from .common import (
     ClientGone,
@@ -19,10 +22,14 @@ from .common import (
     error_response,
     internal_error_response,
 )
+from .schemas import PROTECTED
 
 
 def create_app(engine: DataPlane, settings: ServerSettings, routers: tuple = ()) -> FastAPI:
+    docs = settings.api_docs  # off by default: the pages load their scripts from a CDN
     app = FastAPI(
+        docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
         title="visionserve",
         version=__version__,
         description="Batched inference for industrial vision: Open Inference Protocol v2 "
@@ -66,4 +73,16 @@ def create_app(engine: DataPlane, settings: ServerSettings, routers: tuple = ())
 
         return Response(await engine_of(request).metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
+    def openapi() -> dict[str, Any]:
+        """FastAPI's document, with the answers of the access rules on the protected routes."""
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            for path, operations in schema.get("paths", {}).items():
+                for method, operation in operations.items():
+                    if classify(method.upper(), path) == ADMIN:
+                        operation["responses"] = {**{str(k): v for k, v in PROTECTED.items()},
+                                                  **operation.get("responses", {})}
+        return app.openapi_schema or {}
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app

@@ -5,9 +5,10 @@ dropping the work of a client that left, and turning errors into answers. The ro
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -23,6 +24,8 @@ from ..errors import (
     http_status,
     retry_after,
 )
+from ..logs import request_id
+from ..security import IDENTITY_KEY
 
 if TYPE_CHECKING:
     from ..dataplane import DataPlane
@@ -76,18 +79,34 @@ async def read_json_object(request: Request, limit: int, what: str = "",
                            empty: dict | None = None) -> dict:
     """The body as a JSON object (400 otherwise; ``what`` says what it must hold); ``empty``:
     the value of an empty body, which is refused when None."""
-    import json
-
     body = await read_body(request, limit, request.app.state.settings.body_timeout_s)
     if empty is not None and not body.strip():
         return empty
-    try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidInput(f"the body is not JSON: {exc}") from None
+    data = parse_json(body)
     if not isinstance(data, dict):
         raise InvalidInput(f"the body must be a JSON object{what}")
     return data
+
+
+def parse_json(body: bytes) -> Any:
+    """The body as JSON; 400 (InvalidInput) for one that is not, or is nested too deeply for
+    the parser (which raises RecursionError)."""
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidInput(f"the body is not JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidInput("the body is not JSON this server takes: nested too deeply") from None
+
+
+def caller_of(request: Request) -> dict[str, Any]:
+    """Who made a change, for the audit line: the client's address, the request id, the
+    ``operator`` the credential names (``admin-token``, ``loopback``: docs/security.md) and the
+    ``X-Operator`` header as ``operator_declared`` (what the client says, unchecked)."""
+    client = request.client
+    return {"client": f"{client.host}:{client.port}" if client else "?",
+            "request_id": request_id.get(), "operator": request.scope.get(IDENTITY_KEY),
+            "operator_declared": request.headers.get("x-operator")}
 
 
 class ClientGone(Exception):

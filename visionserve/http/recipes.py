@@ -2,13 +2,12 @@
 ``GET /v1/stations/{station}``, ``POST /v1/stations/{station}/recipe``.
 
 The engine checks and applies a switch (:meth:`DataPlane.switch_recipe`, see
-:mod:`visionserve.recipes`); this only translates. The caller (client address, request id,
-``X-Operator``) goes to the audit line, as for the verdict settings.
+:mod:`visionserve.recipes`); this only translates. The caller
+(:func:`.common.caller_of`) goes to the audit line, as for the verdict settings.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -16,8 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from ..errors import InvalidInput
-from ..logs import request_id
-from .common import engine_of, read_body, settings_of
+from .common import caller_of, engine_of, parse_json, read_body, settings_of
 from .schemas import CONFLICT, ERRORS
 
 router = APIRouter(tags=["Recipes"])
@@ -51,7 +49,8 @@ _POST_BODY = {"requestBody": {"required": True, "content": {"application/json": 
     "example": {"recipe": "housing-black"}}}},
     "parameters": [{"name": "X-Operator", "in": "header", "required": False,
                     "schema": {"type": "string"},
-                    "description": "Who makes the change, for the audit line."}]}
+                    "description": "Who says they make the change: the audit line's "
+                                   "operator_declared (unchecked)."}]}
 
 
 @router.get("/v1/recipes", summary="Every recipe, and what each station runs")
@@ -74,14 +73,7 @@ async def get_station(request: Request, station: str) -> JSONResponse:
              summary="Switch the recipe a station runs")
 async def switch_recipe(request: Request, station: str) -> JSONResponse:
     engine = engine_of(request)
-    body = await read_body(request, MAX_BODY, settings_of(request).body_timeout_s)
-    try:
-        wanted = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidInput(f"the body is not JSON: {exc}") from None
+    wanted = parse_json(await read_body(request, MAX_BODY, settings_of(request).body_timeout_s))
     if not isinstance(wanted, dict) or not isinstance(wanted.get("recipe"), str):
         raise InvalidInput('the body must be {"recipe": "<recipe id>"}')
-    client = request.client
-    caller = {"client": f"{client.host}:{client.port}" if client else "?",
-              "request_id": request_id.get(), "operator": request.headers.get("x-operator")}
-    return JSONResponse(await engine.switch_recipe(station, wanted["recipe"], caller))
+    return JSONResponse(await engine.switch_recipe(station, wanted["recipe"], caller_of(request)))

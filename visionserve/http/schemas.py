@@ -138,3 +138,14 @@ CONFLICT: dict[int | str, dict[str, Any]] = {
     409: {"model": ErrorResponse, "description": "Conflicts with the server's state (the model "
           "control mode, a model in use, the GPU memory budget, a station's recipe); nothing "
           "was changed"}}
+
+_ERROR_BODY = {"application/json": {"schema": {
+    "type": "object", "properties": {"error": {"type": "string"}}, "required": ["error"]}}}
+
+#: what a protected route (docs/security.md) may answer before it runs
+PROTECTED: dict[int | str, dict[str, Any]] = {
+    401: {"description": "No admin token (the server binds a non-loopback address)",
+          "content": _ERROR_BODY},
+    403: {"description": "A foreign Host or Origin, or the inference token where the admin "
+                         "token is needed", "content": _ERROR_BODY},
+    415: {"description": "A body that is not JSON", "content": _ERROR_BODY}}

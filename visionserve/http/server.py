@@ -12,7 +12,7 @@ from typing import Any
 import uvicorn
 
 from ..config import ServerSettings
-from ..security import HttpSecurity, guard_api_refusal, load_token
+from ..security import Access, HttpSecurity
 from .app import create_app
 from .connections import protocol_class
 from .inspect import InspectFastPath
@@ -21,11 +21,11 @@ log = logging.getLogger("visionserve")
 
 
 def http_app(engine, settings: ServerSettings, routers: tuple = ()):
-    """The ASGI app a front end serves: the FastAPI app behind auth and request ids."""
-    token = load_token(settings.auth_token, settings.auth_token_file)
-    return HttpSecurity(InspectFastPath(create_app(engine, settings, routers)), token,
-                        settings.auth_health_open, settings.auth_metrics_open,
-                        guard_api_refusal(token, settings.host) if settings.guard else None)
+    """The ASGI app a front end serves: the FastAPI app behind the access rules and request
+    ids (``settings`` with the admin token resolved:
+    :func:`~visionserve.security.with_admin_token`)."""
+    return HttpSecurity(InspectFastPath(create_app(engine, settings, routers)),
+                        Access.from_settings(settings))
 
 
 def http_server(app, engine, settings: ServerSettings) -> DrainingServer:
@@ -41,6 +41,10 @@ def http_server(app, engine, settings: ServerSettings) -> DrainingServer:
         http=protocol_class(settings.header_timeout_s, settings.max_connections,
                             getattr(app, "answer_from_head", None)), ws="none",
         log_config=None, **tls,
+        # X-Forwarded-For/-Proto only from the proxies named (uvicorn's default believes any
+        # process on this machine, which could then write any client address into the audit)
+        proxy_headers=bool(settings.trusted_proxies),
+        forwarded_allow_ips=settings.trusted_proxies or None,
     ), engine, settings.drain_timeout_s)
 
 

@@ -4,8 +4,7 @@
 The body of a ``PUT`` is a JSON object of ``[verdict]`` fields to set (the others keep their
 values; ``null`` puts a field back to its default). The engine validates it by the model's
 ``model.toml`` schema, writes the file and swaps the served settings (:meth:`DataPlane.verdict`);
-this route only translates. The caller (client address, request id, and the ``X-Operator``
-header when sent) goes to the audit line.
+this route only translates. The caller (:func:`.common.caller_of`) goes to the audit line.
 """
 
 from __future__ import annotations
@@ -16,8 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from ..logs import request_id
-from .common import engine_of, read_json_object
+from .common import caller_of, engine_of, read_json_object
 from .schemas import ERRORS
 
 router = APIRouter(tags=["Verdict"])
@@ -39,7 +37,8 @@ _PUT_BODY = {"requestBody": {"required": True, "content": {"application/json": {
                    "default. Validated like model.toml; 400 and nothing changed otherwise."},
     "parameters": [{"name": "X-Operator", "in": "header", "required": False,
                     "schema": {"type": "string"},
-                    "description": "Who makes the change, for the audit line."}]}
+                    "description": "Who says they make the change: the audit line's "
+                                   "operator_declared (unchecked)."}]}
 
 
 @router.get("/v1/models/{model_name}/verdict", response_model=VerdictAnswer, responses=ERRORS,
@@ -55,9 +54,5 @@ async def put_verdict(request: Request, model_name: str) -> JSONResponse:
     engine = engine_of(request)
     engine.entry(model_name)  # 404 before the body
     changes = await read_json_object(request, MAX_BODY, " of [verdict] fields to change")
-    client = request.client
-    caller = {"client": f"{client.host}:{client.port}" if client else "?",
-              "request_id": request_id.get(),
-              "operator": request.headers.get("x-operator")}
-    values = await engine.verdict(model_name, changes, caller)
+    values = await engine.verdict(model_name, changes, caller_of(request))
     return JSONResponse({"model": model_name, "verdict": values})

@@ -13,7 +13,7 @@ import logging
 
 from ..config import ServerSettings
 from ..errors import VisionServeError
-from .hosted import HostedGuard, log_guard_access, start_mps
+from .hosted import HostedGuard, start_mps
 from .startup import apply_process_settings, pin_device, start_engine
 
 log = logging.getLogger("visionserve")
@@ -21,10 +21,13 @@ log = logging.getLogger("visionserve")
 
 def assemble(settings: ServerSettings):
     """(engine, hosted guard or None), the device pinned and the models scanned (not loaded:
-    :func:`serve` starts them). Raises VisionServeError on bad settings or model repository."""
-    from ..security import load_token
+    :func:`serve` starts them); ``settings`` with the admin token resolved
+    (:func:`~visionserve.security.with_admin_token`). Raises VisionServeError on bad settings or
+    model repository."""
+    from ..security import Access
 
-    token = load_token(settings.auth_token, settings.auth_token_file)
+    for line in Access.from_settings(settings).summary(settings):  # the token files read
+        log.info("access: %s", line)
     resolved = pin_device(settings.device)
     apply_process_settings(settings)
     mps = None
@@ -38,7 +41,6 @@ def assemble(settings: ServerSettings):
     if settings.guard:
         p99 = engine.latency_p99() if settings.guard_latency_budget_ms else None
         guard = HostedGuard(settings, resolved, latency=p99, mps=mps)
-        log_guard_access(settings.host, token)
     return engine, guard
 
 

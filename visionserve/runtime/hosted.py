@@ -76,17 +76,3 @@ def start_mps(settings: ServerSettings, resolved):
                 "guard: CUDA MPS not used: %s; jobs share the GPU by yielding or by the "
                 "process-level policies", state.reason)
     return state
-
-
-def log_guard_access(host: str, token: str | None) -> None:
-    """Say at start-up who may use the guard's job API, which runs commands."""
-    from ..security import GUARD_PREFIX, guard_api_refusal
-
-    refusal = guard_api_refusal(token, host)
-    if refusal:
-        log.warning("guard: %s", refusal)
-    elif token:
-        log.info("guard: the job API (%s) runs commands; it needs the bearer token", GUARD_PREFIX)
-    else:
-        log.info("guard: the job API (%s) runs commands; open without a token to this machine only "
-                 "(listening on %s)", GUARD_PREFIX, host)

@@ -22,6 +22,7 @@ from ..config import ServerSettings, setting_docs, unknown_variables
 from ..errors import VisionServeError, describe_validation
 from ..logs import configure_logging
 from ..process import run_loop
+from ..security import with_admin_token
 from .assembly import assemble, serve
 from .startup import hold
 
@@ -68,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     for warning in unknown_variables(os.environ):
         log.warning("%s", warning)
     try:
+        settings = with_admin_token(settings)
         engine, guard = assemble(settings)
     except VisionServeError as exc:
         if not settings.hold_on_error:

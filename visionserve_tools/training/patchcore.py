@@ -40,7 +40,6 @@ from torch import nn
 
 from visionserve import imaging
 from visionserve.config import InputSpec
-from visionserve.errors import VisionServeError
 
 from . import common
 from .common import ScriptError, scan_good

@@ -4,12 +4,18 @@
 A model's served versions are the version folders its ``[version_policy]`` selects
 (:attr:`ModelEntry.versions`); :func:`signature` tells a poll of the repository whether a model
 changed on disk since it was read.
+
+A model file is code the server runs (a torch.export program is Python that torch evaluates when
+it reads it), and a poll loads whatever lands in the folder: :func:`check_writers` refuses a
+repository, model folder or model file that a user other than the server's own (or root) can
+write (docs/security.md, model files).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,8 +52,36 @@ def scan(root: Path) -> dict[str, ModelEntry]:
     return entries
 
 
+def check_writers(path: Path) -> None:
+    """ConfigError unless only this process's user or root can change ``path`` (what a symlink
+    points to, and the folder that holds it): not group- or world-writable, owned by this user
+    or root. A read-only file system passes: nobody writes it through this mount."""
+    real = Path(path).resolve()
+    for p in dict.fromkeys((Path(path), real, real.parent if real.is_file() else real)):
+        try:
+            st = os.stat(p)
+            if os.statvfs(p).f_flag & os.ST_RDONLY:
+                continue
+        except OSError:  # unreadable or gone: the caller's own read says so
+            continue
+        uid = os.geteuid()
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            who = "every user" if st.st_mode & stat.S_IWOTH else f"group {st.st_gid}"
+            raise ConfigError(
+                f"{p} is writable by {who} (mode {stat.S_IMODE(st.st_mode):o}): model files are "
+                f"code the server runs, so only its own user may change them; run "
+                f"'chmod go-w {p}' (docs/security.md#model-files)")
+        if st.st_uid not in (uid, 0):
+            raise ConfigError(
+                f"{p} is owned by uid {st.st_uid}, not by the server's user (uid {uid}) or root: "
+                f"model files are code the server runs, so only its own user may change them; "
+                f"run 'chown {uid} {p}' or mount the repository read-only "
+                f"(docs/security.md#model-files)")
+
+
 def model_folders(root: Path) -> list[Path]:
     """The folders of ``root`` that hold a ``model.toml``, by name."""
+    check_writers(root)
     try:
         return [p for p in sorted(Path(root).iterdir())
                 if p.is_dir() and (p / "model.toml").is_file()]
@@ -62,6 +96,8 @@ def model_folders(root: Path) -> list[Path]:
 
 def load_entry(folder: Path) -> ModelEntry:
     toml = folder / "model.toml"
+    check_writers(folder)
+    check_writers(toml)
     config = load_model_config(toml)
     name = folder.name
     if not _NAME_RE.match(name):
@@ -81,6 +117,10 @@ def load_entry(folder: Path) -> ModelEntry:
         raise ConfigError(f"{toml}: field 'version_policy.specific': version(s) {missing} not "
                           f"found (have {sorted(found)} with {filename})")
     versions = {v: found[v] for v in policy.select(found)}
+    for file in versions.values():  # the model file and what it may name beside it (ONNX data)
+        check_writers(file.parent)
+        for beside in file.parent.iterdir():
+            check_writers(beside)
     if config.default_version is not None and config.default_version not in versions:
         of = f": the versions [version_policy] serves of {sorted(found)}" \
             if len(versions) != len(found) else ""

@@ -76,6 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from visionserve import extras
+
     from .training import common
 
     command = getattr(args, "anomaly_command", None)
@@ -84,8 +86,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         if command == "fit":
-            from .training import patchcore
-
+            common.scan_good(args.good)  # the folder's faults first, with or without torch
+            try:
+                from .training import patchcore
+            except ImportError as exc:
+                if (exc.name or "").partition(".")[0] not in extras.EXTRA_OF:
+                    raise
+                raise common.ScriptError(f"visionserve anomaly fit needs {exc.name}, which this "
+                                         f"install does not have: {extras.install_hint('train')}"
+                                         ) from None
             opts = patchcore.FitOptions(
                 good=args.good, name=args.name, models_dir=args.models_dir,
                 backbone=args.backbone, image_size=args.image_size, holdout=args.holdout,

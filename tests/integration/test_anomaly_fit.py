@@ -5,6 +5,7 @@ nothing left in the model repository."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from visionserve import tasks
 from visionserve.backends import base as backends
 from visionserve.backends.checks import Subject
 from visionserve.config import load_model_config
+from tests.tools.notorch import no_torch_site
 from visionserve_tools import synthetic
 
 SIZE = (320, 240)
@@ -138,6 +140,27 @@ def test_a_backbone_of_ones_own(tmp_path, suffix):
     (verdict, result), = task.postprocess(b.run(np.zeros((1, 3, 160, 160), np.float32)),
                                           slice(0, 1))
     assert verdict in ("OK", "NG") and result.map.shape == (80, 80)
+
+
+def test_fit_without_the_train_extra_says_which_to_install(tmp_path):
+    """Without torch, ``fit`` still checks --good first, then names the extra in one line,
+    exit 2, no traceback."""
+    site = no_torch_site(tmp_path / "site", tmp_path / "torch-imports.txt")
+    env = {**os.environ, "PYTHONPATH": f"{site}:{REPO}"}
+
+    def fit_here(good: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "visionserve", "anomaly", "fit", "--good",
+                               str(good), "--name", "parts", "--models-dir",
+                               str(tmp_path / "models")],
+                              cwd=str(REPO), env=env, capture_output=True, text=True, timeout=120)
+
+    r = fit_here(tmp_path / "missing")
+    assert r.returncode == 2 and r.stderr == f"error: --good {tmp_path / 'missing'} is not a folder\n"
+    r = fit_here(good_folder(tmp_path / "good", 20))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("error: visionserve anomaly fit needs torch, which this install "
+                               "does not have: pip install 'visionserve[train]'")
+    assert len(r.stderr.splitlines()) == 1 and not (tmp_path / "models").exists()
 
 
 def test_too_few_images(tmp_path):

@@ -197,6 +197,22 @@ def test_poll_mode_swaps_a_changed_model_and_refuses_calls(server_factory, repo)
     assert r.status_code == 409 and "polled" in r.json()["error"]
 
 
+def test_poll_mode_loads_no_model_that_other_users_can_write(server_factory, repo, tmp_path):
+    """A poll loads whatever lands in the folder, and a model file is code the server runs: a
+    model folder that other users can write is not loaded, and the log names it and the fix."""
+    server = server_factory(repo, "--model-control-mode", "poll", "--repository-poll-secs", "0.3")
+    assert version_of(server) == "1"
+    staged = tmp_path / "staged"
+    shutil.copytree(repo / "idle", staged)
+    staged.chmod(0o777)
+    staged.rename(repo / "open")
+    wait_for(lambda: f"{repo / 'open'} is writable by every user" in server.log(), 30,
+             "the poll to refuse it")
+    assert f"chmod go-w {repo / 'open'}" in server.log()
+    assert inspect(server, "open").status_code == 404
+    assert version_of(server) == "1"
+
+
 def test_repository_calls_from_a_front_end_process(server_factory, repo):
     import tritonclient.grpc as grpcclient
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import re
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests.tools.notorch import no_torch_site
 
 ROOT = Path(__file__).resolve().parents[2]
 tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11+")
@@ -48,24 +49,6 @@ def test_constraints_pin_the_gpu_extra():
     assert {"torch", "torchvision", "onnxruntime-gpu"} <= pins
 
 
-_NO_TORCH = """
-import sys
-from importlib.abc import MetaPathFinder
-
-class _NoTorch(MetaPathFinder):
-    # the CPU install: torch and torchvision are not there; every attempt is noted
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("torch", "torchvision"):
-            with open({log!r}, "a") as f:
-                f.write(name + "\\n")
-            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
-        return None
-
-sys.meta_path.insert(0, _NoTorch())
-open({log!r} + ".loaded", "w").close()
-"""
-
-
 @pytest.mark.slow
 def test_core_serves_the_default_model_on_cpu_without_torch(tmp_path):
     """The shipped models/defect-classifier, served and answered with torch unimportable, and no
@@ -73,9 +56,7 @@ def test_core_serves_the_default_model_on_cpu_without_torch(tmp_path):
     from conftest import start_server
 
     attempts = tmp_path / "torch-imports.txt"
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(textwrap.dedent(_NO_TORCH.format(log=str(attempts))))
+    site = no_torch_site(tmp_path / "site", attempts)
     server = start_server(ROOT / "models", tmp_path, grpc=False,
                           env={"PYTHONPATH": f"{site}:{ROOT}"})
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,53 @@ def test_signature_changes_with_the_model_files(tmp_path):
     (folder / "model.toml").write_text((folder / "model.toml").read_text() + "\n# edited\n")
     assert signature(folder) != after
     assert signature(tmp_path / "gone") == ()
+
+
+@pytest.mark.parametrize("where, mode, who", [
+    ("", 0o777, "every user"),                  # the repository: anyone adds a model folder
+    ("m", 0o775, "group"),                      # a model folder
+    ("m/model.toml", 0o646, "every user"),
+    ("m/1", 0o770, "group"),                    # a version folder
+    ("m/1/model.onnx", 0o664, "group"),         # the model file
+    ("m/1/model.onnx.data", 0o666, "every user"),  # what an ONNX file may read beside it
+])
+def test_a_repository_others_can_write_is_refused(tmp_path, where, mode, who):
+    """A model file is code the server runs and a poll loads whatever lands in the folder: a
+    repository, model folder or file that other users can write is refused, naming the path and
+    the fix."""
+    root = tmp_path / "repo"
+    add_model(root, "m")
+    (root / "m" / "1" / "model.onnx.data").write_bytes(b"weights")
+    path = root / where
+    path.chmod(mode)
+    with pytest.raises(ConfigError) as err:
+        scan(root)
+    assert f"{path} is writable by {who}" in err.value.message
+    assert f"chmod go-w {path}" in err.value.message
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can give a file to another user")
+def test_a_model_file_of_another_user_is_refused(tmp_path):
+    root = tmp_path / "repo"
+    folder = add_model(root, "m")
+    os.chown(folder / "1" / "model.onnx", 12345, -1)
+    with pytest.raises(ConfigError, match=r"model.onnx is owned by uid 12345, not by the server's "
+                                          r"user \(uid 0\) or root.*chown 0 "):
+        scan(root)
+    os.chown(folder / "1" / "model.onnx", 0, -1)  # root's own files, and the server's, pass
+    assert sorted(scan(root)) == ["m"]
+
+
+def test_a_symlinked_model_file_is_checked_where_it_points(tmp_path):
+    """The file a symlink names, and the folder that holds it, must be as closed as the
+    repository: others could replace the file there."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    (shared / "model.onnx").write_bytes(b"x")
+    root = tmp_path / "repo"
+    folder = add_model(root, "m")
+    (folder / "1" / "model.onnx").unlink()
+    (folder / "1" / "model.onnx").symlink_to(shared / "model.onnx")
+    with pytest.raises(ConfigError, match=f"{shared} is writable by every user"):
+        scan(root)

@@ -273,11 +273,12 @@ def test_outputs_that_do_not_fit_are_refused_at_load(fmt, dims, match):
     with pytest.raises(ConfigError, match=match) as info:
         t.bind(SUBJECT, [TensorSpec("out", dims, "float32")])
     assert "model det version 1" in str(info.value) and "expected" in str(info.value)
+    assert str(info.value).endswith('(see docs/detection.md, "Output formats")')  # not a classifier's
 
 
 def test_a_segmentation_model_without_prototypes_is_refused():
     t = make({"format": "yolo-seg", "labels": ["a"]}, task="segmentation")
-    with pytest.raises(ConfigError, match="proto_tensor"):
+    with pytest.raises(ConfigError, match='proto_tensor.*see docs/detection.md, "Output formats"'):
         t.bind(SUBJECT, [TensorSpec("out", (N, 37, 100), "float32")])
 
 

@@ -188,6 +188,94 @@ def test_an_isolated_load_of_a_broken_file_says_why(tmp_path, config):
         backend.load(tmp_path / "model.pt2", config, "cpu")
 
 
+def crafted(src: Path, dst: Path, member: str, change) -> Path:
+    """A copy of the archive ``src`` whose member ending in ``member`` is ``change(bytes)``."""
+    import zipfile
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for item in zin.infolist():
+            data = zin.read(item.filename)
+            zout.writestr(item, change(data) if item.filename.endswith(member) else data)
+    return dst
+
+
+class _Marker:
+    """Unpickled, it creates the file ``path``: what a crafted model file would run."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.parametrize("isolated", [False, True])
+def test_a_model_file_with_a_pickled_object_is_refused_without_running_it(model_dir, config,
+                                                                          tmp_path, isolated):
+    """torch.export.load unpickles parts of the archive (here its sample inputs) with
+    weights_only=False: a crafted program file ran its own code in the server. It is refused,
+    and its code never runs, in the serving process or in the child of an isolated load."""
+    import io
+
+    import torch
+
+    marker = tmp_path / "ran"
+    pickled = io.BytesIO()
+    torch.save(((_Marker(marker),), {}), pickled)
+    evil = crafted(model_dir / "1" / "model.pt2", tmp_path / "evil" / "model.pt2",
+                   "sample_inputs/model.pt", lambda _: pickled.getvalue())
+    backend = TorchBackend()
+    backend.isolated = isolated
+    with pytest.raises(ConfigError, match="pickled Python objects other than tensors"):
+        backend.load(evil, config, "cpu")
+    assert not marker.exists()
+
+
+def test_guard_code_in_a_model_file_is_not_run(model_dir, config, tmp_path):
+    """An exported program's guard code is Python source in the archive that the module would
+    run on every call: a crafted one ran its own code at the first frame. It is left out."""
+    import json
+
+    marker = tmp_path / "ran"
+
+    def with_guard(data: bytes) -> bytes:
+        program = json.loads(data)
+        program["guards_code"] = [f"open({str(marker)!r}, 'w') is None or True"]
+        return json.dumps(program).encode()
+
+    evil = crafted(model_dir / "1" / "model.pt2", tmp_path / "evil" / "model.pt2",
+                   "models/model.json", with_guard)
+    backend = TorchBackend()
+    backend.load(evil, config, "cpu")
+    assert backend.run(np.zeros((2, 3, 32, 32), np.float32))["output0"].shape == (2, 3)
+    assert not marker.exists()
+
+
+def test_an_isolated_load_takes_tensors_and_plain_data_from_its_child(model_dir, config,
+                                                                      monkeypatch):
+    """What the child of an isolated load hands over is read with weights_only=True: the
+    serving process unpickles no object a model file could have put there."""
+    import torch
+
+    real = torch.load
+    asked: list = []
+
+    def load(*args, **kwargs):
+        asked.append(kwargs.get("weights_only"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", load)
+    backend = TorchBackend()
+    backend.isolated = True
+    backend.load(model_dir / "1" / "model.pt2", config, "cpu")
+    assert asked == [True]
+    here = TorchBackend()
+    here.load(model_dir / "1" / "model.pt2", config, "cpu")
+    x = np.random.default_rng(3).normal(size=(4, 3, 32, 32)).astype(np.float32)
+    np.testing.assert_array_equal(backend.run(x)["output0"], here.run(x)["output0"])
+
+
 def test_cuda_without_cuda_is_a_config_error(model_dir, config):
     import torch
 

@@ -54,6 +54,8 @@ class Subject:
     ``<repository>/<name>/<version>/<model file>``."""
 
     file: Path
+    #: the docs section that tells how to fix a mismatch (a task with its own page names it)
+    see: str = _FIX
 
     @property
     def toml(self) -> Path:
@@ -63,7 +65,7 @@ class Subject:
         folder = self.file.parent
         return ConfigError(f"{self.toml}: field '{field}' does not fit model {folder.parent.name} "
                            f"version {folder.name} ({self.file}): {problem}: expected {expected}, "
-                           f"got {actual}; {hint} (see {_FIX})")
+                           f"got {actual}; {hint} (see {self.see})")
 
 
 def fmt(dims: tuple[Dim, ...] | list[Dim]) -> str:

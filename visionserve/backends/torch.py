@@ -33,6 +33,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -117,28 +118,86 @@ def portable(module: Any) -> Any:
 Read = tuple[Any, Any, tuple[tuple[str, ...], bool]]  # module, _declared, _output_names
 
 
+_FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # torch.load reads it at each call
+_env_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _weights_only():
+    """Every ``torch.load`` inside reads tensors and plain data only. ``torch.export.load``
+    unpickles parts of the archive (weights, constants, sample inputs) with ``weights_only=False``:
+    a crafted file ran its own code there. Set for the read only: guard jobs inherit the
+    environment of this process."""
+    with _env_lock:
+        before = os.environ.get(_FORCE_WEIGHTS_ONLY)
+        os.environ[_FORCE_WEIGHTS_ONLY] = "1"
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(_FORCE_WEIGHTS_ONLY, None)
+            else:
+                os.environ[_FORCE_WEIGHTS_ONLY] = before
+
+
 def read_program(path: Path) -> Read:
     """``torch.export.load`` and what the backend takes from the program: its module (made
     :func:`portable`), declared shapes and output names. Pure Python for the most part: for
-    ResNet-50, 1.8-5 s that keep the interpreter (see :func:`read_isolated`)."""
+    ResNet-50, 1.8-5 s that keep the interpreter (see :func:`read_isolated`).
+
+    Pickled parts of the archive are read as tensors and plain data only, and the program's
+    guard code (Python source in the archive, which the module would run on every call) is left
+    out: the serving path checks the input against model.toml itself. The archive's symbolic
+    shapes are still evaluated by sympy, so a program file stays code the server runs
+    (docs/security.md, model files)."""
     import torch
 
     try:
-        program = torch.export.load(str(path))
+        with _weights_only():
+            program = torch.export.load(str(path))
+        program._guards_code = []
+        module = program.module()
     except Exception as exc:  # noqa: BLE001 - torch raises several types for a bad archive
-        raise ConfigError(f"{path}: torch cannot load the exported program: {exc}") from None
-    return portable(program.module()), _declared(program), _output_names(program)
+        why = str(exc).splitlines()[0][:500]
+        if "Weights only load failed" in why:  # torch's own words for a refused pickle
+            why = ("it holds pickled Python objects other than tensors and plain data, which can "
+                   "run code and are not read (docs/security.md#model-files); export the model "
+                   "again with torch.export.save")
+        raise ConfigError(f"{path}: torch cannot load the exported program: {why}") from None
+    return portable(module), _declared(program), _output_names(program)
+
+
+def _tensors(module: Any) -> dict[str, dict[str, Any]]:
+    """The module's tensors by qualified name, by kind: parameters, buffers, and plain tensor
+    attributes (lifted constants)."""
+    import torch
+
+    out: dict[str, dict[str, Any]] = {"parameters": {}, "buffers": {}, "attributes": {}}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for name, value in vars(sub).items():
+            if isinstance(value, torch.Tensor):
+                out["attributes"][dot + name] = value.detach()
+        for name, p in sub._parameters.items():
+            if p is not None:
+                out["parameters"][dot + name] = p.detach()
+        for name, b in sub._buffers.items():
+            if b is not None:
+                out["buffers"][dot + name] = b
+    return out
 
 
 def _save_read(path: str, out: str) -> None:
-    """The child process of :func:`read_isolated`: :func:`read_program`, saved to ``out`` as the
-    module's code and state (``GraphModule.__reduce__``: the ``__dict__`` without the graph, and
-    the imports its code needs) and the rest as they are."""
+    """The child process of :func:`read_isolated`: :func:`read_program`, saved to ``out`` as
+    tensors and plain data (``torch.load(weights_only=True)`` reads it): the module's tensors by
+    name, its generated code and imports, its input and output specs as JSON, and the rest as
+    they are."""
     import torch
+    from torch.utils._pytree import treespec_dumps
 
     module, declared, names = read_program(Path(path))
     # torch.export puts an input check (guards against the exported shapes) in a submodule whose
-    # forward cannot be pickled; the serving path checks the input against model.toml itself
+    # forward cannot be saved; the serving path checks the input against model.toml itself
     guards = [n for n in module.graph.nodes
               if n.op == "call_module" and n.target == "_guards_fn" and not n.users]
     for node in guards:
@@ -147,7 +206,37 @@ def _save_read(path: str, out: str) -> None:
         module.delete_submodule("_guards_fn")
     plain = torch.fx.GraphModule(module, module.graph)  # without the program's Python hooks
     _, (body, imports) = plain.__reduce__()
-    torch.save({"body": body, "imports": imports, "declared": declared, "names": names}, out)
+    specs = {k: treespec_dumps(body[k]) for k in ("_in_spec", "_out_spec") if body.get(k)}
+    torch.save({"code": body["_code"], "imports": imports, "specs": specs,
+                "tensors": _tensors(plain), "declared": declared, "names": names}, out)
+
+
+def _rebuild(saved: dict[str, Any]) -> Any:
+    """The module :func:`_save_read` saved: its code compiled here (not traced again), its
+    tensors in place as parameters, buffers or attributes, as the child's module had them."""
+    import torch
+    from torch.fx.graph_module import _forward_from_src
+    from torch.utils._pytree import treespec_loads
+
+    forward = _forward_from_src(saved["imports"] + saved["code"], {})
+    module: Any = type("ExportedModule", (torch.nn.Module,), {"forward": forward})()
+    for key, spec in saved["specs"].items():
+        setattr(module, key, treespec_loads(spec))
+    for kind, tensors in saved["tensors"].items():
+        for name, t in tensors.items():
+            owner = module
+            *path, leaf = name.split(".")
+            for part in path:
+                if not hasattr(owner, part):
+                    owner.add_module(part, torch.nn.Module())
+                owner = getattr(owner, part)
+            if kind == "parameters":
+                owner.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+            elif kind == "buffers":
+                owner.register_buffer(leaf, t)
+            elif leaf not in owner._parameters and leaf not in owner._buffers:
+                setattr(owner, leaf, t)
+    return module
 
 
 def read_isolated(path: Path) -> Read:
@@ -156,11 +245,11 @@ def read_isolated(path: Path) -> Read:
     Deserialising an exported program is pure Python: on the H200 the serving threads got too
     small a share of the interpreter while it ran, and frames waited for up to a second during a
     swap (docs/benchmarks.md, model swaps on the H200). The child reads the program and saves its
-    module's code and tensors; this process maps the tensors (``mmap``) and compiles the code,
-    without tracing it again. The child runs at the calling thread's priority. If the child
-    cannot do it for a reason other than the model file, the program is read here after all."""
+    module's code and tensors; this process maps the tensors (``mmap``, tensors and plain data
+    only) and compiles the code, without tracing it again. The child runs at the calling
+    thread's priority. If the child cannot do it for a reason other than the model file, the
+    program is read here after all."""
     import torch
-    from torch.fx.graph_module import _forward_from_src
 
     t0 = time.monotonic()
     try:
@@ -176,13 +265,8 @@ def read_isolated(path: Path) -> Read:
                 raise ConfigError(child.stdout.strip() or f"{path}: torch cannot load the program")
             if child.returncode != 0:
                 raise RuntimeError(f"exit {child.returncode}: {child.stderr.strip()[-500:]}")
-            saved = torch.load(out, mmap=True, weights_only=False)  # mapped: outlives the file
-        body = saved["body"]
-        forward = _forward_from_src(saved["imports"] + body["_code"], {})
-        # the module as GraphModule's unpickling builds it, without tracing its code again
-        module: Any = torch.nn.Module.__new__(type("ExportedModule", (torch.nn.Module,),
-                                                   {"forward": forward}))
-        module.__dict__ = body
+            saved = torch.load(out, mmap=True, weights_only=True)  # mapped: outlives the file
+        module = _rebuild(saved)
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - any other failure: read it here after all

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -158,6 +158,8 @@ class Kept:
     dropped: int = 0  # degenerate boxes left out
 
 
+#: where a mismatch between model.toml and a detection model is explained
+DOCS = 'docs/detection.md, "Output formats"'
 _NAME_IT = "name the model output that holds the detections (output.tensor_name)"
 
 
@@ -184,6 +186,7 @@ class DetectionTask(Task):
     # --- the model ----------------------------------------------------------------------------
 
     def bind(self, subject: Subject, outputs: Sequence[TensorSpec]) -> tuple[str, ...]:
+        subject = replace(subject, see=DOCS)
         self._model = self.config.name or subject.file.parent.parent.name
         if self.config.output.format == "boxes":
             return self._bind_boxes(subject, outputs)
@@ -284,6 +287,7 @@ class DetectionTask(Task):
         return tuple(name for _, name, _ in want)
 
     def check_warmup(self, subject: Subject, batch: int, outputs: Mapping[str, Any]) -> None:
+        subject = replace(subject, see=DOCS)
         if self.config.output.format == "boxes":
             o = self.config.output
             for fld, name, shape in (("output.boxes_tensor", o.boxes_tensor, (batch, None, 4)),

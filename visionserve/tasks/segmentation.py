@@ -23,6 +23,7 @@ mask's. OIP outputs: the detection outputs plus ``detection_masks`` BYTES ``[N, 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -32,7 +33,15 @@ from ..backends.checks import Subject, TensorSpec, fmt
 from ..config import ModelConfig
 from .base import OipOutput, Rows
 from .classification import activate
-from .detection import Detected, DetectionConfig, DetectionOutput, DetectionTask, Kept, row_ids
+from .detection import (
+    DOCS,
+    Detected,
+    DetectionConfig,
+    DetectionOutput,
+    DetectionTask,
+    Kept,
+    row_ids,
+)
 from .geometry import FrameMap, Size, frame_maps
 from .regions import find_regions
 from .rules import Judge
@@ -118,6 +127,7 @@ class SegmentationTask(DetectionTask):
     # --- the model ----------------------------------------------------------------------------
 
     def bind(self, subject: Subject, outputs: Sequence[TensorSpec]) -> tuple[str, ...]:
+        subject = replace(subject, see=DOCS)
         self._model = self.config.name or subject.file.parent.parent.name
         out = self._output(subject, outputs, self.config.output.tensor_name, "output.tensor_name")
         if out is None:
@@ -165,6 +175,7 @@ class SegmentationTask(DetectionTask):
                                 "list one label per class, background included")
 
     def check_warmup(self, subject: Subject, batch: int, outputs: Mapping[str, Any]) -> None:
+        subject = replace(subject, see=DOCS)
         x = outputs[self._name(outputs)]
         if self.semantic:
             dims = list(x.shape)

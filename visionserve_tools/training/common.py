@@ -368,3 +368,45 @@ def confusion(targets: np.ndarray, preds: np.ndarray, n: int) -> np.ndarray:
     cm = np.zeros((n, n), np.int64)
     np.add.at(cm, (targets, preds), 1)
     return cm
+
+
+#: the fewest good images an anomaly fit takes: some are held out to calibrate the threshold
+MIN_IMAGES = 20
+
+
+def scan_good(folder: Path) -> list[Path]:
+    """The image files of ``folder`` (sorted; sub-folders too); ScriptError when there are too
+    few, or when some cannot be read or are of another size than the rest (all named)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ScriptError(f"--good {folder} is not a folder")
+    files = sorted(p for p in folder.rglob("*") if p.is_file()
+                   and p.suffix.lower() in IMAGE_SUFFIXES
+                   and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+    if len(files) < MIN_IMAGES:
+        raise ScriptError(f"--good {folder}: {len(files)} image file(s) (.png/.jpg/.jpeg/.bmp); "
+                          f"a fit needs at least {MIN_IMAGES} good images (200 or more make a "
+                          "better model), some of them held out to calibrate the threshold")
+    sizes: dict[Path, tuple[int, int]] = {}
+    bad = []
+    for p in files:
+        try:
+            f = imaging.encoded_frame(p.read_bytes())
+            sizes[p] = (f.width, f.height)
+        except (OSError, VisionServeError) as exc:
+            bad.append(f"{p.relative_to(folder)} ({getattr(exc, 'message', None) or exc})")
+    if bad:
+        raise ScriptError(f"--good {folder}: {len(bad)} unreadable image file(s): "
+                          + ", ".join(bad[:20]) + (" ..." if len(bad) > 20 else ""))
+    counts: dict[tuple[int, int], int] = {}
+    for s in sizes.values():
+        counts[s] = counts.get(s, 0) + 1
+    if len(counts) > 1:
+        common_size = max(counts, key=lambda s: counts[s])
+        odd = [f"{p.relative_to(folder)} ({w}x{h})" for p, (w, h) in sizes.items()
+               if (w, h) != common_size]
+        raise ScriptError(f"--good {folder}: the images are of {len(counts)} sizes; one camera "
+                          f"gives one size ({common_size[0]}x{common_size[1]} for "
+                          f"{counts[common_size]} of them). Other sizes: " + ", ".join(odd[:20])
+                          + (" ..." if len(odd) > 20 else ""))
+    return files

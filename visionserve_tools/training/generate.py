@@ -23,8 +23,7 @@ EXT = {"jpeg": ".jpg", "png": ".png", "bmp": ".bmp"}
 
 
 def _write_chunk(args: tuple) -> int:
-    out, seed, sizes, params, fmt, quality, start, stop = args
-    labels = common.LABELS
+    out, labels, seed, sizes, params, fmt, quality, start, stop = args
     for k in range(start, stop):
         i, li = divmod(k, len(labels))
         img = common.synthetic.generate(labels[li], common.synthetic._item_seed(seed, i),
@@ -39,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path, help="output folder (created; must be empty if it exists)")
     ap.add_argument("--n-per-label", type=int, default=100)
+    ap.add_argument("--labels", default=",".join(common.LABELS),
+                    help=f"the kinds of surface to write (default all: {','.join(common.LABELS)})")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sizes", default="640x480,1280x1024", help="frame sizes, alternating")
     ap.add_argument("--params", choices=sorted(PARAMS), default="train",
@@ -55,17 +56,21 @@ def main(argv: list[str] | None = None) -> int:
         if not 1 <= args.quality <= 100:
             raise ScriptError(f"--quality must be 1..100, got {args.quality}")
         sizes = common.parse_sizes(args.sizes)
+        labels = tuple(dict.fromkeys(x.strip() for x in args.labels.split(",") if x.strip()))
+        unknown = [x for x in labels if x not in common.LABELS]
+        if unknown or not labels:
+            raise ScriptError(f"--labels {args.labels!r}: choose from {','.join(common.LABELS)}")
         if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
             raise ScriptError(f"{args.out} exists and is not an empty folder; choose another")
-        for lab in common.LABELS:
+        for lab in labels:
             (args.out / lab).mkdir(parents=True, exist_ok=True)
     except ScriptError as exc:
         return common.fail(exc)
     except OSError as exc:
         return common.fail(ScriptError(f"cannot create {args.out}: {exc.strerror or exc}"))
-    total = args.n_per_label * len(common.LABELS)
+    total = args.n_per_label * len(labels)
     step = max(1, -(-total // (max(1, args.workers) * 4)))
-    jobs = [(args.out, args.seed, sizes, PARAMS[args.params], args.format, args.quality, a,
+    jobs = [(args.out, labels, args.seed, sizes, PARAMS[args.params], args.format, args.quality, a,
              min(a + step, total)) for a in range(0, total, step)]
     t0 = time.perf_counter()
     if args.workers > 1:

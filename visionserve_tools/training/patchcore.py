@@ -40,16 +40,14 @@ from torch import nn
 
 from visionserve import imaging
 from visionserve.config import InputSpec
-from visionserve.errors import VisionServeError
 
 from . import common
-from .common import ScriptError
+from .common import ScriptError, scan_good
 
 #: the classifier's stages whose outputs are the patch features (after these layer indices of
 #: its ``features``: stage 1, 40x40x32 at 160x160, and stage 2, 20x20x64)
 CLASSIFIER_TAPS = (14, 20)
 DEFAULT_BACKBONE = Path("models/defect-classifier/1/weights.pt")
-MIN_IMAGES = 20
 MIN_HOLDOUT = 5
 OPSET = 17
 #: the map is smoothed with a Gaussian of this sigma, in feature-map pixels (PatchCore: 4 px at
@@ -118,44 +116,6 @@ class Progress:
 
 
 # --- input ------------------------------------------------------------------------------------
-
-def scan_good(folder: Path) -> list[Path]:
-    """The image files of ``folder`` (sorted; sub-folders too); ScriptError when there are too
-    few, or when some cannot be read or are of another size than the rest (all named)."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise ScriptError(f"--good {folder} is not a folder")
-    files = sorted(p for p in folder.rglob("*") if p.is_file()
-                   and p.suffix.lower() in common.IMAGE_SUFFIXES
-                   and not any(part.startswith(".") for part in p.relative_to(folder).parts))
-    if len(files) < MIN_IMAGES:
-        raise ScriptError(f"--good {folder}: {len(files)} image file(s) (.png/.jpg/.jpeg/.bmp); "
-                          f"a fit needs at least {MIN_IMAGES} good images (200 or more make a "
-                          "better model), some of them held out to calibrate the threshold")
-    sizes: dict[Path, tuple[int, int]] = {}
-    bad = []
-    for p in files:
-        try:
-            f = imaging.encoded_frame(p.read_bytes())
-            sizes[p] = (f.width, f.height)
-        except (OSError, VisionServeError) as exc:
-            bad.append(f"{p.relative_to(folder)} ({getattr(exc, 'message', None) or exc})")
-    if bad:
-        raise ScriptError(f"--good {folder}: {len(bad)} unreadable image file(s): "
-                          + ", ".join(bad[:20]) + (" ..." if len(bad) > 20 else ""))
-    counts: dict[tuple[int, int], int] = {}
-    for s in sizes.values():
-        counts[s] = counts.get(s, 0) + 1
-    if len(counts) > 1:
-        common_size = max(counts, key=lambda s: counts[s])
-        odd = [f"{p.relative_to(folder)} ({w}x{h})" for p, (w, h) in sizes.items()
-               if (w, h) != common_size]
-        raise ScriptError(f"--good {folder}: the images are of {len(counts)} sizes; one camera "
-                          f"gives one size ({common_size[0]}x{common_size[1]} for "
-                          f"{counts[common_size]} of them). Other sizes: " + ", ".join(odd[:20])
-                          + (" ..." if len(odd) > 20 else ""))
-    return files
-
 
 def load_pixels(files: Sequence[Path], spec: InputSpec, root: Path,
                 tick: Callable[[int], None]) -> np.ndarray:

@@ -27,9 +27,10 @@ import sys
 import time
 
 from ..config import ServerSettings
-from ..errors import ConfigError, VisionServeError
+from ..errors import VisionServeError
 from ..frontends.arena import create_memfd
 from ..frontends.hub import Hub
+from .ports import listen_socket
 from .startup import start_engine
 
 log = logging.getLogger(__name__)
@@ -37,23 +38,6 @@ log = logging.getLogger(__name__)
 SPEC_ENV = "VSFRONTEND_SPEC"
 SETTINGS_ENV = "VSFRONTEND_SETTINGS"
 RESTART_BACKOFF_S = 1.0
-
-
-def listen_socket(host: str, port: int, *, reuse_port: bool = False,
-                  listen: bool = True) -> socket.socket:
-    try:
-        family, kind, proto, _, addr = socket.getaddrinfo(
-            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind(addr)
-        if listen:
-            sock.listen(2048)
-        return sock
-    except OSError as exc:
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 class FrontEnds:
@@ -135,12 +119,12 @@ class FrontEnds:
 async def serve_with_frontends(engine, settings: ServerSettings, guard=None) -> int:
     """Run the engine here and ``settings.frontends`` front-end processes until a signal."""
     try:
-        http_sock = listen_socket(settings.host, settings.http_port)
+        http_sock = listen_socket(settings.host, settings.http_port, "--http-port")
         grpc_hold = None
         grpc_port = -1
         if settings.grpc_port >= 0:
-            grpc_hold = listen_socket(settings.host, settings.grpc_port, reuse_port=True,
-                                      listen=False)
+            grpc_hold = listen_socket(settings.host, settings.grpc_port, "--grpc-port",
+                                      reuse_port=True, listen=False)
             grpc_port = grpc_hold.getsockname()[1]
     except VisionServeError as exc:
         log.error("%s", exc.message)

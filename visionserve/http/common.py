@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
+from starlette.requests import ClientDisconnect
 
 from ..config import ServerSettings
 from ..errors import (
@@ -63,12 +64,15 @@ async def read_body(request: Request, limit: int, timeout_s: float | None = None
                                  "s") from None
     check_declared_length(request.headers, limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"body is over the limit of {limit} bytes (setting "
-                                  "max_body_bytes)")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"body is over the limit of {limit} bytes (setting "
+                                      "max_body_bytes)")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone, or cut by the server (a body below the minimum rate)
+        raise ClientGone() from None
     return b"".join(chunks)
 
 

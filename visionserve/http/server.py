@@ -39,7 +39,8 @@ def http_server(app, engine, settings: ServerSettings) -> DrainingServer:
         # uvicorn waits with asyncio.timeout, which takes float seconds; its annotation says int
         timeout_graceful_shutdown=max(1.0, settings.drain_timeout_s),  # type: ignore[arg-type]
         http=protocol_class(settings.header_timeout_s, settings.max_connections,
-                            getattr(app, "answer_from_head", None)), ws="none",
+                            getattr(app, "answer_from_head", None),
+                            settings.min_body_rate_bytes_s), ws="none",
         log_config=None, **tls,
     ), engine, settings.drain_timeout_s)
 

@@ -59,6 +59,15 @@ BODY_EVICT_AFTER_S = 0.5
 BODY_CHECK_S = 0.25
 #: the longest a connection answered before its body arrived is kept to read (and drop) the rest
 LINGER_S = 2.0
+#: at shutdown, after the drain: the listener stays open while connections keep coming (each
+#: answered, 503 while shutting down), until none came for CLOSE_QUIET_S or CLOSE_GRACE_S passed.
+#: Closing it at once reset the connections the kernel had accepted but the server had not yet
+#: taken from its backlog: their clients saw a disconnect without an answer
+CLOSE_GRACE_S = 1.0
+CLOSE_QUIET_S = 0.25
+#: at shutdown, how long a connection that opened but has not sent its whole request head may
+#: still send it (and get its answer) before it is closed
+SHUTDOWN_HEAD_WAIT_S = 1.0
 
 
 def protocol_class(header_timeout_s: float, max_connections: int | None,
@@ -91,6 +100,7 @@ class ConnectionTable:
         self.bodies: dict[GuardedHTTPProtocol, None] = {}  # a request body still arriving
         self.lingering: dict[GuardedHTTPProtocol, None] = {}  # answered, the body still coming
         self.last_connection = 0.0  # loop time of the latest connection
+        self.shutting_down = False
         self._body_check: asyncio.TimerHandle | None = None
         self.closing = 0  # closed here, still counted by uvicorn until their connection_lost
         self._over_limit: OverLimit | None = None
@@ -119,6 +129,13 @@ class ConnectionTable:
             min(slow, key=lambda c: c.body_rate()).cut_body(
                 f"closed to make room for other clients: the request body arrived slower than "
                 f"{self.min_body_rate:g} bytes/s (setting min_body_rate_bytes_s)")
+
+    async def quiet(self) -> None:
+        """Return once no connection came for CLOSE_QUIET_S, or after CLOSE_GRACE_S."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + CLOSE_GRACE_S
+        while loop.time() < end and loop.time() - self.last_connection < CLOSE_QUIET_S:
+            await asyncio.sleep(0.05)
 
     def slow_bodies(self, after_s: float) -> list[GuardedHTTPProtocol]:
         """The connections whose body has been arriving for ``after_s`` at least, and on average
@@ -206,7 +223,7 @@ class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         self._linger: asyncio.TimerHandle | None = None
         self._body_at = 0.0  # when the request body started to count against the minimum rate
         self._body_bytes = 0
-        self.table.last_connection = self.loop.time()
+        self._opened = self.table.last_connection = self.loop.time()
         self._await_head()
         if self.table.full(len(self.connections)):
             self.table.make_room(self)
@@ -274,7 +291,7 @@ class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         if self.cycle is not cycle:
             # until its body has arrived, an answer to this request ends the connection (with
             # "connection: close"), in a lingering close; on_message_complete undoes this
-            self._keep_alive = self.cycle.keep_alive
+            self._keep_alive = self.cycle.keep_alive and not self.table.shutting_down
             self.cycle.keep_alive = False
             self.cycle.transport = _LingeringClose(self)
 
@@ -335,6 +352,24 @@ class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         if not cycle.keep_alive:
             cycle.transport.close()
         cycle.on_response()
+
+    def shutdown(self) -> None:
+        """uvicorn's graceful shutdown (the listener is closed by now). A connection that has
+        begun its request head, or opened a moment ago (its request may be on the way), is not
+        closed unanswered: its request gets its answer (503 while shutting down) and the
+        connection closes after it; one that sends nothing more is closed after
+        SHUTDOWN_HEAD_WAIT_S. The rest close as uvicorn closes them."""
+        self.table.shutting_down = True
+        if self._linger is not None:
+            return  # it closes by itself
+        timer = self._head_timer
+        if timer is not None and (self._head_started
+                                  or self.loop.time() - self._opened < SHUTDOWN_HEAD_WAIT_S):
+            timer.cancel()
+            wait = min(SHUTDOWN_HEAD_WAIT_S, max(0.0, timer.when() - self.loop.time()))
+            self._head_timer = self.loop.call_later(wait, self._head_timed_out)
+            return
+        super().shutdown()
 
     def connection_lost(self, exc) -> None:
         self._forget()

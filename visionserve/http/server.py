@@ -47,7 +47,9 @@ def http_server(app, engine, settings: ServerSettings) -> DrainingServer:
 
 class DrainingServer(uvicorn.Server):
     """uvicorn server whose first SIGTERM/SIGINT drains the engine before the sockets close, so
-    readiness goes false and new requests get 503 while accepted ones still get answers."""
+    readiness goes false and new requests get 503 while accepted ones still get answers; the
+    listener then stays open while connections keep coming (see
+    :meth:`~.connections.ConnectionTable.quiet`)."""
 
     def __init__(self, config, engine, drain_timeout_s: float) -> None:
         super().__init__(config)
@@ -76,4 +78,7 @@ class DrainingServer(uvicorn.Server):
         ok = await self.engine.drain(self.drain_timeout_s)
         if not ok:
             log.warning("drain timeout: unfinished frames were answered 503")
+        table = getattr(self.config.http_protocol_class, "table", None)
+        if table is not None:  # the late comers are answered before the listener closes
+            await table.quiet()
         self.should_exit = True

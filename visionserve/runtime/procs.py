@@ -105,6 +105,9 @@ class FrontEnds:
         self.stopping = True
         if self._watcher is not None:
             self._watcher.cancel()
+        # no front end starts again: the listener is theirs alone now, and it closes with the
+        # last of them (held here, it would keep taking connections that nobody answers)
+        self.http_sock.close()
         self.signal_all(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         while any(p.poll() is None for p in self.procs.values()) and time.monotonic() < deadline:

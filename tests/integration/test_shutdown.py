@@ -8,10 +8,10 @@ frame) next to the tiny one.
 from __future__ import annotations
 
 import signal
-from collections import Counter
 import subprocess
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx

@@ -160,16 +160,17 @@ async def _infer(request: Request, model_name: str, model_version: str = "") -> 
     engine, settings = engine_of(request), settings_of(request)
     engine.get(model_name, model_version)
     header_len = request.headers.get(_HEADER_LEN)
-    json_limit = settings.max_json_body_bytes
-    if header_len is None:  # all JSON: its own, smaller limit (binary tensors are the fast path)
-        body = await read_body(request, json_limit, settings.body_timeout_s,
-                               setting="max_json_body_bytes")
+    # JSON has its own, smaller limit (binary tensors are the fast path for large frames)
+    json_limit, json_setting = min((settings.max_json_body_bytes, "max_json_body_bytes"),
+                                   (settings.max_body_bytes, "max_body_bytes"))
+    if header_len is None:  # all JSON
+        body = await read_body(request, json_limit, settings.body_timeout_s, setting=json_setting)
     else:
         body = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
     header, binary = _split(body, header_len)
     if len(header) > json_limit:
         raise PayloadTooLarge(f"the JSON header of {len(header)} bytes is over the limit of "
-                              f"{json_limit} (setting max_json_body_bytes)")
+                              f"{json_limit} (setting {json_setting})")
     # a large JSON document is parsed and converted beside the event loop (in pieces, so that
     # the loop gets its turns: oip.loads_request)
     req = await _off_loop(_parse_request, header) if len(header) > oip.JSON_PIECE_BYTES \

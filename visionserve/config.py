@@ -352,6 +352,10 @@ class ServerSettings(BaseSettings):
         "info", description="Log level.")
     log_json: bool = Field(False, description="Structured JSON log lines.")
     max_body_bytes: int = Field(64 * 1024**2, ge=1024, description="Largest request body (bytes).")
+    max_json_body_bytes: int = Field(
+        16 * 1024**2, ge=1024, description="Largest OIP JSON inference request, or JSON header "
+                                           "of a binary one (bytes); binary tensors and images "
+                                           "are limited by max_body_bytes.")
     max_image_pixels: int = Field(
         40_000_000, ge=64, description="Largest decoded image (width*height).")
     max_batch_size: int | None = Field(
@@ -375,6 +379,10 @@ class ServerSettings(BaseSettings):
     grpc_max_message_bytes: int = Field(64 * 1024**2, ge=1024, description="Largest gRPC message.")
     body_timeout_s: float = Field(
         30.0, gt=0, description="A request body must arrive within this (slow clients get 408).")
+    min_body_rate_bytes_s: float = Field(
+        16384.0, ge=0, description="A request body slower than this on average (bytes/s, after "
+                                   "its first 2 s) gets 408 and its connection closed; 0: no "
+                                   "minimum.")
     header_timeout_s: float = Field(
         5.0, gt=0, le=300,
         description="A request's head (request line and headers) must arrive within this, from the "

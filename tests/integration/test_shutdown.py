@@ -11,6 +11,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -179,3 +180,63 @@ def test_ctrl_c_to_the_process_group_with_front_ends_drains(slow_repo, tmp_path,
     finally:
         if s.proc.poll() is None:
             os.killpg(s.proc.pid, signal.SIGKILL)
+
+
+def _burst_with_sigterm(s, jpeg: bytes, clients: int = 48, requests: int = 96,
+                        signal_after_s: float = 0.15) -> list:
+    """``clients`` threads send ``requests`` inspect requests in all, each on a new connection;
+    SIGTERM comes ``signal_after_s`` after the first answer. Returns each request's outcome: (status,
+    Retry-After) or the exception's name."""
+    outcomes: list = []
+    per_client = requests // clients
+    go = threading.Event()
+
+    def client() -> None:
+        go.wait()
+        for _ in range(per_client):
+            try:
+                with httpx.Client(timeout=30) as c:  # a new connection for every request
+                    r = c.post(s.url + "/v1/models/tiny/inspect", content=jpeg,
+                               headers={"Content-Type": "image/jpeg"})
+                outcomes.append((r.status_code, r.headers.get("retry-after")))
+            except httpx.ConnectError:  # refused: the listener was closed, nothing was accepted
+                outcomes.append("refused")
+            except httpx.HTTPError as exc:
+                outcomes.append(type(exc).__name__)
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    go.set()
+    end = time.monotonic() + 30
+    while not outcomes and time.monotonic() < end:  # the burst has reached the server
+        time.sleep(0.005)
+    time.sleep(signal_after_s)
+    s.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(timeout=60)
+    return outcomes
+
+
+@pytest.mark.parametrize("frontends", ["0", "2"])
+def test_every_accepted_connection_is_answered_at_sigterm(tiny_repo, tmp_path, jpeg_bytes,
+                                                          frontends):
+    """A connection the kernel accepted gets an answer (its verdict, or 503 with Retry-After while
+    the server shuts down), never a silent close, however late in the shutdown it came."""
+    bad = []
+    for run in range(6):
+        s = start_server(tiny_repo, tmp_path, "--frontends", frontends, grpc=False)
+        try:
+            outcomes = _burst_with_sigterm(s, jpeg_bytes)
+            assert s.proc.wait(timeout=60) == 0, s.log()
+        finally:
+            s.stop(signal.SIGKILL)
+        assert len(outcomes) == 96
+        print(f"run {run}: {sorted(Counter(map(str, outcomes)).items())}")
+        for o in outcomes:
+            if o == "refused" or (isinstance(o, tuple) and o[0] in (200, 504)):
+                continue
+            if isinstance(o, tuple) and o[0] == 503 and o[1] is not None:
+                continue
+            bad.append((run, o))
+    assert not bad, bad

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
+from starlette.requests import ClientDisconnect
 
 from ..config import ServerSettings
 from ..errors import (
@@ -42,36 +43,42 @@ def error_response(exc: VisionServeError, extra: dict | None = None) -> JSONResp
                         status_code=http_status(exc), headers=headers)
 
 
-def check_declared_length(headers: Headers, limit: int) -> None:
-    """413 for a body whose Content-Length is over ``limit``, from the head alone (a request
-    that can never be taken is told so before it would be told to retry later)."""
+def check_declared_length(headers: Headers, limit: int, setting: str = "max_body_bytes") -> None:
+    """413 for a body whose Content-Length is over ``limit`` (the value of ``setting``), from the
+    head alone (a request that can never be taken is told so before it would be told to retry
+    later)."""
     declared = headers.get("content-length")
     if declared is not None:
         try:
             if int(declared) > limit:
                 raise PayloadTooLarge(f"body of {int(declared)} bytes is over the limit of {limit} "
-                                      "(setting max_body_bytes)")
+                                      f"(setting {setting})")
         except ValueError:
             raise InvalidInput(f"bad Content-Length {declared!r}") from None
 
 
-async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
-    """The whole body, refusing (413) as soon as it passes ``limit`` bytes, and (408) when it
-    does not arrive within ``timeout_s`` (a slow client must not hold a worker forever)."""
+async def read_body(request: Request, limit: int, timeout_s: float | None = None,
+                    setting: str = "max_body_bytes") -> bytes:
+    """The whole body, refusing (413) as soon as it passes ``limit`` bytes (the value of
+    ``setting``), and (408) when it does not arrive within ``timeout_s`` (a slow client must not
+    hold a worker forever)."""
     if timeout_s is not None:
         try:
-            return await asyncio.wait_for(read_body(request, limit), timeout_s)
+            return await asyncio.wait_for(read_body(request, limit, setting=setting), timeout_s)
         except (asyncio.TimeoutError, TimeoutError):
             raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} "
                                  "s") from None
-    check_declared_length(request.headers, limit)
+    check_declared_length(request.headers, limit, setting)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"body is over the limit of {limit} bytes (setting "
-                                  "max_body_bytes)")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"body is over the limit of {limit} bytes (setting "
+                                      f"{setting})")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone, or cut by the server (a body below the minimum rate)
+        raise ClientGone() from None
     return b"".join(chunks)
 
 

@@ -39,7 +39,8 @@ def http_server(app, engine, settings: ServerSettings) -> DrainingServer:
         # uvicorn waits with asyncio.timeout, which takes float seconds; its annotation says int
         timeout_graceful_shutdown=max(1.0, settings.drain_timeout_s),  # type: ignore[arg-type]
         http=protocol_class(settings.header_timeout_s, settings.max_connections,
-                            getattr(app, "answer_from_head", None)), ws="none",
+                            getattr(app, "answer_from_head", None),
+                            settings.min_body_rate_bytes_s), ws="none",
         log_config=None, **tls,
         # X-Forwarded-For/-Proto only from the proxies named (uvicorn's default believes any
         # process on this machine, which could then write any client address into the audit)
@@ -50,7 +51,9 @@ def http_server(app, engine, settings: ServerSettings) -> DrainingServer:
 
 class DrainingServer(uvicorn.Server):
     """uvicorn server whose first SIGTERM/SIGINT drains the engine before the sockets close, so
-    readiness goes false and new requests get 503 while accepted ones still get answers."""
+    readiness goes false and new requests get 503 while accepted ones still get answers; the
+    listener then stays open while connections keep coming (see
+    :meth:`~.connections.ConnectionTable.quiet`)."""
 
     def __init__(self, config, engine, drain_timeout_s: float) -> None:
         super().__init__(config)
@@ -79,4 +82,7 @@ class DrainingServer(uvicorn.Server):
         ok = await self.engine.drain(self.drain_timeout_s)
         if not ok:
             log.warning("drain timeout: unfinished frames were answered 503")
+        table = getattr(self.config.http_protocol_class, "table", None)
+        if table is not None:  # the late comers are answered before the listener closes
+            await table.quiet()
         self.should_exit = True

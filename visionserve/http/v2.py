@@ -3,16 +3,19 @@ model repository extension (index, load, unload)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from .. import oip
-from ..errors import InvalidInput, VisionServeError, describe_validation
+from ..errors import InvalidInput, PayloadTooLarge, VisionServeError, describe_validation
 from .common import (
     engine_of,
     read_body,
@@ -30,6 +33,8 @@ from .schemas import (
 )
 
 router = APIRouter(tags=["Open Inference Protocol v2"])
+
+T = TypeVar("T")
 
 _HEADER_LEN = "inference-header-content-length"
 
@@ -154,9 +159,22 @@ async def _infer(request: Request, model_name: str, model_version: str = "") -> 
     arrival = time.monotonic()
     engine, settings = engine_of(request), settings_of(request)
     engine.get(model_name, model_version)
-    body = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
-    header, binary = _split(body, request.headers.get(_HEADER_LEN))
-    req = _parse_request(header)
+    header_len = request.headers.get(_HEADER_LEN)
+    # JSON has its own, smaller limit (binary tensors are the fast path for large frames)
+    json_limit, json_setting = min((settings.max_json_body_bytes, "max_json_body_bytes"),
+                                   (settings.max_body_bytes, "max_body_bytes"))
+    if header_len is None:  # all JSON
+        body = await read_body(request, json_limit, settings.body_timeout_s, setting=json_setting)
+    else:
+        body = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
+    header, binary = _split(body, header_len)
+    if len(header) > json_limit:
+        raise PayloadTooLarge(f"the JSON header of {len(header)} bytes is over the limit of "
+                              f"{json_limit} (setting {json_setting})")
+    # a large JSON document is parsed and converted beside the event loop (in pieces, so that
+    # the loop gets its turns: oip.loads_request)
+    req = await _off_loop(_parse_request, header) if len(header) > oip.JSON_PIECE_BYTES \
+        else _parse_request(header)
     route = oip.route(engine, model_name, model_version, req.parameters)
     model_name, model_version = route.model, route.version
     served = engine.get(model_name, model_version)
@@ -165,7 +183,8 @@ async def _infer(request: Request, model_name: str, model_version: str = "") -> 
                            f"({served.config.input.name!r}), got {len(req.inputs)}")
     inp = req.inputs[0]
     oip.check_input(served, inp.name, inp.datatype, inp.shape)
-    frames = _frames(inp, binary, settings.max_image_pixels)
+    frames = _frames(inp, binary, settings.max_image_pixels) if inp.data is None \
+        else await _off_loop(_frames, inp, binary, settings.max_image_pixels)
     names = oip.requested(served, [o.name for o in req.outputs] if req.outputs else None)
     deadline_ms, priority = oip.parameters(req.parameters)
     served, results = await unless_disconnected(
@@ -216,6 +235,15 @@ async def repository_unload(request: Request, model_name: str) -> JSONResponse:
     return JSONResponse(await engine_of(request).unload_model(model_name, params))
 
 
+#: the threads that parse and convert large JSON requests: a few, so that a burst of them waits
+#: its turn instead of taking every core and its memory at once
+_JSON_THREADS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="oip-json")
+
+
+async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
+    return await asyncio.get_running_loop().run_in_executor(_JSON_THREADS, fn, *args)
+
+
 def _split(body: bytes, header_len: str | None) -> tuple[bytes, memoryview]:
     if header_len is None:
         return body, memoryview(b"")
@@ -232,12 +260,20 @@ def _split(body: bytes, header_len: str | None) -> tuple[bytes, memoryview]:
 
 
 def _parse_request(header: bytes) -> InferenceRequest:
+    """The request (with its tensors' JSON data parsed in pieces: :func:`oip.loads_request`)."""
     try:
-        data = json.loads(header)
+        data, arrays = oip.loads_request(header)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidInput(f"malformed JSON: {exc}") from None
     except RecursionError:
         raise InvalidInput("malformed JSON: nested too deeply") from None
+    req = _validate(data)
+    if arrays and not oip.fill_in(req.inputs, arrays):  # a marker out of place: the slow way
+        req = _validate(json.loads(header))
+    return req
+
+
+def _validate(data: Any) -> InferenceRequest:
     try:
         return InferenceRequest.model_validate(data)
     except ValidationError as exc:

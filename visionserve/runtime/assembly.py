@@ -81,7 +81,13 @@ def service_routers(settings: ServerSettings, guard_store=None) -> tuple:
 async def serve_here(engine, settings: ServerSettings, guard: HostedGuard | None = None) -> int:
     """The front ends in this process, beside the engine."""
     from ..http.server import http_app, http_server
+    from .ports import check_free, listen_socket
 
+    try:  # both ports before anything starts (see .ports)
+        http_sock = listen_socket(settings.host, settings.http_port, "--http-port")
+    except VisionServeError as exc:
+        log.error("%s", exc.message)
+        return 2
     routers = service_routers(settings, guard.store if guard is not None else None)
     server = http_server(http_app(engine, settings, routers), engine, settings)
     grpc_server = None
@@ -89,17 +95,20 @@ async def serve_here(engine, settings: ServerSettings, guard: HostedGuard | None
         from ..grpc.server import create_server
 
         try:
+            check_free(settings.host, settings.grpc_port, "--grpc-port")
             grpc_server = create_server(engine, settings)
             await grpc_server.start()
         except VisionServeError as exc:
             log.error("%s", exc.message)
+            http_sock.close()
             return 2
         log.info("gRPC listening on %s:%d", settings.host, settings.grpc_port)
+    log.info("HTTP listening on %s:%d", settings.host, http_sock.getsockname()[1])
     start = asyncio.create_task(_start_engine(engine, server))
     if guard is not None:
         guard.start()
     try:
-        await server.serve()
+        await server.serve(sockets=[http_sock])
     finally:
         if guard is not None:
             await asyncio.to_thread(guard.stop)

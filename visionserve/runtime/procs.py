@@ -27,33 +27,17 @@ import sys
 import time
 
 from ..config import ServerSettings
-from ..errors import ConfigError, VisionServeError
+from ..errors import VisionServeError
 from ..frontends.arena import create_memfd
 from ..frontends.hub import Hub
 from ..process import RestartBackoff
+from .ports import listen_socket
 from .startup import start_engine
 
 log = logging.getLogger(__name__)
 
 SPEC_ENV = "VSFRONTEND_SPEC"
 SETTINGS_ENV = "VSFRONTEND_SETTINGS"
-
-
-def listen_socket(host: str, port: int, *, reuse_port: bool = False,
-                  listen: bool = True) -> socket.socket:
-    try:
-        family, kind, proto, _, addr = socket.getaddrinfo(
-            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind(addr)
-        if listen:
-            sock.listen(2048)
-        return sock
-    except OSError as exc:
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 class FrontEnds:
@@ -118,6 +102,9 @@ class FrontEnds:
         self.stopping = True
         if self._watcher is not None:
             self._watcher.cancel()
+        # no front end starts again: the listener is theirs alone now, and it closes with the
+        # last of them (held here, it would keep taking connections that nobody answers)
+        self.http_sock.close()
         self.signal_all(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         while any(p.poll() is None for p in self.procs.values()) and time.monotonic() < deadline:
@@ -132,12 +119,12 @@ class FrontEnds:
 async def serve_with_frontends(engine, settings: ServerSettings, guard=None) -> int:
     """Run the engine here and ``settings.frontends`` front-end processes until a signal."""
     try:
-        http_sock = listen_socket(settings.host, settings.http_port)
+        http_sock = listen_socket(settings.host, settings.http_port, "--http-port")
         grpc_hold = None
         grpc_port = -1
         if settings.grpc_port >= 0:
-            grpc_hold = listen_socket(settings.host, settings.grpc_port, reuse_port=True,
-                                      listen=False)
+            grpc_hold = listen_socket(settings.host, settings.grpc_port, "--grpc-port",
+                                      reuse_port=True, listen=False)
             grpc_port = grpc_hold.getsockname()[1]
     except VisionServeError as exc:
         log.error("%s", exc.message)

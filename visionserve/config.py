@@ -317,6 +317,30 @@ def load_model_config(path: Path) -> ModelConfig:
         raise ConfigError(f"{path}: {errs}") from None
 
 
+#: The groups of ``serve --help`` and the sections of docs/settings.md, in their order: each
+#: setting names its own in ``json_schema_extra={"group": ...}``.
+SETTING_GROUPS: dict[str, str] = {
+    "network": "Where the server listens, and its front-end processes.",
+    "request limits": "What one request or connection may take; past it the request is refused.",
+    "security": "Who may call what (docs/security.md).",
+    "models and batching": "The model repository, how it changes while serving, and batching.",
+    "GPU": "The device and what runs on it (docs/gpu.md).",
+    "PLC": "Results to PLCs over OPC UA and Modbus TCP (docs/plc.md).",
+    "records": "Traceability records and image capture (docs/records.md).",
+    "guard": "Sharing the GPU with training jobs (docs/guard.md).",
+    "logging and process": "Logging, shutdown and the serving process's threads.",
+}
+_NETWORK = {"group": "network"}
+_LIMITS = {"group": "request limits"}
+_SECURITY = {"group": "security"}
+_MODELS = {"group": "models and batching"}
+_GPU = {"group": "GPU"}
+_PLC = {"group": "PLC"}
+_RECORDS = {"group": "records"}
+_GUARD = {"group": "guard"}
+_OTHER = {"group": "logging and process"}
+
+
 class ServerSettings(BaseSettings):
     """Every ``visionserve serve`` option; each is also ``VISIONSERVE_<NAME>`` in the
     environment."""
@@ -324,334 +348,299 @@ class ServerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="VISIONSERVE_", extra="ignore", frozen=True)
 
     host: str = Field(
-        "0.0.0.0", description="Address to bind (0.0.0.0: all interfaces, for line PCs on the "
-                               "network).")
+        "0.0.0.0", description="Address to bind: 0.0.0.0 all interfaces (line PCs on the plant "
+                               "network), 127.0.0.1 this machine only.",
+        json_schema_extra=_NETWORK)
     http_port: int = Field(
-        8000, ge=0, le=65535, description="HTTP port (OIP v2, inspect API, /metrics).")
-    grpc_port: int = Field(8001, ge=-1, le=65535, description="gRPC port; -1 disables gRPC.")
+        8000, ge=0, le=65535, description="HTTP port (OIP v2, inspect API, /metrics).",
+        json_schema_extra=_NETWORK)
+    grpc_port: int = Field(8001, ge=-1, le=65535, description="gRPC port; -1 disables gRPC.",
+                           json_schema_extra=_NETWORK)
     models: Path = Field(default_factory=default_models_dir, description="Model repository folder.",
-                         json_schema_extra={"default_text": "shipped default model, else ./models"})
+                         json_schema_extra={**_MODELS,
+                                            "default_text": "shipped default model, else ./models"})
     model_control_mode: Literal["none", "poll", "explicit"] = Field(
-        "none", description="Changing the served models while the server runs (Triton's model "
-        "repository extension, docs/triton-compat.md): none: the models of the start are served "
-        "until it stops, load/unload calls are refused (409); explicit: POST "
-        "/v2/repository/models/{m}/load and .../unload (and the gRPC calls) load, swap and "
-        "unload models; poll: the repository folder is read again every "
-        "--repository-poll-secs, and a model whose model.toml or version files changed is "
-        "swapped (a removed folder is unloaded). A swap loads and warms up the new versions beside "
-        "the old, then switches traffic at once; frames already admitted finish on the old.")
+        "none", description="Changing models while serving: none (the start's models), explicit "
+                            "(load/unload calls), poll (re-read the repository, swap what "
+                            "changed); docs/triton-compat.md.",
+        json_schema_extra=_MODELS)
     load_model: str | None = Field(
         None, description="With --model-control-mode explicit: the models loaded at start-up, "
-                          "comma-separated (unset: every model of the repository; Triton would "
-                          "load none). The others are loaded by a load call.")
+                          "comma-separated; unset: every model of the repository.",
+        json_schema_extra=_MODELS)
     repository_poll_secs: float = Field(
         15.0, gt=0, le=86_400, description="With --model-control-mode poll: seconds between two "
-                                           "reads of the model repository.")
-    device: str = Field("auto", description="auto | cpu | cuda | cuda:N | GPU-<uuid> | PCI bus id.")
+                                           "reads of the model repository.",
+        json_schema_extra=_MODELS)
+    device: str = Field("auto", description="auto (the first GPU, else the CPU) | cpu | cuda | "
+                                            "cuda:N | GPU-<uuid> | PCI bus id.",
+                        json_schema_extra=_GPU)
     log_level: Literal["debug", "info", "warning", "error"] = Field(
-        "info", description="Log level.")
-    log_json: bool = Field(False, description="Structured JSON log lines.")
-    max_body_bytes: int = Field(64 * 1024**2, ge=1024, description="Largest request body (bytes).")
+        "info", description="Log level.", json_schema_extra=_OTHER)
+    log_json: bool = Field(False, description="Structured JSON log lines.",
+                           json_schema_extra=_OTHER)
+    max_body_bytes: int = Field(64 * 1024**2, ge=1024, description="Largest request body (bytes).",
+                                json_schema_extra=_LIMITS)
     max_json_body_bytes: int = Field(
         16 * 1024**2, ge=1024, description="Largest OIP JSON inference request, or JSON header "
                                            "of a binary one (bytes); binary tensors and images "
-                                           "are limited by max_body_bytes.")
+                                           "are limited by --max-body-bytes.",
+        json_schema_extra=_LIMITS)
     max_image_pixels: int = Field(
-        40_000_000, ge=64, description="Largest decoded image (width*height).")
+        40_000_000, ge=64, description="Largest decoded image (width*height).",
+        json_schema_extra=_LIMITS)
     max_batch_size: int | None = Field(
-        None, ge=1, description="Override every model's batching.max_batch_size.")
+        None, ge=1, description="Override every model's batching.max_batch_size.",
+        json_schema_extra=_MODELS)
     max_queue_delay_ms: float | None = Field(
-        None, ge=0, description="Override batching.max_queue_delay_ms.")
-    max_queue_size: int | None = Field(None, ge=1, description="Override batching.max_queue_size.")
+        None, ge=0, description="Override batching.max_queue_delay_ms.", json_schema_extra=_MODELS)
+    max_queue_size: int | None = Field(None, ge=1, description="Override batching.max_queue_size.",
+                                       json_schema_extra=_MODELS)
     takt_ms: float | None = Field(
-        None, gt=0, description="Override batching.takt_ms (default deadline).")
+        None, gt=0, description="Override batching.takt_ms (default deadline).",
+        json_schema_extra=_MODELS)
     drain_timeout_s: float = Field(
-        20.0, ge=0, description="On SIGTERM: how long queued requests may finish.")
+        20.0, ge=0, description="On SIGTERM: how long queued requests may finish.",
+        json_schema_extra=_OTHER)
     hold_on_error: bool = Field(
-        False, description="When start-up fails (no or unreadable model repository, a model that "
-                           "does not load): say why once, then stay up serving nothing until "
-                           "stopped (exit 2 or 3 then) instead of exiting at once. For containers "
-                           "under a restart policy, which would otherwise restart into the same "
-                           "error over and over; the image sets it, and its health check shows the "
-                           "container unhealthy.")
+        False, description="When start-up fails, say why once and stay up serving nothing until "
+                           "stopped, instead of exiting: for containers under a restart policy "
+                           "(the image sets it).",
+        json_schema_extra=_OTHER)
     gpu_memory_budget: str | None = Field(
-        None, description="GPU memory the server reserves, e.g. 4GiB.")
-    grpc_max_message_bytes: int = Field(64 * 1024**2, ge=1024, description="Largest gRPC message.")
+        None, description="GPU memory the server reserves, e.g. 4GiB (docs/gpu.md).",
+        json_schema_extra=_GPU)
+    grpc_max_message_bytes: int = Field(64 * 1024**2, ge=1024, description="Largest gRPC message.",
+                                        json_schema_extra=_LIMITS)
     body_timeout_s: float = Field(
-        30.0, gt=0, description="A request body must arrive within this (slow clients get 408).")
+        30.0, gt=0, description="A request body must arrive within this (slow clients get 408).",
+        json_schema_extra=_LIMITS)
     min_body_rate_bytes_s: float = Field(
         16384.0, ge=0, description="A request body slower than this on average (bytes/s, after "
                                    "its first 2 s) gets 408 and its connection closed; 0: no "
-                                   "minimum.")
+                                   "minimum.",
+        json_schema_extra=_LIMITS)
     header_timeout_s: float = Field(
         5.0, gt=0, le=300,
-        description="A request's head (request line and headers) must arrive within this, from the "
-                    "connection's start or the request's first byte; slower connections are closed "
-                    "(slowloris).")
+        description="A request's head must arrive within this, from the connection's start or the "
+                    "request's first byte; slower connections are closed (slowloris).",
+        json_schema_extra=_LIMITS)
     max_connections: int | None = Field(
-        1000, ge=1, description="Open HTTP connections per process. When full, the one waiting "
-                                "longest for a request head (then the longest idle) is closed to "
-                                "make room; when every one has a request in progress, new requests "
-                                "get 503 with Retry-After (health checks are still answered).")
+        1000, ge=1, description="Open HTTP connections per process; when full, the longest idle "
+                                "one is closed, or new requests get 503 if all are busy "
+                                "(docs/security.md).",
+        json_schema_extra=_LIMITS)
     auth_token: str | None = Field(
         None, description="Require 'Authorization: Bearer <token>' (HTTP) / 'authorization' "
-                          "metadata (gRPC).")
+                          "metadata (gRPC).",
+        json_schema_extra=_SECURITY)
     auth_token_file: Path | None = Field(
-        None, description="Read the bearer token from this file instead.")
-    auth_health_open: bool = Field(True, description="Health endpoints stay open when auth is on.")
+        None, description="Read the bearer token from this file instead.",
+        json_schema_extra=_SECURITY)
+    auth_health_open: bool = Field(True, description="Health endpoints stay open when auth is on.",
+                                   json_schema_extra=_SECURITY)
     auth_metrics_open: bool = Field(
-        True, description="/metrics stays open when auth is on, for Prometheus scrapers that send "
-                          "no token (the Kubernetes scrape annotations). It shows model names and "
-                          "traffic, no frames.")
+        True, description="/metrics stays open when auth is on, for scrapers that send no token; "
+                          "it shows model names and traffic, no frames.",
+        json_schema_extra=_SECURITY)
     admin_token: str | None = Field(
-        None, description="The token protected routes (state changes, guard jobs, records, API "
-                          "docs: docs/security.md) need off a loopback bind. Unset: made at the "
-                          "first start in $XDG_DATA_HOME/visionserve/admin-token.")
+        None, description="The token protected routes need off a loopback bind "
+                          "(docs/security.md); unset: made at the first start in "
+                          "$XDG_DATA_HOME/visionserve/admin-token.",
+        json_schema_extra=_SECURITY)
     admin_token_file: Path | None = Field(
-        None, description="Read the admin token from this file instead (a mounted secret).")
+        None, description="Read the admin token from this file instead (a mounted secret).",
+        json_schema_extra=_SECURITY)
     allowed_hosts: str = Field(
-        "", description="Names, besides localhost, this machine's names and the bind address, "
-                        "that protected requests may give in Host (comma-separated; * any). IP "
-                        "addresses always pass.")
+        "", description="Names, besides localhost, this machine's and the bind address, that "
+                        "protected requests may give in Host (comma-separated; * any).",
+        json_schema_extra=_SECURITY)
     allowed_origins: str = Field(
         "", description="Web origins (http://name:port, comma-separated; * any) besides the "
-                        "server's own that may call protected routes. Default: none.")
+                        "server's own that may call protected routes.",
+        json_schema_extra=_SECURITY)
     trusted_proxies: str = Field(
         "", description="Reverse proxies (addresses or networks, comma-separated) whose "
-                        "X-Forwarded-For/-Proto give the client's address. Default: none, the "
-                        "headers are ignored.")
+                        "X-Forwarded-For/-Proto give the client's address.",
+        json_schema_extra=_SECURITY)
     api_docs: bool = Field(
         False, description="Serve the API pages /docs, /redoc and /openapi.json (protected "
-                           "routes; the pages load their scripts from a CDN).")
+                           "routes; the pages load their scripts from a CDN).",
+        json_schema_extra=_SECURITY)
     tls_cert: Path | None = Field(
-        None, description="PEM certificate: serve HTTPS and gRPC over TLS.")
-    tls_key: Path | None = Field(None, description="PEM private key for --tls-cert.")
+        None, description="PEM certificate: serve HTTPS and gRPC over TLS.",
+        json_schema_extra=_SECURITY)
+    tls_key: Path | None = Field(None, description="PEM private key for --tls-cert.",
+                                 json_schema_extra=_SECURITY)
     switch_interval_ms: float | None = Field(
         None, gt=0, le=100,
-        description="Python's thread switch interval in the serving process: how long one thread "
-                    "(the busy event loop) may hold the interpreter while the decode/compute "
-                    "threads wait for it. Default: 0.5 ms with the front end in this process, "
-                    "whose loop parses HTTP in long stretches of Python that starved the runner "
-                    "threads at Python's own 5 ms; 5 ms with --frontends, where the loop lets go "
-                    "of the interpreter at every I/O callback and forced switches only cost; "
-                    "there, below saturation, the p99.9 comes about 5 ms later (docs/gpu.md).")
-    load_switch_interval_ms: float = Field(
-        0.05, gt=0, le=100,
-        description="Python's thread switch interval while a model version loads beside the "
-                    "serving ones: deserialising a model is pure Python, and each time a serving "
-                    "thread wants the interpreter back it waits up to this long for the loading "
-                    "thread to let go of it (docs/gpu.md, swaps under load).")
+        description="Python's thread switch interval in the serving process (ms); 0.5 trims "
+                    "the p99.9 with --frontends at some throughput (docs/gpu.md).",
+        json_schema_extra={**_OTHER, "default_text": "0.5, or 5 with --frontends"})
     isolated_loads: bool = Field(
         True,
-        description="Read a model file that is slow to read in Python (a torch.export program) "
-                    "in a child process when the version loads beside serving ones (a swap): "
-                    "reading ResNet-50's program in the serving process held frames for up to a "
-                    "second (docs/benchmarks.md, model swaps on the H200). Start-up reads in "
-                    "the serving process.")
+        description="Read a torch model loaded beside serving ones (a swap) in a child process, "
+                    "so that its deserialisation does not hold the serving threads.",
+        json_schema_extra=_MODELS)
     gpu_prep_one_call: bool = Field(
         True,
-        description="On the GPU, prepare a batch of JPEGs of one size (decode, resize, "
-                    "normalise) in one TorchScript call that releases the interpreter once, "
-                    "instead of some 40 torch calls that each wait behind the busy event loop "
-                    "to take it back (docs/gpu.md). Other batches take the eager path.")
-    frontend_zero_copy: bool = Field(
-        False,
-        description="With --frontends: the engine reads each frame where its front end wrote "
-                    "it (the shared-memory arena) instead of copying it out first, and the front "
-                    "end reuses the space once the engine has let the frame go, not at its "
-                    "answer. The copy holds the serving process's interpreter: 22% of its event "
-                    "loop's time at 1080p saturation on the H200 (docs/gpu.md). Off: with "
-                    "--gpu-graph-fetch, no gain measurable on the H200 (docs/benchmarks.md, "
-                    "session 18).")
-    gpu_graph_fetch: bool = Field(
-        False,
-        description="On the GPU (torch backend), capture the copies of the model's outputs to "
-                    "the host in its CUDA graphs, so that a batch costs the compute thread three "
-                    "torch calls instead of five, each a wait behind the busy event loop to take "
-                    "the interpreter back (docs/gpu.md). Checked at warm-up: a graph whose "
-                    "captured copy does not work is served with the copy after it. Off: with "
-                    "--frontend-zero-copy, no gain measurable on the H200 (docs/benchmarks.md, "
-                    "session 18).")
-    gpu_cudnn_autotune: bool = Field(
-        False,
-        description="On the GPU (torch backend), time the convolution kernels cuDNN offers for "
-                    "each preferred batch size at warm-up and capture the CUDA graphs with the "
-                    "fastest (cuDNN's benchmark mode, on for the warm-up only), instead of its "
-                    "heuristic's first choice. It adds seconds to a load, and the kernels it "
-                    "picks may round differently from the heuristic's (scores within the "
-                    "agreement tolerance of docs/gpu.md). Off: for a ResNet-50 on an H100 the "
-                    "tuned kernels were no faster than the heuristic's (docs/gpu.md, \"cuDNN's "
-                    "kernels\").")
-    gpu_prep_processes: int = Field(
-        0, ge=0, le=8,
-        description="On the GPU, this many worker processes per model instance prepare its "
-                    "batches (decode, resize, normalise) into device buffers the serving process "
-                    "holds, instead of the instance's thread in the serving process (0): their "
-                    "interpreters do nothing else, and each has a JPEG decoder of its own (one "
-                    "process has one, behind a lock). A worker that fails is logged and the "
-                    "others, or the serving process, prepare its batches. The event loop sends "
-                    "the batches and reads the answers, so no thread of the serving process "
-                    "waits for the interpreter to prepare one. Slower than 0 on the H200 in "
-                    "both designs measured (this one: 0.34-0.37x the bare model at 640x480 "
-                    "against 0.40-0.46x), so 0 (docs/benchmarks.md, session 19).")
+        description="On the GPU, prepare a batch of same-size JPEGs in one TorchScript call "
+                    "instead of some 40 torch calls; off: the eager path (docs/gpu.md).",
+        json_schema_extra=_GPU)
     gpu_batch_processes: int = Field(
         0, ge=0, le=8,
-        description="On the GPU, this many worker processes per model instance prepare and run "
-                    "its batches (decode, resize, normalise, the model), each with the model "
-                    "loaded and its CUDA graphs captured, and answer with the model's outputs; "
-                    "the event loop sends the frames and reads the outputs, and the serving "
-                    "process only applies the task's postprocessing. The batcher gives each "
-                    "worker two batches, and a third only when it is full. A batch that finds "
-                    "the instance idle (a lone frame) runs in the serving process, which saves "
-                    "it the workers' socket hops. On an H100 (docs/benchmarks.md, session 21): "
-                    "1 gave 0.58-0.62x the bare model at 640x480 and 192 clients against "
-                    "0.42-0.44x in-process, 3 gave 0.67x at 640x480 and 0.41x at 1080p with 288 "
-                    "clients; 0 until the GPU frame-integrity test and a comparison have run "
-                    "with workers as the default (docs/gpu.md). Each worker's "
-                    "allocator (the model, its graphs, one batch's preparation) comes out of "
-                    "--gpu-memory-budget, beside the instance the serving process still loads; "
-                    "where the budget cannot hold them the instance serves in-process (a "
-                    "warning says so), and a worker that fails is logged and the serving process "
-                    "prepares and runs its batches. Its CUDA context is outside the budget, as "
-                    "the serving process's is. Not for tasks that read their outputs on the "
-                    "device (detection's NMS). 0: in the serving process. Excludes "
-                    "--gpu-prep-processes.")
+        description="On the GPU, worker processes per model instance that prepare and run its "
+                    "batches, each with a model copy inside --gpu-memory-budget (docs/gpu.md).",
+        json_schema_extra=_GPU)
     recipes: Path | None = Field(
-        None, description="The recipes file: each product variant's model, version and verdict "
-                          "settings, and the stations that run them (docs/recipes.md). Default: "
-                          "recipes.toml in the model repository, when there is one.")
+        None, description="The recipes file (docs/recipes.md); default: recipes.toml in the "
+                          "model repository, when there is one.",
+        json_schema_extra=_MODELS)
     worker_nice: int = Field(
         5, ge=0, le=19,
         description="Nice levels below the event loop for the model's threads in the serving "
-                    "process (decode, compute, the runtime's thread pools; Linux): when the "
-                    "loop wakes up for a request it runs first instead of waiting for a core "
-                    "behind them. 0: all threads at one priority.")
+                    "process (Linux), so the loop runs first; 0: all at one priority.",
+        json_schema_extra=_OTHER)
     frontends: int = Field(
         0, ge=0, le=64,
-        description="HTTP/gRPC front-end processes handing frames to this process's engine through "
-                    "shared memory (one batch queue per model still); 0: the front end runs in the "
-                    "engine process. Use several when one process cannot parse requests as fast as "
-                    "the GPU serves them.")
+        description="HTTP/gRPC front-end processes handing frames to the engine through shared "
+                    "memory; 0: the front end runs in the engine's process (docs/gpu.md).",
+        json_schema_extra=_NETWORK)
     frontend_arena_bytes: int = Field(
         64 * 1024**2, ge=1024**2,
-        description="Shared memory per front-end process for frames in flight; a frame that does "
-                    "not fit travels in the message instead (slower, never refused).")
+        description="Shared memory per front-end process for frames in flight; a larger frame "
+                    "travels in the message instead (slower, never refused).",
+        json_schema_extra=_NETWORK)
     guard: bool = Field(
         False, description="Also host the training-queue guard (and /v1/guard/jobs, which runs "
-                           "commands: a protected route, docs/security.md).")
+                           "commands: a protected route, docs/security.md).",
+        json_schema_extra=_GUARD)
     guard_db: Path | None = Field(
-        None, description="The guard's SQLite database (default: VISIONSERVE_GUARD_DB, else "
-        "$XDG_DATA_HOME/visionserve/guard.sqlite, i.e. ~/.local/share/visionserve/guard.sqlite: "
-        "the same one `visionserve guard` uses).")
+        None, description="The guard's SQLite database (the one `visionserve guard` uses).",
+        json_schema_extra={**_GUARD, "default_text": "$VISIONSERVE_GUARD_DB, else "
+                                                     "$XDG_DATA_HOME/visionserve/guard.sqlite"})
     guard_latency_budget_ms: float | None = Field(
-        None, gt=0, description="With --guard: pause running training jobs while the served p99 of "
-                                "the last second is over this (ms); they resume under 80% of it. "
-                                "Default: off.")
+        None, gt=0, description="With --guard: pause training jobs while the served p99 of the "
+                                "last second is over this (ms); they resume under 80% of it.",
+        json_schema_extra=_GUARD)
     guard_margin: str = Field(
-        "1GiB", description="Safety margin the guard keeps above the server's budget.")
+        "1GiB", description="Safety margin the guard keeps above the server's budget.",
+        json_schema_extra=_GUARD)
     guard_mps: bool = Field(
-        True, description="With --guard on a GPU: share the GPU's time with training jobs through "
-                          "CUDA MPS: the server and its jobs become clients of one MPS control "
-                          "daemon (the one CUDA_MPS_PIPE_DIRECTORY names, else a private one "
-                          "started and quit with the server), so their kernels run side by side, "
-                          "each job on --guard-mps-job-sm-percent of the SMs at a lower client "
-                          "priority and held to its declared memory. Where MPS cannot run, the "
-                          "guard says why and jobs share by yielding; --no-guard-mps: never "
-                          "(docs/guard.md).")
+        True, description="With --guard on a GPU: the server and its jobs share the GPU as "
+                          "clients of one CUDA MPS daemon; where MPS cannot run, jobs yield "
+                          "(docs/guard.md).",
+        json_schema_extra=_GUARD)
     guard_mps_job_sm_percent: int = Field(
-        50, ge=1, le=100, description="With --guard-mps: the share of the GPU's SMs a training "
-                                      "job's kernels may occupy (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE;"
-                                      " a job's own value wins).")
+        50, ge=1, le=100, description="With --guard-mps: the share of the SMs a training job's "
+                                      "kernels may occupy (a job's own value wins).",
+        json_schema_extra=_GUARD)
     # --- results to the PLC (visionserve/plc, docs/plc.md) ---
     opcua: str | None = Field(
-        None, description="Serve results to PLCs over OPC UA (OPC 40100 Machine Vision model) at "
-                          "this endpoint, e.g. opc.tcp://0.0.0.0:4840. Default: off.")
+        None, description="Serve results to PLCs over OPC UA (OPC 40100 Machine Vision) at this "
+                          "endpoint, e.g. opc.tcp://0.0.0.0:4840.",
+        json_schema_extra=_PLC)
     opcua_security: str = Field(
         "Basic256Sha256,Aes128Sha256RsaOaep",
-        description="OPC UA security policies offered, comma-separated, each with Sign and "
-                    "SignAndEncrypt: Basic256Sha256, Aes128Sha256RsaOaep; None (no security) only "
-                    "when named.")
-    opcua_anonymous: bool = Field(False, description="Let OPC UA clients in without a user name.")
-    opcua_user: str | None = Field(None, description="The OPC UA user name PLCs log in with.")
+        description="OPC UA security policies offered (Sign and SignAndEncrypt each), "
+                    "comma-separated; None (no security) only when named.",
+        json_schema_extra=_PLC)
+    opcua_anonymous: bool = Field(False, description="Let OPC UA clients in without a user name.",
+                                  json_schema_extra=_PLC)
+    opcua_user: str | None = Field(None, description="The OPC UA user name PLCs log in with.",
+                                   json_schema_extra=_PLC)
     opcua_password_file: Path | None = Field(
-        None, description="File holding --opcua-user's password.")
+        None, description="File holding --opcua-user's password.", json_schema_extra=_PLC)
     modbus: str | None = Field(
         None, description="Serve results to PLCs over Modbus TCP at host:port, e.g. 0.0.0.0:5020 "
-                          "(one unit id per station). Default: off.")
+                          "(one unit id per station).",
+        json_schema_extra=_PLC)
     plc_max_clients: int = Field(
         8, ge=1, le=256,
-        description="PLC connections at once, per protocol (Modbus TCP, OPC UA). When all are "
-                    "taken, a new one replaces one that never spoke or has long been idle.")
+        description="PLC connections at once, per protocol; when all are taken, a new one "
+                    "replaces one that never spoke or has long been idle.",
+        json_schema_extra=_PLC)
     plc_idle_timeout_s: float = Field(
         30.0, gt=0, le=3600,
-        description="A Modbus connection that sends nothing for this long, or an OPC UA one "
-                    "without an open session by then, is closed (default 30 s).")
+        description="A Modbus connection silent this long, or an OPC UA one without an open "
+                    "session by then, is closed.",
+        json_schema_extra=_PLC)
     plc_stations: str = Field(
-        "*", description="PLC stations, by camera id (X-Camera-Id, OIP parameter camera_id), "
-                         "comma-separated; station N is OPC UA Station<N> and Modbus unit id N. "
-                         "* takes every other camera and frames without one.")
+        "*", description="PLC stations by camera id, comma-separated: station N is OPC UA "
+                         "Station<N> and Modbus unit id N; * takes every other camera.",
+        json_schema_extra=_PLC)
     plc_buffer: int = Field(
         16, ge=1, le=1000,
         description="Results a Modbus station keeps until the PLC acknowledges them; one more "
-                    "raises Fault.")
+                    "raises Fault.",
+        json_schema_extra=_PLC)
     plc_heartbeat_ms: float = Field(500.0, ge=10, le=60_000, description="The PLC heartbeat bit "
-                                                                         "toggles at this period.")
+                                                                         "toggles at this period.",
+                                    json_schema_extra=_PLC)
     plc_watchdog_ms: float = Field(
         2000.0, ge=100, le=600_000,
         description="The engine counts as stalled (heartbeat stops, Fault) when frames have waited "
-                    "this long with none computed, or its event loop has not run for this long.")
+                    "this long with none computed, or its event loop has not run for this long.",
+        json_schema_extra=_PLC)
     plc_data_dir: Path | None = Field(
-        None, description="Folder for the OPC UA server certificate (made on first start) and the "
-                          "trusted/ and rejected/ client certificates (default "
-                          "$XDG_DATA_HOME/visionserve/plc).")
+        None, description="Folder for the OPC UA server certificate and the trusted/ and "
+                          "rejected/ client certificates.",
+        json_schema_extra={**_PLC, "default_text": "$XDG_DATA_HOME/visionserve/plc"})
 
     # --- traceability records and image capture (visionserve/records, docs/records.md) ---
     records: bool = Field(
-        False, description="Keep a traceability record of every answered frame (part, station, "
-                           "camera, time, model, version, verdict, scores or detections, timings, "
-                           "request id), written off the hot path; GET /v1/parts/{part_id} reads "
-                           "them.")
+        False, description="Keep a traceability record of every answered frame, written off the "
+                           "hot path; GET /v1/parts/{part_id} reads them (docs/records.md).",
+        json_schema_extra=_RECORDS)
     records_dir: Path | None = Field(
         None, description="Folder of the records database (records.sqlite) and of captured "
-                          "images (captures/) (default $XDG_DATA_HOME/visionserve).")
+                          "images (captures/).",
+        json_schema_extra={**_RECORDS, "default_text": "$XDG_DATA_HOME/visionserve"})
     records_url: str | None = Field(
         None, description="The record store: sqlite:///path/records.sqlite, or "
-                          "postgresql://user@host/db (the records-pg extra; password from "
-                          "PGPASSWORD or ~/.pgpass). Default: records.sqlite in --records-dir.")
+                          "postgresql://user@host/db (password from PGPASSWORD or ~/.pgpass).",
+        json_schema_extra={**_RECORDS, "default_text": "records.sqlite in --records-dir"})
     records_max_age_days: float = Field(
-        365.0, gt=0, description="Records older than this are deleted.")
+        365.0, gt=0, description="Records older than this are deleted.",
+        json_schema_extra=_RECORDS)
     records_max_bytes: str = Field(
         "10GiB", description="The record store's size limit: the oldest records are deleted past "
-                             "it.")
+                             "it.",
+        json_schema_extra=_RECORDS)
     records_queue: int = Field(
         10_000, ge=100, le=10_000_000,
         description="Answered frames waiting for the record writer; past it records are dropped "
-                    "and counted (visionserve_records_dropped_total), inference never waits.")
+                    "and counted, inference never waits.",
+        json_schema_extra=_RECORDS)
     capture: Literal["none", "ng", "uncertain", "sample", "all"] = Field(
-        "none", description="Which frames are kept for retraining, with their record as a JSON "
-                            "sidecar (needs --records): ng, uncertain (deciding score within "
-                            "--capture-band of the threshold), sample (--capture-sample-percent "
-                            "of frames), all.")
+        "none", description="Which frames are kept for retraining, with their record (needs "
+                            "--records): ng, uncertain (see --capture-band), sample (see "
+                            "--capture-sample-percent), all.",
+        json_schema_extra=_RECORDS)
     capture_band: float = Field(
         0.1, gt=0, le=1, description="--capture uncertain: the band around the verdict's threshold "
-                                     "(on the score's scale).")
+                                     "(on the score's scale).",
+        json_schema_extra=_RECORDS)
     capture_sample_percent: float = Field(
-        1.0, gt=0, le=100, description="--capture sample: the share of frames kept, in percent.")
+        1.0, gt=0, le=100, description="--capture sample: the share of frames kept, in percent.",
+        json_schema_extra=_RECORDS)
     capture_target: str | None = Field(
         None, description="Where captured images go: a folder, or s3://bucket/prefix (the s3 "
-                          "extra; endpoint --capture-s3-endpoint, credentials from "
-                          "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY). Default: captures/ in "
-                          "--records-dir.")
+                          "extra; credentials from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY).",
+        json_schema_extra={**_RECORDS, "default_text": "captures/ in --records-dir"})
     capture_s3_endpoint: str | None = Field(
         None, description="The S3-compatible server of an s3:// target, e.g. "
-                          "https://minio.plant:9000 (default: AWS S3).")
+                          "https://minio.plant:9000.",
+        json_schema_extra={**_RECORDS, "default_text": "AWS S3"})
     capture_quota: str = Field(
         "20GiB", description="A capture folder's size limit: the oldest images are deleted past "
-                             "it, so a full disk never stops the line.")
+                             "it, so a full disk never stops the line.",
+        json_schema_extra=_RECORDS)
     capture_queue: int = Field(
         256, ge=1, le=100_000,
         description="Captured images waiting to be written; past it images are dropped and "
-                    "counted, inference never waits.")
+                    "counted, inference never waits.",
+        json_schema_extra=_RECORDS)
 
     @field_validator("guard_margin", "records_max_bytes", "capture_quota")
     @classmethod
@@ -664,14 +653,6 @@ class ServerSettings(BaseSettings):
         if self.capture != "none" and not self.records:
             raise ValueError(f"capture {self.capture!r} needs records on (--records): each "
                              "captured image carries its record")
-        return self
-
-    @model_validator(mode="after")
-    def _one_kind_of_worker(self) -> ServerSettings:
-        if self.gpu_batch_processes and self.gpu_prep_processes:
-            raise ValueError("gpu_batch_processes and gpu_prep_processes exclude each other: "
-                             "the first prepares and runs the batches in worker processes, the "
-                             "second only prepares them there")
         return self
 
     @model_validator(mode="after")
@@ -750,6 +731,7 @@ class SettingDoc:
     env: str
     default: str
     help: str
+    group: str
     choices: tuple[str, ...] = ()
 
 
@@ -772,19 +754,41 @@ def setting_docs() -> list[SettingDoc]:
         choices = typing.get_args(field.annotation) if literal else ()
         out.append(SettingDoc(name, (flag, "--no-" + flag[2:]) if switch else (flag,),
                               ENV_PREFIX + name.upper(), default, field.description or "",
-                              tuple(map(str, choices))))
+                              str(extra.get("group", "")), tuple(map(str, choices))))
     return out
+
+
+def grouped_setting_docs() -> list[tuple[str, list[SettingDoc]]]:
+    """:func:`setting_docs` by group, in :data:`SETTING_GROUPS` order."""
+    docs = setting_docs()
+    return [(g, [d for d in docs if d.group == g]) for g in SETTING_GROUPS]
+
+
+#: Settings that were removed, and why: their variables get a warning that says so.
+REMOVED_SETTINGS: dict[str, str] = {
+    "GPU_PREP_PROCESSES": "preparing batches in worker processes measured slower; "
+                          "--gpu-batch-processes prepares and runs them there",
+    "GPU_CUDNN_AUTOTUNE": "cuDNN's tuned kernels measured no faster than its heuristic's",
+    "GPU_GRAPH_FETCH": "capturing the output copies in the CUDA graphs measured no faster",
+    "FRONTEND_ZERO_COPY": "reading frames in place in the front ends' memory measured no faster",
+    "LOAD_SWITCH_INTERVAL_MS": "the switch interval during a load is fixed",
+}
 
 
 def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     """A warning for each ``VISIONSERVE_*`` variable that is no setting (pydantic-settings ignores
-    them silently: a typo would leave the default in force), naming the nearest setting."""
+    them silently: a typo would leave the default in force), naming the nearest setting, or
+    saying that the setting was removed."""
     settings = [n.upper() for n in ServerSettings.model_fields]
     known = set(settings) | set(OTHER_VARIABLES)
     out = []
     for key in sorted(environ):
         upper = key.upper()  # settings are read case-insensitively
         if not upper.startswith(ENV_PREFIX) or upper[len(ENV_PREFIX):] in known:
+            continue
+        removed = REMOVED_SETTINGS.get(upper[len(ENV_PREFIX):])
+        if removed is not None:
+            out.append(f"{key}: this setting was removed and is ignored ({removed})")
             continue
         near = difflib.get_close_matches(upper[len(ENV_PREFIX):], settings, n=1, cutoff=0.6)
         hint = (f"; did you mean {ENV_PREFIX}{near[0]} (--{near[0].lower().replace('_', '-')})?"

@@ -57,6 +57,10 @@ if TYPE_CHECKING:
     from .gpu.reservation import GpuReservation
 
 log = logging.getLogger(__name__)
+
+#: Python's thread switch interval while a version loads: the load's pure-Python deserialising
+#: hands the interpreter back to the serving threads within this.
+LOAD_SWITCH_INTERVAL_S = 0.00005
 #: one line per change of a model's [verdict], with old and new values and the caller
 audit = logging.getLogger("visionserve.audit")
 
@@ -345,7 +349,6 @@ class Engine(ModelLookup):
 
             self.gpu = GpuReservation(self.settings.gpu_memory_budget, self.device,
                                       one_call=self.settings.gpu_prep_one_call,
-                                      prep_processes=self.settings.gpu_prep_processes,
                                       batch_processes=self.settings.gpu_batch_processes)
             await self.gpu.reserve([(e.name, effective_config(e.config, self.settings))
                                     for e in entries])
@@ -367,7 +370,7 @@ class Engine(ModelLookup):
         """Load, warm up and start one version; on failure what it loaded is released."""
         made: list[backends.Backend] = []
         try:
-            with switching_fast(self.settings.load_switch_interval_ms / 1000):
+            with switching_fast(LOAD_SWITCH_INTERVAL_S):
                 return await self._build(entry, version, path, loop, made)
         except BaseException:
             for backend in made:
@@ -389,8 +392,6 @@ class Engine(ModelLookup):
         for i in range(config.runtime.instances):
             backend = backends.create(config.runtime.backend)
             backend.isolated = self._ready and self.settings.isolated_loads  # beside serving ones
-            backend.graph_fetch = self.settings.gpu_graph_fetch
-            backend.cudnn_autotune = self.settings.gpu_cudnn_autotune
             made.append(backend)
             t0 = time.monotonic()
             load_config = self.gpu.instance_config(entry.name, config) if self.gpu else config

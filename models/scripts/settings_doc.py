@@ -12,13 +12,24 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model_toml_doc
 
-from visionserve.config import ENV_PREFIX, OTHER_VARIABLES, ServerSettings, setting_docs
+from visionserve.config import (
+    ENV_PREFIX,
+    OTHER_VARIABLES,
+    SETTING_GROUPS,
+    ServerSettings,
+    grouped_setting_docs,
+)
 
 DOC = model_toml_doc.REPO / "docs" / "settings.md"
 
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|")
+
+
+def _anchor(title: str) -> str:
+    """The heading's anchor as GitHub makes it."""
+    return "-".join("".join(c for c in title.lower() if c.isalnum() or c == " ").split())
 
 
 def render() -> str:
@@ -35,18 +46,21 @@ def render() -> str:
         f"At start-up the server warns about every `{ENV_PREFIX}*` variable that is not a setting and",
         "names the nearest one (`VISIONSERVE_HTTP_PROT is not a visionserve setting and is ignored; did",
         "you mean VISIONSERVE_HTTP_PORT (--http-port)?`): a misspelt setting would otherwise leave the",
-        "default in force without a word.",
+        "default in force without a word. A variable of a removed setting gets a warning that says so.",
         "",
-        "| option | environment variable | default | limits | meaning |",
-        "| --- | --- | --- | --- | --- |",
+        "Sections: " + ", ".join(f"[{g}](#{_anchor(g)})" for g in SETTING_GROUPS) + ".",
     ]
-    for d in setting_docs():
-        field = ServerSettings.model_fields[d.name]
-        limits = model_toml_doc._constraints(field)
-        if d.choices:
-            limits = "one of " + ", ".join(f"`{c}`" for c in d.choices)
-        flags = " / ".join(f"`{f}`" for f in d.flags)
-        out.append(f"| {flags} | `{d.env}` | {_cell(d.default)} | {limits} | {_cell(d.help)} |")
+    for group, docs in grouped_setting_docs():
+        out += ["", f"## {group[0].upper()}{group[1:]}", "", SETTING_GROUPS[group], "",
+                "| option | environment variable | default | limits | meaning |",
+                "| --- | --- | --- | --- | --- |"]
+        for d in docs:
+            field = ServerSettings.model_fields[d.name]
+            limits = model_toml_doc._constraints(field)
+            if d.choices:
+                limits = "one of " + ", ".join(f"`{c}`" for c in d.choices)
+            flags = " / ".join(f"`{f}`" for f in d.flags)
+            out.append(f"| {flags} | `{d.env}` | {_cell(d.default)} | {limits} | {_cell(d.help)} |")
     out += [
         "",
         f"## Other `{ENV_PREFIX}*` variables",

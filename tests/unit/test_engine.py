@@ -108,21 +108,6 @@ async def test_engine_answers_frames_in_order(engine):
     assert served.stats.inference_count == 6
 
 
-@pytest.mark.parametrize("fetch", [False, True])
-async def test_the_graph_fetch_setting_reaches_every_backend(tiny_repo, fetch):
-    """``--gpu-graph-fetch`` is set on each instance's backend before it warms up (a backend
-    without CUDA graphs, as here on the CPU, has nothing to capture and serves as before)."""
-    eng = Engine(settings(models=tiny_repo, gpu_graph_fetch=fetch), device="cpu")
-    await eng.start()
-    try:
-        (served,) = eng.select("tiny", None)
-        assert [r.backend.graph_fetch for r in served.runners] == [fetch] * len(served.runners)
-        _, (answer,) = await eng.infer("tiny", None, [raw()])
-        assert answer.verdict in ("OK", "NG")
-    finally:
-        await eng.close()
-
-
 @pytest.mark.parametrize("kw, match", [
     ({"deadline_ms": -1.0}, "deadline"), ({"deadline_ms": 0.0}, "deadline"),
     ({"deadline_ms": float("inf")}, "deadline"), ({"deadline_ms": 1e12}, "deadline"),

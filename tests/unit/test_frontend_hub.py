@@ -210,11 +210,11 @@ def test_channel_survives_a_handler_error():
 @pytest.fixture(params=[False, True], ids=["copy", "zero-copy"])
 async def pair(tiny_repo, request):
     """(engine, hub, remote): the remote engine is what a front-end process would hold; the
-    engine copies the frames out of the arena, or reads them in place (--frontend-zero-copy)."""
+    engine copies the frames out of the arena (the server's way), or reads them in place (the
+    zero-copy mode, off in the server: it measured no faster)."""
     import os
 
-    eng = Engine(ServerSettings(models=tiny_repo, max_queue_delay_ms=1,
-                                frontend_zero_copy=request.param), device="cpu")
+    eng = Engine(ServerSettings(models=tiny_repo, max_queue_delay_ms=1), device="cpu")
     eng.scan()
     hub = Hub(eng)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -223,6 +223,7 @@ async def pair(tiny_repo, request):
     remote = RemoteEngine(Arena(fd, size), zero_copy=request.param)
     remote.channel = await connect(theirs, remote.on_message, remote.on_lost)
     await hub.attach(0, ours, fd, size)
+    hub.links[0].zero_copy = request.param
     os.close(fd)
     await asyncio.wait_for(remote.connected.wait(), 5)
     assert not remote.ready and "tiny" in remote.entries  # the repository is known before warm-up ends
@@ -339,13 +340,12 @@ def test_a_frame_kept_long_gets_bytes_of_its_own_and_lets_the_arena_go():
 
 
 async def test_a_cancelled_frames_arena_space_is_free_before_the_queue_forms_a_batch(tiny_repo):
-    """--frontend-zero-copy: a frame cancelled while it waits in the queue (the client went
+    """Zero-copy mode: a frame cancelled while it waits in the queue (the client went
     away) is let go at once, not when the queue next forms a batch (here 5 s later): its arena
     space is the front end's again."""
     import os
 
-    eng = Engine(ServerSettings(models=tiny_repo, max_queue_delay_ms=5000,
-                                frontend_zero_copy=True), device="cpu")
+    eng = Engine(ServerSettings(models=tiny_repo, max_queue_delay_ms=5000), device="cpu")
     await eng.start()
     hub = Hub(eng)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -353,6 +353,7 @@ async def test_a_cancelled_frames_arena_space_is_free_before_the_queue_forms_a_b
     remote = RemoteEngine(Arena(fd, 1 << 20), zero_copy=True)
     remote.channel = await connect(theirs, remote.on_message, remote.on_lost)
     await hub.attach(0, ours, fd, 1 << 20)
+    hub.links[0].zero_copy = True
     os.close(fd)
     try:
         await _until(lambda: remote.ready)

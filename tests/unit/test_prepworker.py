@@ -357,8 +357,7 @@ def means_model(tmp_path_factory):
 
 def batch_workers(means_model, **kw) -> prepworker.PrepProcess:
     path, _ = means_model
-    return worker(model={"path": str(path), "config": TORCH_CONFIG.model_dump(mode="json"),
-                         "graph_fetch": False}, **kw)
+    return worker(model={"path": str(path), "config": TORCH_CONFIG.model_dump(mode="json")}, **kw)
 
 
 def model_runner_for(p: prepworker.PrepProcess, backend) -> Runner:
@@ -498,16 +497,6 @@ async def test_batches_a_lost_batch_worker_had_run_in_the_serving_process(means_
     assert any("1 preparation process(es) left" in r.message for r in caplog.records)
 
 
-def test_batch_workers_exclude_preparation_workers():
-    from pydantic import ValidationError
-
-    from visionserve.config import ServerSettings
-
-    with pytest.raises(ValidationError, match="exclude each other"):
-        ServerSettings(gpu_batch_processes=1, gpu_prep_processes=1)
-    assert ServerSettings(gpu_batch_processes=2).gpu_batch_processes == 2
-
-
 def test_a_batch_worker_whose_device_fails_answers_the_batch_and_stops():
     """The worker's loop (in this process, over a socket pair): a sticky CUDA error while a
     batch runs is answered as that batch's failure, then the worker stops reading, so the serving
@@ -559,16 +548,15 @@ def test_the_reservation_gives_an_instance_batch_workers_only_where_they_can_ser
     path, _ = means_model
     res = GpuReservation("8GiB", "cpu", batch_processes=1)
     view = SimpleNamespace(takes_device_input=True, input_dtype=torch.float32, stream=None,
-                           channels_last=False, config=TORCH_CONFIG, graph_fetch=False,
-                           cudnn_autotune=True)
+                           channels_last=False, config=TORCH_CONFIG)
     host_task = SimpleNamespace(on_device=False)
     workers = res.preprocessor(view, TORCH_CONFIG, PREFERRED, 1, ("means", 0), path, host_task)
     try:
         assert isinstance(workers, prepworker.PrepProcess) and workers.runs_model
         assert len(workers.pids) == 1
-        # the workers load the model as the serving process did (its backend's settings)
-        assert {k: workers._spec["model"][k] for k in ("graph_fetch", "cudnn_autotune")} == \
-            {"graph_fetch": False, "cudnn_autotune": True}
+        # the workers load the model file with its configuration, as the serving process did
+        assert workers._spec["model"] == {"path": str(path),
+                                          "config": TORCH_CONFIG.model_dump(mode="json")}
         # on the CPU they hold no device memory; the reservation knows them (telemetry)
         assert workers.device_bytes == 0 and res.worker_pids() == workers.pids
     finally:

@@ -127,9 +127,10 @@ def test_a_model_loads_with_the_fast_switch_interval(tiny_repo, monkeypatch):
         return load(self, *args)
 
     monkeypatch.setattr(OnnxBackend, "load", recording)
+    monkeypatch.setattr("visionserve.engine.LOAD_SWITCH_INTERVAL_S", 0.00002)
 
     async def scenario():
-        engine = Engine(ServerSettings(models=tiny_repo, load_switch_interval_ms=0.02), device="cpu")
+        engine = Engine(ServerSettings(models=tiny_repo), device="cpu")
         await engine.start()
         await engine.close()
 

@@ -69,13 +69,6 @@ class Backend(ABC):
     #: read in Python reads it in a child process, so that the serving threads keep the
     #: interpreter (the torch backend; onnxruntime reads its file in C++)
     isolated: bool = False
-    #: a backend that replays CUDA graphs captures the copies of their outputs to the host in
-    #: them as well (the torch backend; the server's ``--gpu-graph-fetch``)
-    graph_fetch: bool = False
-    #: a backend on a GPU times the convolution kernels cuDNN offers for each batch size at
-    #: warm-up and keeps the fastest, instead of taking its heuristic's first choice (the torch
-    #: backend; the server's ``--gpu-cudnn-autotune``)
-    cudnn_autotune: bool = False
 
     @property
     def takes_device_input(self) -> bool:

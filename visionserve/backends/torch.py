@@ -15,14 +15,6 @@ returns a dict of tensors names them by its keys; other outputs are numbered ``o
 (floating point as float32), copied through pinned buffers and waited for with an event, never
 a device-wide synchronisation; or, when the task asks (``select_outputs(on_device=True)``), as
 the device tensors themselves, valid until the next ``run``.
-
-With ``graph_fetch`` (the server's ``--gpu-graph-fetch``) the copies to the pinned buffers and
-the event after them are captured in each graph as well: a batch then costs the compute thread
-three torch calls (input copy, replay, wait) instead of four plus one per output, and each torch
-call gives the interpreter up and waits to get it back behind the busy event loop (docs/gpu.md).
-Warm-up checks each graph's captured copy (the event must still be pending behind a queued sleep
-right after the replay, and the buffers must then hold the graph's outputs); a graph that fails
-the check, or a capture that fails, leaves the copies out of the graphs.
 """
 
 from __future__ import annotations
@@ -300,6 +292,9 @@ class TorchBackend(Backend):
     model_file = "model.pt2"
     platform = "pytorch_libtorch"
     device_memory = "torch"
+    #: time cuDNN's candidate kernels at warm-up instead of taking its heuristic's choice: off,
+    #: the tuned kernels were no faster; the GPU benchmark's kernel comparison turns it on
+    cudnn_autotune = False
 
     def __init__(self) -> None:
         self._module: Any = None
@@ -313,11 +308,9 @@ class TorchBackend(Backend):
         self._pool: Any = None
         self._out_host: dict[str, Any] = {}  # pinned output buffers, by name
         self._done: Any = None  # event after the output copy
-        self._graph_done: Any = None  # the same, recorded by the graphs (``graph_fetch``)
         self._names: tuple[str, ...] = ()  # every output, in the order the program returns them
         self._selected: tuple[str, ...] = ()  # what run returns
         self._keep_on_device = False
-        self._fetch_in_graph = False  # the graphs copy their outputs to ``_out_host`` themselves
         self.eager_runs = 0
         self.graph_runs = 0
 
@@ -416,38 +409,19 @@ class TorchBackend(Backend):
             # pinned host buffers, one per output, as large as the largest batch's
             self._out_host = {n: torch.empty(tuple(t.shape), dtype=t.dtype, pin_memory=True)
                               for n, t in outs.items()}
-            fetch = self.graph_fetch and not self._keep_on_device
-            try:
-                self._capture(batch_sizes, fetch)
-            except Exception as exc:  # torch raises several types for a failed capture
-                if not fetch:
-                    raise
-                log.warning("capturing the output copies in the CUDA graphs failed (%s); "
-                            "capturing the graphs without them", str(exc).splitlines()[0][:300])
-                self._graphs.clear()
-                self._pool = None
-                self.stream.synchronize()
-                fetch = False
-                self._capture(batch_sizes, False)
+            self._capture(batch_sizes)
             self.stream.synchronize()
-            self._fetch_in_graph = fetch and self._check_graph_fetch(batch_sizes)
             # replay each once so a broken capture fails here, not on the first request
             for bs in batch_sizes:
                 self._replay(bs, None)
             self.stream.synchronize()
-        log.info("torch captured CUDA graphs for batch sizes %s%s", sorted(self._graphs),
-                 ", with their output copies" if self._fetch_in_graph else "")
+        log.info("torch captured CUDA graphs for batch sizes %s", sorted(self._graphs))
 
-    def _capture(self, batch_sizes: tuple[int, ...], fetch: bool) -> None:
-        """One graph per batch size (``fetch``: with the copies of its outputs to the pinned
-        buffers and ``_done``'s record after them)."""
+    def _capture(self, batch_sizes: tuple[int, ...]) -> None:
+        """One graph per batch size."""
         import torch
 
-        self._done = torch.cuda.Event()  # recorded after the copies when they are not captured
-        # a record in a graph needs an external event: captured, an event of the default kind
-        # only orders streams inside the graph and is never recorded at replay. It lives as long
-        # as the graphs that record it.
-        self._graph_done = torch.cuda.Event(external=True) if fetch else None
+        self._done = torch.cuda.Event()  # recorded after the output copies of each batch
         # Captured on a stream of their own, without torch.cuda.graph's context manager: it
         # synchronises the device and empties the allocator's cache before every capture,
         # which, for a version loaded beside serving ones (a swap), stalled their batches
@@ -464,46 +438,12 @@ class TorchBackend(Backend):
                 try:
                     # the float32 cast is part of the graph: no temporary at fetch time
                     static_out = self._named(self._module(static_in))
-                    if fetch:
-                        for name, out in static_out.items():
-                            self._out_host[name][:bs].copy_(out, non_blocking=True)
-                        self._graph_done.record()
                 finally:
                     graph.capture_end()
                 if self._pool is None:
                     self._pool = graph.pool()
                 self._graphs[bs] = (graph, static_in, static_out)
         self.stream.wait_stream(capture)
-
-    def _check_graph_fetch(self, batch_sizes: tuple[int, ...]) -> bool:
-        """Whether every graph's captured copy works: right after a replay queued behind a
-        sleep on the stream, ``_graph_done`` must still be pending (so the replay records it,
-        not the capture), and once it is done the pinned buffers must hold the graph's outputs;
-        twice, the buffers filled with 0 and then with 1 before (a copy that did not happen
-        leaves one of them)."""
-        import torch
-
-        event = self._graph_done
-        assert event is not None
-        for bs in sorted(batch_sizes):
-            graph, _, static_out = self._graphs[bs]
-            for sentinel in (0, 1):
-                for host in self._out_host.values():
-                    host.fill_(sentinel)
-                if sentinel == 0:
-                    torch.cuda._sleep(100_000_000)  # some 50 ms of the stream's time
-                graph.replay()
-                pending = sentinel == 1 or not event.query()
-                event.synchronize()
-                same = all(torch.equal(self._out_host[n][:bs], out.cpu())
-                           for n, out in static_out.items())
-                if not (pending and same):
-                    log.warning("the CUDA graph for batch size %d did not copy its outputs as "
-                                "captured (%s); they are copied after each replay instead", bs,
-                                "its event was not recorded by the replay" if not pending
-                                else "the pinned buffers did not hold them")
-                    return False
-        return True
 
     # -- run ----------------------------------------------------------------------------------
 
@@ -542,9 +482,6 @@ class TorchBackend(Backend):
             static_in.copy_(x)  # casts dtype and layout on the device
         graph.replay()
         self.graph_runs += 1
-        if self._fetch_in_graph:  # the replay copied the outputs and recorded ``_graph_done``
-            self._graph_done.synchronize()
-            return {k: h[:bs].numpy().copy() for k, h in self._out_host.items()}
         return self._fetch(static_out)
 
     def _eager(self, x: Any) -> Outputs:
@@ -572,8 +509,6 @@ class TorchBackend(Backend):
 
     def close(self) -> None:
         self._graphs.clear()
-        self._graph_done = None  # after the graphs that record it
-        self._fetch_in_graph = False
         self._module = None
         self._static_in = None
         self._pool = None
@@ -585,8 +520,6 @@ class TorchBackend(Backend):
             info["precision"] = cfg.runtime.precision if self.stream is not None else "fp32"
         if self._graphs:
             info["cuda_graphs"] = ",".join(str(b) for b in sorted(self._graphs))
-        if self._fetch_in_graph:
-            info["graph_fetch"] = "on"
         if self._graphs and self.cudnn_autotune:
             info["cudnn_autotune"] = "on"
         if self.channels_last:

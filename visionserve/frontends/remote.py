@@ -49,8 +49,8 @@ class RemoteEngine(ModelLookup):
 
     def __init__(self, arena: Arena, zero_copy: bool = False) -> None:
         self.arena = arena
-        # --frontend-zero-copy: the engine reads the frames in place and says when it let them go
-        # ("free"); a request's extents wait for that here, not for its answer (arena.py)
+        # zero-copy mode (off in the server: no faster): the engine reads the frames in place and
+        # says when it let them go ("free"); a request's extents wait for that here (arena.py)
         self.zero_copy = zero_copy
         self._leased: dict[int, list[tuple[int, int]]] = {}
         self.channel: Channel | None = None

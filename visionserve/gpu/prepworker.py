@@ -513,7 +513,7 @@ class PrepProcess:
                  name: str = "", workers: int = 1,
                  reply_timeout_s: float = REPLY_TIMEOUT_S, model: dict | None = None) -> None:
         self.config = config
-        # {"path", "config" (its JSON dump), "graph_fetch"}: the workers also run the model and
+        # {"path", "config" (its JSON dump)}: the workers also run the model and
         # answer with its outputs (--gpu-batch-processes; :class:`~visionserve.runner.RanBatch`)
         self.runs_model = model is not None
         self.fallback = fallback
@@ -725,8 +725,6 @@ def _load_model(model: dict, device: str, preferred: tuple[int, ...]) -> Any:
     config = ModelConfig.model_validate(model["config"])
     path = Path(model["path"])
     backend = backends.create(config.runtime.backend)
-    backend.graph_fetch = bool(model.get("graph_fetch"))
-    backend.cudnn_autotune = bool(model.get("cudnn_autotune"))
     backend.load(path, config, device)
     task = tasks.create(config)
     backend.select_outputs(task.bind(checks.Subject(path), backend.outputs), on_device=False)

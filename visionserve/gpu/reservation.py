@@ -51,7 +51,8 @@ class GpuReservation:
         self.server_budget = server_budget
         self.device = device
         self.one_call = one_call  # TorchPreprocessor's one-call preparation (onecall.py)
-        self.prep_processes = prep_processes  # worker processes preparing an instance's batches
+        # prepare-only worker processes: 0 in the server (slower than the serving process's)
+        self.prep_processes = prep_processes
         self.batch_processes = batch_processes  # ... preparing and running them
         self._nvml = nvml
         self.plan = BudgetPlan(total=None)
@@ -247,9 +248,7 @@ class GpuReservation:
                 log.warning("%s: its batches are run in the serving process: --gpu-batch-processes "
                             "needs a task that reads the model's outputs on the host", name)
                 return prep
-            model = {"path": str(model_path), "config": backend.config.model_dump(mode="json"),
-                     "graph_fetch": bool(getattr(backend, "graph_fetch", False)),
-                     "cudnn_autotune": bool(getattr(backend, "cudnn_autotune", False))}
+            model = {"path": str(model_path), "config": backend.config.model_dump(mode="json")}
         if self.prep_processes or model is not None:
             from .prepworker import PrepProcess
 

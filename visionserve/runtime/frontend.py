@@ -48,7 +48,7 @@ async def run(spec: dict, settings: ServerSettings) -> int:
     imaging.configure_opencv(settings.max_image_pixels)
     arena = Arena(spec["arena_fd"], spec["arena_bytes"])
     os.close(spec["arena_fd"])
-    remote = RemoteEngine(arena, zero_copy=settings.frontend_zero_copy)
+    remote = RemoteEngine(arena)
     remote.channel = await connect(socket.socket(fileno=spec["channel_fd"]), remote.on_message,
                                    remote.on_lost)
     transport = remote.channel.transport

@@ -1,8 +1,11 @@
 """Start the HTTP (and gRPC) server on a model repository.
 
-Every option is also an environment variable VISIONSERVE_<OPTION> (e.g. VISIONSERVE_DEVICE=cuda:1);
-the command line wins. On SIGTERM/SIGINT readiness goes false, new requests get 503, queued ones
-finish within --drain-timeout-s, then the process exits 0.
+Every option is also an environment variable VISIONSERVE_<OPTION> (--http-port is
+VISIONSERVE_HTTP_PORT; switches take true/false there); the command line wins. docs/settings.md
+lists them with their variables and limits.
+
+On SIGTERM/SIGINT readiness goes false, new requests get 503, queued ones finish within
+--drain-timeout-s, then the process exits 0.
 
 Exit codes: 0 clean shutdown, 2 bad settings or model repository, 3 a model failed to load.
 """
@@ -18,7 +21,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from ..config import ServerSettings, setting_docs, unknown_variables
+from ..config import SETTING_GROUPS, ServerSettings, grouped_setting_docs, unknown_variables
 from ..errors import VisionServeError, describe_validation
 from ..logs import configure_logging
 from ..process import run_loop
@@ -30,19 +33,24 @@ log = logging.getLogger("visionserve")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One option per ServerSettings field, so the CLI, env and docs (docs/settings.md, from the
-    same :func:`~visionserve.config.setting_docs`) never drift apart."""
-    for doc in setting_docs():
-        # argparse %-formats help texts: a literal "%" (as in "80% of it") must be doubled
-        help_text = f"{doc.help} [env {doc.env}; default {doc.default}]".replace("%", "%%")
-        ann = ServerSettings.model_fields[doc.name].annotation
-        if ann is bool:
-            parser.add_argument(doc.flags[0], dest=doc.name, action=argparse.BooleanOptionalAction,
-                                default=None, help=help_text)
-            continue
-        parser.add_argument(doc.flags[0], dest=doc.name, type=_scalar(ann),
-                            choices=doc.choices or None, default=None, help=help_text,
-                            metavar=None if doc.choices else doc.name.upper())
+    """One option per ServerSettings field, in the field's group, so the CLI, env and docs
+    (docs/settings.md, from the same :func:`~visionserve.config.grouped_setting_docs`) never drift
+    apart."""
+    parser.usage = "%(prog)s [options]"  # the groups below list them; all at once is a page
+    for title, docs in grouped_setting_docs():
+        group = parser.add_argument_group(title, SETTING_GROUPS[title])
+        for doc in docs:
+            # argparse %-formats help texts: a literal "%" (as in "80% of it") must be doubled
+            help_text = f"{doc.help} [default: {doc.default}]".replace("%", "%%")
+            ann = ServerSettings.model_fields[doc.name].annotation
+            if ann is bool:
+                group.add_argument(doc.flags[0], dest=doc.name,
+                                   action=argparse.BooleanOptionalAction, default=None,
+                                   help=help_text)
+                continue
+            group.add_argument(doc.flags[0], dest=doc.name, type=_scalar(ann),
+                               choices=doc.choices or None, default=None, help=help_text,
+                               metavar=None if doc.choices else doc.name.upper())
 
 
 def _scalar(ann) -> type:

@@ -396,7 +396,7 @@ class Batcher:
             self._tasks[task] = batch
             task.add_done_callback(self._task_done)
             # not held here while the next batch is awaited: its frames go when it is answered
-            # (with --frontend-zero-copy, their arena space too)
+            # (in zero-copy mode, their arena space too)
             del batch, task
 
     async def _acquire_slot(self) -> None:

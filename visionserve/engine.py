@@ -833,7 +833,7 @@ class Engine(ModelLookup):
             self.count_error(name, exc, len(frames))
             # a refusal needs no traceback, and this one would keep the frames (this function's)
             # and the answer that holds it in a cycle until the collector runs; with
-            # --frontend-zero-copy the frames are arena space the front end cannot reuse
+            # zero-copy mode the frames are arena space the front end cannot reuse
             answer.set_exception(exc.with_traceback(None))
             return answer
         except Exception:  # a bug: the front end answers 500
@@ -866,7 +866,7 @@ class Engine(ModelLookup):
             if a.cancelled():
                 done.cancel()
                 # the queue lets the frames go now, not when it next forms a batch (with
-                # --frontend-zero-copy a frame held is arena space the front end cannot reuse)
+                # zero-copy mode a frame held is arena space the front end cannot reuse)
                 served.batcher.wake()
 
         done.add_done_callback(answered)

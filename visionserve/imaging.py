@@ -59,7 +59,7 @@ class Frame:
 
 def owned(frame: Frame) -> Frame:
     """``frame``, or a copy of it whose bytes are its own where they are a view of memory that
-    something else owns (a frame read in place from a front end's arena, ``--frontend-zero-copy``):
+    something else owns (a frame read in place from a front end's arena, in zero-copy mode):
     what keeps a frame long (a record's capture queue) must not keep the arena's space."""
     root: Any = frame.data
     while isinstance(root, np.ndarray) and not root.flags.owndata and root.base is not None:

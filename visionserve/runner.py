@@ -85,7 +85,7 @@ def _split(live: list[Pending], good: list[int], bad: list[tuple[int, Exception]
     """A prepared batch's frames: (those to run, (frame, error) of those that failed)."""
     # a frame's error needs no traceback, and its traceback and the preparation's list of errors
     # hold each other, and the batch's frames, until the collector runs (with
-    # --frontend-zero-copy: arena space the front end cannot reuse)
+    # zero-copy mode: arena space the front end cannot reuse)
     return [live[i] for i in good], [(live[i], exc.with_traceback(None)) for i, exc in bad]
 
 
@@ -310,7 +310,7 @@ class Runner:
                 self._post(_fail_all, errors)
             self._handoff.put((batch, done, items, tensor, t0, time.monotonic() - t0, len(errors)))
             # this thread holds no frame while it waits for the next batch (with
-            # --frontend-zero-copy a frame held is arena space the front end cannot reuse)
+            # zero-copy mode a frame held is arena space the front end cannot reuse)
             del job, batch, done, live, items, tensor, errors
 
     def _compute_loop(self) -> None:

@@ -6,8 +6,8 @@ one process, rounds alternating (a ratio, good on a noisy machine):
   (``tasks.base.pickled_as_fields``; a classification's scores as float32 bytes) and with the
   dataclasses' default pickling;
 * ``per_frame_intake``: taking a frame from a front end's arena (``hub.Link._frame``): a copy
-  (the default) against a view in place that holds its request's lease
-  (``--frontend-zero-copy``), for JPEGs of 41 KB (the H200 benchmark's 640x480) to 1.2 MB.
+  (the server's way) against a view in place that holds its request's lease (zero-copy mode,
+  ``Link.zero_copy``), for JPEGs of 41 KB (a 640x480 frame) to 1.2 MB.
 
     python -m visionserve_tools.benchwire --out wire.json
 

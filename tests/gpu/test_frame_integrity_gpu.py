@@ -23,11 +23,8 @@ def means_repo(tmp_path_factory):
 
 
 @pytest.mark.parametrize("frontends, flags", [
-    (0, ()), (4, ()), (4, ("--gpu-graph-fetch", "--frontend-zero-copy")),
-    (4, ("--gpu-prep-processes", "2", "--frontend-zero-copy")),
-    (4, ("--gpu-batch-processes", "2", "--frontend-zero-copy"))],
-    ids=["in-process", "frontends", "frontends-graph-fetch-zero-copy",
-         "frontends-prep-processes-zero-copy", "frontends-batch-processes-zero-copy"])
+    (0, ()), (4, ()), (4, ("--gpu-batch-processes", "2"))],
+    ids=["in-process", "frontends", "frontends-batch-processes"])
 def test_every_answer_belongs_to_its_frame_on_gpu(means_repo, server_factory, frontends, flags):
     extra = ("--frontends", str(frontends)) if frontends else ()
     server = server_factory(means_repo, "--device", "cuda:0", *extra, *flags, grpc=False)

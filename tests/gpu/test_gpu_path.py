@@ -166,25 +166,6 @@ def test_cuda_graphs_on_a_high_priority_stream(repo, config):
     assert gpu.eager_runs == eager + 1
 
 
-def test_graphs_that_copy_their_outputs_answer_as_graphs_that_do_not(repo, config):
-    """``--gpu-graph-fetch``: the output copies and their event captured in the graphs pass the
-    warm-up check on this GPU, and each batch size, and the eager size beyond the graphs, gives
-    the outputs of the graphs without them, batch after batch (a stale buffer would give the
-    previous batch's)."""
-    from visionserve.backends.torch import TorchBackend
-
-    plain, fetched = TorchBackend(), TorchBackend()
-    fetched.graph_fetch = True
-    for b in (plain, fetched):
-        b.load(repo / "net" / "1" / "model.pt2", config, "cuda:0")
-        b.warmup(config.batching.preferred_batch_sizes)
-    assert fetched.describe().get("graph_fetch") == "on" and "graph_fetch" not in plain.describe()
-    rng = np.random.default_rng(1)
-    for n in (1, 2, 4, 8, 16, 16, 1, 20):
-        x = rng.normal(size=(n, 3, 96, 96)).astype(np.float32)
-        np.testing.assert_array_equal(fetched.run(x)["output0"], plain.run(x)["output0"])
-
-
 TUNED_SCRIPT = textwrap.dedent("""
     import sys
     import numpy as np, torch
@@ -207,7 +188,8 @@ TUNED_SCRIPT = textwrap.dedent("""
 
 def test_graphs_captured_after_cudnn_autotuning_answer_as_the_heuristic_ones(repo, config,
                                                                               tmp_path):
-    """``--gpu-cudnn-autotune``: a warm-up that times cuDNN's kernels (in a process of its own:
+    """``TorchBackend.cudnn_autotune`` (off in the server; the GPU benchmark compares the
+    kernels): a warm-up that times cuDNN's kernels (in a process of its own:
     torch's plan cache is the process's, and this one has the model's shapes cached from the
     tests before) gives graphs that answer as the heuristic ones here within fp16 rounding, at
     every batch size, and leaves the process's benchmark mode as it was."""
@@ -329,7 +311,8 @@ def test_one_call_preparation_on_the_gpu_gives_the_eager_tensor(repo, config):
 
 
 def test_a_preparation_process_gives_the_model_what_this_process_would(repo, config):
-    """--gpu-prep-processes: a worker process prepares the batch (nvJPEG of its own, CUDA IPC
+    """Preparation-only worker processes (off in the server; they share their code with the
+    batch workers): a worker process prepares the batch (nvJPEG of its own, CUDA IPC
     slots the serving process allocated) to the bit as the serving process's own preprocessor
     does, for JPEGs of one size (the one call), mixed kinds, and a corrupt JPEG that fails
     alone; the model's outputs from the slot are the outputs from the in-process tensor; a
@@ -410,14 +393,11 @@ def _engine(repo: Path, budget: str | None, **extra):
     return Engine(settings, device="cuda:0")
 
 
-@pytest.mark.parametrize(("prep_processes", "batch_processes"), [(0, 0), (2, 0), (0, 1)],
-                         ids=["in-process", "prep-processes", "batch-processes"])
-def test_serving_adds_no_device_memory_after_warm_up(repo, prep_processes, batch_processes):
+@pytest.mark.parametrize("batch_processes", [0, 1], ids=["in-process", "batch-processes"])
+def test_serving_adds_no_device_memory_after_warm_up(repo, batch_processes):
     """Budget reserved, every preferred size warmed (model + preprocessing): then a load of
     mixed sizes and kinds (1080p and VGA JPEG, raw, PNG, 1..16 frames) makes no cudaMalloc.
-    With --gpu-prep-processes the batches come from the workers, and the serving process's
-    allocator adds nothing either (the slots are allocated at load); the workers' allocators
-    come out of the budget too (about 0.7 GiB each here, on an H100), hence 6 GiB. With
+    The workers' allocators come out of the budget too (about 0.7 GiB each), hence 6 GiB. With
     --gpu-batch-processes the lone batches (one at a time, the instance idle) run in the
     serving process and the concurrent ones in the worker: neither adds memory."""
     import cv2
@@ -429,8 +409,7 @@ def test_serving_adds_no_device_memory_after_warm_up(repo, prep_processes, batch
     mixed = _frames(("jpeg", "raw", "png"), 16) + [imaging.encoded_frame(big_jpeg.tobytes())] * 4
 
     async def scenario():
-        engine = _engine(repo, "6GiB", gpu_prep_processes=prep_processes,
-                         gpu_batch_processes=batch_processes)
+        engine = _engine(repo, "6GiB", gpu_batch_processes=batch_processes)
         await engine.start()
         try:
             assert engine.ready and engine.gpu is not None
@@ -438,11 +417,6 @@ def test_serving_adds_no_device_memory_after_warm_up(repo, prep_processes, batch
                 runner = engine.served[("net", 1)].runners[0]
                 workers = runner.remote
                 assert workers is not None and workers.runs_model, engine.gpu.worker_bytes
-            if prep_processes:
-                runner = engine.served[("net", 1)].runners[0]
-                workers = runner.remote
-                assert len(workers.pids) == 2 and workers.failure is None
-                assert runner.batches_in_flight == 3
             before = engine.gpu.watch.new_since_mark()
             for n in (1, 3, 16, 7, 2, 16, 5):
                 for k in range(0, len(mixed), n):
@@ -450,9 +424,6 @@ def test_serving_adds_no_device_memory_after_warm_up(repo, prep_processes, batch
                     assert len(results) == len(mixed[k:k + n])
             await asyncio.gather(*(engine.infer("net", None, mixed[i:i + 2]) for i in range(0, 18, 2)))
             after = engine.gpu.watch.new_since_mark()
-            if prep_processes:
-                assert workers.counts["remote_batches"] > 20 and workers.failure is None
-                assert workers.counts["local_batches"] == 0
             if batch_processes:  # the lone ones here, at least one of the concurrent ones there
                 assert workers.counts["local_batches"] > 20 and workers.failure is None
                 assert workers.counts["remote_batches"] >= 1

@@ -86,18 +86,18 @@ def test_answers_are_recorded_and_read_back_by_part(server_factory, tiny_repo, t
     assert _metric(server, "visionserve_records_written_total") >= 2
 
 
-def test_each_part_s_captured_image_is_its_own_with_frames_read_in_place(server_factory,
-                                                                       tiny_repo, tmp_path):
-    """--frontend-zero-copy with every image captured: 48 different frames sent at once, and
-    each part's record holds the very bytes sent for it (a capture copies its frame before the
-    front end may reuse the arena space under it)."""
+def test_each_part_s_captured_image_is_its_own_through_the_front_ends(server_factory,
+                                                                      tiny_repo, tmp_path):
+    """Front ends with every image captured: 48 different frames sent at once, and each part's
+    record holds the very bytes sent for it (a capture copies its frame before the front end
+    may reuse the arena space under it)."""
     import asyncio
 
     import cv2
 
     server = server_factory(tiny_repo, "--records", "--records-dir", str(tmp_path / "data"),
                             "--capture", "all", "--auth-token", TOKEN, "--frontends", "2",
-                            "--frontend-zero-copy", grpc=False)
+                            grpc=False)
     sent = {}
     for i in range(48):
         img = np.full((120, 160, 3), (i * 5 % 256, 255 - i * 5 % 256, i * 37 % 256), np.uint8)

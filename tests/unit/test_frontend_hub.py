@@ -268,7 +268,7 @@ async def test_remote_answers_equal_the_engines(pair):
 
 
 async def test_zero_copy_frames_are_read_in_place_and_their_extents_wait_for_the_engine(pair):
-    """--frontend-zero-copy: the engine's frames are views of the front end's arena, not copies;
+    """Zero-copy mode: the engine's frames are views of the front end's arena, not copies;
     an extent is reused only once the engine holds none of its request's frames, even after
     the answer (here a stand-in for a record that captures the frame's image)."""
     from visionserve.frontends.arena import ArenaBytes

@@ -1,4 +1,5 @@
-"""Batches prepared by worker processes (``--gpu-prep-processes``, gpu/prepworker.py), on the CPU:
+"""Batches prepared by worker processes (gpu/prepworker.py; the batch workers of
+``--gpu-batch-processes``, and the preparation-only ones, off in the server), on the CPU:
 a real worker process (``python -m visionserve.gpu.prepworker``), slots in a real shared memory
 file, the real TorchPreprocessor on both sides. The GPU test (tests/gpu/test_gpu_path.py) does
 the same with CUDA IPC slots."""
@@ -68,7 +69,7 @@ def mixed_frames() -> list[imaging.Frame]:
     good = jpeg(1).data
     corrupt = good[:200] + b"\xff\xd9"  # a header and the end marker, no scan to decode
     raw = np.arange(24 * 32 * 3, dtype=np.uint8).reshape(24, 32, 3)
-    # a frame read in place (--frontend-zero-copy): a uint8 view of memory something else owns
+    # a frame read in place (zero-copy mode): a uint8 view of memory something else owns
     arena = np.frombuffer(bytearray(b"\0" * 7 + jpeg(3).data + b"\0" * 9), np.uint8)
     in_place = imaging.Frame("jpeg", arena[7:-9], 64, 48)
     return [jpeg(0), imaging.encoded_frame(png), imaging.encoded_frame(corrupt),
@@ -252,7 +253,7 @@ def coloured_batches(loop, count: int, seed: int = 7) -> list[tuple[list, list[P
 
 
 def runner_for(p: prepworker.PrepProcess) -> Runner:
-    """A runner as the engine makes one with --gpu-prep-processes (the batches from the loop
+    """A runner with preparation-only workers (the batches from the loop
     to the workers; the prep thread prepares only what they cannot)."""
     return Runner(name="means:1#0", backend=Means(), config=CONFIG,  # type: ignore[arg-type]
                   preferred=PREFERRED, cost=CostModel(lambda n: padded_size(n, PREFERRED)),

@@ -7,10 +7,9 @@ allocator; the engine copies a frame out as soon as it reads the request message
 end frees the extent when the answer to that request arrives (never earlier: a cancelled request's
 extent could otherwise be rewritten before the engine has read the message).
 
-With ``--frontend-zero-copy`` the engine copies nothing: a frame is an :class:`ArenaBytes`, a
-read-only view of its extent that holds its request's lease, and the decoder reads the bytes where
-the front end wrote them, without the interpreter (a copy of a 1080p JPEG held the engine's loop
-for 22% of its time at saturation on the H200, docs/gpu.md). The front end then frees a
+In zero-copy mode (``Link.zero_copy``; off in the server, where it measured no faster) the engine
+copies nothing: a frame is an :class:`ArenaBytes`, a read-only view of its extent that holds its
+request's lease, and the decoder reads the bytes where the front end wrote them. The front end then frees a
 request's extents when the engine says it released them (``("free", [rid, ...])``), which is when
 the last view of them is gone (the frames decoded and dropped; a record that captures an image
 copies it, ``imaging.owned``), whenever that is against the answer.
@@ -92,7 +91,7 @@ class Arena:
 
 
 class ArenaBytes(np.ndarray):
-    """A frame's bytes in the arena (``--frontend-zero-copy``): a read-only uint8 view of its
+    """A frame's bytes in the arena (zero-copy mode): a read-only uint8 view of its
     extent that holds ``lease``, its request's. A view taken with its own methods (a slice,
     ``reshape``) refers to it (numpy ends a view's chain of bases at the first array of another
     type), so it keeps the lease. ``np.frombuffer`` and ``torch.frombuffer`` of it do NOT: they

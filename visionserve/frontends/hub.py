@@ -34,7 +34,7 @@ and what the hub sends back:
   late_ms)`` exactly once per ``infer``, counted in the metrics here before it is sent;
   ``("reply", rid, value)`` or an error for the others.
   ``("beat",)`` every ``HEARTBEAT_S``: a front end that hears nothing for a while stops taking work.
-  ``("free", [rid, ...])`` with ``--frontend-zero-copy``: the engine holds none of these requests'
+  ``("free", [rid, ...])`` in zero-copy mode: the engine holds none of these requests'
   frames any more, their extents may be reused (before or after their answers; see arena.py).
 """
 
@@ -275,7 +275,7 @@ class Link:
 
 
 class _Lease:
-    """One request's frames in the arena (``--frontend-zero-copy``): each frame's bytes hold it
+    """One request's frames in the arena (zero-copy mode): each frame's bytes hold it
     (:class:`~visionserve.frontends.arena.ArenaBytes`), and when the last is gone - decoded and
     dropped, or let go by whatever kept it - its link tells the front end to free the extents."""
 

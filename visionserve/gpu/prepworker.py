@@ -1,13 +1,11 @@
-"""Batch preparation in processes of their own (``--gpu-prep-processes N``).
+"""Batch preparation, and with ``--gpu-batch-processes`` the model too, in processes of their own.
 
 The serving process has one interpreter. Its event loop takes every frame message from the front
 ends, and the runner's prep thread must take the interpreter back after each torch call and
-inside the decoder: on the H200 the prep thread waited for it 37% of its time at saturation
-(docs/gpu.md, "what is left"), and one process has one nvJPEG decoder, behind a mutex, which caps
-1080p at about 0.35x the bare model. With this setting each model instance's batches are
-prepared (decode, resize, normalise: :class:`~.preprocess.TorchPreprocessor`, unchanged) by N
-worker processes whose interpreters do nothing else, each with a decoder of its own, N batches
-at once:
+inside the decoder, and one process has one nvJPEG decoder, behind a mutex (docs/gpu.md). Here
+each model instance's batches are prepared (decode, resize, normalise:
+:class:`~.preprocess.TorchPreprocessor`, unchanged) by N worker processes whose interpreters do
+nothing else, each with a decoder of its own, N batches at once:
 
 * **Slots.** At load the serving process allocates ``SLOTS`` tensors per worker of the model's
   input (its largest batch, dtype and memory layout) in its own allocator, inside its budget and
@@ -27,7 +25,7 @@ at once:
   the slot. A slot is never written while a batch may still read it.
 * **Failures.** A worker that dies, does not answer within :data:`REPLY_TIMEOUT_S`, or answers
   another job than the one asked is killed and logged as an error; the batches it had are
-  prepared in the serving process (the runner's prep thread, as without the setting), later ones
+  prepared in the serving process (the runner's prep thread, as without workers), later ones
   by the other workers, and when none is left by the serving process: no frame fails for it. A
   worker that cannot start (no CUDA in it, an import failing) is left out, with a warning. A
   batch a worker says it could not prepare (an unexpected error) is prepared in-process, and
@@ -765,7 +763,8 @@ def _bad(bad: list[tuple[int, Exception]]) -> list[tuple[int, str, str]]:
 
 def _prepare_into_slots(sock: socket.socket, stage: np.ndarray, prep: Any, slots: list[Any],
                         stream: Any) -> None:
-    """``--gpu-prep-processes``: each batch prepared into its slot; answered with its rows."""
+    """Preparation-only workers (off in the server): each batch prepared into its slot; answered
+    with its rows."""
     import torch
 
     for job, k, padded, frames in _batches(sock, stage):

@@ -62,7 +62,7 @@ class GpuReservation:
         self.streams: dict[int, list[Any]] = {}
         # device bytes each load took (Served.load_id -> bytes), for the swaps' budget check
         self.footprints: dict[int, int] = {}
-        # the worker processes of each load (--gpu-batch-processes, --gpu-prep-processes) and
+        # the worker processes of each load (--gpu-batch-processes) and
         # the device bytes their allocators may hold, which the serving process's cap leaves
         self.workers: dict[int, list[Any]] = {}
         self.worker_bytes: dict[int, int] = {}

@@ -180,7 +180,7 @@ class Runner:
         for each process that prepares and runs them, waiting on its socket, so that a worker
         done with a batch starts the next without waiting for the loop to read its answer and
         send one. Only full ones: a closed loop of clients would otherwise spread its frames
-        over smaller batches (session 20: 24 frames against 30, no gain at 1080p)."""
+        over more, smaller batches."""
         if self.remote is not None and self.remote.runs_model:
             return len(self.remote.workers)
         return 0
@@ -200,8 +200,8 @@ class Runner:
         """Whether a batch of an instance whose workers prepare and run its batches
         (``--gpu-batch-processes``) runs in this process instead: when it is the only one in
         flight. The instance is idle then, so this process's two threads take it without
-        waiting behind other work, and it saves a worker's two socket hops (0.2-0.35 ms of a
-        lone client's latency on an H100, docs/benchmarks.md, sessions 20-21). Under load some
+        waiting behind other work, and it saves a worker's two socket hops, a lone client's
+        latency. Under load some
         batch is always in flight, and the workers take them all."""
         return self.remote.runs_model and self.inflight == 1
 

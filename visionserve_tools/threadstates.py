@@ -50,7 +50,7 @@ from pathlib import Path
 
 #: samples a second. py-spy stops the process for each sample to unwind its native stacks, and
 #: that costs: on the 2-core CPU machine, serving the shipped model at saturation, 100 a second
-#: cut its throughput by 92% and 5 a second by 9% (docs/benchmarks.md, session 15)
+#: cut its throughput by 92% and 5 a second by 9%
 RATE = 5
 STATES = ("python", "interpreter_wait", "gpu_wait", "native", "idle")
 

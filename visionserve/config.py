@@ -27,6 +27,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.config import JsonDict
 from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -330,15 +331,15 @@ SETTING_GROUPS: dict[str, str] = {
     "guard": "Sharing the GPU with training jobs (docs/guard.md).",
     "logging and process": "Logging, shutdown and the serving process's threads.",
 }
-_NETWORK = {"group": "network"}
-_LIMITS = {"group": "request limits"}
-_SECURITY = {"group": "security"}
-_MODELS = {"group": "models and batching"}
-_GPU = {"group": "GPU"}
-_PLC = {"group": "PLC"}
-_RECORDS = {"group": "records"}
-_GUARD = {"group": "guard"}
-_OTHER = {"group": "logging and process"}
+_NETWORK: JsonDict = {"group": "network"}
+_LIMITS: JsonDict = {"group": "request limits"}
+_SECURITY: JsonDict = {"group": "security"}
+_MODELS: JsonDict = {"group": "models and batching"}
+_GPU: JsonDict = {"group": "GPU"}
+_PLC: JsonDict = {"group": "PLC"}
+_RECORDS: JsonDict = {"group": "records"}
+_GUARD: JsonDict = {"group": "guard"}
+_OTHER: JsonDict = {"group": "logging and process"}
 
 
 class ServerSettings(BaseSettings):

@@ -9,10 +9,10 @@ extent could otherwise be rewritten before the engine has read the message).
 
 In zero-copy mode (``Link.zero_copy``; off in the server, where it measured no faster) the engine
 copies nothing: a frame is an :class:`ArenaBytes`, a read-only view of its extent that holds its
-request's lease, and the decoder reads the bytes where the front end wrote them. The front end then frees a
-request's extents when the engine says it released them (``("free", [rid, ...])``), which is when
-the last view of them is gone (the frames decoded and dropped; a record that captures an image
-copies it, ``imaging.owned``), whenever that is against the answer.
+request's lease, and the decoder reads the bytes where the front end wrote them. The front end
+then frees a request's extents when the engine says it released them (``("free", [rid, ...])``),
+which is when the last view of them is gone (the frames decoded and dropped; a record that
+captures an image copies it, ``imaging.owned``), whenever that is against the answer.
 """
 
 from __future__ import annotations

@@ -194,14 +194,12 @@ def bare(repos: dict[str, Path], jpegs: list[bytes], quick: bool) -> dict:
 
     from visionserve import imaging
     from visionserve.backends.torch import TorchBackend
-    from visionserve.config import ServerSettings, load_model_config
+    from visionserve.config import load_model_config
     from visionserve.gpu.preprocess import TorchPreprocessor
 
     res: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     cfg = load_model_config(repos["rn50"] / "rn50" / "model.toml")
-    b = TorchBackend()
-    # as the server loads it (its environment's settings, or the shipped defaults)
-    b.cudnn_autotune = ServerSettings().gpu_cudnn_autotune
+    b = TorchBackend()  # as the server loads it
     res["cudnn_autotune"] = b.cudnn_autotune
     b.load(repos["rn50"] / "rn50" / "1" / "model.pt2", cfg, "cuda:0")
     t0 = time.time()

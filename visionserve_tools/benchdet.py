@@ -185,9 +185,9 @@ def _arguments(ap) -> None:
     benchshipped.add_arguments(ap)
     ap.add_argument("--compare", action="append", type=settings_spec, default=None,
                     metavar="SPEC",
-                    help="with --as-shipped: that mode once per SPEC, a server setting as its "
-                         "environment variable (\"\": as shipped; CODE=DIR: the server's code "
-                         "from DIR; as benchgpu's --compare); repeat for each")
+                    help="with --as-shipped: after the server as shipped, once per SPEC, a "
+                         "server setting as its environment variable (CODE=DIR: the server's "
+                         "code from DIR; as benchgpu's --compare); repeat for each")
 
 
 def main(argv: list[str] | None = None) -> int:

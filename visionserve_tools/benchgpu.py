@@ -156,8 +156,8 @@ def cuda_time_ms(fn, iters: int, stream) -> float:
     return start.elapsed_time(end) / iters
 
 
-def wall_ms(fn, iters: int) -> dict:
-    for _ in range(5):
+def wall_ms(fn, iters: int, warmup: int = 5) -> dict:
+    for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
@@ -843,8 +843,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare", action="append", type=settings_spec, default=None,
                     metavar="SPEC",
                     help="instead of the served scenarios: the front-end scenario (with "
-                         "--as-shipped: that mode) once per SPEC, a server setting as its "
-                         "environment variable (\"\": as shipped; "
+                         "--as-shipped: that mode, after the server as shipped) once per SPEC, a "
+                         "server setting as its environment variable (\"\": as shipped; "
                          "VISIONSERVE_SWITCH_INTERVAL_MS=0.05; several joined by commas; "
                          "CODE=DIR: the server's code from DIR, a folder holding another "
                          "commit's visionserve package); repeat for each")

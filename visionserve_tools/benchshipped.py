@@ -31,8 +31,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "as shipped", "the server started with no tuning flag, against the bare model of the "
                       "same run")
     g.add_argument("--as-shipped", action="store_true",
-                   help="run this mode instead of the tool's scenarios (with --compare: once per "
-                        "SPEC, each with no flag but its environment)")
+                   help="run this mode instead of the tool's scenarios: the server as shipped, "
+                        "then once per --compare SPEC (no flag; SPEC is its environment)")
     g.add_argument("--runs", type=int, default=1, metavar="N",
                    help="repeat the bare model and the served loads N times; report each "
                         "figure's median (default: 1)")
@@ -40,7 +40,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                    help="closed-loop clients of each saturation load (default: 96 288; "
                         "--quick: 4 12)")
     g.add_argument("--seconds", type=float, default=None, metavar="S",
-                   help="length of each load (default: 8; --quick: 2)")
+                   help="length of each saturation load, half of it for the one client "
+                        "(default: 8; --quick: 2)")
     g.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="where the server and the bare model run (default: cuda)")
     g.add_argument("--models", type=Path, default=None, metavar="DIR",
@@ -53,7 +54,8 @@ def run(args: argparse.Namespace, models: Path, model: str, frames: dict[str, li
         specs: list[dict[str, str]], log_dir: Path, client_procs: int, res: dict,
         save=lambda: None) -> dict:
     """:func:`as_shipped` with the command line's settings (``--models``/``--model`` replace
-    ``models``/``model``)."""
+    ``models``/``model``): the server as shipped first, then one per SPEC of ``specs`` (where
+    ``""``, as shipped, is not one of them)."""
     if args.models is not None:
         if not args.model:
             raise SystemExit("--models needs --model NAME")
@@ -61,7 +63,8 @@ def run(args: argparse.Namespace, models: Path, model: str, frames: dict[str, li
     clients = tuple(args.clients or (QUICK_CLIENTS if args.quick else CLIENTS))
     seconds = args.seconds or (2.0 if args.quick else 8.0)
     procs = client_procs or min(8, max(2, (os.cpu_count() or 8) // 2))
-    return as_shipped(models, model, frames, specs or [{}], runs=max(1, args.runs),
+    specs = specs if {} in specs else [{}, *specs]
+    return as_shipped(models, model, frames, specs, runs=max(1, args.runs),
                       clients=clients, procs=procs, seconds=seconds, device=args.device,
                       quick=args.quick, log_dir=log_dir, res=res, save=save)
 
@@ -127,15 +130,14 @@ def bare_reference(models: Path, model: str, frames: dict[str, list[bytes]], dev
     try:
         task = tasks.create(config)
         backend.select_outputs(task.bind(Subject(path), backend.outputs), on_device=task.on_device)
-        backend.warmup(tuple(sorted({1, batch, *config.batching.preferred_batch_sizes})))
+        backend.warmup(tuple(sorted({1, batch})))
         graphs = getattr(backend, "_graphs", {})
-        iters = (50 if quick else 200) if graphs else (5 if quick else 30)
 
         def model_ms(bs: int) -> float:
             if bs in graphs:
-                return cuda_time_ms(graphs[bs][0].replay, iters, backend.stream)
+                return cuda_time_ms(graphs[bs][0].replay, 50 if quick else 200, backend.stream)
             x = backend.example_input(bs)
-            return wall_ms(lambda: backend.run(x), iters)["p50_ms"]
+            return wall_ms(lambda: backend.run(x), 3 if quick else 30, 1 if quick else 5)["p50_ms"]
 
         out: dict = {"device": _device_name(cuda), "backend": backend.describe(),
                      "model_timed_by": "CUDA graph replay, CUDA events" if graphs
@@ -204,7 +206,7 @@ def served(models: Path, model: str, frames: dict[str, list[bytes]], spec: dict[
         part["start_s"] = s.start_s
         part["startup_log"] = s.startup_log[-40:]  # what the server chose, in its words
         st0 = s.stats(model)
-        one = load(s, model, frames[first][:1], 1, 1, seconds)
+        one = load(s, model, frames[first][:1], 1, 1, max(1.0, seconds / 2))
         one["breakdown_ms"] = one_client_breakdown(one, breakdown(st0, s.stats(model)))
         pipe = (bare.get("single_frame_pipeline") or {}).get(first, {}).get("total_ms")
         if pipe and one.get("p50_ms"):

@@ -100,19 +100,24 @@ def test_as_shipped_reports_bare_ratios_non_200_answers_and_the_median_of_runs(
 
 def test_the_command_line_runs_as_shipped_on_the_cpu(means_repo, tmp_path, capsys):
     """``benchgpu --as-shipped --device cpu`` and ``benchdet`` the same, with a repository's model:
-    the results file has the setup, the runs and the medians."""
+    the results file has the setup, the runs and the medians; a --compare SPEC runs after the
+    server as shipped."""
     from visionserve_tools import benchdet, benchgpu
 
     args = ["--as-shipped", "--quick", "--device", "cpu", "--models", str(means_repo),
             "--model", "means", "--clients", "2", "--seconds", "0.5"]
-    assert benchgpu.main([*args, "--out", str(tmp_path / "gpu.json")]) == 0
+    other = "VISIONSERVE_SWITCH_INTERVAL_MS=1"
+    assert benchgpu.main([*args, "--compare", other, "--out", str(tmp_path / "gpu.json")]) == 0
     assert benchdet.main([*args, "--out", str(tmp_path / "det.json")]) == 0
-    for name, sizes in (("gpu.json", ["640x480", "1080p"]), ("det.json", ["640x480", "1080p"])):
+    for name, servers in (("gpu.json", ["0: as shipped", f"1: {other}"]),
+                          ("det.json", ["0: as shipped"])):
         out = json.loads((tmp_path / name).read_text())["as_shipped"]
-        assert out["setup"]["sizes"] == sizes and out["setup"]["clients"] == [2]
+        assert out["setup"]["sizes"] == ["640x480", "1080p"] and out["setup"]["clients"] == [2]
+        assert out["setup"]["servers"] == servers  # as shipped first, then each --compare
         assert len(out["runs"]) == 1
-        assert set(out["median"]) == {"bare", "0: as shipped"}
-        assert out["median"]["0: as shipped"]["640x480@2 ratio_to_bare_bs32"]["median"] > 0
+        assert set(out["median"]) == {"bare", *servers}
+        for server in servers:
+            assert out["median"][server]["640x480@2 ratio_to_bare_bs32"]["median"] > 0
     assert "0: as shipped: 1080p@2 ratio_to_bare_bs32" in capsys.readouterr().err
 
 

@@ -144,7 +144,8 @@ def bare_reference(models: Path, model: str, frames: dict[str, list[bytes]], dev
                      else "the backend's run on a ready input, p50 wall time"}
         for key, bs in (("batch", batch), ("one", 1)):
             ms = model_ms(bs)
-            out[key] = {"batch_size": bs, "ms": round(ms, 3), "img_per_s": round(bs / ms * 1000)}
+            out[key] = {"batch_size": bs, "ms": round(ms, 3),
+                        "img_per_s": rounded(bs / ms * 1000)}
         if backend.takes_device_input:
             from visionserve.gpu.preprocess import TorchPreprocessor
 

@@ -15,6 +15,11 @@
   (96 closed-loop clients, ``--frontends 8``: one process cannot read 1080p bodies fast
   enough), as a ratio to the bare model's bs-32 rate measured above;
 - the annotated JPEG (``Accept: image/jpeg``): decode, draw, encode of a 1080p frame, per frame.
+
+``--as-shipped [--runs 3] [--compare SPEC]``: instead, the server with no tuning flag under one
+client and 96 and 288 clients at 640x480 and 1080p, against the bare model of the same run, every
+non-200 answer by status and reason (``visionserve_tools.benchshipped``; on the CPU:
+``--device cpu --quick``).
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .benchgpu import cuda_time_ms, log, model_bench_start, served_runs, wall_ms
+from . import benchshipped
+from .benchgpu import cuda_time_ms, log, model_bench_start, served_runs, settings_spec, wall_ms
 
 LABELS = [f"class{i}" for i in range(80)]
 SIZE = 640
@@ -175,12 +181,33 @@ def annotate_cost(root: Path, jpegs: list[bytes]) -> dict:
     return {"detections": len(det.detections), **w}
 
 
+def _arguments(ap) -> None:
+    benchshipped.add_arguments(ap)
+    ap.add_argument("--compare", action="append", type=settings_spec, default=None,
+                    metavar="SPEC",
+                    help="with --as-shipped: after the server as shipped, once per SPEC, a "
+                         "server setting as its environment variable (CODE=DIR: the server's "
+                         "code from DIR; as benchgpu's --compare); repeat for each")
+
+
 def main(argv: list[str] | None = None) -> int:
-    started = model_bench_start("benchdet", __doc__, argv, frontends=8)
+    started = model_bench_start("benchdet", __doc__, argv, frontends=8, add=_arguments)
     if started is None:
         return 2
     args, res, save = started
 
+    if args.as_shipped:
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp) / "repo"
+            if args.models is None:
+                export_model(root)
+            res["as_shipped"] = {}
+            benchshipped.run(args, root, "yolo640",
+                             {"640x480": make_jpegs(16, (640, 480)), "1080p": make_jpegs()},
+                             args.compare or [], args.out.parent, args.client_processes,
+                             res["as_shipped"], save)
+        log(f"wrote {args.out}")
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         root = export_model(Path(tmp) / "repo")
         jpegs = make_jpegs()

@@ -1,6 +1,7 @@
 """GPU benchmark in one run: bare model vs served, on a ResNet-50-class classifier.
 
     python -m visionserve_tools.benchgpu --out results.json [--log-dir DIR] [--quick]
+    python -m visionserve_tools.benchgpu --as-shipped --runs 3 --out shipped.json
 
 1. Exports torchvision ``resnet50(weights=None, num_classes=5)`` (random weights) to ``.pt2`` and
    ``.onnx`` in a temporary model repository (224x224, fp16 for torch).
@@ -19,6 +20,10 @@
    ``VISIONSERVE_FRONTENDS=0`` for the front end in the serving process): one client,
    saturation at 640x480 and at 1080p, each as a ratio to the bare model of the same run. An A/B
    of server settings on one machine in one run.
+5. ``--as-shipped`` runs, instead of 2-4, the server with no tuning flag (once per ``--compare``
+   SPEC) under one client and 96 and 288 clients at 640x480 and 1080p, against the bare model of
+   the same run, ``--runs N`` times with each figure's median (``visionserve_tools.benchshipped``;
+   on the CPU: ``--device cpu --quick``).
 
 Results go to ``--out`` as JSON; server logs to ``--log-dir``. Needs only the server's own
 dependencies (stdlib HTTP clients, no extra packages).
@@ -151,8 +156,8 @@ def cuda_time_ms(fn, iters: int, stream) -> float:
     return start.elapsed_time(end) / iters
 
 
-def wall_ms(fn, iters: int) -> dict:
-    for _ in range(5):
+def wall_ms(fn, iters: int, warmup: int = 5) -> dict:
+    for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
@@ -298,14 +303,18 @@ def get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
 
 class Server:
     def __init__(self, models: Path, log_path: Path, *extra: str, device: str = "cuda",
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, log_level: str | None = "warning") -> None:
+        """``log_level`` None: the server's own default (as shipped); ``startup_log``: what the
+        server wrote until it was ready."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         args = [sys.executable, "-m", "visionserve", "serve", "--models", str(models),
                 "--device", device, "--host", "127.0.0.1", "--http-port", str(self.port),
-                "--grpc-port", "-1", "--log-level", "warning", *extra]
+                "--grpc-port", "-1", *(("--log-level", log_level) if log_level else ()), *extra]
         self._log = open(log_path, "ab")  # noqa: SIM115 -- the server's log; closed in stop()
+        self._log.seek(0, os.SEEK_END)
+        log_start = self._log.tell()
         settings = " ".join(f"{k}={v}" for k, v in (env or {}).items())
         self._log.write(f"\n=== {settings + ' ' if settings else ''}{' '.join(args)}\n".encode())
         self._log.flush()
@@ -318,6 +327,9 @@ class Server:
                 raise RuntimeError(f"server exited {self.proc.returncode}; see {log_path}")
             if get(self.url + "/v2/health/ready", 1)[0] == 200:
                 self.start_s = round(time.time() - t0, 1)
+                with open(log_path, "rb") as f:
+                    f.seek(log_start)
+                    self.startup_log = f.read(16384).decode("utf-8", "replace").splitlines()[1:]
                 return
             time.sleep(0.25)
         self.stop()  # the caller never gets this object: do not leave the process behind
@@ -359,13 +371,19 @@ def _request(model: str, jpeg: bytes, protocol: str) -> tuple[str, bytes, dict[s
 
 
 def _client(args) -> dict:
-    """One client process: ``threads`` closed-loop senders for ``duration`` seconds."""
+    """One client process: ``threads`` closed-loop senders for ``duration`` seconds. Per 200
+    answer its latency (and, from the inspect API, the server's ``timing``); every other answer
+    counted by status and reason (:func:`~.benchclient.wire.error_reason`)."""
     import threading
+    from collections import Counter
+
+    from visionserve_tools.benchclient.wire import error_reason
 
     port, model, jpegs, duration, threads, protocol = args
     requests = [_request(model, j, protocol) for j in jpegs]
     lat: list[float] = []
-    errors = [0]
+    timing: list[tuple[float | None, ...]] = []  # the server's queue, compute, total ms
+    failed: Counter[str] = Counter()
     batch_sizes: list[int] = []
     lock = threading.Lock()
     end = time.perf_counter() + duration
@@ -373,7 +391,7 @@ def _client(args) -> dict:
     def worker(k: int) -> None:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         i = k
-        mine, sizes, errs = [], [], 0
+        mine, sizes, times, errs = [], [], [], Counter[str]()
         while time.perf_counter() < end:
             path, body, headers = requests[i % len(requests)]
             i += 1
@@ -382,52 +400,90 @@ def _client(args) -> dict:
                 conn.request("POST", path, body=body, headers=headers)
                 r = conn.getresponse()
                 data = r.read()
-            except (OSError, http.client.HTTPException):
-                errs += 1
+            except (OSError, http.client.HTTPException) as exc:
+                errs[f"no answer: {type(exc).__name__}"] += 1
                 conn.close()
                 conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
                 continue
             if r.status != 200:
-                errs += 1
+                errs[error_reason(r.status, data)] += 1
                 continue
             mine.append((time.perf_counter() - t0) * 1000)
             if protocol == "inspect":
-                sizes.append(json.loads(data)["batch_size"])
+                answer = json.loads(data)
+                sizes.append(answer["batch_size"])
+                t = answer.get("timing") or {}
+                times.append((t.get("queue_ms"), t.get("compute_ms"), t.get("total_ms")))
         with lock:
             lat.extend(mine)
             batch_sizes.extend(sizes)
-            errors[0] += errs
+            timing.extend(times)
+            failed.update(errs)
 
     ts = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
     for t in ts:
         t.start()
     for t in ts:
         t.join()
-    return {"lat": lat, "errors": errors[0], "batch_sizes": batch_sizes}
+    return {"lat": lat, "failed": failed, "batch_sizes": batch_sizes, "timing": timing}
+
+
+def non_200(failed: dict[str, int]) -> dict:
+    """Every answer that was not a 200, by status and by reason (``STATUS message``, or ``no
+    answer: ERROR`` where the connection failed)."""
+    by_status: dict[str, int] = {}
+    for reason, n in failed.items():
+        status = reason.split(" ", 1)[0] if reason[:1].isdigit() else "no answer"
+        by_status[status] = by_status.get(status, 0) + n
+    return {"by_status": dict(sorted(by_status.items())),
+            "by_reason": dict(sorted(failed.items(), key=lambda kv: -kv[1]))}
+
+
+def _p50(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
 
 
 def load(server, model: str, jpegs: list[bytes], processes: int, threads: int,
          duration: float, protocol: str = "inspect") -> dict:
     """Closed loop: ``processes`` x ``threads`` senders for ``duration`` s against ``server``
-    (anything with a ``port`` on 127.0.0.1)."""
+    (anything with a ``port`` on 127.0.0.1). ``errors``: answers other than 200, broken down in
+    ``non_200``; ``timing_p50_ms`` (inspect API): the client's latency and the ``timing`` the
+    server put in its answers, with what lies between them."""
+    from collections import Counter
+
     ctx = mp.get_context("spawn")
     t0 = time.perf_counter()
     with ctx.Pool(processes) as pool:
         parts = pool.map(_client, [(server.port, model, jpegs, duration, threads, protocol)]
                          * processes)
     wall = time.perf_counter() - t0
+    failed: Counter[str] = Counter()
+    for p in parts:
+        failed.update(p["failed"])
+    errors = {"errors": sum(failed.values()), "non_200": non_200(failed)}
     lat = sorted(x for p in parts for x in p["lat"])
     sizes = [x for p in parts for x in p["batch_sizes"]]
     if not lat:
-        return {"errors": sum(p["errors"] for p in parts), "answers": 0}
+        return {"clients": processes * threads, **errors, "answers": 0}
+
     def q(f: float) -> float:
         return round(lat[min(len(lat) - 1, int(f * len(lat)))], 3)
 
-    return {"clients": processes * threads, "answers": len(lat),
-            "errors": sum(p["errors"] for p in parts),
-            "throughput_per_s": round(len(lat) / duration, 1), "wall_s": round(wall, 1),
-            "p50_ms": q(0.5), "p90_ms": q(0.9), "p99_ms": q(0.99), "max_ms": round(lat[-1], 3),
-            "mean_batch_size": round(statistics.fmean(sizes), 2) if sizes else None}
+    out = {"clients": processes * threads, "answers": len(lat), **errors,
+           "throughput_per_s": round(len(lat) / duration, 1), "wall_s": round(wall, 1),
+           "p50_ms": q(0.5), "p90_ms": q(0.9), "p99_ms": q(0.99), "max_ms": round(lat[-1], 3),
+           "mean_batch_size": round(statistics.fmean(sizes), 2) if sizes else None}
+    pairs = [(c, t) for p in parts for c, t in zip(p["lat"], p["timing"])
+             if None not in t]
+    if pairs:
+        out["timing_p50_ms"] = {
+            "client": _p50([c for c, _ in pairs]),
+            "server_total": _p50([t[2] for _, t in pairs]),
+            "queue": _p50([t[0] for _, t in pairs]),
+            "compute": _p50([t[1] for _, t in pairs]),
+            "verdict_to_answer": _p50([t[2] - t[0] - t[1] for _, t in pairs]),
+            "outside_server": _p50([c - t[2] for c, t in pairs])}
+    return out
 
 
 def saturation(server, model: str, jpegs: list[bytes], processes: int, threads: int,
@@ -452,10 +508,7 @@ def model_bench_start(prog: str, doc: str | None, argv: list[str] | None, fronte
     ap.add_argument("--client-processes", type=int, default=8)
     add(ap)
     args = ap.parse_args(argv)
-    import torch
-
-    if not torch.cuda.is_available():
-        print(f"{prog}: needs a CUDA device", file=sys.stderr)
+    if cuda_missing(prog, args):
         return None
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
 
@@ -463,6 +516,20 @@ def model_bench_start(prog: str, doc: str | None, argv: list[str] | None, fronte
         args.out.write_text(json.dumps(res, indent=2))
 
     return args, res, save
+
+
+def cuda_missing(prog: str, args: argparse.Namespace) -> bool:
+    """True, said in one line on stderr, where ``args`` ask for CUDA and the machine has none
+    (everything but ``--as-shipped --device cpu`` does)."""
+    if getattr(args, "as_shipped", False) and args.device != "cuda":
+        return False
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    hint = "; on the CPU: --as-shipped --device cpu --quick" if hasattr(args, "device") else ""
+    print(f"{prog}: needs a CUDA device{hint}", file=sys.stderr)
+    return True
 
 
 def served_runs(root: Path, model: str, jpegs: list[bytes], log_dir: Path, quick: bool,
@@ -754,11 +821,14 @@ def allocator(before: dict, after: dict, seconds: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("benchgpu.json"))
-    ap.add_argument("--log-dir", type=Path, default=None)
+    ap = argparse.ArgumentParser(prog="python -m visionserve_tools.benchgpu",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("benchgpu.json"),
+                    help="the results, JSON (default: benchgpu.json)")
+    ap.add_argument("--log-dir", type=Path, default=None,
+                    help="the servers' logs (default: --out's folder)")
     ap.add_argument("--quick", action="store_true", help="shorter phases")
-    ap.add_argument("--skip-served", action="store_true")
+    ap.add_argument("--skip-served", action="store_true", help="the bare model only")
     ap.add_argument("--frontends", type=int, default=None,
                     help="front-end processes for the multi-process scenarios (default: cores/2, "
                          "at most 8)")
@@ -770,15 +840,21 @@ def main(argv: list[str] | None = None) -> int:
                          "seconds with the front ends, at 640x480 and at 1080p [off]")
     ap.add_argument("--compare", action="append", type=settings_spec, default=None,
                     metavar="SPEC",
-                    help="instead of the served scenarios: the front-end scenario once per SPEC, "
-                         "a server setting as its environment variable (\"\": as shipped; "
+                    help="instead of the served scenarios: the front-end scenario (with "
+                         "--as-shipped: that mode, after the server as shipped) once per SPEC, a "
+                         "server setting as its environment variable (\"\": as shipped; "
                          "VISIONSERVE_SWITCH_INTERVAL_MS=0.05; several joined by commas; "
                          "CODE=DIR: the server's code from DIR, a folder holding another "
                          "commit's visionserve package); repeat for each")
     ap.add_argument("--compare-threads", type=int, nargs="+", default=[12], metavar="N",
                     help="with --compare: senders per client process, a saturation load for "
                          "each count (default: 12; e.g. 12 24)")
+    from visionserve_tools import benchshipped
+
+    benchshipped.add_arguments(ap)
     args = ap.parse_args(argv)
+    if args.as_shipped and cuda_missing("benchgpu", args):
+        return 2
     log_dir = args.log_dir or args.out.parent
     log_dir.mkdir(parents=True, exist_ok=True)
     results: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -786,6 +862,17 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         args.out.write_text(json.dumps(results, indent=2, default=str) + "\n")
 
+    if args.as_shipped:
+        results["as_shipped"] = {}
+        with tempfile.TemporaryDirectory(prefix="benchgpu-") as tmp:
+            repos = {} if args.models else export_models(Path(tmp), ("rn50",))
+            benchshipped.run(args, repos.get("rn50", Path(tmp)), "rn50",
+                             {"640x480": make_jpegs(), "1080p": make_jpegs(16, 1080, 1920)},
+                             args.compare or [], log_dir, args.client_procs,
+                             results["as_shipped"], save)
+        results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        save()
+        return 0
     with tempfile.TemporaryDirectory(prefix="benchgpu-") as tmp:
         repos = export_models(Path(tmp))
         jpegs = make_jpegs()

@@ -27,6 +27,8 @@
 #                 the serving process, in 1 and in PIPE_P ("2") processes at once, one stream
 #                 and two (python -m visionserve_tools.benchpipe, PIPE_S s a case (4), up to
 #                 PIPE_T s (200))
+#   det.json / det.txt  with DET_ARGS set (e.g. DET_ARGS="--as-shipped --runs 3"): the detector's
+#                 benchmark (python -m visionserve_tools.benchdet), up to DET_T s (540)
 #   guard.json / guard.txt  with GUARD_ARGS set (e.g. GUARD_ARGS="--latency-budget-ms 20"): the
 #                 guard's acceptance run (python -m visionserve_tools.benchguard), up to GUARD_T s (300)
 # SKIP_TESTS=1 / SKIP_BENCH=1 leave those parts out. One call may run 10 minutes at most, and the
@@ -143,6 +145,14 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   echo "benchgpu exit $?" >>"$OUT/bench.txt"
   kill $dmon 2>/dev/null
   tail -n 60 "$OUT/bench.txt"
+fi
+
+if [ -n "${DET_ARGS+x}" ]; then  # the detector's benchmark (benchdet)
+  # shellcheck disable=SC2086
+  timeout ${DET_T:-540} python3 -m visionserve_tools.benchdet --out "$OUT/det.json" $DET_ARGS \
+    >"$OUT/det.txt" 2>&1
+  echo "benchdet exit $?" >>"$OUT/det.txt"
+  tail -n 40 "$OUT/det.txt"
 fi
 
 if [ -n "${PIPE:-}" ]; then  # the pipeline without the serving process (benchpipe)

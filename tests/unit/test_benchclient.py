@@ -46,3 +46,13 @@ def test_overload_summary_counts_goodput_refusals_and_late():
     assert o["other"] == 1
     assert o["refused_share"] == round(3 / 9, 4)
     assert o["refusal_latency_ms"]["max"] == 3.0
+
+
+def test_error_reasons_group_by_status_and_message_without_its_numbers():
+    """The benchmarks break non-200 answers down by ``error_reason``: one reason per cause,
+    whatever the figures in its message; names with digits in them stay whole."""
+    a = wire.error_reason(503, b'{"error": "queue of model rn50 is full (1024 frames, 3.5 ms)"}')
+    b = wire.error_reason(503, b'{"error": "queue of model rn50 is full (512 frames, 12 ms)"}')
+    assert a == b == "503 queue of model rn50 is full (N frames, N ms)"
+    assert wire.error_reason(502, b"<html>Bad Gateway</html>") == "502 <html>Bad Gateway</html>"
+    assert wire.error_reason(500, b"") == "500"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import struct
 from dataclasses import dataclass
 
@@ -209,6 +210,22 @@ def _status_answer(status: int, data: bytes, headers: dict[str, str] | None = No
         return Answer(REJECTED if headers is None or "retry-after" in headers else REJECTED_BARE,
                       detail=text)
     return Answer(HTTP_ERROR, detail=f"{status} {text}")
+
+
+_NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?!\w)")
+
+
+def error_reason(status: int, data: bytes) -> str:
+    """``status`` and the error body's message (``{"error": ...}``, else its first bytes) with
+    its free-standing numbers as ``N``, so that answers refused for one reason group together
+    (``503 queue of model rn50 is full (N frames)``)."""
+    try:
+        message = json.loads(data).get("error")
+    except (ValueError, AttributeError):
+        message = None
+    if not isinstance(message, str):
+        message = data[:120].decode("utf-8", "replace")
+    return f"{status} {_NUMBER.sub('N', ' '.join(message.split()))[:160]}".rstrip()
 
 
 # --- gRPC (OIP v2, Triton's inference.GRPCInferenceService) ---------------------------------

@@ -240,3 +240,38 @@ def test_every_accepted_connection_is_answered_at_sigterm(tiny_repo, tmp_path, j
                 continue
             bad.append((run, o))
     assert not bad, bad
+
+
+def test_connection_queued_when_the_front_ends_are_gone_is_answered(tiny_repo, tmp_path):
+    """A connection the kernel queued on the front ends' listener while the last of them left
+    (here: stopped, then killed during the shutdown) is answered 503 with Retry-After by the
+    serving process, not reset with the listener."""
+    import contextlib
+    import os
+    import socket
+
+    s = start_server(tiny_repo, tmp_path, "--frontends", "2", grpc=False)
+    kids = [int(k) for task in Path(f"/proc/{s.proc.pid}/task").iterdir()
+            for k in (task / "children").read_text().split()
+            if b"runtime.frontend" in Path(f"/proc/{k}/cmdline").read_bytes()]
+    assert len(kids) == 2
+    try:
+        for k in kids:
+            os.kill(k, signal.SIGSTOP)  # nobody accepts: the connection waits in the backlog
+        conn = socket.create_connection(("127.0.0.1", s.http_port), timeout=30)
+        conn.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)  # the serving process is waiting for its front ends to stop
+        for k in kids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(k, signal.SIGKILL)
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+        conn.close()
+        head = answer.split(b"\r\n\r\n")[0].lower()
+        assert head.startswith(b"http/1.1 503"), answer
+        assert b"retry-after: 1" in head, answer
+        assert s.proc.wait(timeout=60) == 0, s.log()
+    finally:
+        s.stop(signal.SIGKILL)

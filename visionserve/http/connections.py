@@ -450,13 +450,7 @@ class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         return self._body_bytes / max(1e-3, self.loop.time() - self._body_at)
 
     def _write_error(self, status: int, message: str, retry_after_s: int | None) -> None:
-        body = json.dumps({"error": message}).encode()
-        head = [f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}",
-                "content-type: application/json", f"content-length: {len(body)}",
-                "connection: close"]
-        if retry_after_s is not None:
-            head.append(f"retry-after: {retry_after_s}")
-        self.transport.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
+        self.transport.write(error_response_bytes(status, message, retry_after_s))
 
     def _between_requests(self) -> bool:
         return not self._in_message and (self.cycle is None or self.cycle.response_complete)
@@ -481,6 +475,85 @@ class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         self._head_started = False
         self.table.heads.pop(self, None)
         self.table.idle.pop(self, None)
+
+
+def error_response_bytes(status: int, message: str, retry_after_s: int | None) -> bytes:
+    """A whole JSON error response that closes its connection."""
+    body = json.dumps({"error": message}).encode()
+    head = [f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}",
+            "content-type: application/json", f"content-length: {len(body)}",
+            "connection: close"]
+    if retry_after_s is not None:
+        head.append(f"retry-after: {retry_after_s}")
+    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+
+
+class _RefusedAtShutdown(asyncio.Protocol):
+    """A connection taken from the listener once no front end serves it: its request gets 503
+    with Retry-After as soon as its head has come (or it is closed after SHUTDOWN_HEAD_WAIT_S
+    without one); the connection closes when the client's end does, or after LINGER_S."""
+
+    def __init__(self, seen: _Refusals) -> None:
+        self.seen = seen
+        self.head = b""
+        self.transport: asyncio.Transport | None = None
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        loop = asyncio.get_running_loop()
+        self.seen.last = loop.time()
+        self.seen.open.add(self)
+        self.transport = transport
+        self.timer = loop.call_later(SHUTDOWN_HEAD_WAIT_S, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        if self.head is None or self.transport is None:
+            return  # answered: the rest is dropped
+        self.head += data
+        if b"\r\n\r\n" not in self.head and len(self.head) <= MAX_HEAD_BYTES:
+            return
+        self.head = None  # type: ignore[assignment]
+        self.transport.write(error_response_bytes(
+            503, "the server is shutting down; retry", retry_after_s=1))
+        if self.transport.can_write_eof():
+            self.transport.write_eof()  # a lingering close: no reset before the client reads
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer = asyncio.get_running_loop().call_later(LINGER_S, self.transport.close)
+
+    def eof_received(self) -> bool:
+        return False  # the transport closes
+
+    def connection_lost(self, exc) -> None:
+        self.seen.open.discard(self)
+        if self.timer is not None:
+            self.timer.cancel()
+
+
+class _Refusals:
+    def __init__(self, now: float) -> None:
+        self.last = now  # loop time of the latest connection
+        self.open: set[_RefusedAtShutdown] = set()
+
+
+async def refuse_until_quiet(sock) -> None:
+    """At shutdown, in the last process that holds the listening socket ``sock``: answer what is
+    left in its backlog and what still comes 503 (see :class:`_RefusedAtShutdown`), until no
+    connection came for CLOSE_QUIET_S or CLOSE_GRACE_S passed; then close it and let the last
+    answers go out. Closing a listener with connections in its backlog resets them."""
+    loop = asyncio.get_running_loop()
+    seen = _Refusals(loop.time())
+    server = await loop.create_server(lambda: _RefusedAtShutdown(seen), sock=sock)
+    end = loop.time() + CLOSE_GRACE_S
+    while loop.time() < end and loop.time() - seen.last < CLOSE_QUIET_S:
+        await asyncio.sleep(0.05)
+    server.close()
+    end = loop.time() + SHUTDOWN_HEAD_WAIT_S + LINGER_S  # the heads on their way, the answers
+    while seen.open and loop.time() < end:
+        await asyncio.sleep(0.05)
+    for c in list(seen.open):
+        if c.transport is not None:
+            c.transport.close()
 
 
 class _LingeringClose:

@@ -30,6 +30,7 @@ from ..config import ServerSettings
 from ..errors import VisionServeError
 from ..frontends.arena import create_memfd
 from ..frontends.hub import Hub
+from ..http.connections import refuse_until_quiet
 from ..process import RestartBackoff
 from .ports import listen_socket
 from .startup import start_engine
@@ -102,9 +103,6 @@ class FrontEnds:
         self.stopping = True
         if self._watcher is not None:
             self._watcher.cancel()
-        # no front end starts again: the listener is theirs alone now, and it closes with the
-        # last of them (held here, it would keep taking connections that nobody answers)
-        self.http_sock.close()
         self.signal_all(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         while any(p.poll() is None for p in self.procs.values()) and time.monotonic() < deadline:
@@ -114,6 +112,13 @@ class FrontEnds:
                 log.warning("front end %d did not stop in time; killed", index)
                 proc.kill()
                 proc.wait()
+        # each front end stops accepting when it sees no new connection, but the connections
+        # may have gone to another: this process holds the listener until the last front end
+        # is gone (the kernel queues what comes), then answers what is left 503 before it
+        # closes it (closing a listener resets the connections in its backlog)
+        if self.http_sock.fileno() != -1:
+            await refuse_until_quiet(self.http_sock)
+            self.http_sock.close()
 
 
 async def serve_with_frontends(engine, settings: ServerSettings, guard=None) -> int:

@@ -78,7 +78,7 @@ class Engine(ModelLookup):
         self.lifecycle = Lifecycle(self, load=self._load, release=self._release)
         self.admission = Admission(self.gate, self.count_error)
 
-    # --- lifecycle ---------------------------------------------------------------------------
+    # --- state, start and shutdown ------------------------------------------------------------
 
     @property
     def live(self) -> bool:
@@ -95,7 +95,7 @@ class Engine(ModelLookup):
 
     @property
     def _ready(self) -> bool:
-        """Started (and not closed): a version loaded now loads beside serving ones."""
+        """Serving (started, not closed): a version loaded now loads beside serving ones."""
         return self.gate.started
 
     def scan(self) -> None:
@@ -289,7 +289,6 @@ class Engine(ModelLookup):
         if self.served.get((served.name, served.version)) is not served:
             metrics.READY.labels(served.name, str(served.version)).set(0)
 
-
     # --- changes while serving: lifecycle.Lifecycle --------------------------------------------
 
     async def verdict(self, name: str, changes: Mapping | None = None,
@@ -308,9 +307,6 @@ class Engine(ModelLookup):
 
     async def unload_model(self, name: str, parameters: Mapping | None = None) -> dict:
         return await self.lifecycle.unload_model(name, parameters)
-
-    async def poll_once(self) -> None:
-        await self.lifecycle.poll_once()
 
     # --- inference: admission.Admission ------------------------------------------------------
 

@@ -28,6 +28,7 @@ from . import metrics, recipes, verdicts
 from .admission import Gate
 from .config import ModelConfig, ServerSettings
 from .errors import ConfigError, Conflict, InvalidInput, NotFound, Unavailable, VisionServeError
+from .recipes import Assignments
 from .repository import ModelEntry, folder_of, load_entry, model_folders, scan, signature
 from .served import Served, effective_config, file_stamp
 
@@ -59,7 +60,7 @@ class Models(Protocol):
 
     entries: dict[str, ModelEntry]
     served: dict[tuple[str, int], Served]
-    recipes: recipes.Assignments
+    recipes: Assignments
     #: moves with every change of the served models' settings, recipes or versions
     generation: int
 

@@ -12,8 +12,9 @@ import pytest
 
 from visionserve import imaging
 from visionserve.config import ModelConfig, ServerSettings
-from visionserve.engine import Engine, effective_config
+from visionserve.engine import Engine
 from visionserve.errors import ConfigError, DeadlineExceeded, InvalidInput, NotFound, Unavailable
+from visionserve.served import effective_config
 
 BASE = ModelConfig.model_validate({
     "input": {"width": 32, "height": 32},
@@ -176,7 +177,8 @@ async def test_engine_cancelled_request_never_runs(tiny_repo):
 
 async def test_engine_keeps_latencies_only_once_asked(engine):
     await engine.infer("tiny", None, [raw()])
-    assert engine.latency is None  # nothing recorded on the hot path unless the guard reads it
+    # nothing recorded on the hot path unless the guard reads it
+    assert engine.admission.latency is None
     p99 = engine.latency_p99()
     assert p99() is None  # too few frames yet
     await engine.infer("tiny", None, [raw()] * 30)

@@ -42,10 +42,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import DeadlineExceeded, InternalError, Unavailable, VisionServeError
-from .guard import share
 from .logs import batch_ids, request_id
 
 log = logging.getLogger(__name__)
+
+#: A batcher's state, as its loop reports it: no frames, frames waiting, a batch running.
+IDLE, QUEUED, RUNNING = 0, 1, 2
+#: ``observer(batcher, state)``: called by each batcher's loop on the event loop thread whenever it
+#: looks for its next batch, with the state above; it keeps only what changed. The server
+#: installs the guard's busy word here (:func:`visionserve.guard.share.note`), so that guard jobs
+#: yield the GPU while a batch runs.
+StateObserver = Callable[["Batcher", int], None]
+_observer: StateObserver | None = None
+
+
+def observe_states(observer: StateObserver | None) -> None:
+    """Install the batchers' state observer (None: none; the loop then only reads the name)."""
+    global _observer
+    _observer = observer
 
 
 #: the quantile of (answer time / admission's prediction) that admission scales predictions by.
@@ -467,9 +481,9 @@ class Batcher:
     async def _next_batch(self) -> list[Pending]:
         while True:
             self._purge()
-            # guard jobs yield the GPU while a batch runs (stored in shared memory on a change only)
-            share.note(self, share.RUNNING if self._tasks
-                       else share.QUEUED if self._heap else share.IDLE)
+            observer = _observer
+            if observer is not None:
+                observer(self, RUNNING if self._tasks else QUEUED if self._heap else IDLE)
             if not self._heap:
                 if not self._accepting:
                     await asyncio.sleep(3600)  # drained: idle until closed

@@ -11,11 +11,13 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
-from conftest import wait_for
+from conftest import make_slow_model, wait_for
 from test_guard_supervisor import Guard as SupervisedGuard
 
 from visionserve.guard import proc, share
@@ -267,3 +269,38 @@ def test_data_loader_workers_stay_under_sched_idle_across_pause_and_resume(tmp_p
     finally:
         proc.signal_group(launched.pid, signal.SIGKILL)
         launched.popen.wait(10)
+
+
+def test_a_server_beside_a_guard_publishes_its_batches(tmp_path, server_factory, jpeg_bytes):
+    """The server itself, started with the guard's busy word named (``VISIONSERVE_GUARD_SHARE``,
+    as a guard of its own process gives it): the word reads RUNNING while a batch runs and idle
+    once every frame is answered, written by the real batchers through the state observer the
+    server installs."""
+    make_slow_model(tmp_path / "models" / "slow")
+    path = str(tmp_path / "server.share")
+    s = server_factory(tmp_path / "models", grpc=False, env={share.SHARE_ENV: path})
+    url = s.url + "/v1/models/slow/inspect"
+    seen: list[int] = []
+    done = threading.Event()
+
+    def load() -> None:
+        with httpx.Client(timeout=60) as c:
+            for _ in range(12):
+                r = c.post(url, content=jpeg_bytes, headers={"Content-Type": "image/jpeg"})
+                assert r.status_code == 200, r.text
+        done.set()
+
+    clients = [threading.Thread(target=load) for _ in range(2)]
+    for t in clients:
+        t.start()
+    while not done.is_set():
+        w = share.read_word(path)
+        if w is not None:
+            seen.append(w.running)
+        time.sleep(0.005)
+    for t in clients:
+        t.join()
+    assert seen and max(seen) >= 1, "the word never read RUNNING while batches ran"
+    w = wait_for(lambda: (w := share.read_word(path)) is not None and w.busy == 0 and w, 10,
+                 "the word idle after the last answer")
+    assert w.running == 0 and w.periods >= 1 and w.owner == s.proc.pid

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import io
 import subprocess
 import sys
@@ -133,17 +132,6 @@ def test_doctor_help_is_for_users():
     text = _help(("doctor",))
     assert "Facts" not in text and "in a test" not in text
     assert "Exit code" in text
-
-
-def test_settings_reference_is_generated_from_the_code():
-    spec = importlib.util.spec_from_file_location("settings_doc", REPO / "models" / "scripts" / "settings_doc.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    text = mod.render()
-    assert (REPO / "docs" / "settings.md").read_text() == text, \
-        "docs/settings.md is stale: run python models/scripts/settings_doc.py"
-    for name in ServerSettings.model_fields:
-        assert f"`VISIONSERVE_{name.upper()}`" in text
 
 
 # --- misspelt settings ---------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -98,6 +99,31 @@ def test_server_named_by_the_environment_publishes_there(tmp_path, monkeypatch):
     finally:
         share.unpublish()
         share._state.clear()
+
+
+@pytest.mark.parametrize("guard, named, watched", [
+    (False, False, False), (True, False, True), (False, True, True)])
+def test_the_server_watches_its_batchers_with_a_guard_or_beside_one(guard, named, watched,
+                                                                    tmp_path, monkeypatch):
+    """The assembly installs the word's writer as the batchers' state observer with --guard (the
+    hosted guard publishes the word) or when VISIONSERVE_GUARD_SHARE names one; otherwise the
+    batchers report to nobody. The batcher itself imports nothing of the guard."""
+    import ast
+
+    from visionserve import batching
+    from visionserve.config import ServerSettings
+    from visionserve.runtime.hosted import watch_batchers
+
+    monkeypatch.delenv(share.SHARE_ENV, raising=False)
+    if named:
+        monkeypatch.setenv(share.SHARE_ENV, str(tmp_path / "named.share"))
+    monkeypatch.setattr(batching, "_observer", None)
+    assert watch_batchers(ServerSettings(guard=guard)) is watched
+    assert batching._observer is (share.note if watched else None)
+    tree = ast.parse(Path(batching.__file__).read_text(encoding="utf-8"))
+    names = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not {n for n in names if n.startswith(("guard", "visionserve.guard"))}, names
 
 
 def _yielder(torch, word, tmp_path, **kw):

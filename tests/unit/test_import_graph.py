@@ -43,9 +43,6 @@ MODULE_LAYERS = {
     # worker processes that prepare an instance's batches, and with --gpu-batch-processes run
     # its model too and hand the runner a RanBatch: the runner's other half, in a process
     "gpu.prepworker": "data plane",
-    # the guard's shared-memory "busy word": the batchers write it, guard jobs read it; it imports
-    # nothing of the server (the guard owns its layout, so it lives there)
-    "guard.share": "foundation",
 }
 #: Packages of one layer that never import one another: each front end translates on its own
 #: (security is the middleware they share); the guard, the PLC servers and ops are independent.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -62,14 +61,3 @@ def test_not_toml_is_refused_with_file(tmp_path):
     path.write_text("[input\nwidth = 3")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_model_config(path)
-
-
-def test_docs_reference_is_generated_from_the_schema():
-    spec = importlib.util.spec_from_file_location(
-        "model_toml_doc", REPO / "models" / "scripts" / "model_toml_doc.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    assert (REPO / "docs" / "model-toml.md").read_text() == mod.render(), \
-        "docs/model-toml.md is stale: run python models/scripts/model_toml_doc.py"
-    for name in ModelConfig.model_fields["input"].annotation.model_fields:
-        assert f"`{name}`" in mod.render()

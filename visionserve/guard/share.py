@@ -4,11 +4,13 @@ Two small shared-memory files, each with one writer:
 
 - **the busy word** (the server's, ``/dev/shm/visionserve-guard-<pid>.share``): how many of the
   server's batchers have a batch running, and how many have frames queued or running. The batchers
-  write it through :func:`note`, on the event loop, only when a batcher's state changes: a
-  dictionary look-up per call and, on a change, two stores into the mapped page. No system call,
-  no lock. Guard jobs map it read-only (``VISIONSERVE_GUARD_SHARE``); the hook injected into
-  PyTorch jobs (:mod:`.yieldhook`) waits at module and optimizer boundaries while a batch runs, and
-  keeps less GPU work queued ahead while frames wait for their batch.
+  write it through :func:`note`, which the server installs as their state observer
+  (:func:`visionserve.batching.observe_states`) when it hosts a guard or runs beside one: on the
+  event loop, a dictionary look-up per call and, on a change of a batcher's state, two stores into
+  the mapped page. No system call, no lock. Guard jobs map it read-only
+  (``VISIONSERVE_GUARD_SHARE``); the hook injected into PyTorch jobs (:mod:`.yieldhook`) waits at
+  module and optimizer boundaries while a batch runs, and keeps less GPU work queued ahead while
+  frames wait for their batch.
 - **the yield statistics** (one per job, ``<job log>.yield``, written by the job's hook): hook
   calls, yields, forced passes, time waited. The supervisor reads them for the metrics and for
   ``guard show``, and removes the file when the job ends. The job never writes the busy word, so a
@@ -46,6 +48,9 @@ import struct
 import threading
 from dataclasses import dataclass
 
+# the states note() takes, re-exported for its callers
+from ..batching import IDLE, QUEUED, RUNNING  # noqa: F401
+
 log = logging.getLogger(__name__)
 
 #: set for a server and ``guard run`` that are separate processes: both use this word
@@ -61,7 +66,6 @@ _STATS = struct.Struct("<IIIIQQQQQQQ")
 SHM_DIR = "/dev/shm"
 PREFIX = "visionserve-guard-"
 
-IDLE, QUEUED, RUNNING = 0, 1, 2
 #: batcher (any hashable with a ``_loop_task`` attribute) -> its state as last noted
 _state: dict = {}
 _word: memoryview | None = None  # u64 view of the mapped word, or None: not published
@@ -70,9 +74,9 @@ _lock = threading.Lock()  # publish/prune (guard thread) against each other; not
 
 
 def note(batcher, state: int) -> None:
-    """The batcher's one call: ``state`` = :data:`RUNNING` (a batch runs), :data:`QUEUED` (frames
-    wait for a batch) or :data:`IDLE`. Costs a dict look-up unless the batcher's state changed.
-    Event loop thread only."""
+    """The batchers' state observer (the server installs it): ``state`` = :data:`RUNNING` (a batch
+    runs), :data:`QUEUED` (frames wait for a batch) or :data:`IDLE`. Costs a dict look-up unless
+    the batcher's state changed. Event loop thread only."""
     if _state.get(batcher) != state:
         _changed(batcher, state)
 

@@ -13,7 +13,7 @@ import logging
 
 from ..config import ServerSettings
 from ..errors import VisionServeError
-from .hosted import HostedGuard, start_mps
+from .hosted import HostedGuard, start_mps, watch_batchers
 from .startup import apply_process_settings, pin_device, start_engine
 
 log = logging.getLogger("visionserve")
@@ -37,6 +37,7 @@ def assemble(settings: ServerSettings):
 
     engine = Engine(settings, device=resolved.torch_device)
     engine.scan()
+    watch_batchers(settings)
     guard = None
     if settings.guard:
         p99 = engine.latency_p99() if settings.guard_latency_budget_ms else None

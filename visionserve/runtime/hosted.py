@@ -4,14 +4,29 @@ the serving process, its job API under /v1/guard on the server's HTTP port."""
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING
 
+from ..batching import observe_states
 from ..config import ServerSettings
 
 if TYPE_CHECKING:
     import threading
 
 log = logging.getLogger("visionserve")
+
+
+def watch_batchers(settings: ServerSettings) -> bool:
+    """The guard's busy word follows the batchers' states when the server hosts the guard
+    (``--guard``: it publishes the word for its jobs) or runs beside one
+    (``VISIONSERVE_GUARD_SHARE`` names the word); otherwise nobody reads it, and the batchers report
+    to no one. Returns whether it was installed."""
+    from ..guard import share
+
+    if not (settings.guard or os.environ.get(share.SHARE_ENV)):
+        return False
+    observe_states(share.note)
+    return True
 
 
 def open_guard_store(settings: ServerSettings):

@@ -290,19 +290,28 @@ def jpeg_bytes() -> bytes:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Skip ``gpu`` tests cleanly where CUDA is absent, and in the workers of pytest-xdist (the
-    README's ``-n 2``): two processes would share the one GPU, and the GPU tests measure it whole
-    (memory, timings). They run on their own: ``pytest -m gpu``, or tests/gpu/run_on_device.sh."""
+    """Skip ``gpu`` tests cleanly where CUDA is absent; in the workers of pytest-xdist skip the
+    ``gpu_alone`` ones, which need the GPU to themselves (the others measure only their own
+    processes, and share the card). Under ``--dist loadgroup`` the ``gpu`` and ``gpu_path`` tests
+    marked ``slow`` come first: the scheduler hands tests out in collection order, and a long one
+    handed out last would finish alone (tests/gpu/run_on_device.sh)."""
     try:
         import torch
 
         has_cuda = torch.cuda.is_available()
     except Exception:  # pragma: no cover - torch missing or broken
         has_cuda = False
-    if has_cuda and "PYTEST_XDIST_WORKER" not in os.environ:
-        return
-    skip = pytest.mark.skip(reason="run the GPU tests without -n: pytest -m gpu" if has_cuda
-                            else "needs a CUDA device")
-    for item in items:
-        if item.get_closest_marker("gpu") is not None:
-            item.add_marker(skip)
+    in_worker = "PYTEST_XDIST_WORKER" in os.environ
+    if getattr(config.option, "loadgroup", False):  # xdist sets it in its workers
+        items.sort(key=lambda item: not (item.get_closest_marker("slow") and (
+            item.get_closest_marker("gpu") or item.get_closest_marker("gpu_path"))))
+    if not has_cuda:
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if item.get_closest_marker("gpu") is not None:
+                item.add_marker(skip)
+    elif in_worker:
+        alone = pytest.mark.skip(reason="needs the GPU to itself: run it without -n")
+        for item in items:
+            if item.get_closest_marker("gpu_alone") is not None:
+                item.add_marker(alone)

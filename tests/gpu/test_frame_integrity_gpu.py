@@ -14,7 +14,8 @@ import pytest
 
 from tests.tools import integrity
 
-pytestmark = pytest.mark.gpu
+# beside other tests: a busier machine only makes the races it looks for likelier
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -186,6 +186,7 @@ TUNED_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_graphs_captured_after_cudnn_autotuning_answer_as_the_heuristic_ones(repo, config,
                                                                               tmp_path):
     """``TorchBackend.cudnn_autotune`` (off in the server; the GPU benchmark compares the
@@ -310,6 +311,7 @@ def test_one_call_preparation_on_the_gpu_gives_the_eager_tensor(repo, config):
     assert torch.equal(t[:6], ref[:6])
 
 
+@pytest.mark.slow
 def test_a_preparation_process_gives_the_model_what_this_process_would(repo, config):
     """Preparation-only worker processes (off in the server; they share their code with the
     batch workers): a worker process prepares the batch (nvJPEG of its own, CUDA IPC
@@ -393,6 +395,8 @@ def _engine(repo: Path, budget: str | None, **extra):
     return Engine(settings, device="cuda:0")
 
 
+# beside other tests: it counts the segments of its own process's allocator
+@pytest.mark.slow
 @pytest.mark.parametrize("batch_processes", [0, 1], ids=["in-process", "batch-processes"])
 def test_serving_adds_no_device_memory_after_warm_up(repo, batch_processes):
     """Budget reserved, every preferred size warmed (model + preprocessing): then a load of
@@ -436,6 +440,8 @@ def test_serving_adds_no_device_memory_after_warm_up(repo, batch_processes):
     assert after == {"new_segments": 0, "reserved_growth_bytes": 0, "alloc_retries": 0, "ooms": 0}, after
 
 
+# beside other tests: NVML's memory of its own processes, its own allocators' caps
+@pytest.mark.slow
 def test_batch_workers_hold_their_memory_inside_the_budget(repo, config, caplog):
     """--gpu-batch-processes 1 with a budget: what the worker's allocator may hold (what it
     holds after warm-up and one batch's preparation, its cap) comes off the serving process's
@@ -488,6 +494,9 @@ def test_batch_workers_hold_their_memory_inside_the_budget(repo, config, caplog)
         np.testing.assert_allclose(a.scores, b.scores, atol=2e-3)
 
 
+# beside other tests: its own allocator's reserve and segments (a budget that other tests'
+# memory left unfree would only delay its start)
+@pytest.mark.slow
 @pytest.mark.parametrize(("batch_processes", "budget_gib"), [(0, 4), (2, 8)],
                          ids=["in-process", "batch-processes"])
 def test_a_swap_on_the_gpu_returns_the_old_memory_and_serving_adds_none_after_it(
@@ -641,6 +650,7 @@ FAULT_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_device_fault_marks_the_model_unhealthy(repo):
     """A real sticky CUDA error (device-side assert) in a separate process: the runner goes
     unhealthy with one log line, the frame gets 503, nothing garbage is answered."""
@@ -654,6 +664,8 @@ def test_device_fault_marks_the_model_unhealthy(repo):
     assert out.count("device fault in net:1#0") == 1, out[-3000:]
 
 
+# beside other tests: it looks only for its own server's processes among NVML's holders
+@pytest.mark.slow
 def test_front_end_processes_hold_no_gpu_context_and_answer_like_the_engine(repo, tmp_path):
     """``--frontends 2`` on the GPU: the serving process holds the device (its only CUDA
     context), the front-end processes none; their answers equal the in-process engine's, and

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+# gpu_alone: the guard reads the card's free memory; the load is paced to the saturation it measured
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_alone, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 420

@@ -105,6 +105,7 @@ def _finish(sup, t):
     t.join(30)
 
 
+# beside other tests: the cap is the job's own allocator's, and the floor is 0
 def test_allocator_cap_reaches_a_torch_job(tmp_path, gpu):
     store, sup, t = _guard(tmp_path, gpu, inference_floor=0, margin=0, context_reserve=GIB)
     try:
@@ -118,6 +119,7 @@ def test_allocator_cap_reaches_a_torch_job(tmp_path, gpu):
         _finish(sup, t)
 
 
+@pytest.mark.gpu_alone  # the floor and its watcher read the whole card's free memory
 @pytest.mark.parametrize("policy", ["stop", "pause"])
 def test_hostile_job_is_stopped_or_paused_and_the_floor_holds(tmp_path, gpu, policy):
     from visionserve.guard import proc
@@ -156,6 +158,7 @@ time.sleep(4)
 """.replace("GIB", str(GIB))
 
 
+@pytest.mark.gpu_alone  # an MPS control daemon on the card, beside no other CUDA process
 def test_cuda_mps_jobs_run_on_capped_sms_and_cannot_pass_their_memory(tmp_path, gpu):
     """serve --guard-mps on the real driver: a private MPS control daemon starts; a guard job
     joins it on its share of the SMs; a hostile MPS client is held to its declared memory (MPS's

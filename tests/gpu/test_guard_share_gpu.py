@@ -6,7 +6,7 @@ Asserted: zero inference errors and OOM lines, every job succeeded, the guard re
 mechanism each one got, and the hook bounded the job's queued GPU work with CUDA events without
 turning itself off. Latency and steps/s ratios are reported in the JSON, not asserted (timing).
 About 2 minutes on an H200; tests/gpu/guard_share_on_device.sh runs the full form. Skips where
-CUDA is absent. run_on_device.sh leaves it out (its time budget); run it on its own."""
+CUDA is absent. run_on_device.sh runs it after the tests that share the GPU."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+# gpu_alone: the guard reads the card's free memory; the load is paced to the saturation it measured
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_alone, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300

@@ -23,6 +23,8 @@ from visionserve.frontends.remote import RemoteEngine
 from visionserve.runner import FrameResult
 from visionserve.tasks.classification import Classified
 
+pytestmark = pytest.mark.gpu_path  # takes CUDA branches where CUDA is: run with the GPU tests
+
 # --- the arena ---------------------------------------------------------------------------------
 
 

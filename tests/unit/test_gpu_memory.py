@@ -28,6 +28,8 @@ from visionserve.gpu.reservation import GpuReservation
 
 GIB = 1024**3
 
+pytestmark = pytest.mark.gpu_path  # takes CUDA branches where CUDA is: run with the GPU tests
+
 
 def cfg(backend: str = "onnxruntime", budget: str | None = None, instances: int = 1,
         mbs: int = 8) -> ModelConfig:

@@ -37,6 +37,8 @@ backend = "torch"
 precision = "fp16"
 """
 
+pytestmark = pytest.mark.gpu_path  # takes CUDA branches where CUDA is: run with the GPU tests
+
 
 def export_both(folder: Path) -> Path:
     """One nn.Module exported to version 1's model.onnx and model.pt2 (+ model.toml)."""
@@ -141,6 +143,7 @@ def test_bad_model_files_are_config_errors(tmp_path, config):
         TorchBackend().load(tmp_path / "model.pt2", config, "cpu")
 
 
+@pytest.mark.slow
 def test_an_isolated_load_reads_the_program_in_a_child_process(model_dir, config, monkeypatch):
     """A load beside serving versions (``isolated``) reads the exported program in a child
     process: this process never runs torch.export.load, and serves the same module, outputs and
@@ -180,6 +183,7 @@ def test_an_isolated_load_whose_child_fails_reads_the_program_here(model_dir, co
     assert backend.run(x)["output0"].shape == (2, 3)
 
 
+@pytest.mark.slow
 def test_an_isolated_load_of_a_broken_file_says_why(tmp_path, config):
     (tmp_path / "model.pt2").write_bytes(b"not a zip")
     backend = TorchBackend()
@@ -362,6 +366,7 @@ def time_now() -> float:
 
 # --- a real server with the torch backend ----------------------------------------------------
 
+@pytest.mark.slow
 def test_server_serves_the_torch_backend(model_dir, server_factory, jpeg_bytes):
     srv = server_factory(model_dir.parent, grpc=False)
     r = httpx.post(f"{srv.url}/v1/models/tiny/inspect", content=jpeg_bytes,
@@ -373,6 +378,7 @@ def test_server_serves_the_torch_backend(model_dir, server_factory, jpeg_bytes):
     assert meta["platform"].startswith("pytorch") or "torch" in str(meta)
 
 
+@pytest.mark.slow
 def test_a_swap_of_a_torch_model_reads_the_new_version_in_a_child_process(model_dir, tmp_path,
                                                                            server_factory,
                                                                            jpeg_bytes):

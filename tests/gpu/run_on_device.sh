@@ -1,10 +1,24 @@
 #!/usr/bin/env bash
-# The GPU data path on a CUDA machine, in one call: the gpu tests (and the CPU tests of the same
-# code), then the GPU benchmark. Results land in $OUT:
-#   env.txt       nvidia-smi, versions, onnxruntime providers
-#   pytest.txt    test output, a line per test;  junit.xml  the same, machine-readable
-#   stall.txt     only when the tests ran past PYTEST_T: py-spy's stacks of the run where it stood
-#                 (slow or stuck: a test under FAULT_T s has no faulthandler stacks in pytest.txt)
+# The GPU suite on a CUDA machine, in one call: every test in tests/gpu and the CPU tests of the
+# GPU code (marked gpu_path, under tests/), in two parts. About 8 minutes on one H100 (16 cores)
+# with the wheels of .whl/, pytest-xdist among them:
+#   1. the tests that share the card, in JOBS (6) pytest-xdist workers (--dist loadgroup; the
+#      tests marked slow handed out first): about 2.5 minutes; the frame-integrity cases (30 s of
+#      load each) and the batch workers' swap (about a minute) are the longest
+#   2. then the ones that need the card to themselves (marked gpu_alone: the guard's acceptance
+#      and GPU-sharing runs, its hostile-job and MPS tests), one after another: about 4.5 minutes
+# Before them, the bytecode of torch and the other large packages is compiled once, in parallel,
+# into PYC_DIR (/tmp/pyc; about 10 s), for every process of the run to read (PYTHONPYCACHEPREFIX):
+# the image keeps none, and each new Python process would spend ~5 s compiling torch. PYC=0
+# leaves that out. Without pytest-xdist (or with JOBS=0) part 1 runs serially, about 12 minutes.
+# Results land in $OUT:
+#   env.txt       nvidia-smi, versions, onnxruntime providers;  pyc.txt  the bytecode step
+#   pytest.txt    part 1's output, a line per test;  junit.xml  the same, machine-readable
+#   pytest-alone.txt / junit-alone.xml  part 2's
+#   stall.txt / stall-alone.txt  only when a part ran past its limit (PYTEST_T, 300; ALONE_T, what
+#                 is left of CALL_T, 580 s from the start): py-spy's stacks of the run where it
+#                 stood (slow or stuck: a test under FAULT_T s, 150, has no faulthandler stacks in
+#                 the part's output)
 #   integrity.jsonl  the frame-integrity test's counts (answers checked, wrong answers)
 #   bench.json    benchmark results;  bench.txt  its progress log;  dmon.txt  nvidia-smi dmon -s u
 #                 during it (utilisation of the SMs and of the JPEG engines, "jpg")
@@ -31,20 +45,19 @@
 #                 benchmark (python -m visionserve_tools.benchdet), up to DET_T s (540)
 #   guard.json / guard.txt  with GUARD_ARGS set (e.g. GUARD_ARGS="--latency-budget-ms 20"): the
 #                 guard's acceptance run (python -m visionserve_tools.benchguard), up to GUARD_T s (300)
-# SKIP_TESTS=1 / SKIP_BENCH=1 leave those parts out. One call may run 10 minutes at most, and the
-# default test list takes about 930 s on an H100 (2026-12-06: test_frame_integrity_gpu.py ~360 s,
-# test_gpu_path.py 275 s with onnxruntime-gpu, test_prepworker.py 173 s, the rest 125 s; each new
-# Python process there spends ~5 s compiling torch, for which the image keeps no bytecode), so
-# give TESTS in three calls with SKIP_BENCH=1 (those three files, the rest in the third); the
-# benchmark (up to BENCH_T s, 270) in a call of its own with SKIP_TESTS=1; a COMPARE of several
-# settings in another: SKIP_TESTS=1 SKIP_BENCH=1 COMPARE=....
+# TESTS="paths...": only those, in one part (a shorter call; serially, unless JOBS is given).
+# SKIP_TESTS=1 leaves the tests out, SKIP_ALONE=1 part 2. The benchmark (up to BENCH_T s, 270)
+# runs with BENCH=1, or alone with SKIP_TESTS=1 (SKIP_BENCH=1 leaves it out then): one call may
+# run 10 minutes at most, and the suite takes most of that. A COMPARE of several settings in a
+# call of its own: SKIP_TESTS=1 SKIP_BENCH=1 COMPARE=....
 # Run from the repository root:  bash tests/gpu/run_on_device.sh
 # Wheels for packages the machine lacks may be carried in .whl/ (installed to /tmp/site), e.g.
 #   ../shared/device/wheels.sh fastapi starlette uvicorn pydantic pydantic-core pydantic-settings \
 #     python-dotenv typing-inspection annotated-types anyio sniffio h11 httptools uvloop \
 #     prometheus-client nvidia-ml-py opentelemetry-api importlib-metadata zipp typing-extensions \
 #     httpx httpcore certifi idna pytest-asyncio pytest-timeout grpcio grpcio-health-checking \
-#     protobuf tritonclient python-rapidjson pycocotools py-spy      (22 MB; carry ".whl")
+#     protobuf tritonclient python-rapidjson pycocotools py-spy pytest-xdist execnet
+#     (22 MB; carry ".whl")
 # COMPARE="SPEC SPEC ...": after the benchmark, server settings side by side in the same call
 #   (benchgpu --quick --compare, one server per SPEC; e.g. COMPARE="VISIONSERVE_SWITCH_INTERVAL_MS=0.5
 #   VISIONSERVE_SWITCH_INTERVAL_MS=5 VISIONSERVE_SWITCH_INTERVAL_MS=0.5 VISIONSERVE_SWITCH_INTERVAL_MS=5",
@@ -58,6 +71,7 @@
 #   compare.json; compare/threads-compare-N.raw)
 # onnxruntime-gpu installed at /tmp/ort (shared/device/ort-gpu-chunks.sh) is used if present.
 set -u
+T0=$(date +%s)
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD
@@ -74,6 +88,37 @@ fi
 [ -d /tmp/ort ] && export PYTHONPATH=/tmp/ort:$PYTHONPATH
 [ -x /tmp/site/bin/py-spy ] && export PY_SPY=/tmp/site/bin/py-spy
 export PYTHONUNBUFFERED=1
+# the bytecode cache of the run (the header says why): the standard library (less the
+# site-packages under it and its tests), the large packages, the repository; what is left out
+# is written there on its first import
+if [ "${PYC:-1}" != 0 ]; then
+  export PYTHONPYCACHEPREFIX=${PYC_DIR:-/tmp/pyc}
+  unset PYTHONDONTWRITEBYTECODE
+  {
+    stdlib=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
+    timeout 120 python3 -m compileall -q -j 0 -x '/(site-packages|dist-packages|test|tests|idlelib|tkinter)/' \
+      "$stdlib"
+    # shellcheck disable=SC2046
+    timeout 180 python3 -m compileall -q -j 0 $(python3 -c '
+import importlib.util
+for name in ("torch torchvision triton sympy mpmath networkx numpy cv2 PIL onnx onnxruntime "
+             "jinja2 markupsafe fsspec filelock packaging fastapi starlette pydantic pydantic_core "
+             "pydantic_settings annotated_types typing_inspection dotenv uvicorn click httpx "
+             "httpcore h11 anyio sniffio idna certifi grpc grpc_health google.protobuf "
+             "tritonclient prometheus_client opentelemetry pynvml yaml rich pygments "
+             "typing_extensions pytest _pytest xdist execnet pluggy").split():
+    try:
+        spec = importlib.util.find_spec(name)
+    except Exception:  # absent or broken: its processes compile it as before
+        continue
+    if spec is not None and spec.submodule_search_locations:
+        print(*spec.submodule_search_locations, sep="\n")
+    elif spec is not None and (spec.origin or "").endswith(".py"):
+        print(spec.origin)
+') visionserve visionserve_tools tests loadtest
+    echo "bytecode in $PYTHONPYCACHEPREFIX after $(( $(date +%s) - T0 )) s"
+  } >"$OUT/pyc.txt" 2>&1
+fi
 {
   nvidia-smi
   python3 -c 'import sys, torch, torchvision; print(sys.version); print("torch", torch.__version__, "torchvision", torchvision.__version__, "cuda", torch.cuda.is_available())'
@@ -85,10 +130,11 @@ export PYTHONUNBUFFERED=1
 
 # limited LIMIT_S STACKS_FILE CMD...: CMD, stopped after LIMIT_S seconds (exit 124, as timeout's).
 # A run stopped at the limit writes no junit.xml: before stopping it, py-spy (when carried)
-# dumps the Python and native stacks of every thread of CMD and of its child processes to
-# STACKS_FILE, so it says where it stood (a test stuck, or one still running at the limit).
+# dumps the Python and native stacks of every thread of CMD and of its child processes (the
+# xdist workers) to STACKS_FILE, so it says where it stood (a test stuck, or one still running at
+# the limit). Then CMD and every process under it are stopped, so none is left on the GPU.
 limited() {
-  local limit=$1 stacks=$2 pid deadline p
+  local limit=$1 stacks=$2 pid deadline p tree
   shift 2
   rm -f "$stacks"
   "$@" &
@@ -106,36 +152,75 @@ limited() {
         fi
       done
     } >"$stacks" 2>&1
-    kill -TERM "$pid" 2>/dev/null
+    tree="$pid $(descendants "$pid")"
+    # shellcheck disable=SC2086
+    kill -TERM $tree 2>/dev/null
     sleep 5
-    kill -KILL "$pid" 2>/dev/null
+    # shellcheck disable=SC2086
+    kill -KILL $tree 2>/dev/null
     wait "$pid" 2>/dev/null
     return 124
   fi
   wait "$pid"
 }
 
-# the guard's acceptance test (2-3 min) runs on its own: tests/gpu/test_guard_acceptance.py; so
-# does its GPU-sharing test (about 2 min): tests/gpu/test_guard_share_gpu.py
+descendants() {  # the pids under $1, at any depth
+  local c
+  for c in $(pgrep -P "$1"); do
+    echo "$c"
+    descendants "$c"
+  done
+}
+
+# pytest_part NAME LIMIT_S ARGS...: pytest ARGS, its output in pytest$NAME.txt and junit$NAME.xml
+# (stall$NAME.txt past the limit: limited, above). One line per test (-v); a test still running
+# after FAULT_T s (150) has every thread's Python stack written there (faulthandler, from a thread
+# of its own: it is written even when the interpreter is held)
+pytest_part() {
+  local name=$1 limit=$2
+  shift 2
+  INTEGRITY_OUT="$OUT" limited "$limit" "$OUT/stall$name.txt" python3 -m pytest -p no:cacheprovider -v \
+    -rs -o addopts="" -o faulthandler_timeout="${FAULT_T:-150}" --junitxml="$OUT/junit$name.xml" "$@" \
+    >"$OUT/pytest$name.txt" 2>&1
+  echo "pytest exit $?" >>"$OUT/pytest$name.txt"
+  tail -n 25 "$OUT/pytest$name.txt"
+  [ -s "$OUT/stall$name.txt" ] && head -c 6000 "$OUT/stall$name.txt"
+}
+
+left() {  # seconds left of CALL_T (580) from the start, less $1 for what comes after
+  echo $(( T0 + ${CALL_T:-580} - $(date +%s) - $1 ))
+}
+
+min() { if [ "$1" -lt "$2" ]; then echo "$1"; else echo "$2"; fi; }
+
+# -n N --dist loadgroup where pytest-xdist is there and N > 0; nothing (serially) otherwise
+xdist_args() {
+  if [ "$1" -gt 0 ] && python3 -c 'import xdist' 2>/dev/null; then
+    echo "-n $1 --dist loadgroup"
+  fi
+}
+
 if [ -z "${SKIP_TESTS:-}" ]; then
-  # TESTS="paths...": only those (a shorter call), e.g. the data path's after a change to it.
-  # One line per test (-v: the test running at the limit is the last named); a test still
-  # running after FAULT_T s (150) has every thread's Python stack written to pytest.txt
-  # (faulthandler, from a thread of its own: it is written even when the interpreter is held); a
-  # run past PYTEST_T is dumped by py-spy to stall.txt (limited, above)
-  # shellcheck disable=SC2086
-  INTEGRITY_OUT="$OUT" limited ${PYTEST_T:-540} "$OUT/stall.txt" python3 -m pytest -p no:cacheprovider -v -rs \
-    -o addopts="" -o faulthandler_timeout=${FAULT_T:-150} \
-    ${TESTS:-tests/gpu tests/unit/test_gpu_memory.py tests/unit/test_torch_backend.py tests/unit/test_frontend_hub.py \
-    tests/unit/test_runner.py tests/unit/test_prepworker.py} \
-    --ignore=tests/gpu/test_guard_acceptance.py --ignore=tests/gpu/test_guard_share_gpu.py \
-    --junitxml="$OUT/junit.xml" >"$OUT/pytest.txt" 2>&1
-  echo "pytest exit $?" >>"$OUT/pytest.txt"
-  tail -n 25 "$OUT/pytest.txt"
-  [ -s "$OUT/stall.txt" ] && head -c 6000 "$OUT/stall.txt"
+  if [ -n "${TESTS:-}" ]; then
+    # shellcheck disable=SC2046,SC2086
+    pytest_part "" "$(min "${PYTEST_T:-540}" "$(left 10)")" $(xdist_args "${JOBS:-0}") $TESTS
+  else
+    # part 1: tests/gpu and the files of gpu_path tests, less the gpu_alone ones, in workers
+    gpu_path_files=$(grep -rlE --include='test_*.py' 'mark\.gpu_path' tests | grep -v '^tests/gpu/')
+    # shellcheck disable=SC2046,SC2086
+    pytest_part "" "$(min "${PYTEST_T:-300}" "$(left 20)")" $(xdist_args "${JOBS:-6}") \
+      -m "(gpu or gpu_path) and not gpu_alone" tests/gpu $gpu_path_files
+    # part 2: the tests that need the card to themselves, one after another
+    if [ -z "${SKIP_ALONE:-}" ] && [ "${ALONE_T:-$(left 10)}" -gt 30 ]; then
+      pytest_part -alone "${ALONE_T:-$(left 10)}" -m gpu_alone tests/gpu
+    elif [ -z "${SKIP_ALONE:-}" ]; then
+      echo "no time left for the tests marked gpu_alone" | tee "$OUT/pytest-alone.txt"
+    fi
+  fi
 fi
 
-if [ -z "${SKIP_BENCH:-}" ]; then
+# the benchmark: with BENCH=1, or when the tests are left out (a call of its own)
+if [ -n "${BENCH:-}" ] || { [ -n "${SKIP_TESTS:-}" ] && [ -z "${SKIP_BENCH:-}" ]; }; then
   # engine use each second under the benchmark's load: sm, mem, enc, dec, and jpg (the hardware
   # JPEG engines nvJPEG's hardware backend drives; docs/gpu.md, "which decoder that is")
   nvidia-smi dmon -s u -d 1 >"$OUT/dmon.txt" 2>&1 &

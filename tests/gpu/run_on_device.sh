@@ -10,7 +10,8 @@
 # Before them, the bytecode of torch and the other large packages is compiled once, in parallel,
 # into PYC_DIR (/tmp/pyc; about 10 s), for every process of the run to read (PYTHONPYCACHEPREFIX):
 # the image keeps none, and each new Python process would spend ~5 s compiling torch. PYC=0
-# leaves that out. Without pytest-xdist (or with JOBS=0) part 1 runs serially, about 12 minutes.
+# leaves that out. Without pytest-xdist (or with JOBS=0) part 1 runs serially, about 10 minutes:
+# more than one call allows.
 # Results land in $OUT:
 #   env.txt       nvidia-smi, versions, onnxruntime providers;  pyc.txt  the bytecode step
 #   pytest.txt    part 1's output, a line per test;  junit.xml  the same, machine-readable

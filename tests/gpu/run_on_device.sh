@@ -8,7 +8,7 @@
 #   2. then the ones that need the card to themselves (marked gpu_alone: the guard's acceptance
 #      and GPU-sharing runs, its hostile-job and MPS tests), one after another: about 4.5 minutes
 # Before them, the bytecode of torch and the other large packages is compiled once, in parallel,
-# into PYC_DIR (/tmp/pyc; about 10 s), for every process of the run to read (PYTHONPYCACHEPREFIX):
+# into PYC_DIR (/tmp/pyc; 10-20 s), for every process of the run to read (PYTHONPYCACHEPREFIX):
 # the image keeps none, and each new Python process would spend ~5 s compiling torch. PYC=0
 # leaves that out. Without pytest-xdist (or with JOBS=0) part 1 runs serially, about 10 minutes:
 # more than one call allows.

@@ -29,6 +29,8 @@ cv2 = pytest.importorskip("cv2")
 from visionserve.gpu import prepworker
 from visionserve.gpu.preprocess import TorchPreprocessor
 
+pytestmark = pytest.mark.gpu_path  # takes CUDA branches where CUDA is: run with the GPU tests
+
 PREFERRED = (1, 2, 4, 8)
 CONFIG = ModelConfig.model_validate({
     "name": "means",

@@ -21,6 +21,8 @@ from visionserve.config import ModelConfig
 from visionserve.errors import DeadlineExceeded
 from visionserve.runner import FrameResult, Runner, padded_size
 
+pytestmark = pytest.mark.gpu_path  # takes CUDA branches where CUDA is: run with the GPU tests
+
 torch = pytest.importorskip("torch")
 
 CONFIG = ModelConfig.model_validate({

@@ -33,7 +33,7 @@
 #                 guard's acceptance run (python -m visionserve_tools.benchguard), up to GUARD_T s (300)
 # SKIP_TESTS=1 / SKIP_BENCH=1 leave those parts out. One call may run 10 minutes at most, and the
 # default test list takes about 930 s on an H100 (2026-12-06: test_frame_integrity_gpu.py ~360 s,
-# test_gpu_path.py 275 s with onnxruntime-gpu, test_prepworker.py 173 s, the rest 125 s; each new
+# test_gpu_path.py 275 s with onnxruntime-gpu, test_execution_workers.py 173 s, the rest 125 s; each new
 # Python process there spends ~5 s compiling torch, for which the image keeps no bytecode), so
 # give TESTS in three calls with SKIP_BENCH=1 (those three files, the rest in the third); the
 # benchmark (up to BENCH_T s, 270) in a call of its own with SKIP_TESTS=1; a COMPARE of several
@@ -127,7 +127,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   INTEGRITY_OUT="$OUT" limited ${PYTEST_T:-540} "$OUT/stall.txt" python3 -m pytest -p no:cacheprovider -v -rs \
     -o addopts="" -o faulthandler_timeout=${FAULT_T:-150} \
     ${TESTS:-tests/gpu tests/unit/test_gpu_memory.py tests/unit/test_torch_backend.py tests/unit/test_frontend_hub.py \
-    tests/unit/test_runner.py tests/unit/test_prepworker.py} \
+    tests/unit/test_execution_threads.py tests/unit/test_execution_workers.py} \
     --ignore=tests/gpu/test_guard_acceptance.py --ignore=tests/gpu/test_guard_share_gpu.py \
     --junitxml="$OUT/junit.xml" >"$OUT/pytest.txt" 2>&1
   echo "pytest exit $?" >>"$OUT/pytest.txt"

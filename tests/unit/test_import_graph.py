@@ -27,21 +27,15 @@ PACKAGE = "visionserve"
 #: MODULE_LAYERS names the module itself.
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("foundation", frozenset({"", "errors", "config", "plugins", "logs", "metrics", "latency",
-                              "extras", "process", "threads", "storage"})),
+                              "extras", "process", "threads", "storage", "framing"})),
     ("frames and devices", frozenset({"imaging", "gpu"})),
     ("models", frozenset({"backends", "tasks", "repository", "verdicts", "recipes"})),
-    ("data plane", frozenset({"dataplane", "batching", "runner", "engine", "oip"})),
+    ("data plane", frozenset({"dataplane", "batching", "execution", "engine", "oip"})),
     ("front ends", frozenset({"http", "grpc", "frontends", "security"})),
     ("services", frozenset({"guard", "plc", "ops", "records"})),
     ("assembly", frozenset({"runtime", "cli", "__main__"})),
 )
 MODULE_LAYERS = {
-    # the engine's view of the GPU: it builds a backend's GPU preprocessor, so it sits above the
-    # backends (which use gpu.memory's streams) and below the engine, its one user
-    "gpu.reservation": "data plane",
-    # worker processes that prepare an instance's batches, and with --gpu-batch-processes run
-    # its model too and hand the runner a RanBatch: the runner's other half, in a process
-    "gpu.prepworker": "data plane",
     # the guard's shared-memory "busy word": the batchers write it, guard jobs read it; it imports
     # nothing of the server (the guard owns its layout, so it lives there)
     "guard.share": "foundation",

@@ -123,7 +123,8 @@ class Reader:
             got += n
         (size,) = HEAD.unpack_from(self.buf)
         end = HEAD.size + size
-        if end > len(self.buf):
+        if end > len(self.buf):  # a larger message: the buffer grows (let go of its view first)
+            view.release()
             self.buf.extend(bytes(end - len(self.buf)))
             view = memoryview(self.buf)
         if got < end:

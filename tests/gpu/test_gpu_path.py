@@ -635,7 +635,8 @@ FAULT_SCRIPT = textwrap.dedent("""
     async def main():
         loop = asyncio.get_running_loop()
         r = ThreadExecutor(name="net:1#0", backend=b, config=cfg, preferred=(1, 2),
-                           cost=CostModel(lambda n: padded_size(n, (1, 2))), on_batch=lambda x: None)
+                           cost=CostModel(lambda n: padded_size(n, (1, 2))),
+                           on_batch=lambda x: None)
         r.start(loop)
         frame = imaging.raw_frame(np.zeros((96, 96, 3), np.uint8), (96, 96, 3))
         async def one():

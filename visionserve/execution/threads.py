@@ -58,7 +58,7 @@ class ThreadExecutor:
                  nice: int = 0, why: str = "CPU") -> None:
         self.name = name
         # the prep and compute threads (and the decode pool they start) this many nice levels
-        # below the event loop (threads.py)
+        # below the event loop (visionserve/threads.py)
         self.nice = nice
         # the model's outputs -> (verdict, result) per frame; the engine's is bound to the model
         self.task = task if task is not None else tasks.create(config)

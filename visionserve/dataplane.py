@@ -23,8 +23,8 @@ from .repository import ModelEntry, parse_version
 
 if TYPE_CHECKING:
     from .config import ModelConfig
+    from .execution.results import FrameResult
     from .imaging import Frame
-    from .runner import FrameResult
     from .tasks import Task
 
 

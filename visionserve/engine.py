@@ -36,16 +36,17 @@ from .batching import Batcher, CostModel
 from .config import ServerSettings
 from .dataplane import ModelLookup
 from .errors import ConfigError, VisionServeError
+from .execution import Executor, InProcess, choose
+from .execution.results import FrameResult, device_fault, padded_size
 from .imaging import Frame
 from .lifecycle import Lifecycle
 from .repository import ModelEntry
-from .runner import FrameResult, Runner, device_fault, padded_size
 from .served import Served, effective_config
 from .served import file_stamp as _file_stamp
 from .threads import run_lowered, switching_fast
 
 if TYPE_CHECKING:
-    from .gpu.reservation import GpuReservation
+    from .execution.reservation import GpuReservation
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ class Engine(ModelLookup):
                 self.lifecycle.reasons[e.name] = "unloaded (not in --load-model)"
         if self.device.startswith("cuda"):
             # budget: planned, checked free (else not ready, the reason logged), allocators capped
-            from .gpu.reservation import GpuReservation
+            from .execution.reservation import GpuReservation
 
             self.gpu = GpuReservation(self.settings.gpu_memory_budget, self.device,
                                       one_call=self.settings.gpu_prep_one_call,
@@ -158,7 +159,7 @@ class Engine(ModelLookup):
         task = tasks.create(config)
         pad_to: tuple[int, ...] = ()
         cost: CostModel | None = None
-        runners = []
+        runners: list[Executor] = []
         load_id = next(_load_ids)
         device_before = self.gpu.device_bytes() if self.gpu else 0  # what this load takes
         nice = self.settings.worker_nice  # the model's threads below the event loop's priority
@@ -178,18 +179,17 @@ class Engine(ModelLookup):
                 pad_to = preferred if pad else ()
                 cost = CostModel(functools.partial(padded_size, preferred=pad_to))
             await run_lowered(nice, self._warmup, backend, preferred, cost, path, task)
-            prep = await asyncio.to_thread(self.gpu.preprocessor, backend, config, preferred,
-                                           load_id, (entry.name, i), path, task) \
-                if self.gpu else None
+            placement = await asyncio.to_thread(self.gpu.placement, backend, config, preferred,
+                                                load_id, (entry.name, i), path, task) \
+                if self.gpu else InProcess()
             log.info("%s:%d instance %d loaded and warmed up in %.1f s (%s)", entry.name, version,
                      i, time.monotonic() - t0, backend.describe())
-            runners.append(Runner(name=f"{entry.name}:{version}#{i}", backend=backend,
+            runners.append(choose(placement, name=f"{entry.name}:{version}#{i}", backend=backend,
                                   config=config, preferred=pad_to, cost=cost,
-                                  on_batch=lambda r: None,
-                                  prepare=getattr(prep, "prepare_here", None) or (
-                                      prep.prepare if prep is not None else None),
-                                  task=task, nice=nice,
-                                  remote=prep if hasattr(prep, "submit") else None))
+                                  on_batch=lambda r: None, task=task, nice=nice))
+        # where this version's batches run, and why: once, for all its instances
+        log.info("%s:%d executes %s", entry.name, version,
+                 "; ".join(dict.fromkeys(r.describe() for r in runners)))
 
         async def execute(batch):
             # the instance with the fewest batches in flight (a batch a prep thread took is no

@@ -11,7 +11,7 @@ from collections.abc import Container, Mapping
 from . import metrics
 from .dataplane import Duration
 from .errors import VisionServeError
-from .runner import BatchRecord, FrameResult
+from .execution.results import BatchRecord, FrameResult
 from .served import Served
 
 

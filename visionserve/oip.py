@@ -27,7 +27,7 @@ from .tasks import VERDICT, OipOutput
 
 if TYPE_CHECKING:
     from .dataplane import Route, ServedModel
-    from .runner import FrameResult
+    from .execution.results import FrameResult
     from .tasks import Task
 
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "schedule_policy",

@@ -14,8 +14,8 @@ from .batching import Batcher
 from .config import BatchingSpec, ModelConfig, ServerSettings
 from .dataplane import ModelStats
 from .errors import ConfigError, describe_validation
+from .execution import Executor
 from .repository import ModelEntry
-from .runner import Runner
 
 
 def file_stamp(path: Path) -> tuple[int, int]:
@@ -32,7 +32,7 @@ class Served:
     version: int
     config: ModelConfig
     batcher: Batcher
-    runners: list[Runner]
+    runners: list[Executor]
     stats: ModelStats = field(default_factory=ModelStats)
     backend_info: dict[str, str] = field(default_factory=dict)
     series: metrics.ModelSeries = field(init=False)  # made in __post_init__

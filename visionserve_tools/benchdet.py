@@ -163,8 +163,8 @@ def annotate_cost(root: Path, jpegs: list[bytes]) -> dict:
     from visionserve import imaging, tasks
     from visionserve.backends.checks import Subject, TensorSpec
     from visionserve.config import load_model_config
+    from visionserve.execution.results import FrameResult
     from visionserve.http.inspect import annotated
-    from visionserve.runner import FrameResult
 
     cfg = load_model_config(root / "yolo640" / "model.toml")
     t = tasks.create(cfg)

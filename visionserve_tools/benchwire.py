@@ -2,7 +2,7 @@
 one process, rounds alternating (a ratio, good on a noisy machine):
 
 * ``per_answer``: sending answers, per task: a loop turn's answers pickled as one message
-  (``frontends.channel.encode``) and unpickled in the front end, with the answers' own pickling
+  (``framing.encode``) and unpickled in the front end, with the answers' own pickling
   (``tasks.base.pickled_as_fields``; a classification's scores as float32 bytes) and with the
   dataclasses' default pickling;
 * ``per_frame_intake``: taking a frame from a front end's arena (``hub.Link._frame``): a copy
@@ -31,7 +31,7 @@ import numpy as np
 
 
 def answers() -> dict[str, Callable[[], Any]]:
-    from visionserve.runner import FrameResult
+    from visionserve.execution.results import FrameResult
     from visionserve.tasks.anomaly import Anomaly, FrameRegion
     from visionserve.tasks.classification import Classified
     from visionserve.tasks.detection import Detected, Detection
@@ -57,7 +57,7 @@ def answers() -> dict[str, Callable[[], Any]]:
 
 
 def _classes() -> tuple[type, ...]:
-    from visionserve.runner import FrameResult
+    from visionserve.execution.results import FrameResult
     from visionserve.tasks.anomaly import Anomaly, FrameRegion
     from visionserve.tasks.classification import Classified
     from visionserve.tasks.detection import Detected, Detection
@@ -67,7 +67,7 @@ def _classes() -> tuple[type, ...]:
 
 
 def measure(rounds: int = 7, encodes: int = 200, per_message: int = 32) -> dict[str, Any]:
-    from visionserve.frontends.channel import encode
+    from visionserve.framing import encode
 
     classes = _classes()
     # each class's own pickling (``__reduce__``: pickled_as_fields, or a task's own); without it

@@ -326,16 +326,17 @@ def test_a_preparation_process_gives_the_model_what_this_process_would(repo, con
 
     from tests.tools import jpegs
     from visionserve import imaging
-    from visionserve.gpu.prepworker import SLOTS, PrepProcess
+    from visionserve.execution.protocol import SLOTS
+    from visionserve.execution.workers import WorkerPool
     from visionserve.gpu.preprocess import TorchPreprocessor
 
     gpu, _ = _backends(repo, config)
     local = TorchPreprocessor.for_config(config, device="cuda:0", dtype=gpu.input_dtype,
                                          stream=gpu.stream, channels_last=gpu.channels_last)
     local.warmup(config.batching.preferred_batch_sizes)
-    pp = PrepProcess(config, local, device="cuda:0", dtype=gpu.input_dtype,
-                     channels_last=gpu.channels_last, one_call=True,
-                     preferred=config.batching.preferred_batch_sizes, name="net#0")
+    pp = WorkerPool(config, local, device="cuda:0", dtype=gpu.input_dtype,
+                    channels_last=gpu.channels_last, one_call=True,
+                    preferred=config.batching.preferred_batch_sizes, name="net#0")
     assert pp.start(), pp.failure
     try:
         corrupt = imaging.encoded_frame(jpegs.corrupt(_scenes(1)[0]))
@@ -395,6 +396,14 @@ def _engine(repo: Path, budget: str | None, **extra):
     return Engine(settings, device="cuda:0")
 
 
+def _pool(executor):
+    """The worker processes of an instance's executor; None where it runs in the serving
+    process."""
+    from visionserve.execution.workers import WorkerExecutor
+
+    return executor.pool if isinstance(executor, WorkerExecutor) else None
+
+
 # beside other tests: it counts the segments of its own process's allocator
 @pytest.mark.slow
 @pytest.mark.parametrize("batch_processes", [0, 1], ids=["in-process", "batch-processes"])
@@ -419,7 +428,7 @@ def test_serving_adds_no_device_memory_after_warm_up(repo, batch_processes):
             assert engine.ready and engine.gpu is not None
             if batch_processes:
                 runner = engine.served[("net", 1)].runners[0]
-                workers = runner.remote
+                workers = _pool(runner)
                 assert workers is not None and workers.runs_model, engine.gpu.worker_bytes
             before = engine.gpu.watch.new_since_mark()
             for n in (1, 3, 16, 7, 2, 16, 5):
@@ -461,7 +470,7 @@ def test_batch_workers_hold_their_memory_inside_the_budget(repo, config, caplog)
         try:
             assert engine.ready and engine.gpu is not None
             res, served = engine.gpu, engine.served[("net", 1)]
-            workers = served.runners[0].remote
+            workers = _pool(served.runners[0])
             _, results = await engine.infer("net", None, frames)
             out = {"results": [r.result for r in results], "workers": workers,
                    "reserved": torch.cuda.memory_reserved(), "cap": res._serving_cap(),
@@ -538,7 +547,7 @@ def test_a_swap_on_the_gpu_returns_the_old_memory_and_serving_adds_none_after_it
                 return prep(v).pool
 
             def workers(v):
-                return engine.served[("net", v)].runners[0].remote
+                return _pool(engine.served[("net", v)].runners[0])
 
             first, old = pool(1), workers(1)
             assert (old is not None) == bool(batch_processes)
@@ -568,7 +577,7 @@ def test_a_swap_on_the_gpu_returns_the_old_memory_and_serving_adds_none_after_it
 
 
 def test_budget_not_free_keeps_the_server_not_ready(repo, caplog):
-    from visionserve.gpu.reservation import GpuReservation
+    from visionserve.execution.reservation import GpuReservation
 
     async def scenario():
         engine = _engine(repo, "100TiB")
@@ -616,7 +625,8 @@ FAULT_SCRIPT = textwrap.dedent("""
     from visionserve.backends.torch import TorchBackend
     from visionserve.batching import CostModel, Pending
     from visionserve.config import load_model_config
-    from visionserve.runner import Runner, padded_size
+    from visionserve.execution.results import padded_size
+    from visionserve.execution.threads import ThreadExecutor
     from visionserve import imaging
     logging.basicConfig(level=logging.ERROR, stream=sys.stdout)
     repo = sys.argv[1]
@@ -633,8 +643,9 @@ FAULT_SCRIPT = textwrap.dedent("""
     b = Broken(); b.load(f"{repo}/net/1/model.pt2", cfg, "cuda:0"); b.warmup((1, 2))
     async def main():
         loop = asyncio.get_running_loop()
-        r = Runner(name="net:1#0", backend=b, config=cfg, preferred=(1, 2),
-                   cost=CostModel(lambda n: padded_size(n, (1, 2))), on_batch=lambda x: None)
+        r = ThreadExecutor(name="net:1#0", backend=b, config=cfg, preferred=(1, 2),
+                           cost=CostModel(lambda n: padded_size(n, (1, 2))),
+                           on_batch=lambda x: None)
         r.start(loop)
         frame = imaging.raw_frame(np.zeros((96, 96, 3), np.uint8), (96, 96, 3))
         async def one():

@@ -24,7 +24,8 @@ from visionserve.errors import (
     Unavailable,
     http_status,
 )
-from visionserve.runner import BatchRecord, FrameResult, Runner, padded_size
+from visionserve.execution.results import BatchRecord, FrameResult, padded_size
+from visionserve.execution.threads import ThreadExecutor
 
 WAIT = 10.0  # generous upper bound for anything that should happen "soon"
 FAR = 3600.0  # a deadline that never matters
@@ -682,9 +683,10 @@ async def runner_env():
     records: list[BatchRecord] = []
     made = []
 
-    def make(backend: Backend) -> Runner:
-        r = Runner(name="fake", backend=backend, config=CONFIG, preferred=(1, 2, 4, 8),
-                   cost=CostModel(lambda n: padded_size(n, (1, 2, 4, 8))), on_batch=records.append)
+    def make(backend: Backend) -> ThreadExecutor:
+        r = ThreadExecutor(name="fake", backend=backend, config=CONFIG, preferred=(1, 2, 4, 8),
+                           cost=CostModel(lambda n: padded_size(n, (1, 2, 4, 8))),
+                           on_batch=records.append)
         r.start(loop)
         made.append(r)
         return r

@@ -16,11 +16,11 @@ from visionserve import imaging
 from visionserve.config import ServerSettings
 from visionserve.engine import Engine
 from visionserve.errors import DeadlineExceeded, InvalidInput, NotFound, Unavailable
+from visionserve.execution.results import FrameResult
+from visionserve.framing import Channel, connect, encode
 from visionserve.frontends.arena import ALIGN, Arena, create_memfd
-from visionserve.frontends.channel import Channel, connect, encode
 from visionserve.frontends.hub import Hub
 from visionserve.frontends.remote import RemoteEngine
-from visionserve.runner import FrameResult
 from visionserve.tasks.classification import Classified
 
 pytestmark = pytest.mark.gpu_path  # takes CUDA branches where CUDA is: run with the GPU tests
@@ -126,10 +126,10 @@ async def test_channel_sends_a_loop_turns_messages_together_and_in_order():
 def test_a_turn_over_the_message_limit_goes_as_one_list_per_message(monkeypatch):
     """A loop turn whose list would pass the receiver's limit goes out message by message, each
     under the limit, and arrives whole and in order."""
-    from visionserve.frontends import channel
+    from visionserve import framing
 
     msgs = [("result", i, [bytes([i]) * 400]) for i in range(5)]
-    monkeypatch.setattr(channel, "MAX_MESSAGE", 1000)  # one message fits, two do not
+    monkeypatch.setattr(framing, "MAX_MESSAGE", 1000)  # one message fits, two do not
     stream = encode(msgs)
     got: list = []
     receiver = Channel(got.append, lambda: None)

@@ -14,6 +14,7 @@ import pytest
 
 from visionserve.config import ModelConfig
 from visionserve.errors import ConfigError, InvalidInput
+from visionserve.execution.reservation import GpuReservation
 from visionserve.gpu import memory, telemetry
 from visionserve.gpu.memory import (
     PinnedPool,
@@ -24,7 +25,6 @@ from visionserve.gpu.memory import (
     shared_pool,
 )
 from visionserve.gpu.nvml import SimulatedNvml, simulated_gpu
-from visionserve.gpu.reservation import GpuReservation
 
 GIB = 1024**3
 
@@ -115,7 +115,7 @@ def test_reservation_waits_not_ready_until_the_budget_is_free(caplog):
         nv.remove_process(0, other)
         await asyncio.wait_for(task, 5)
 
-    with caplog.at_level(logging.INFO, logger="visionserve.gpu.reservation"):
+    with caplog.at_level(logging.INFO, logger="visionserve.execution.reservation"):
         asyncio.run(scenario())
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1  # logged once, not every retry
@@ -556,7 +556,7 @@ def test_worker_processes_are_in_the_budget_and_in_the_memory_used(monkeypatch, 
     import logging
     from types import SimpleNamespace
 
-    from visionserve.gpu import reservation
+    from visionserve.execution import reservation
 
     caps: list[int] = []
     monkeypatch.setattr(reservation, "cap_torch_allocator", lambda cap, device: caps.append(cap))

@@ -23,27 +23,19 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "visionserve"
 
 #: Lowest first. A module may import its own layer and the layers below it, never one above.
-#: The first part of a module's name below ``visionserve`` says its layer, unless
-#: MODULE_LAYERS names the module itself.
+#: The first part of a module's name below ``visionserve`` says its layer: a package's modules
+#: all sit in the package's layer.
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("foundation", frozenset({"", "errors", "config", "plugins", "logs", "metrics", "latency",
-                              "extras", "process", "threads", "storage"})),
+                              "extras", "process", "threads", "storage", "framing"})),
     ("frames and devices", frozenset({"imaging", "gpu"})),
     ("models", frozenset({"backends", "tasks", "repository", "verdicts", "recipes"})),
-    ("data plane", frozenset({"dataplane", "batching", "runner", "engine", "oip", "served",
+    ("data plane", frozenset({"dataplane", "batching", "execution", "engine", "oip", "served",
                               "admission", "enginestats", "lifecycle"})),
     ("front ends", frozenset({"http", "grpc", "frontends", "security"})),
     ("services", frozenset({"guard", "plc", "ops", "records"})),
     ("assembly", frozenset({"runtime", "cli", "__main__"})),
 )
-MODULE_LAYERS = {
-    # the engine's view of the GPU: it builds a backend's GPU preprocessor, so it sits above the
-    # backends (which use gpu.memory's streams) and below the engine, its one user
-    "gpu.reservation": "data plane",
-    # worker processes that prepare an instance's batches, and with --gpu-batch-processes run
-    # its model too and hand the runner a RanBatch: the runner's other half, in a process
-    "gpu.prepworker": "data plane",
-}
 #: Packages of one layer that never import one another: each front end translates on its own
 #: (security is the middleware they share); the guard, the PLC servers and ops are independent.
 SIBLINGS = (frozenset({"http", "grpc", "frontends"}), frozenset({"guard", "plc", "ops"}))
@@ -197,10 +189,6 @@ def _part(module: str) -> str:
 
 
 def _layer(module: str) -> int:
-    rest = module[len(PACKAGE) + 1:] if module != PACKAGE else ""
-    names = [name for name, _ in LAYERS]
-    if rest in MODULE_LAYERS:
-        return names.index(MODULE_LAYERS[rest])
     for i, (_, parts) in enumerate(LAYERS):
         if _part(module) in parts:
             return i
@@ -236,7 +224,7 @@ def test_every_module_has_a_layer():
             _layer(module)
         except KeyError:
             missing.append(module)
-    assert not missing, (f"modules in no layer: {missing}; add them to LAYERS (or MODULE_LAYERS) "
+    assert not missing, (f"modules in no layer: {missing}; add them to LAYERS "
                          "here and to docs/architecture.md")
 
 

@@ -18,10 +18,10 @@ from visionserve.errors import (
     InvalidInput,
     Unavailable,
 )
+from visionserve.execution.results import FrameResult
 from visionserve.plc import metrics
 from visionserve.plc.bus import Reason, ResultBus, ResultCode, Stations, part_number
 from visionserve.plc.watchdog import SystemState, Watchdog
-from visionserve.runner import FrameResult
 from visionserve.tasks.classification import Classification, Classified
 
 LABELS = ("ok", "dent", "scratch")

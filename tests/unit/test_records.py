@@ -23,6 +23,7 @@ from prometheus_client import REGISTRY
 
 from visionserve.config import ModelConfig
 from visionserve.errors import DeadlineExceeded, Unavailable
+from visionserve.execution.results import FrameResult
 from visionserve.imaging import Frame
 from visionserve.logs import request_id
 from visionserve.records import cli
@@ -30,7 +31,6 @@ from visionserve.records.capture import FolderTarget, Policy, image_key
 from visionserve.records.record import Record, parse_time
 from visionserve.records.store import SqliteStore, StoreFault
 from visionserve.records.writer import Recorder
-from visionserve.runner import FrameResult
 from visionserve.tasks.classification import Classification, Classified
 
 LABELS = ("ok", "dent", "scratch")

@@ -16,7 +16,8 @@ from visionserve.backends.torch import TorchBackend
 from visionserve.batching import CostModel, Pending
 from visionserve.config import ModelConfig, load_model_config
 from visionserve.errors import ConfigError, Unavailable
-from visionserve.runner import Runner, device_fault, padded_size
+from visionserve.execution.results import device_fault, padded_size
+from visionserve.execution.threads import ThreadExecutor
 
 TOML = """\
 [input]
@@ -329,8 +330,9 @@ def test_device_fault_marks_the_runner_unhealthy(config, jpeg_bytes, caplog):
 
     async def scenario():
         loop = asyncio.get_running_loop()
-        runner = Runner(name="tiny:1#0", backend=backend, config=config, preferred=preferred,
-                        cost=CostModel(lambda n: padded_size(n, preferred)), on_batch=lambda r: None)
+        runner = ThreadExecutor(name="tiny:1#0", backend=backend, config=config,
+                                preferred=preferred, on_batch=lambda r: None,
+                                cost=CostModel(lambda n: padded_size(n, preferred)))
         runner.start(loop)
         frame = imaging.encoded_frame(jpeg_bytes)
 
@@ -348,7 +350,7 @@ def test_device_fault_marks_the_runner_unhealthy(config, jpeg_bytes, caplog):
         await asyncio.to_thread(runner.stop)
         return runner, first, second, third
 
-    with caplog.at_level(logging.ERROR, logger="visionserve.runner"):
+    with caplog.at_level(logging.ERROR, logger="visionserve.execution.threads"):
         runner, first, second, third = asyncio.run(scenario())
     assert all(r.verdict in ("OK", "NG") for r in first)
     assert all(isinstance(e, Unavailable) for e in second + third)

@@ -53,10 +53,10 @@ import numpy as np
 
 from ..dataplane import ModelView
 from ..errors import INTERNAL_MESSAGE, InternalError, VisionServeError
+from ..framing import Channel, connect
 from ..imaging import Frame
 from ..logs import request_id
 from .arena import ArenaReader
-from .channel import Channel, connect
 
 log = logging.getLogger(__name__)
 

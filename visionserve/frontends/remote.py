@@ -30,10 +30,10 @@ import numpy as np
 from .. import errors, recipes
 from ..dataplane import ModelLookup, ModelView
 from ..errors import DeadlineExceeded, Unavailable, VisionServeError
+from ..framing import Channel
 from ..imaging import Frame
 from ..logs import request_id
 from .arena import Arena
-from .channel import Channel
 
 log = logging.getLogger(__name__)
 

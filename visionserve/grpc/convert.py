@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from ..dataplane import ServedModel
+    from ..execution.results import FrameResult
     from ..imaging import Frame
-    from ..runner import FrameResult
 
 pb = service_pb2
 

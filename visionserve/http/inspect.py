@@ -17,7 +17,7 @@ from starlette.datastructures import Headers
 
 from .. import imaging
 from ..errors import DeadlineExceeded, InvalidInput, VisionServeError
-from ..runner import FrameResult
+from ..execution.results import FrameResult
 from ..tasks import Task, annotate
 from .common import (
     ClientGone,

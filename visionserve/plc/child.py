@@ -2,7 +2,7 @@
 hand.
 
 Messages from the serving process (pickled tuples on a Unix socket pair, the framing of
-:mod:`visionserve.frontends.channel`):
+:mod:`visionserve.framing`):
 
 - ``("r", [ResultEvent.wire(), ...])``: results, in the order they became final;
 - ``("b", station, busy)``: a station's frames in flight went from none to some, or back to none;
@@ -44,7 +44,7 @@ from .handshake import Fault, LineStatus
 from .watchdog import SystemState, Watchdog, _Probe
 
 if TYPE_CHECKING:
-    from ..frontends.channel import Channel
+    from ..framing import Channel
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ class _MetricsOut:
 
 
 async def run(spec: dict, settings) -> int:
-    from ..frontends.channel import connect
+    from ..framing import connect
 
     out = _MetricsOut()
     metrics.record_into(out)

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from ..config import data_home
 from ..errors import ConfigError, Conflict, VisionServeError
-from ..frontends.channel import Channel, connect
+from ..framing import Channel, connect
 from ..process import RestartBackoff
 from . import metrics
 from .bus import ResultBus, Stations
@@ -284,7 +284,7 @@ class PlcLink:
 
     def _flush(self) -> None:
         """Called by the bus for each result: it goes out at the end of this loop turn, with the
-        others of the turn, in one write per process (frontends.channel)."""
+        others of the turn, in one write per process (framing.Channel)."""
         events = self.bus.drain()
         if not events:
             return

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 from .. import imaging
 from ..config import ServerSettings
 from ..errors import VisionServeError
+from ..framing import connect
 from ..frontends.arena import Arena
-from ..frontends.channel import connect
 from ..frontends.remote import RemoteEngine
 from ..http.server import http_app, http_server
 from ..process import child_main

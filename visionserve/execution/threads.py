@@ -1,4 +1,5 @@
-"""The per-instance worker: two threads, so batch k+1 is decoded while batch k computes.
+"""An instance's executor in the serving process: two threads, so batch k+1 is decoded while
+batch k computes.
 
 prep thread:    decode + resize + normalise (OpenCV releases the GIL) -> bounded hand-off queue
 compute thread: drop what expired meanwhile -> backend.run -> the model's task (results and
@@ -18,69 +19,23 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from . import imaging, tasks
-from .backends.base import Backend
-from .batching import CostModel, Pending, resolve
-from .config import ModelConfig
-from .errors import DeadlineExceeded, InternalError, Unavailable, VisionServeError
-from .logs import batch_ids
-from .tasks.base import pickled_as_fields
-from .threads import lower_this_thread
+from .. import imaging, tasks
+from ..backends.base import Backend
+from ..batching import CostModel, Pending, resolve
+from ..config import ModelConfig
+from ..errors import DeadlineExceeded, InternalError, Unavailable, VisionServeError
+from ..logs import batch_ids
+from ..threads import lower_this_thread
+from .results import BatchRecord, FrameResult, Prepare, device_fault, padded_size
 
 log = logging.getLogger(__name__)
 
 
-@pickled_as_fields  # to a front-end process, from the engine's loop
-@dataclass(frozen=True, slots=True)
-class FrameResult:
-    """A frame's answer, the envelope every task shares; always in time (``deadline_met`` is
-    kept for the wire: always true). ``result`` is the task's own (``Task.postprocess``): the
-    front ends have the model's task render it."""
-
-    verdict: str
-    result: Any
-    batch_size: int
-    queue_ms: float
-    compute_ms: float
-    total_ms: float
-    deadline_met: bool
-
-
-@dataclass(frozen=True, slots=True)
-class BatchRecord:
-    """What one batch did, for statistics and metrics (sent to the loop thread)."""
-
-    size: int
-    padded: int
-    ok: int  # answered with a verdict
-    failed: int  # failed in preprocessing (bad image, fault)
-    late: int  # answered LATE: the deadline passed during decode, or before the verdict was ready
-    queue_s: tuple[float, ...]
-    prep_s: float
-    infer_s: float
-    post_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class RanBatch:
-    """A batch prepared and run in a process of its own (``--gpu-batch-processes``,
-    gpu/prepworker.py): the model's outputs (host arrays, a row per frame in ``good``, in order,
-    then padding), the frames that failed preparation (each alone) and the time its model took
-    there."""
-
-    outputs: dict[str, Any]
-    good: list[int]
-    bad: list[tuple[int, Exception]]
-    padded: int
-    infer_s: float
-
-
-def _split(live: list[Pending], good: list[int], bad: list[tuple[int, Exception]]
+def split(live: list[Pending], good: list[int], bad: list[tuple[int, Exception]]
            ) -> tuple[list[Pending], list[tuple[Pending, Exception]]]:
     """A prepared batch's frames: (those to run, (frame, error) of those that failed)."""
     # a frame's error needs no traceback, and its traceback and the preparation's list of errors
@@ -89,25 +44,21 @@ def _split(live: list[Pending], good: list[int], bad: list[tuple[int, Exception]
     return [live[i] for i in good], [(live[i], exc.with_traceback(None)) for i, exc in bad]
 
 
-def padded_size(n: int, preferred: tuple[int, ...]) -> int:
-    for p in preferred:
-        if p >= n:
-            return p
-    return n
-
-
 _STOP = object()
 
 
-class Runner:
+class ThreadExecutor:
+    """An instance's batches prepared and run in the serving process, by a prep thread and a
+    compute thread (:class:`~visionserve.execution.Executor`)."""
+
     def __init__(self, *, name: str, backend: Backend, config: ModelConfig,
                  preferred: tuple[int, ...], cost: CostModel,
                  on_batch: Callable[[BatchRecord], None],
-                 prepare: Callable | None = None, task: tasks.Task | None = None,
-                 nice: int = 0, remote: Any = None) -> None:
+                 prepare: Prepare | None = None, task: tasks.Task | None = None,
+                 nice: int = 0, why: str = "CPU") -> None:
         self.name = name
         # the prep and compute threads (and the decode pool they start) this many nice levels
-        # below the event loop (threads.py)
+        # below the event loop (visionserve/threads.py)
         self.nice = nice
         # the model's outputs -> (verdict, result) per frame; the engine's is bound to the model
         self.task = task if task is not None else tasks.create(config)
@@ -115,13 +66,10 @@ class Runner:
         self._task_stream = backend.stream if self.task.on_device and backend.device_outputs \
             else None
         # prepare(frames, padded) -> (tensor, good, bad): None = imaging.prepare_batch (CPU); the
-        # GPU preprocessor (gpu/preprocess.py) when the runner's device is a GPU
+        # GPU preprocessor (gpu/preprocess.py) when the instance's device is a GPU
         self.prepare = prepare
-        # preparation processes the event loop sends batches to (gpu/prepworker.py: attach,
-        # submit); the prep thread then prepares only what they cannot. The compute thread gives
-        # each batch's input back (remote.release: a slot may then be written again), and stop
-        # closes them after the threads
-        self.remote = remote
+        # what the start-up log says of how this instance's batches are prepared and run
+        self.why = why
         self.backend = backend
         self.config = config
         self.preferred = preferred
@@ -139,17 +87,11 @@ class Runner:
         self._threads: list[threading.Thread] = []
         self._loop: asyncio.AbstractEventLoop | None = None
 
+    def describe(self) -> str:
+        return f"in the serving process (2 threads; {self.why})"
+
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        if self.remote is not None:  # it watches its sockets from the loop: attach there
-            try:
-                here = asyncio.get_running_loop() is loop
-            except RuntimeError:
-                here = False
-            if here:
-                self.remote.attach(loop)
-            else:  # until then, batches go to the prep thread
-                loop.call_soon_threadsafe(self.remote.attach, loop)
         for target, role in ((self._prep_loop, "prep"), (self._compute_loop, "compute")):
             t = threading.Thread(target=target, name=f"{self.name}:{role}", daemon=True)
             t.start()
@@ -160,29 +102,16 @@ class Runner:
         for t in self._threads:
             t.join(timeout=10)
         self._threads.clear()
-        if self.remote is not None:
-            self.remote.close()
 
     @property
     def batches_in_flight(self) -> int:
         """Batches the batcher may give this instance at once: one computing, and one being
-        prepared by the prep thread or by each preparation process; or two for each process
-        that prepares and runs them (one prepared there while one runs)."""
-        if self.remote is None:
-            return 2
-        if self.remote.runs_model:
-            return 2 * len(self.remote.workers)
-        return 1 + len(self.remote.workers)
+        prepared by the prep thread."""
+        return 2
 
     @property
     def full_batches_extra(self) -> int:
-        """Full batches the batcher may give this instance beyond :attr:`batches_in_flight`: one
-        for each process that prepares and runs them, waiting on its socket, so that a worker
-        done with a batch starts the next without waiting for the loop to read its answer and
-        send one. Only full ones: a closed loop of clients would otherwise spread its frames
-        over more, smaller batches."""
-        if self.remote is not None and self.remote.runs_model:
-            return len(self.remote.workers)
+        """Full batches the batcher may give this instance beyond :attr:`batches_in_flight`."""
         return 0
 
     async def execute(self, batch: list[Pending]) -> None:
@@ -191,67 +120,21 @@ class Runner:
         self.inflight += 1
         self.accepted += 1
         done.add_done_callback(self._answered)
-        if not (self.remote is not None and self.healthy and not self._here_when_idle()
-                and self._submit(batch, done)):
+        if not self._sent_elsewhere(batch, done):
             self._inbox.put((batch, done))
         await done
 
-    def _here_when_idle(self) -> bool:
-        """Whether a batch of an instance whose workers prepare and run its batches
-        (``--gpu-batch-processes``) runs in this process instead: when it is the only one in
-        flight. The instance is idle then, so this process's two threads take it without
-        waiting behind other work, and it saves a worker's two socket hops, a lone client's
-        latency. Under load some
-        batch is always in flight, and the workers take them all."""
-        return self.remote.runs_model and self.inflight == 1
+    def _sent_elsewhere(self, batch: list[Pending], done: asyncio.Future) -> bool:
+        """On the loop: whether the batch went to something other than this executor's prep
+        thread (worker processes, :class:`~.workers.WorkerExecutor`)."""
+        return False
 
-    def _submit(self, batch: list[Pending], done: asyncio.Future) -> bool:
-        """On the loop: the batch to a preparation process; when it is in a slot, straight to
-        the compute thread (what the prep thread does with a batch it prepared). False when
-        no process can take it; a batch one took and then could not prepare goes to the prep
-        thread."""
-        t0 = time.monotonic()
-        live = [p for p in batch if not p.future.done()]
-        padded = padded_size(len(live), self.preferred)
+    def _given_back(self, tensor: Any, settled: bool) -> None:
+        """The compute thread is done with a batch's input ``tensor`` (None when it failed in
+        preparation); ``settled``: the device is past every read of it."""
 
-        def ready(prepared: Any) -> None:
-            if prepared is None:
-                self._inbox.put((batch, done))
-                return
-            if isinstance(prepared, RanBatch):
-                self._conclude_ran(done, live, prepared, t0)
-                return
-            tensor, items, errors = self._sorted(live, *prepared)
-            if errors:
-                _fail_all(errors)
-            self._handoff.put((batch, done, items, tensor, t0, time.monotonic() - t0,
-                               len(errors)))
-
-        return bool(self.remote.submit([p.payload for p in live], padded, ready))
-
-    def _conclude_ran(self, done: asyncio.Future, live: list[Pending], ran: RanBatch,
-                      t0: float) -> None:
-        """On the loop: a batch a worker process prepared and ran is answered here, without a
-        thread of this process (what the compute thread does after ``backend.run``)."""
-        post = _Posted()
-        _, errors = _split(live, [], ran.bad)
-        if errors:
-            post(_fail_all, errors)
-        # the rows of frames still waiting (a frame cancelled meanwhile is not answered)
-        rows = [j for j, i in enumerate(ran.good) if not live[i].future.done()]
-        items = [live[ran.good[j]] for j in rows]
-        try:
-            if items:  # the preparation as the loop saw it: the round trip but the model
-                self._conclude(items, ran.outputs, rows, ran.padded, 0,
-                               time.monotonic() - t0 - ran.infer_s, ran.infer_s, len(errors),
-                               post)
-        except Exception:
-            log.exception("answering a batch run by a worker process failed in %s", self.name,
-                          extra=batch_ids(items))
-            post(_fail_all, [(p, InternalError("the model's results could not be read; see the "
-                                               "server log")) for p in items])
-        post(resolve, done, None)
-        post.run()
+    def _run_failed(self) -> None:
+        """``backend.run`` raised a VisionServeError: it may have queued a read of the input."""
 
     def _answered(self, done: asyncio.Future) -> None:
         self.inflight -= 1
@@ -269,7 +152,7 @@ class Runner:
                 bad: list[tuple[int, Exception]]) -> tuple[Any, list[Pending], list]:
         """A prepared batch as the compute thread takes it: (tensor, frames to run, (frame,
         error) of those that failed)."""
-        items, errors = _split(live, good, bad)
+        items, errors = split(live, good, bad)
         if bad and good:  # rows of bad frames need not run: keep the good ones (+ padding)
             tensor = tensor[:padded_size(len(good), self.preferred)]
         return tensor, items, errors
@@ -307,7 +190,7 @@ class Runner:
                 errors = [(p, InternalError("preprocessing failed; see the server log"))
                           for p in live]
             if errors:
-                self._post(_fail_all, errors)
+                self._post(fail_all, errors)
             self._handoff.put((batch, done, items, tensor, t0, time.monotonic() - t0, len(errors)))
             # this thread holds no frame while it waits for the next batch (with
             # zero-copy mode a frame held is arena space the front end cannot reuse)
@@ -322,7 +205,7 @@ class Runner:
             _batch, done, items, tensor, t0, prep_s, failed = job
             # what the batch sends the loop goes in one call_soon_threadsafe: each one writes to
             # the loop's wake-up socket, and each write gives up the interpreter and waits for it
-            post = _Posted()
+            post = Posted()
             settled = True  # the device is past every read of ``tensor``
             try:
                 self._compute(items, tensor, t0, prep_s, failed, post)
@@ -332,26 +215,13 @@ class Runner:
                     self._mark_unhealthy(exc)
                 log.exception("compute failed in %s", self.name, extra=batch_ids(items))
                 failure = "the model failed on this batch; see the server log"
-                post(_fail_all, [(p, InternalError(failure)) for p in items])
+                post(fail_all, [(p, InternalError(failure)) for p in items])
             finally:
-                if self.remote is not None and tensor is not None:
-                    # a batch that ran has had its outputs read on the host, so the device has
-                    # read its input; one that failed midway may still have a copy of it queued
-                    if not settled:
-                        self._settle()
-                    self.remote.release(tensor)
+                self._given_back(tensor, settled)
                 post(resolve, done, None)
                 self._post(post.run)
                 # nor this one (see the prep thread)
                 del job, _batch, done, items, tensor, post
-
-    def _settle(self) -> None:
-        stream = getattr(self.backend, "stream", None)
-        if stream is not None:
-            try:
-                stream.synchronize()
-            except Exception:  # a device fault: the instance is out of service anyway
-                log.debug("waiting for %s's stream failed", self.name, exc_info=True)
 
     def _mark_unhealthy(self, exc: BaseException) -> None:
         if self.healthy:
@@ -367,7 +237,7 @@ class Runner:
         keep = [i for i, p in enumerate(items) if not p.future.done() and p.deadline > now]
         late = [p for p in items if not p.future.done() and p.deadline <= now]
         if late:
-            self._post(_fail_all, [(p, DeadlineExceeded(
+            self._post(fail_all, [(p, DeadlineExceeded(
                 "deadline passed while the frame was being decoded "
                 f"({(now - p.deadline) * 1000:.1f} ms ago); it was not run",
                 late_ms=(now - p.deadline) * 1000)) for p in late])
@@ -391,15 +261,14 @@ class Runner:
         try:
             outputs = self.backend.run(tensor)
         except VisionServeError as exc:
-            if self.remote is not None:  # it may have queued a read of the input: see above
-                self._settle()
-            post(_fail_all, [(p, exc) for p in items])
+            self._run_failed()
+            post(fail_all, [(p, exc) for p in items])
             return
         except Exception as exc:
             if not device_fault(exc):
                 raise
             self._mark_unhealthy(exc)
-            post(_fail_all, [(p, Unavailable(
+            post(fail_all, [(p, Unavailable(
                 f"the GPU failed while running model instance {self.name}; it is out of service"))
                 for p in items])
             return
@@ -448,7 +317,7 @@ class Runner:
             queue_s=tuple(p.dispatched - p.arrival for p in items),
             prep_s=prep_s, infer_s=infer_s, post_s=t3 - t2))
         if too_late:
-            post(_fail_all, too_late)
+            post(fail_all, too_late)
         post(_answer_all, answers)
 
 
@@ -456,23 +325,7 @@ class _Unhealthy(Exception):
     pass
 
 
-# Messages of errors raised by torch / onnxruntime when the device itself failed (a sticky CUDA
-# error: the context is unusable, further results would be garbage). Out-of-memory is not one.
-_DEVICE_FAULTS = ("CUDA error", "CUDA driver error", "CUDA failure", "cuDNN error", "CUDNN failure",
-                  "CUBLAS_STATUS_EXECUTION_FAILED", "CUBLAS failure", "illegal memory access",
-                  "device-side assert", "unspecified launch failure", "uncorrectable ECC error",
-                  "GPU has fallen off the bus")
-
-
-def device_fault(exc: BaseException) -> bool:
-    """True when ``exc`` means the device is broken (as opposed to a bad input or OOM)."""
-    if type(exc).__name__ == "AcceleratorError":  # torch >= 2.8 raises this for CUDA errors
-        return True
-    text = str(exc)
-    return "out of memory" not in text and any(k in text for k in _DEVICE_FAULTS)
-
-
-class _Posted(list):
+class Posted(list):
     """What one batch sends the event loop: ``post(fn, *args)`` adds a call, :meth:`run` (on
     the loop, once) makes them in order, one failing call not stopping the rest."""
 
@@ -492,6 +345,6 @@ def _answer_all(answers) -> None:
         resolve(p.future, value)
 
 
-def _fail_all(errors) -> None:
+def fail_all(errors) -> None:
     for p, exc in errors:
         resolve(p.future, exc=exc)

@@ -1,10 +1,12 @@
 """The engine's view of a GPU: reserve the memory budget, then serve.
 
 :class:`GpuReservation` is the one object the engine talks to: it plans and checks the budget
-(:mod:`.memory`) before the models load, gives each instance its share and a GPU preprocessor
-(:mod:`.preprocess`), marks the allocator when ready and publishes telemetry (:mod:`.telemetry`).
-It sits above those three, which never import it (nor each other, but for :mod:`.preprocess`
-using the staging pool of :mod:`.memory`).
+(:mod:`visionserve.gpu.memory`) before the models load, gives each instance its share and says
+where its batches are prepared and run (:meth:`GpuReservation.placement`: a GPU preprocessor,
+:mod:`visionserve.gpu.preprocess`, in the serving process or in worker processes), marks the
+allocator when ready and publishes telemetry (:mod:`visionserve.gpu.telemetry`). It sits above
+those three, which never import it (nor each other, but for the preprocessor using the staging
+pool of the memory module).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import ModelConfig, parse_bytes
 from ..errors import ConfigError, Conflict
-from .memory import (
+from ..gpu.memory import (
     MIB,
     AllocationWatch,
     BudgetPlan,
@@ -27,19 +29,22 @@ from .memory import (
     prep_allowance,
     reserve_small_pool,
 )
+from .placement import InProcess, InWorkers, Placement
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from ..backends.base import Backend
-    from .nvml import GpuInfo, Nvml
+    from ..gpu.nvml import GpuInfo, Nvml
+    from ..tasks import Task
+    from .workers import WorkerPool
 
 log = logging.getLogger(__name__)
 
 
 class GpuReservation:
     """What the engine does on a GPU: plan and check the budget before loading, cap the
-    allocators, give each instance its share and a GPU preprocessor, mark the allocator when
+    allocators, give each instance its share and its placement, mark the allocator when
     ready, publish telemetry. One object, so ``engine.py`` needs only a few calls."""
 
     RETRY_S = 5.0  # how often an unavailable budget is checked again
@@ -64,7 +69,7 @@ class GpuReservation:
         self.footprints: dict[int, int] = {}
         # the worker processes of each load (--gpu-batch-processes) and
         # the device bytes their allocators may hold, which the serving process's cap leaves
-        self.workers: dict[int, list[Any]] = {}
+        self.workers: dict[int, list[WorkerPool]] = {}
         self.worker_bytes: dict[int, int] = {}
         self.gpu: GpuInfo | None = None
         self.telemetry: Any = None
@@ -72,7 +77,7 @@ class GpuReservation:
     @property
     def nvml(self) -> Nvml:
         if self._nvml is None:
-            from .nvml import real_nvml
+            from ..gpu.nvml import real_nvml
 
             self._nvml = real_nvml()
         return self._nvml
@@ -189,7 +194,7 @@ class GpuReservation:
         """The live worker processes of every load (for telemetry)."""
         return [pid for group in self.workers.values() for w in group for pid in w.pids]
 
-    def _take_for_workers(self, owner: int, workers: Any, config: ModelConfig,
+    def _take_for_workers(self, owner: int, workers: WorkerPool, config: ModelConfig,
                           name: str) -> bool:
         """Take what ``workers`` (of load ``owner``) may hold off the serving process's cap;
         False (said in the log) where that would leave it less than it holds and room for one
@@ -215,22 +220,21 @@ class GpuReservation:
     def _serving_streams(self) -> list[Any]:
         return [s for streams in self.streams.values() for s in streams]
 
-    def preprocessor(self, backend: Backend, config: ModelConfig,
-                     preferred: tuple[int, ...], owner: int, pool_key: tuple | None = None,
-                     model_path: Path | None = None, task: Any = None) -> Any:
-        """A warmed-up GPU preprocessor for ``backend`` of the load ``owner``, or None where
-        the backend cannot take device tensors (no stream: e.g. onnxruntime without torch
-        CUDA). Preprocessors of one ``pool_key`` (the versions of a model instance) share
-        their pinned staging pool. With ``prep_processes`` worker processes prepare the
-        batches (:class:`.prepworker.PrepProcess`, which the runner attaches to the event loop;
-        it has ``release``, ``close`` and ``prepare_here`` too), and this process's
-        preprocessor is their fallback. With ``batch_processes`` they also run the model
-        (loaded from ``model_path`` with the backend's config) and answer with its outputs,
-        unless ``task`` reads them on the device; the fallback is then this process's
-        preparation and ``backend``."""
+    def placement(self, backend: Backend, config: ModelConfig, preferred: tuple[int, ...],
+                  owner: int, pool_key: tuple | None = None, model_path: Path | None = None,
+                  task: Task | None = None) -> Placement:
+        """Where the batches of ``backend`` (of the load ``owner``) are prepared and run: with
+        a warmed-up GPU preprocessor in this process, or on the CPU where the backend cannot
+        take device tensors (no stream: e.g. onnxruntime without torch CUDA). Preprocessors of
+        one ``pool_key`` (the versions of a model instance) share their pinned staging pool.
+        With ``prep_processes`` worker processes prepare the batches
+        (:class:`.workers.WorkerPool`), and this process's preprocessor is their fallback. With
+        ``batch_processes`` they also run the model (loaded from ``model_path`` with the
+        backend's config) and answer with its outputs, unless ``task`` reads them on the
+        device; the fallback is then this process's preparation and ``backend``."""
         if not backend.takes_device_input:
-            return None
-        from .preprocess import TorchPreprocessor
+            return InProcess(None, "CPU preprocessing: the backend takes host input")
+        from ..gpu.preprocess import TorchPreprocessor
 
         prep = TorchPreprocessor.for_config(config, device=self.device, dtype=backend.input_dtype,
                                             stream=backend.stream,
@@ -242,30 +246,35 @@ class GpuReservation:
         if prep.decode_stream is not None:  # the decoded images' blocks live in its pool
             streams.append(prep.decode_stream)
         name = "#".join(map(str, pool_key)) if pool_key else ""
+        here = f"GPU preprocessing on {self.device}"
         model = None
         if self.batch_processes:
-            if model_path is None or backend.config is None or getattr(task, "on_device", False):
+            on_device = task is not None and task.on_device
+            if model_path is None or backend.config is None or on_device:
                 log.warning("%s: its batches are run in the serving process: --gpu-batch-processes "
                             "needs a task that reads the model's outputs on the host", name)
-                return prep
+                return InProcess(prep.prepare, f"{here}; --gpu-batch-processes needs a task that "
+                                               "reads the model's outputs on the host")
             model = {"path": str(model_path), "config": backend.config.model_dump(mode="json")}
         if self.prep_processes or model is not None:
-            from .prepworker import PrepProcess
+            from .workers import WorkerPool
 
-            workers = PrepProcess(config, prep, device=self.device, dtype=backend.input_dtype,
-                                  channels_last=backend.channels_last, one_call=self.one_call,
-                                  preferred=preferred,
-                                  workers=self.batch_processes or self.prep_processes, name=name,
-                                  model=model)
+            count = self.batch_processes or self.prep_processes
+            workers = WorkerPool(config, prep, device=self.device, dtype=backend.input_dtype,
+                                 channels_last=backend.channels_last, one_call=self.one_call,
+                                 preferred=preferred, workers=count, name=name, model=model)
             if workers.start() and self._take_for_workers(owner, workers, config, name):
-                return workers
+                return InWorkers(workers, f"--gpu-batch-processes {count}" if model is not None
+                                 else f"{here} in the workers")
             workers.close()  # none could start or fit (logged): the instance runs in-process
-        return prep
+            return InProcess(prep.prepare, f"{here}; its worker processes did not start or fit "
+                                           "the GPU memory budget")
+        return InProcess(prep.prepare, here)
 
     def ready(self) -> None:
         """Call when every model is warm: the allocator's state now is the one to keep (with
         the blocks the warm-ups left cached on the runners' streams, which serving reuses)."""
-        from .telemetry import GpuTelemetry
+        from ..gpu.telemetry import GpuTelemetry
 
         reserve_small_pool(self.device, self._serving_streams())
         self.watch.mark()

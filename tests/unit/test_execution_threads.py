@@ -1,4 +1,4 @@
-"""The runner's handling of device tensors (the GPU path's batches), with torch on the CPU.
+"""The thread executor's handling of device tensors (the GPU path's batches), with torch on the CPU.
 
 A GPU batch's rows are written by kernels queued on the preprocessing stream; the compute thread
 runs on another stream. So when frames drop out of a batch after preprocessing (cancelled, or
@@ -19,7 +19,8 @@ from visionserve.backends.base import Backend
 from visionserve.batching import CostModel, Pending
 from visionserve.config import ModelConfig
 from visionserve.errors import DeadlineExceeded
-from visionserve.runner import FrameResult, Runner, padded_size
+from visionserve.execution.results import FrameResult, padded_size
+from visionserve.execution.threads import ThreadExecutor
 
 pytestmark = pytest.mark.gpu_path  # takes CUDA branches where CUDA is: run with the GPU tests
 
@@ -70,10 +71,10 @@ def make_prepare(slow_s: float):
 COLOURS = [(10, 20, 30), (40, 50, 60), (70, 80, 90), (100, 110, 120), (130, 140, 150)]
 
 
-def start_runner(backend: Backend, prepare, loop) -> Runner:
-    runner = Runner(name="means:1#0", backend=backend, config=CONFIG, preferred=PREFERRED,
-                    cost=CostModel(lambda n: padded_size(n, PREFERRED)), on_batch=lambda r: None,
-                    prepare=prepare)
+def start_runner(backend: Backend, prepare, loop) -> ThreadExecutor:
+    runner = ThreadExecutor(name="means:1#0", backend=backend, config=CONFIG,
+                            preferred=PREFERRED, on_batch=lambda r: None, prepare=prepare,
+                            cost=CostModel(lambda n: padded_size(n, PREFERRED)))
     runner.start(loop)
     return runner
 
@@ -152,9 +153,9 @@ async def test_a_verdict_ready_after_the_deadline_is_answered_late_not_given():
             return super().run(batch)
 
     prepare, _ = make_prepare(slow_s=0.0)
-    runner = Runner(name="means:1#0", backend=Slow(), config=CONFIG, preferred=PREFERRED,
-                    cost=CostModel(lambda n: padded_size(n, PREFERRED)), on_batch=records.append,
-                    prepare=prepare)
+    runner = ThreadExecutor(name="means:1#0", backend=Slow(), config=CONFIG,
+                            preferred=PREFERRED, on_batch=records.append, prepare=prepare,
+                            cost=CostModel(lambda n: padded_size(n, PREFERRED)))
     runner.start(loop)
     try:
         now = time.monotonic()

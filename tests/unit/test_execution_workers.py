@@ -1,6 +1,6 @@
-"""Batches prepared by worker processes (gpu/prepworker.py; the batch workers of
+"""Batches prepared by worker processes (execution/workers.py; the batch workers of
 ``--gpu-batch-processes``, and the preparation-only ones, off in the server), on the CPU:
-a real worker process (``python -m visionserve.gpu.prepworker``), slots in a real shared memory
+a real worker process (``python -m visionserve.execution.worker``), slots in a real shared memory
 file, the real TorchPreprocessor on both sides. The GPU test (tests/gpu/test_gpu_path.py) does
 the same with CUDA IPC slots."""
 
@@ -20,13 +20,16 @@ import pytest
 from visionserve import imaging
 from visionserve.batching import CostModel, Pending
 from visionserve.config import ModelConfig
-from visionserve.runner import FrameResult, Runner, padded_size
+from visionserve.execution.results import FrameResult, padded_size
 from visionserve.tasks.classification import Classified
 
 torch = pytest.importorskip("torch")
 cv2 = pytest.importorskip("cv2")
 
-from visionserve.gpu import prepworker
+from visionserve import framing
+from visionserve.execution import protocol, workers
+from visionserve.execution import worker as child
+from visionserve.execution.workers import WorkerExecutor
 from visionserve.gpu.preprocess import TorchPreprocessor
 
 pytestmark = pytest.mark.gpu_path  # takes CUDA branches where CUDA is: run with the GPU tests
@@ -41,14 +44,14 @@ CONFIG = ModelConfig.model_validate({
 })
 
 
-def worker(one_call: bool = False, **kw) -> prepworker.PrepProcess:
+def worker(one_call: bool = False, **kw) -> workers.WorkerPool:
     """Workers without the one call start in under 2 s here, with it in 3-5 (TorchScript
     compiles it); the module's shared worker has it."""
     local = TorchPreprocessor.for_config(CONFIG, device="cpu", dtype=torch.float32,
                                          one_call=one_call)
     args = {"device": "cpu", "dtype": torch.float32, "channels_last": False,
             "one_call": one_call, "preferred": PREFERRED, "name": "means#0", **kw}
-    return prepworker.PrepProcess(CONFIG, local, **args)
+    return workers.WorkerPool(CONFIG, local, **args)
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +98,8 @@ def test_the_worker_prepares_what_the_serving_process_would(pp):
 
 def test_a_slot_is_not_written_again_until_the_compute_thread_gives_it_back(pp):
     frames = [jpeg(i) for i in range(4)]
-    held = [pp.prepare(frames, 4)[0] for _ in range(prepworker.SLOTS)]
-    assert len({t.data_ptr() for t in held}) == prepworker.SLOTS
+    held = [pp.prepare(frames, 4)[0] for _ in range(protocol.SLOTS)]
+    assert len({t.data_ptr() for t in held}) == protocol.SLOTS
     before = [t.clone() for t in held]
     done: list = []
     other = [jpeg(10 + i) for i in range(4)]
@@ -120,7 +123,7 @@ def test_when_one_of_two_workers_dies_the_other_prepares_every_batch(caplog):
         frames = [jpeg(i) for i in range(3)]
         victim = p.pids[0]
         os.kill(victim, signal.SIGKILL)
-        with caplog.at_level(logging.ERROR, logger="visionserve.gpu.prepworker"):
+        with caplog.at_level(logging.ERROR, logger="visionserve.execution"):
             for _ in range(6):  # whichever worker a batch finds first: none is lost
                 t, good, _ = p.prepare(frames, 4)
                 assert good == [0, 1, 2] and torch.equal(t, p.fallback.prepare(frames, 4)[0])
@@ -140,7 +143,7 @@ def test_a_worker_that_dies_leaves_its_batches_to_the_serving_process(caplog):
         t, _, _ = p.prepare(frames, 4)
         p.release(t)
         os.kill(p.pid, signal.SIGKILL)
-        with caplog.at_level(logging.ERROR, logger="visionserve.gpu.prepworker"):
+        with caplog.at_level(logging.ERROR, logger="visionserve.execution"):
             for _ in range(2):
                 t, good, bad = p.prepare(frames, 4)
                 assert good == [0, 1, 2] and bad == []
@@ -163,7 +166,7 @@ def big_frames(seed: int = 5) -> list[imaging.Frame]:
 
 def test_a_batch_larger_than_its_staging_memory_goes_on_the_socket(pp):
     frames = big_frames()
-    assert sum(f.data.nbytes for f in frames) > prepworker.STAGE_BYTES
+    assert sum(f.data.nbytes for f in frames) > protocol.STAGE_BYTES
     t, good, bad = pp.prepare(frames, 8)
     try:
         assert good == list(range(8)) and bad == []
@@ -191,7 +194,7 @@ async def test_the_loop_sends_a_large_batch_as_the_socket_drains(pp):
         pp._detach_all()
         for w in pp.workers:
             w.sock.setblocking(True)
-            prepworker.set_time_limit(w.sock, pp.reply_timeout_s)
+            framing.set_time_limit(w.sock, pp.reply_timeout_s)
 
 
 async def _until(condition) -> None:
@@ -206,7 +209,7 @@ def test_a_worker_that_stops_answering_is_given_up_after_the_time_limit(caplog):
     try:
         os.kill(pid, signal.SIGSTOP)
         frames = [jpeg(i) for i in range(2)]
-        with caplog.at_level(logging.ERROR, logger="visionserve.gpu.prepworker"):
+        with caplog.at_level(logging.ERROR, logger="visionserve.execution"):
             t0 = time.monotonic()
             t, good, _ = p.prepare(frames, 2)
             waited = time.monotonic() - t0
@@ -221,7 +224,7 @@ def test_a_worker_that_stops_answering_is_given_up_after_the_time_limit(caplog):
 
 def test_a_worker_that_cannot_start_leaves_the_instance_preparing_in_process(caplog):
     p = worker(device="cuda:0") if not torch.cuda.is_available() else worker(device="cuda:99")
-    with caplog.at_level(logging.WARNING, logger="visionserve.gpu.prepworker"):
+    with caplog.at_level(logging.WARNING, logger="visionserve.execution"):
         assert not p.start(timeout_s=120)
     assert "did not start" in (p.failure or "")
     assert any("did not start" in r.message for r in caplog.records)
@@ -254,12 +257,12 @@ def coloured_batches(loop, count: int, seed: int = 7) -> list[tuple[list, list[P
     return batches
 
 
-def runner_for(p: prepworker.PrepProcess) -> Runner:
-    """A runner with preparation-only workers (the batches from the loop
+def runner_for(p: workers.WorkerPool) -> WorkerExecutor:
+    """An executor with preparation-only workers (the batches from the loop
     to the workers; the prep thread prepares only what they cannot)."""
-    return Runner(name="means:1#0", backend=Means(), config=CONFIG,  # type: ignore[arg-type]
-                  preferred=PREFERRED, cost=CostModel(lambda n: padded_size(n, PREFERRED)),
-                  on_batch=lambda r: None, prepare=p.prepare_here, remote=p)
+    return WorkerExecutor(name="means:1#0", backend=Means(), config=CONFIG,  # type: ignore[arg-type]
+                          preferred=PREFERRED, cost=CostModel(lambda n: padded_size(n, PREFERRED)),
+                          on_batch=lambda r: None, pool=p, why="test")
 
 
 def assert_own_colours(batches) -> None:
@@ -290,7 +293,7 @@ async def test_every_answer_is_its_own_frames_through_two_workers():
                 await runner.execute(batch)
 
         await asyncio.wait_for(asyncio.gather(*(one(b) for _, b in batches)), 60)
-        assert [w.free.qsize() for w in p.workers] == [prepworker.SLOTS] * 2  # all given back
+        assert [w.free.qsize() for w in p.workers] == [protocol.SLOTS] * 2  # all given back
     finally:
         await asyncio.to_thread(runner.stop)
     assert_own_colours(batches)
@@ -318,7 +321,7 @@ async def test_batches_a_lost_worker_had_are_prepared_in_the_serving_process(how
             async with limit:
                 await runner.execute(batch)
 
-        with caplog.at_level(logging.ERROR, logger="visionserve.gpu.prepworker"):
+        with caplog.at_level(logging.ERROR, logger="visionserve.execution"):
             await asyncio.wait_for(asyncio.gather(*(one(b) for _, b in batches)), 60)
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -358,20 +361,20 @@ def means_model(tmp_path_factory):
     return path, backend
 
 
-def batch_workers(means_model, **kw) -> prepworker.PrepProcess:
+def batch_workers(means_model, **kw) -> workers.WorkerPool:
     path, _ = means_model
     return worker(model={"path": str(path), "config": TORCH_CONFIG.model_dump(mode="json")}, **kw)
 
 
-def model_runner_for(p: prepworker.PrepProcess, backend) -> Runner:
-    """A runner as the engine makes one with --gpu-batch-processes: its own backend runs only
+def model_runner_for(p: workers.WorkerPool, backend) -> WorkerExecutor:
+    """An executor as the engine makes one with --gpu-batch-processes: its own backend runs only
     what the workers cannot."""
-    return Runner(name="means:1#0", backend=backend, config=CONFIG,
-                  preferred=PREFERRED, cost=CostModel(lambda n: padded_size(n, PREFERRED)),
-                  on_batch=lambda r: None, prepare=p.prepare_here, remote=p)
+    return WorkerExecutor(name="means:1#0", backend=backend, config=CONFIG,
+                          preferred=PREFERRED, cost=CostModel(lambda n: padded_size(n, PREFERRED)),
+                          on_batch=lambda r: None, pool=p, why="--gpu-batch-processes")
 
 
-async def run_all(runner: Runner, batches) -> None:
+async def run_all(runner: WorkerExecutor, batches) -> None:
     """Every batch through ``runner``, as many at once as the batcher would give it (full ones
     included)."""
     limit = asyncio.Semaphore(runner.batches_in_flight + runner.full_batches_extra)
@@ -401,7 +404,7 @@ async def test_batch_workers_answer_every_frame_with_its_own_outputs(means_model
     batches = coloured_batches(loop, 30, seed=3)
     try:
         await run_all(runner, batches)
-        assert [w.free.qsize() for w in p.workers] == [prepworker.SLOTS] * 2
+        assert [w.free.qsize() for w in p.workers] == [protocol.SLOTS] * 2
     finally:
         await asyncio.to_thread(runner.stop)
     assert_own_colours(batches)
@@ -488,7 +491,7 @@ async def test_batches_a_lost_batch_worker_had_run_in_the_serving_process(means_
     batches = coloured_batches(loop, 20, seed=13)
     try:
         os.kill(victim, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
-        with caplog.at_level(logging.ERROR, logger="visionserve.gpu.prepworker"):
+        with caplog.at_level(logging.ERROR, logger="visionserve.execution"):
             await run_all(runner, batches)
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -508,7 +511,7 @@ def test_a_batch_worker_whose_device_fails_answers_the_batch_and_stops():
     import socket
 
     ours, theirs = socket.socketpair()
-    stage = np.zeros(prepworker.STAGE_BYTES * prepworker.SLOTS, np.uint8)
+    stage = np.zeros(protocol.STAGE_BYTES * protocol.SLOTS, np.uint8)
 
     class Prep:
         def prepare(self, frames, padded):
@@ -518,16 +521,16 @@ def test_a_batch_worker_whose_device_fails_answers_the_batch_and_stops():
         def run(self, x):
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    worker_loop = threading.Thread(target=prepworker._prepare_and_run,
+    worker_loop = threading.Thread(target=child._prepare_and_run,
                                    args=(theirs, stage, Prep(), FailingDevice()), daemon=True)
     worker_loop.start()
     frames = [jpeg(0)]
     parts = []  # both requests at once: the worker stops reading after the first
     for job in (1, 2):
-        view = stage[job * prepworker.STAGE_BYTES:(job + 1) * prepworker.STAGE_BYTES]
-        parts += prepworker._request(job, job, 1, frames, view)
+        view = stage[job * protocol.STAGE_BYTES:(job + 1) * protocol.STAGE_BYTES]
+        parts += protocol.request(job, job, 1, frames, view)
     assert ours.sendmsg(parts) == sum(len(p) for p in parts)
-    reader = prepworker._Reader(ours)
+    reader = framing.Reader(ours)
     failed = reader.message()
     assert failed[:2] == ("failed", 1) and "illegal memory access" in failed[2]
     with pytest.raises(EOFError):
@@ -541,35 +544,41 @@ def test_a_batch_worker_whose_device_fails_answers_the_batch_and_stops():
 def test_the_reservation_gives_an_instance_batch_workers_only_where_they_can_serve(means_model,
                                                                                   tmp_path,
                                                                                   caplog):
-    """GpuReservation.preprocessor with --gpu-batch-processes (on the CPU here): workers that
+    """GpuReservation.placement with --gpu-batch-processes (on the CPU here): workers that
     run the model where they start; the instance's own preprocessor where none can start (a
     model file they cannot read) or where the task reads its outputs on the device."""
     from types import SimpleNamespace
 
-    from visionserve.gpu.reservation import GpuReservation
+    from visionserve.execution import InProcess, InWorkers
+    from visionserve.execution.reservation import GpuReservation
 
     path, _ = means_model
     res = GpuReservation("8GiB", "cpu", batch_processes=1)
     view = SimpleNamespace(takes_device_input=True, input_dtype=torch.float32, stream=None,
                            channels_last=False, config=TORCH_CONFIG)
     host_task = SimpleNamespace(on_device=False)
-    workers = res.preprocessor(view, TORCH_CONFIG, PREFERRED, 1, ("means", 0), path, host_task)
+    placed = res.placement(view, TORCH_CONFIG, PREFERRED, 1, ("means", 0), path, host_task)
+    assert isinstance(placed, InWorkers) and placed.why == "--gpu-batch-processes 1"
+    pool = placed.pool
     try:
-        assert isinstance(workers, prepworker.PrepProcess) and workers.runs_model
-        assert len(workers.pids) == 1
+        assert pool.runs_model
+        assert len(pool.pids) == 1
         # the workers load the model file with its configuration, as the serving process did
-        assert workers._spec["model"] == {"path": str(path),
-                                          "config": TORCH_CONFIG.model_dump(mode="json")}
+        assert pool._spec["model"] == {"path": str(path),
+                                       "config": TORCH_CONFIG.model_dump(mode="json")}
         # on the CPU they hold no device memory; the reservation knows them (telemetry)
-        assert workers.device_bytes == 0 and res.worker_pids() == workers.pids
+        assert pool.device_bytes == 0 and res.worker_pids() == pool.pids
     finally:
-        workers.close()
+        pool.close()
     with caplog.at_level(logging.WARNING):
-        broken = res.preprocessor(view, TORCH_CONFIG, PREFERRED, 2, ("means", 0),
-                                  tmp_path / "missing" / "1" / "model.pt2", host_task)
-        on_device = res.preprocessor(view, TORCH_CONFIG, PREFERRED, 3, ("means", 0), path,
-                                     SimpleNamespace(on_device=True))
-    assert isinstance(broken, TorchPreprocessor) and isinstance(on_device, TorchPreprocessor)
+        broken = res.placement(view, TORCH_CONFIG, PREFERRED, 2, ("means", 0),
+                               tmp_path / "missing" / "1" / "model.pt2", host_task)
+        on_device = res.placement(view, TORCH_CONFIG, PREFERRED, 3, ("means", 0), path,
+                                  SimpleNamespace(on_device=True))
+    for here in (broken, on_device):  # the instance's own (warmed-up) preprocessor
+        assert isinstance(here, InProcess) and isinstance(getattr(here.prepare, "__self__", None),
+                                                          TorchPreprocessor)
+    assert "did not start" in broken.why and "needs a task" in on_device.why
     assert any("did not start" in r.message for r in caplog.records)
     assert any("needs a task that reads the model's outputs on the host" in r.message
                for r in caplog.records)

@@ -192,7 +192,7 @@ class RuntimeSpec(_Strict):
     precision: Literal["fp32", "fp16", "bf16"] = Field(
         "fp32", description="Compute precision on the GPU.")
     instances: int = Field(
-        1, ge=1, le=16, description="Runner threads (model instances) per device.")
+        1, ge=1, le=16, description="Model instances per device, each with its own executor.")
     intra_op_threads: int = Field(
         0, ge=0, le=256, description="CPU threads per inference; 0 = library default.")
     gpu_memory_budget: str | None = Field(

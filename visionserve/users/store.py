@@ -282,6 +282,8 @@ class UserStore:
     def login_failed(self, keys: tuple[str, ...]) -> None:
         now = time.time()
         with self._write() as db:
+            # forgotten counters go, so that made-up user names cannot grow the file for long
+            db.execute("DELETE FROM login_failures WHERE last < ?", (now - FORGET_S,))
             for key in keys:
                 db.execute(
                     "INSERT INTO login_failures VALUES (?, 1, ?) ON CONFLICT (key) DO UPDATE SET "

@@ -469,8 +469,8 @@ class ServerSettings(BaseSettings):
                            "routes; the pages load their scripts from a CDN).",
         json_schema_extra=_SECURITY)
     users_db: Path | None = Field(
-        None, description="The console's users and sessions (visionserve users manages them); "
-                          "while it holds no user, protected routes need the admin token only.",
+        None, description="The console's users and their sessions (visionserve users manages "
+                          "them); with no user in it, access is as without the console.",
         json_schema_extra={**_SECURITY, "default_text": "$XDG_DATA_HOME/visionserve/users.sqlite"})
     session_ttl_s: float = Field(
         8 * 3600.0, ge=60, le=30 * 86_400,

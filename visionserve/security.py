@@ -41,7 +41,7 @@ from typing import Protocol
 from urllib.parse import urlsplit
 
 from .config import ServerSettings, data_home
-from .errors import ConfigError
+from .errors import ConfigError, VisionServeError, http_status
 from .logs import new_request_id, request_id
 from .users.store import ADMIN as ADMIN_ROLE
 from .users.store import QUALITY, VIEWER, Session, Users, role_covers, users_db_path
@@ -488,11 +488,14 @@ class HttpSecurity:
         # any user, a cookie changes nothing
         if token is not None and self.users is not None and \
                 not self.access.admin_bearer(headers.get(b"authorization")):
-            session = self.users.session(token)
-            if session is not None:
-                return self._with_session(scope, headers, session, route)
-            if self.users.any_user():
-                return 401, SESSION_ENDED, ()
+            try:
+                session = self.users.session(token)
+                if session is not None:
+                    return self._with_session(scope, headers, session, route)
+                if self.users.any_user():
+                    return 401, SESSION_ENDED, ()
+            except VisionServeError as exc:  # the users file cannot be read
+                return http_status(exc), exc.message, ()
         refused, identity = self.access.credential(kind, headers.get(b"authorization"))
         if refused == FORBIDDEN:
             return 403, f"the inference token does not open {method} {path}: {ADMIN_NEEDED}", ()
@@ -531,7 +534,10 @@ class HttpSecurity:
         into the scope; a change made with a session needs the CSRF token, except the sign-in
         form itself, whose body may be form-encoded."""
         token = session_cookie(headers) if self.users is not None else None
-        session = self.users.session(token) if self.users is not None and token else None
+        try:
+            session = self.users.session(token) if self.users is not None and token else None
+        except VisionServeError as exc:
+            return http_status(exc), exc.message, ()
         if session is not None:
             scope[SESSION_KEY] = session
         if route.form:

@@ -34,7 +34,7 @@ USERS = {"otto": "viewer", "qe-anna": "quality", "max": "admin"}
 def users_cmd(data, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "visionserve", "users", *args],
                           input=stdin, capture_output=True, text=True, timeout=120, cwd=REPO,
-                          env={**_env(data), "PYTHONPATH": str(REPO)})
+                          check=False, env={**_env(data), "PYTHONPATH": str(REPO)})
 
 
 def _env(data) -> dict[str, str]:

@@ -271,3 +271,13 @@ def test_sign_in_routes_check_host_and_origin_but_take_a_form(signed_in, store):
 
 
 _FORM = "application/x-www-form-urlencoded"
+
+
+def test_an_unreadable_users_file_refuses_sessions_with_503(signed_in, store):
+    client, sessions = signed_in
+    token, session = sessions["admin"]
+    store.path.write_bytes(b"not a database" * 512)
+    for wal in store.path.parent.glob("users.sqlite-*"):
+        wal.unlink()
+    r = _with(client, token, session.csrf_token, json={})
+    assert r.status_code == 503 and "cannot be read" in r.json()["error"]

@@ -50,11 +50,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="users_command", metavar="SUBCOMMAND")
     # no abbreviations: "--password SECRET" must be refused, not read as --password-file
     parser.allow_abbrev = False
-    p = sub.add_parser("add", allow_abbrev=False, parents=[common, password], help="add a user with a role")
+    p = sub.add_parser("add", allow_abbrev=False, parents=[common, password],
+                       help="add a user with a role")
     p.add_argument("name", help="the sign-in name (letters, digits, . _ @ -; up to 64)")
     p.add_argument("--role", required=True, choices=ROLES, help="what the user may do")
-    sub.add_parser("list", allow_abbrev=False, parents=[common], help="list the users and their roles")
-    p = sub.add_parser("remove", allow_abbrev=False, parents=[common], help="remove a user; their sessions end")
+    sub.add_parser("list", allow_abbrev=False, parents=[common],
+                   help="list the users and their roles")
+    p = sub.add_parser("remove", allow_abbrev=False, parents=[common],
+                       help="remove a user; their sessions end")
     p.add_argument("name")
     p = sub.add_parser("passwd", allow_abbrev=False, parents=[common, password],
                        help="set a user's password; their sessions end")

@@ -27,6 +27,8 @@ from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError
 
 from ..config import data_home
+from ..errors import Unavailable
+from ..storage import open_sqlite, sqlite_fault
 
 #: the roles, lowest first: each one may do what the ones before it may
 ROLES = ("viewer", "quality", "admin")
@@ -154,7 +156,7 @@ class UserStore:
     def _db(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
         if db is None:
-            db = sqlite3.connect(self.path, timeout=5.0, isolation_level=None)
+            db = open_sqlite(str(self.path), 5.0)
             db.execute("PRAGMA journal_mode=WAL")
             self._local.db = db
         return db
@@ -182,7 +184,8 @@ class UserStore:
             self._db.execute("INSERT INTO users VALUES (?, ?, ?, ?, ?)",
                              (name, role, _hasher.hash(password), now, now))
         except sqlite3.IntegrityError:
-            raise UserConflict(f"user {name!r} exists (users passwd / users role change it)") from None
+            raise UserConflict(f"user {name!r} exists (users passwd, users role change "
+                               "it)") from None
 
     def remove(self, name: str) -> None:
         """Remove a user and end their sessions."""
@@ -311,12 +314,26 @@ class Users:
         return self._store
 
     def session(self, token: str) -> Session | None:
-        store = self.store()
-        return store.session(token) if store is not None else None
+        """The live session of a cookie's id, or None. Raises Unavailable (503) where the file
+        cannot be read: no request is let through for it."""
+        with self._readable():
+            store = self.store()
+            return store.session(token) if store is not None else None
 
     def any_user(self) -> bool:
-        store = self.store()
-        return store is not None and store.count() > 0
+        with self._readable():
+            store = self.store()
+            return store is not None and store.count() > 0
+
+    @contextmanager
+    def _readable(self) -> Iterator[None]:
+        try:
+            yield
+        except sqlite3.Error as exc:
+            if not sqlite_fault(exc):
+                raise  # a bug, not the file's fault
+            raise Unavailable(f"the console's users file {self.path} cannot be read ({exc}); "
+                              "sessions are refused until it can", retry_after_s=5.0) from None
 
     def describe(self) -> str:
         """A start-up line: how many users of which role, or that there are none."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -269,6 +270,7 @@ def test_sessions_hold_in_every_front_end_and_a_server_without_users_is_unchange
     try:
         assert "console sign-in: no users" in s.log()
         assert sign_in(s, "qe-anna").status_code == 401
+        assert "set-cookie" not in sign_in(s, "qe-anna").headers
         r = httpx.put(f"{s.url}/v1/models/tiny/verdict", json={"ok_threshold": 0.5},
                       cookies={"visionserve_session": "anything"}, timeout=10)
         assert r.status_code == 401 and "admin token" in r.json()["error"]
@@ -276,7 +278,10 @@ def test_sessions_hold_in_every_front_end_and_a_server_without_users_is_unchange
         first, second = fronts = _front_ends(s)
         assert len(fronts) == 2
         with only(first, fronts):
-            token = sign_in(s, "qe-anna").cookies["visionserve_session"]
+            # X-Forwarded-Proto from a proxy nobody named: not TLS, no Secure
+            r = sign_in(s, "qe-anna", **{"X-Forwarded-Proto": "https"})
+            assert r.status_code == 200 and "secure" not in r.headers["set-cookie"].lower()
+            token = r.cookies["visionserve_session"]
         cookies = {"visionserve_session": token}
         with only(second, fronts):
             r = httpx.get(f"{s.url}/ui/session", cookies=cookies, timeout=10)
@@ -296,3 +301,31 @@ def test_sessions_hold_in_every_front_end_and_a_server_without_users_is_unchange
             assert r.status_code == 401 and "sign in again" in r.json()["error"]
     finally:
         s.stop()
+
+
+def test_over_tls_the_cookie_is_secure(tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    make_tiny_model(tmp_path / "repo" / "tiny", TOML)
+    add_users(tmp_path / "data")
+    s = start_server(tmp_path / "repo", tmp_path, "--tls-cert", str(cert), "--tls-key", str(key),
+                     grpc=False, wait=False, env={"XDG_DATA_HOME": str(tmp_path / "data")})
+    url = f"https://127.0.0.1:{s.http_port}"
+    ctx = ssl.create_default_context(cafile=str(cert))
+    try:
+        wait_for(lambda: _ready(url, ctx), timeout=120, what="the TLS server")
+        r = httpx.post(f"{url}/ui/login", data={"user": "otto", "password": PASSWORD},
+                       verify=ctx, timeout=30)
+        assert r.status_code == 200, r.text
+        assert "secure" in {a.strip().lower() for a in r.headers["set-cookie"].split(";")}
+    finally:
+        s.stop()
+
+
+def _ready(url: str, ctx: ssl.SSLContext) -> bool:
+    try:
+        return httpx.get(url + "/v2/health/ready", verify=ctx, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

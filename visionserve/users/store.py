@@ -337,8 +337,11 @@ class Users:
 
     def describe(self) -> str:
         """A start-up line: how many users of which role, or that there are none."""
-        store = self.store()
-        users = store.users() if store is not None else []
+        try:
+            store = self.store()
+            users = store.users() if store is not None else []
+        except sqlite3.Error as exc:  # the server still starts: sessions are refused (503)
+            return f"console sign-in: the users file {self.path} cannot be read ({exc})"
         if not users:
             return (f"console sign-in: no users in {self.path}; protected routes follow the rule "
                     "above ('visionserve users add' makes one)")

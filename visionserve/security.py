@@ -41,7 +41,7 @@ from typing import Protocol
 from urllib.parse import urlsplit
 
 from .config import ServerSettings, data_home
-from .errors import ConfigError, VisionServeError, http_status
+from .errors import ConfigError, VisionServeError, http_status, retry_after
 from .logs import new_request_id, request_id
 from .users.store import ADMIN as ADMIN_ROLE
 from .users.store import QUALITY, VIEWER, Session, Users, role_covers, users_db_path
@@ -495,7 +495,7 @@ class HttpSecurity:
                 if self.users.any_user():
                     return 401, SESSION_ENDED, ()
             except VisionServeError as exc:  # the users file cannot be read
-                return http_status(exc), exc.message, ()
+                return _error(exc)
         refused, identity = self.access.credential(kind, headers.get(b"authorization"))
         if refused == FORBIDDEN:
             return 403, f"the inference token does not open {method} {path}: {ADMIN_NEEDED}", ()
@@ -537,7 +537,7 @@ class HttpSecurity:
         try:
             session = self.users.session(token) if self.users is not None and token else None
         except VisionServeError as exc:
-            return http_status(exc), exc.message, ()
+            return _error(exc)
         if session is not None:
             scope[SESSION_KEY] = session
         if route.form:
@@ -573,6 +573,11 @@ class HttpSecurity:
             await self.app(scope, receive, send_with_id)
         finally:
             request_id.reset(reset)
+
+
+def _error(exc: VisionServeError) -> tuple:
+    wait = retry_after(exc)
+    return http_status(exc), exc.message, (((b"retry-after", wait.encode()),) if wait else ())
 
 
 # where answer_from_head leaves the request id it gave to a request that passed its checks, for

@@ -281,3 +281,4 @@ def test_an_unreadable_users_file_refuses_sessions_with_503(signed_in, store):
         wal.unlink()
     r = _with(client, token, session.csrf_token, json={})
     assert r.status_code == 503 and "cannot be read" in r.json()["error"]
+    assert r.headers["retry-after"] == "5"

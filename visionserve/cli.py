@@ -27,6 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                 "traceability records: export (CSV, Parquet), show a part's history"),
     "guard": ("visionserve.guard.cli",
               "training-queue guard: run, submit, list, show, cancel, logs"),
+    "users": ("visionserve.users.cli",
+              "the console's users and their roles: add, list, remove, passwd, role"),
     "anomaly": ("visionserve_tools.anomaly",
                 "anomaly models from good parts only: fit, evaluate"),
     "plc-sim": ("visionserve_tools.plcsim",

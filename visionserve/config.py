@@ -468,6 +468,14 @@ class ServerSettings(BaseSettings):
         False, description="Serve the API pages /docs, /redoc and /openapi.json (protected "
                            "routes; the pages load their scripts from a CDN).",
         json_schema_extra=_SECURITY)
+    users_db: Path | None = Field(
+        None, description="The console's users and their sessions (visionserve users manages "
+                          "them); with no user in it, access is as without the console.",
+        json_schema_extra={**_SECURITY, "default_text": "$XDG_DATA_HOME/visionserve/users.sqlite"})
+    session_ttl_s: float = Field(
+        8 * 3600.0, ge=60, le=30 * 86_400,
+        description="A console sign-in lasts this long (seconds), then the user signs in again.",
+        json_schema_extra=_SECURITY)
     tls_cert: Path | None = Field(
         None, description="PEM certificate: serve HTTPS and gRPC over TLS.",
         json_schema_extra=_SECURITY)

@@ -16,7 +16,10 @@ Every HTTP route is in :data:`ROUTES`, in one of two classes (docs/security.md):
   what a web page can send without the browser asking first is refused.
 
 The admin token also passes where the inference token is asked for; the inference token never
-opens a protected route. A server that binds a non-loopback address and has no admin token
+opens a protected route. Where the console has users (:mod:`visionserve.users`), a protected route
+also takes a session cookie of a user whose role is at least the route's ``role``, with the
+session's CSRF token on every change; the sign-in routes (class *signin*) need no token, but the
+``Host`` and ``Origin`` checks. A server that binds a non-loopback address and has no admin token
 makes one at its first start and keeps it in the data directory (:func:`with_admin_token`).
 
 The HTTP middleware also gives every request its id (``X-Request-Id`` in and out).
@@ -34,27 +37,35 @@ import secrets
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 from urllib.parse import urlsplit
 
 from .config import ServerSettings, data_home
-from .errors import ConfigError
+from .errors import ConfigError, VisionServeError, http_status, retry_after
 from .logs import new_request_id, request_id
+from .users.store import ADMIN as ADMIN_ROLE
+from .users.store import QUALITY, VIEWER, Session, Users, role_covers, users_db_path
 
 log = logging.getLogger("visionserve")
 
 # --- the route table ------------------------------------------------------------------------------
 
 INFERENCE, HEALTH, METRICS, ADMIN = "inference", "health", "metrics", "admin"
+#: the console's sign-in: no token, but the Host and Origin checks of protected routes
+SIGNIN = "signin"
 
 
 @dataclass(frozen=True)
 class Route:
     """Requests of ``methods`` (space-separated) to ``path`` (``{name}``: one path segment) are
-    of class ``access``."""
+    of class ``access``. A protected route opens to a console session whose role covers
+    ``role``; ``form``: its body may be form-encoded (exempt from the JSON-only rule, 415)."""
 
     methods: str
     path: str
     access: str
+    role: str = ADMIN_ROLE
+    form: bool = False
 
     def matches(self, method: str, path: str) -> bool:
         method = "GET" if method == "HEAD" else method
@@ -84,17 +95,21 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/models/{m}/verdict", INFERENCE),  # the rule /v2/models/{m}/config shows
     Route("GET", "/v1/recipes", INFERENCE),
     Route("GET", "/v1/stations/{s}", INFERENCE),
-    Route("PUT", "/v1/models/{m}/verdict", ADMIN),
+    Route("PUT", "/v1/models/{m}/verdict", ADMIN, QUALITY),
     Route("POST", "/v2/repository/index", ADMIN),
     Route("POST", "/v2/repository/models/{m}/load", ADMIN),
     Route("POST", "/v2/repository/models/{m}/unload", ADMIN),
-    Route("POST", "/v1/stations/{s}/recipe", ADMIN),
-    Route("GET POST", "/v1/guard/jobs", ADMIN),
-    Route("GET", "/v1/guard/jobs/{id}", ADMIN),
+    Route("POST", "/v1/stations/{s}/recipe", ADMIN, QUALITY),
+    Route("GET", "/v1/guard/jobs", ADMIN, VIEWER),
+    Route("POST", "/v1/guard/jobs", ADMIN),  # runs a command
+    Route("GET", "/v1/guard/jobs/{id}", ADMIN, VIEWER),
     Route("POST", "/v1/guard/jobs/{id}/cancel", ADMIN),
-    Route("GET", "/v1/guard/jobs/{id}/logs", ADMIN),  # a command's output
-    Route("GET", "/v1/guard/health", ADMIN),
-    Route("GET", "/v1/parts/{id}", ADMIN),  # records and image names
+    Route("GET", "/v1/guard/jobs/{id}/logs", ADMIN, VIEWER),  # a command's output
+    Route("GET", "/v1/guard/health", ADMIN, VIEWER),
+    Route("GET", "/v1/parts/{id}", ADMIN, VIEWER),  # records and image names
+    Route("GET POST", "/ui/login", SIGNIN, form=True),  # the one form-encoded body taken
+    Route("POST", "/ui/logout", SIGNIN),
+    Route("GET", "/ui/session", SIGNIN),
     Route("GET", "/docs", ADMIN),  # the API pages (api_docs): they can send any call
     Route("GET", "/docs/oauth2-redirect", ADMIN),
     Route("GET", "/redoc", ADMIN),
@@ -119,9 +134,15 @@ def _pattern(path: str) -> re.Pattern:
     return _PATTERNS[path]
 
 
+def route_of(method: str, path: str) -> Route | None:
+    """The first route of :data:`ROUTES` a request matches; None: a protected route (admin)."""
+    return next((r for r in ROUTES if r.matches(method, path)), None)
+
+
 def classify(method: str, path: str) -> str:
     """The class of a request: the first route of :data:`ROUTES` it matches, else ADMIN."""
-    return next((r.access for r in ROUTES if r.matches(method, path)), ADMIN)
+    route = route_of(method, path)
+    return route.access if route is not None else ADMIN
 
 
 def grpc_class(method: str) -> str:
@@ -239,6 +260,10 @@ class Access:
                    settings.auth_metrics_open, host_names(settings),
                    _listed(settings.allowed_origins))
 
+    def admin_bearer(self, authorization: bytes | str | None) -> bool:
+        """True when ``authorization`` carries the admin token."""
+        return _matches(_bearer(authorization), self.admin_token)
+
     def credential(self, kind: str, authorization: bytes | str | None) -> tuple[str | None, str]:
         """(refusal, identity) of a request of class ``kind``: refusal is None (pass),
         UNAUTHENTICATED or FORBIDDEN (the inference token on a protected route); identity is who
@@ -289,7 +314,8 @@ class Access:
         opened = f"; {probes}: open" if probes else ""
         return [f"inference (infer, metadata, config, ready, stats, inspect): {inference}{opened}",
                 ("protected (verdict and recipe changes, /v2/repository, /v1/guard, /v1/parts, "
-                 f"API docs): {protected}; Host: {hosts}; JSON bodies only, no foreign Origin")]
+                 f"API docs): {protected}; Host: {hosts}; JSON bodies only, no foreign Origin"),
+                Users(users_db_path(settings.users_db)).describe()]
 
 
 def _listed(value: str) -> frozenset[str] | None:
@@ -371,15 +397,57 @@ def body_refusal(method: str, headers: dict[bytes, bytes]) -> str | None:
 
 #: where the middleware leaves the identity of a protected request's credential (scope key)
 IDENTITY_KEY = "visionserve.identity"
+#: where it leaves the console session of a protected or sign-in request that has one (scope key)
+SESSION_KEY = "visionserve.session"
+#: the console's session cookie, and the header that carries its CSRF token on every change
+SESSION_COOKIE = "visionserve_session"
+CSRF_HEADER = "X-CSRF-Token"
+SESSION_ENDED = ("your console session has ended or expired, or is not one of this server's: "
+                 "sign in again (/ui/login)")
+
+
+class SessionSource(Protocol):
+    """Where the middleware looks up console sessions (:class:`~visionserve.users.store.Users`)."""
+
+    def session(self, token: str) -> Session | None: ...
+
+    def any_user(self) -> bool: ...
+
+
+def session_cookie(headers: dict[bytes, bytes]) -> str | None:
+    """The session id a request's ``Cookie`` header carries, or None."""
+    for part in headers.get(b"cookie", b"").decode("latin-1").split(";"):
+        name, eq, value = part.strip().partition("=")
+        if eq and name == SESSION_COOKIE and value:
+            return value.strip('"')
+    return None
+
+
+def csrf_refusal(method: str, headers: dict[bytes, bytes], session: Session) -> str | None:
+    """Why a change made with ``session`` is refused (403), or None: a state-changing request
+    must carry the session's CSRF token in ``X-CSRF-Token``."""
+    if method not in _WRITES:
+        return None
+    sent = headers.get(CSRF_HEADER.lower().encode())
+    if sent is None:
+        return (f"{method} with a console session needs the session's CSRF token in the "
+                f"{CSRF_HEADER} header (GET /ui/session gives it)")
+    if not hmac.compare_digest(sent, session.csrf_token.encode("latin-1")):
+        return (f"wrong CSRF token in {CSRF_HEADER}: it must be the one GET /ui/session gives "
+                "for this session")
+    return None
 
 
 class HttpSecurity:
     """ASGI middleware: a request id for every request (``X-Request-Id`` in and out), and the
-    rules of ``access`` (401, 403, 415) before the app sees the request."""
+    rules of ``access`` (401, 403, 415) before the app sees the request; with ``users``, the
+    console sessions of protected and sign-in requests (looked up only for requests of those
+    classes that carry the session cookie: inference requests never touch the users file)."""
 
-    def __init__(self, app, access: Access) -> None:
+    def __init__(self, app, access: Access, users: SessionSource | None = None) -> None:
         self.app = app
         self.access = access
+        self.users = users
 
     def answer_from_head(self, scope) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
         """(status, headers, body) of a request that the app answers from its head alone
@@ -407,11 +475,27 @@ class HttpSecurity:
         """(status, message, extra headers) of a request refused here, or None; a protected
         request that passes gets its identity in the scope."""
         method, path = scope["method"], scope["path"]
-        kind = classify(method, path)
-        if kind == ADMIN:
+        route = route_of(method, path)
+        kind = route.access if route is not None else ADMIN
+        if kind in (ADMIN, SIGNIN):
             why = self.access.cross_site(headers.get(b"host"), headers.get(b"origin"))
             if why is not None:
                 return 403, why, ()
+        if kind == SIGNIN and route is not None:
+            return self._signin(scope, headers, route)
+        token = session_cookie(headers) if kind == ADMIN and self.users is not None else None
+        # the admin token wins over a cookie: API clients keep working as they did; without
+        # any user, a cookie changes nothing
+        if token is not None and self.users is not None and \
+                not self.access.admin_bearer(headers.get(b"authorization")):
+            try:
+                session = self.users.session(token)
+                if session is not None:
+                    return self._with_session(scope, headers, session, route)
+                if self.users.any_user():
+                    return 401, SESSION_ENDED, ()
+            except VisionServeError as exc:  # the users file cannot be read
+                return _error(exc)
         refused, identity = self.access.credential(kind, headers.get(b"authorization"))
         if refused == FORBIDDEN:
             return 403, f"the inference token does not open {method} {path}: {ADMIN_NEEDED}", ()
@@ -426,6 +510,43 @@ class HttpSecurity:
                 return 415, why, ()
             scope[IDENTITY_KEY] = identity
         return None
+
+    def _with_session(self, scope, headers: dict[bytes, bytes], session: Session,
+                      route: Route | None) -> tuple | None:
+        """A protected request made with a live session: its refusal, or None (it passes, the
+        user's name its identity)."""
+        method, path = scope["method"], scope["path"]
+        needed = route.role if route is not None else ADMIN_ROLE
+        if not role_covers(session.role, needed):
+            return 403, (f"signed in as {session.user!r} ({session.role}): {method} {path} needs "
+                         f"the role {needed} or higher"), ()
+        why = csrf_refusal(method, headers, session)
+        if why is not None:
+            return 403, why, ()
+        why = body_refusal(method, headers)
+        if why is not None:
+            return 415, why, ()
+        scope[IDENTITY_KEY], scope[SESSION_KEY] = session.user, session
+        return None
+
+    def _signin(self, scope, headers: dict[bytes, bytes], route: Route) -> tuple | None:
+        """A sign-in route (Host and Origin checked): its session, if the request has one,
+        into the scope; a change made with a session needs the CSRF token, except the sign-in
+        form itself, whose body may be form-encoded."""
+        token = session_cookie(headers) if self.users is not None else None
+        try:
+            session = self.users.session(token) if self.users is not None and token else None
+        except VisionServeError as exc:
+            return _error(exc)
+        if session is not None:
+            scope[SESSION_KEY] = session
+        if route.form:
+            return None
+        why = csrf_refusal(scope["method"], headers, session) if session is not None else None
+        if why is not None:
+            return 403, why, ()
+        why = body_refusal(scope["method"], headers)
+        return (415, why, ()) if why is not None else None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -452,6 +573,11 @@ class HttpSecurity:
             await self.app(scope, receive, send_with_id)
         finally:
             request_id.reset(reset)
+
+
+def _error(exc: VisionServeError) -> tuple:
+    wait = retry_after(exc)
+    return http_status(exc), exc.message, (((b"retry-after", wait.encode()),) if wait else ())
 
 
 # where answer_from_head leaves the request id it gave to a request that passed its checks, for

@@ -14,7 +14,8 @@ from ..config import ServerSettings
 from ..dataplane import DataPlane
 from ..errors import VisionServeError, describe_validation
 from ..security import ADMIN, classify
-from . import inspect, recipes, v2, verdict
+from ..users.store import Users, users_db_path
+from . import inspect, recipes, signin, v2, verdict
 from .common import (
     ClientGone,
     client_gone_response,
@@ -37,6 +38,7 @@ def create_app(engine: DataPlane, settings: ServerSettings, routers: tuple = ())
     )
     app.state.engine = engine
     app.state.settings = settings
+    app.state.users = Users(users_db_path(settings.users_db))  # opened once the file exists
 
     @app.exception_handler(VisionServeError)
     async def _vs_error(request: Request, exc: VisionServeError) -> JSONResponse:
@@ -64,6 +66,7 @@ def create_app(engine: DataPlane, settings: ServerSettings, routers: tuple = ())
     app.include_router(inspect.router)
     app.include_router(verdict.router)
     app.include_router(recipes.router)
+    app.include_router(signin.router)
     for extra in routers:
         app.include_router(extra)
 

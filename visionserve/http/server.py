@@ -24,8 +24,8 @@ def http_app(engine, settings: ServerSettings, routers: tuple = ()):
     """The ASGI app a front end serves: the FastAPI app behind the access rules and request
     ids (``settings`` with the admin token resolved:
     :func:`~visionserve.security.with_admin_token`)."""
-    return HttpSecurity(InspectFastPath(create_app(engine, settings, routers)),
-                        Access.from_settings(settings))
+    app = create_app(engine, settings, routers)
+    return HttpSecurity(InspectFastPath(app), Access.from_settings(settings), app.state.users)
 
 
 def http_server(app, engine, settings: ServerSettings) -> DrainingServer:

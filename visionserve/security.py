@@ -45,6 +45,9 @@ log = logging.getLogger("visionserve")
 # --- the route table ------------------------------------------------------------------------------
 
 INFERENCE, HEALTH, METRICS, ADMIN = "inference", "health", "metrics", "admin"
+#: the console's style sheet and script: files of the package, open to every client whatever
+#: the tokens (a browser sends none for them); the Host and Origin checks still hold
+STATIC = "static"
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,12 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/docs/oauth2-redirect", ADMIN),
     Route("GET", "/redoc", ADMIN),
     Route("GET", "/openapi.json", ADMIN),
+    # the console (docs/console.md): its pages read what protected routes read
+    Route("GET", "/ui", ADMIN),
+    Route("GET", "/ui/models", ADMIN),
+    Route("GET", "/ui/stations", ADMIN),
+    Route("GET", "/ui/system", ADMIN),
+    Route("GET", "/ui/static/{name}", STATIC),
 )
 
 HEALTH_PATHS = tuple(r.path for r in ROUTES if r.access == HEALTH)
@@ -244,6 +253,8 @@ class Access:
         UNAUTHENTICATED or FORBIDDEN (the inference token on a protected route); identity is who
         the credential says it is (``admin-token``, ``loopback``), or "" for an open route."""
         bearer = _bearer(authorization)
+        if kind == STATIC:
+            return None, ""
         if kind == ADMIN:
             if _matches(bearer, self.admin_token):
                 return None, "admin-token"
@@ -408,7 +419,7 @@ class HttpSecurity:
         request that passes gets its identity in the scope."""
         method, path = scope["method"], scope["path"]
         kind = classify(method, path)
-        if kind == ADMIN:
+        if kind in (ADMIN, STATIC):
             why = self.access.cross_site(headers.get(b"host"), headers.get(b"origin"))
             if why is not None:
                 return 403, why, ()

@@ -8,12 +8,16 @@ Every HTTP route is in :data:`ROUTES`, in one of two classes (docs/security.md):
   (``--no-auth-metrics-open``), which load balancers and scrapers probe without the secret.
 - *protected*: whatever changes state, writes a file, runs a command, or reads more than a
   verdict (verdict and recipe changes, the model repository, the guard's job API, part records,
-  the API docs). They need ``Authorization: Bearer <admin token>`` unless the server binds
-  loopback addresses only. The bind address decides, not the client's: behind a reverse proxy
-  on the same machine every client is 127.0.0.1, and behind a Docker port mapping none is.
+  the API docs, the console's pages). They need ``Authorization: Bearer <admin token>`` unless
+  the server binds loopback addresses only. The bind address decides, not the client's: behind
+  a reverse proxy on the same machine every client is 127.0.0.1, and behind a Docker port
+  mapping none is.
   Whatever the bind address, a protected request must name this server in ``Host`` (DNS
   rebinding), must not come from a foreign ``Origin``, and a body it sends must be JSON (415):
   what a web page can send without the browser asking first is refused.
+
+The console's style sheet and script (``STATIC``) are open to every client whatever the tokens,
+with the ``Host`` and ``Origin`` checks of protected routes.
 
 The admin token also passes where the inference token is asked for; the inference token never
 opens a protected route. A server that binds a non-loopback address and has no admin token
@@ -300,7 +304,8 @@ class Access:
         opened = f"; {probes}: open" if probes else ""
         return [f"inference (infer, metadata, config, ready, stats, inspect): {inference}{opened}",
                 ("protected (verdict and recipe changes, /v2/repository, /v1/guard, /v1/parts, "
-                 f"API docs): {protected}; Host: {hosts}; JSON bodies only, no foreign Origin")]
+                 f"API docs, console pages): {protected}; Host: {hosts}; JSON bodies only, "
+                 "no foreign Origin")]
 
 
 def _listed(value: str) -> frozenset[str] | None:

@@ -17,6 +17,17 @@ import httpx
 import pytest
 from conftest import REPO, start_server
 
+try:
+    from selenium import webdriver
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+except ImportError:  # the test extra not installed: skipped, with the reason
+    webdriver = None
+
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -46,26 +57,16 @@ ZONE = "Europe/Berlin"
 
 
 def _missing() -> str | None:
+    """Why the browser tests cannot run here, or None."""
     for path in (CHROMIUM, CHROMEDRIVER):
         if not os.access(path, os.X_OK):
             return f"{path} is absent (apt-get install chromium chromium-driver)"
-    try:
-        import selenium  # noqa: F401
-    except ImportError:
+    if webdriver is None:
         return "selenium is not installed (the test extra)"
     return None
 
 
-if _missing():
-    pytest.skip(_missing(), allow_module_level=True)
-
-from selenium import webdriver  # noqa: E402
-from selenium.webdriver.chrome.service import Service  # noqa: E402
-from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
-from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
-from selenium.webdriver.common.by import By  # noqa: E402
-from selenium.webdriver.common.keys import Keys  # noqa: E402
-from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+pytestmark.append(pytest.mark.skipif(_missing() is not None, reason=_missing() or ""))
 
 
 def _repo(root: Path, models: tuple[str, ...] = SHIPPED, recipes: bool = True) -> Path:
@@ -221,7 +222,8 @@ def test_the_console_home_leads_to_the_first_page(browser, server):
 def test_unload_and_load_with_the_confirmation_and_the_keyboard(browser, server):
     _open(browser, server, "/ui/models")
     # cancelled: nothing happens
-    button = browser.find_element(By.XPATH, "//button[normalize-space()='Unload defect-classifier']")
+    button = browser.find_element(By.XPATH,
+                                  "//button[normalize-space()='Unload defect-classifier']")
     browser.find_element(By.TAG_NAME, "body").click()
     _tab_to(browser, button)
     _press(browser, Keys.ENTER)

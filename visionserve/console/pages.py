@@ -10,10 +10,10 @@ every client meets (docs/security.md)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
@@ -26,10 +26,11 @@ from . import system
 from .strings import STRINGS, script_strings
 
 if TYPE_CHECKING:
-    from ..dataplane import DataPlane
+    from ..dataplane import DataPlane, ServedModel
     from ..guard.store import JobStore
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 HERE = Path(__file__).resolve().parent
 #: the files under /ui/static, by name, and their media types
@@ -109,14 +110,13 @@ async def _models(engine: DataPlane) -> list[dict[str, Any]]:
     """Each model of the repository: its versions and their state, the versions served (backend,
     device, instances), its batching and the ``[verdict]`` in force."""
     rows = await engine.repository_index()
-    served = {}
+    served: dict[str, list[ServedModel]] = {}
     for s in engine.select():
         served.setdefault(s.name, []).append(s)
     out = []
     for name in sorted(engine.entries):
-        entry = engine.entries[name]
-        config = entry.config
-        verdict, verdict_error = await _guarded(lambda: engine.verdict(name))
+        config = engine.entries[name].config
+        verdict, verdict_error = await _guarded(engine.verdict(name))
         out.append({
             "name": name, "task": config.task, "backend": config.runtime.backend,
             "instances": config.runtime.instances, "batching": config.batching,
@@ -127,10 +127,10 @@ async def _models(engine: DataPlane) -> list[dict[str, Any]]:
     return out
 
 
-async def _guarded(read: Callable[[], Any]) -> tuple[Any, str | None]:
-    """(what ``read`` awaits to, None), or (None, the server's message) when it refuses."""
+async def _guarded(read: Awaitable[T]) -> tuple[T | None, str | None]:
+    """(what ``read`` gives, None), or (None, the server's message) when it refuses."""
     try:
-        return await read(), None
+        return await read, None
     except VisionServeError as exc:
         return None, exc.message
 

@@ -30,8 +30,8 @@ from ..config import ServerSettings
 from ..errors import VisionServeError
 from ..frontends.arena import create_memfd
 from ..frontends.hub import Hub
-from ..metrics import FRONTENDS_ALIVE
 from ..http.connections import refuse_until_quiet
+from ..metrics import FRONTENDS_ALIVE
 from ..process import RestartBackoff
 from .ports import listen_socket
 from .startup import start_engine

@@ -54,6 +54,8 @@ visionserve_plc_clients{protocol="modbus"} 1.0
 # TYPE visionserve_plc_results counter
 visionserve_plc_results_total{result="OK",station="st1"} 41.0
 visionserve_plc_results_total{result="NG",station="st1"} 2.0
+# TYPE visionserve_plc_last_ack_timestamp_seconds gauge
+visionserve_plc_last_ack_timestamp_seconds{station="st1"} 1.7650512e+09
 # TYPE visionserve_plc_engine_stalled gauge
 visionserve_plc_engine_stalled 0.0
 """
@@ -65,6 +67,7 @@ def test_system_figures_from_the_series():
     assert (f.frontends_alive, f.batch_workers, f.plc_stalled) == (3, 2, False)
     assert f.plc_clients == {"modbus": 1}
     assert f.plc_results == {("st1", "OK"): 41, ("st1", "NG"): 2}
+    assert f.plc_last_ack == {"st1": 1.7650512e+09}
 
 
 def test_a_machine_without_a_gpu_shows_none():

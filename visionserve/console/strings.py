@@ -123,6 +123,9 @@ STRINGS: dict[str, str] = {
     "col_result": "Result",
     "col_count": "Count",
     "plc_no_results": "No result sent yet.",
+    "plc_handshakes": "Last handshake per station (the PLC acknowledged a result)",
+    "plc_no_handshakes": "No PLC has acknowledged a result yet (Modbus Result Ack).",
+    "col_last_ack": "Last acknowledged",
 }
 
 #: the texts the script needs (the confirmation dialog and the messages of actions)

@@ -24,6 +24,7 @@ class Figures:
     plc_clients: dict[str, int] = field(default_factory=dict)  # protocol -> clients
     plc_results: dict[tuple[str, str], int] = field(default_factory=dict)  # (station, result)
     plc_stalled: bool = False
+    plc_last_ack: dict[str, float] = field(default_factory=dict)  # station -> Unix time
 
 
 def read(text: str) -> Figures:
@@ -45,6 +46,8 @@ def read(text: str) -> Figures:
             elif name == "visionserve_plc_results_total":
                 out.plc_results[(labels.get("station", ""), labels.get("result", ""))] = \
                     int(value)
+            elif name == "visionserve_plc_last_ack_timestamp_seconds":
+                out.plc_last_ack[labels.get("station", "")] = value
             elif name == "visionserve_plc_engine_stalled":
                 out.plc_stalled = value > 0
     if not out.gpu.get("card_total"):

@@ -111,7 +111,7 @@ def _open(browser, server, path: str) -> None:
 def _screenshot(browser, name: str) -> None:
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     height = browser.execute_script("return document.documentElement.scrollHeight")
-    browser.set_window_size(1280, max(1000, min(int(height) + 40, 6000)))
+    browser.set_window_size(1280, max(1000, min(int(height) + 200, 6000)))  # + the window frame
     browser.save_screenshot(str(SCREENSHOTS / f"{name}.png"))
     browser.set_window_size(1280, 1000)
 
@@ -294,3 +294,30 @@ def test_model_control_none_shows_the_servers_refusal(browser, tmp_path):
     finally:
         s.stop()
 
+
+
+def test_system_page_lists_the_guards_jobs(browser, tmp_path):
+    s = start_server(_repo(tmp_path / "repo", ("defect-classifier",), recipes=False), tmp_path,
+                     "--guard", "--guard-db", str(tmp_path / "guard.sqlite"),
+                     "--time-zone", "America/Chicago", grpc=False)
+    try:
+        job = httpx.post(s.url + "/v1/guard/jobs", timeout=30, json={
+            "name": "retrain-housing", "command": ["sleep", "60"], "gpu_mem": "1GiB"})
+        assert job.status_code == 201, job.text
+        job_id = job.json()["id"]
+        _open(browser, s, "/ui/system")
+        row = browser.find_element(By.XPATH, "//tr[td='retrain-housing']")
+        cells = [c.text for c in row.find_elements(By.TAG_NAME, "td")]
+        assert cells[0] == str(job_id) and cells[2] in ("queued", "running"), cells
+        assert cells[3] == "1.0 GiB"
+        assert "Times in America/Chicago." in _text(browser)
+        from datetime import datetime
+        from zoneinfo import ZoneInfo
+
+        submitted = datetime.fromtimestamp(job.json()["submitted_at"], ZoneInfo("America/Chicago"))
+        assert cells[5] == submitted.strftime("%Y-%m-%d %H:%M:%S")
+        _screenshot(browser, "system-guard")
+        assert _axe_violations(browser) == []
+        httpx.post(f"{s.url}/v1/guard/jobs/{job_id}/cancel", timeout=30)
+    finally:
+        s.stop()

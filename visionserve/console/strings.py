@@ -43,7 +43,7 @@ STRINGS: dict[str, str] = {
     "col_version": "Version",
     "col_state": "State",
     "col_reason": "Reason",
-    "col_device": "Device",
+    "col_device": "Runs on",
     "col_instances": "Instances",
     "batching": "Batching",
     "batch_max": "Largest batch",

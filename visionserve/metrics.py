@@ -48,6 +48,12 @@ DEADLINE_MISSES = Counter(
     "Frames answered LATE (504): the deadline passed in the queue, during decode "
     "or compute, or at the front end", ["model"])
 READY = Gauge("visionserve_model_ready", "1 when the model version is ready", ["model", "version"])
+LIVE_STREAMS = Gauge("visionserve_live_streams",
+                     "Open live result streams (GET /v1/live), in every front end")
+LIVE_DROPPED = Counter(
+    "visionserve_live_events_dropped",
+    "Live result events not delivered, oldest first: stream (a browser reading slower than the "
+    "line answers), frontend (a front-end process's channel backed up)", ["where"])
 
 
 class ModelSeries:

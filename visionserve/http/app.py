@@ -14,7 +14,7 @@ from ..config import ServerSettings
 from ..dataplane import DataPlane
 from ..errors import VisionServeError, describe_validation
 from ..security import ADMIN, classify
-from . import inspect, recipes, v2, verdict
+from . import inspect, live, recipes, v2, verdict
 from .common import (
     ClientGone,
     client_gone_response,
@@ -64,6 +64,7 @@ def create_app(engine: DataPlane, settings: ServerSettings, routers: tuple = ())
     app.include_router(inspect.router)
     app.include_router(verdict.router)
     app.include_router(recipes.router)
+    app.include_router(live.router)
     for extra in routers:
         app.include_router(extra)
 

@@ -104,8 +104,10 @@ class DataPlane(Protocol):
     served: dict[tuple[str, int], Any]
     #: the stations' recipes (recipes.toml), replaced whole by a switch
     recipes: Assignments
-    #: every answer as it happens, for the console (GET /v1/live)
-    feed: LiveFeed
+    @property
+    def feed(self) -> LiveFeed:
+        """Every answer as it happens, for the console (GET /v1/live)."""
+        ...
 
     @property
     def live(self) -> bool: ...

@@ -294,7 +294,8 @@ class Access:
         opened = f"; {probes}: open" if probes else ""
         return [f"inference (infer, metadata, config, ready, stats, inspect): {inference}{opened}",
                 ("protected (verdict and recipe changes, /v2/repository, /v1/guard, /v1/parts, "
-                 f"/v1/live, API docs): {protected}; Host: {hosts}; JSON bodies only, no foreign Origin")]
+                 f"/v1/live, API docs): {protected}; Host: {hosts}; JSON bodies only, no foreign "
+                 "Origin")]
 
 
 def _listed(value: str) -> frozenset[str] | None:

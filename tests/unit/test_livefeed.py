@@ -147,7 +147,8 @@ async def test_a_backed_up_front_end_gets_its_events_later_oldest_dropped(monkey
                  dropped.append)
     box([_event(1)])
     assert sent == [[1]]
-    backlog[0] = livefeed.OUTBOX_BACKLOG_BYTES + 1  # the channel is backed up: the engine never waits
+    # the channel is backed up: the engine never waits
+    backlog[0] = livefeed.OUTBOX_BACKLOG_BYTES + 1
     box([_event(2), _event(3)])
     box([_event(4), _event(5), _event(6)])
     assert sent == [[1]] and dropped == [1]

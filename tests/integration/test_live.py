@@ -388,3 +388,16 @@ def test_shutdown_with_an_open_stream_is_prompt(repo, tmp_path, frontends):
     li.close()
     assert took < 8, f"shutdown took {took:.1f} s with a stream open"
     assert [name for name, _ in li.named] == ["shutdown"]
+
+
+def test_an_event_says_whether_the_frames_image_was_captured(repo, tmp_path):
+    s = start_server(repo, tmp_path, "--records", "--records-dir", str(tmp_path / "rec"),
+                     "--capture", "ng", grpc=False)
+    li = Listener(s.url)
+    try:
+        verdicts = [_inspect(s.url, f"C-{i}").json()["verdict"] for i in range(4)]
+        wait_for(lambda: len(li.events) == 4, what="four events")
+        assert [e["captured"] for e in li.events] == [v == "NG" for v in verdicts]
+    finally:
+        li.close()
+        s.stop()

@@ -87,6 +87,8 @@ class Pending:
     dispatched: float = 0.0
     #: the id of the request it belongs to, for log lines about its batch (runner threads)
     request_id: str = field(default_factory=request_id.get)
+    #: the record writer picked the frame's image for capture (the live feed says so)
+    captured: bool = False
 
     def sort_key(self) -> tuple[int, float, int]:
         return (-self.priority, self.deadline, self.seq)

@@ -458,6 +458,10 @@ class ServerSettings(BaseSettings):
                                 "one is closed, or new requests get 503 if all are busy "
                                 "(docs/security.md).",
         json_schema_extra=_LIMITS)
+    max_live_streams: int = Field(
+        32, ge=1, description="Open live result streams (GET /v1/live) in the whole server; "
+                              "past it 503. They do not count against --max-connections.",
+        json_schema_extra=_LIMITS)
     auth_token: str | None = Field(
         None, description="Require 'Authorization: Bearer <token>' (HTTP) / 'authorization' "
                           "metadata (gRPC).",

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from .config import ModelConfig
     from .execution.results import FrameResult
     from .imaging import Frame
+    from .livefeed import LiveFeed
     from .tasks import Task
 
 
@@ -103,6 +104,10 @@ class DataPlane(Protocol):
     served: dict[tuple[str, int], Any]
     #: the stations' recipes (recipes.toml), replaced whole by a switch
     recipes: Assignments
+    @property
+    def feed(self) -> LiveFeed:
+        """Every answer as it happens, for the console (GET /v1/live)."""
+        ...
 
     @property
     def live(self) -> bool: ...

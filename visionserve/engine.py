@@ -40,6 +40,7 @@ from .execution import Executor, InProcess, choose
 from .execution.results import FrameResult, device_fault, padded_size
 from .imaging import Frame
 from .lifecycle import Lifecycle
+from .livefeed import LiveSource, LocalFeed
 from .repository import ModelEntry
 from .served import Served, effective_config
 from .served import file_stamp as _file_stamp
@@ -78,6 +79,10 @@ class Engine(ModelLookup):
         self.gate = Gate()
         self.lifecycle = Lifecycle(self, load=self._load, release=self._release)
         self.admission = Admission(self.gate, self.count_error)
+        # the live results (GET /v1/live): tapped in while a console listens; the hub feeds the
+        # --frontends processes from the same source
+        self.live_source = LiveSource(self, settings.max_live_streams)
+        self.feed = LocalFeed(self.live_source)
 
     # --- state, start and shutdown ------------------------------------------------------------
 
@@ -267,6 +272,7 @@ class Engine(ModelLookup):
 
     async def close(self) -> None:
         self.gate.draining = True
+        self.live_source.close()
         self.lifecycle.stop_polling()
         for s in self.served.values():
             await self._release(s)

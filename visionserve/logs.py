@@ -31,6 +31,12 @@ def _new_id_prefix() -> None:
 os.register_at_fork(after_in_child=_new_id_prefix)  # a forked process makes its own ids
 
 
+def current_request_id() -> str | None:
+    """The id of the request the running code serves, None outside a request."""
+    rid = request_id.get()
+    return None if rid == "-" else rid
+
+
 def new_request_id() -> str:
     """An id for a request that came without one, unique across the server's processes."""
     return f"{_id_prefix}{next(_id_counter):06x}"

@@ -53,6 +53,12 @@ FRONTENDS_ALIVE = Gauge("visionserve_frontends_alive",
 BATCH_WORKERS_ALIVE = Gauge("visionserve_batch_workers_alive",
                             "Worker processes running that prepare (and with "
                             "--gpu-batch-processes run) batches, all model instances together")
+LIVE_STREAMS = Gauge("visionserve_live_streams",
+                     "Open live result streams (GET /v1/live), in every front end")
+LIVE_DROPPED = Counter(
+    "visionserve_live_events_dropped",
+    "Live result events not delivered, oldest first: stream (a browser reading slower than the "
+    "line answers), frontend (a front-end process's channel backed up)", ["where"])
 
 
 class ModelSeries:

@@ -117,6 +117,8 @@ ROUTES: tuple[Route, ...] = (
     Route("GET POST", "/ui/login", SIGNIN, form=True),  # the one form-encoded body taken
     Route("POST", "/ui/logout", SIGNIN),
     Route("GET", "/ui/session", SIGNIN),
+    Route("GET", "/v1/live", ADMIN, VIEWER),  # every answer with its part id
+    Route("GET", "/v1/live/summary", ADMIN, VIEWER),
     Route("GET", "/docs", ADMIN),  # the API pages (api_docs): they can send any call
     Route("GET", "/docs/oauth2-redirect", ADMIN),
     Route("GET", "/redoc", ADMIN),
@@ -130,6 +132,9 @@ ROUTES: tuple[Route, ...] = (
 )
 
 HEALTH_PATHS = tuple(r.path for r in ROUTES if r.access == HEALTH)
+#: the routes whose answer is a stream that stays open (the live results): the connection limit
+#: does not count them, they have their own (max_live_streams)
+STREAM_PATHS = ("/v1/live",)
 
 #: the gRPC methods that are protected routes (the model repository)
 GRPC_ADMIN_METHODS = tuple(f"/inference.GRPCInferenceService/{m}" for m in (
@@ -329,8 +334,8 @@ class Access:
         opened = f"; {probes}: open" if probes else ""
         return [f"inference (infer, metadata, config, ready, stats, inspect): {inference}{opened}",
                 ("protected (verdict and recipe changes, /v2/repository, /v1/guard, /v1/parts, "
-                  f"API docs, console pages): {protected}; Host: {hosts}; JSON bodies only, "
-                  "no foreign Origin"),
+                  f"/v1/live, API docs, console pages): {protected}; Host: {hosts}; "
+                  "JSON bodies only, no foreign Origin"),
                  Users(users_db_path(settings.users_db)).describe()]
 
 

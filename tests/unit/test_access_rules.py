@@ -62,6 +62,7 @@ def test_every_route_of_the_app_is_in_the_table():
     ("PUT", "/v1/models/m/verdict", ADMIN), ("GET", "/v1/models/m/verdict", "inference"),
     ("POST", "/v2/repository/models/m/unload", ADMIN), ("GET", "/v1/guard/jobs/3/logs", ADMIN),
     ("GET", "/v1/parts/A-1", ADMIN), ("GET", "/openapi.json", ADMIN), ("GET", "/docs", ADMIN),
+    ("GET", "/v1/live", ADMIN), ("GET", "/v1/live/summary", ADMIN),
     ("POST", "/v1/stations/s/recipe", ADMIN), ("GET", "/v1/stations/s", "inference"),
     ("POST", "/v1/models/m/inspect", "inference"), ("HEAD", "/v2/health/ready", "health"),
     ("GET", "/metrics", "metrics"), ("GET", "/nowhere", ADMIN), ("DELETE", "/v2/models/m", ADMIN),

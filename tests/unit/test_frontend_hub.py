@@ -707,3 +707,26 @@ async def test_a_settings_change_returns_once_every_front_end_applies_it(pair, t
         toml.write_text(saved)
         await slow.close()
         hub.detach(1)
+
+
+async def test_live_results_reach_a_front_ends_streams_and_its_streams_count_in_the_engine(pair):
+    eng, hub, remote = pair
+    replay, stream = await remote.feed.open("tiny", None, None)
+    assert replay == [] and eng.live_source.streams == 1
+    await remote.infer("tiny", None, [raw()], origin=("A-1", None, None, None))
+    events, missed = await stream.next(5.0)
+    assert [(e.part_id, e.model, e.verdict in ("OK", "NG")) for e in events] == \
+        [("A-1", "tiny", True)] and missed == 0
+    # a second stream starts with what the engine kept; the summary is the engine's
+    replay2, stream2 = await remote.feed.open(None, None, None)
+    assert [e.part_id for e in replay2] == ["A-1"]
+    summary = await remote.feed.summary("tiny", 2)
+    assert sum(m["ok"] + m["ng"] for m in summary["minutes"]) == 1
+    stream2.close()
+    await _until(lambda: eng.live_source.streams == 1)
+    # the front end goes: its streams stop counting, and it is sent nothing more
+    hub.detach(0)
+    await asyncio.wait_for(remote.lost.wait(), 5)
+    await _until(lambda: eng.live_source.streams == 0)
+    assert eng.live_source.sinks == [eng.feed.streams]
+    assert await stream.next(1.0) is None  # the stream ended with the engine

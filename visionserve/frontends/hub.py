@@ -21,6 +21,11 @@ Messages (tuples) a front end sends:
   waits until every front end has said it applies them, so a frame the caller sends next, through
   any front end, is decided under the new recipe (the same for verdict changes).
   ``("applied", generation)``: the front end applies the settings of that generation.
+  ``("live_open", rid, model, station, last_id)``: a live results stream opens there (counted
+  against ``--max-live-streams``); the reply is the kept events it starts with, and from then on
+  the front end is sent ``("live", [LiveEvent])`` until its last stream closes:
+  ``("live_close",)`` each. ``("live_summary", rid, model, minutes)``: the per-minute summary.
+  ``("live_dropped", n)``: its streams lost ``n`` events (a slow browser), for the metrics.
   ``("repository", rid, call, args)``: ``call`` one of ``repository_index``, ``load_model``,
   ``unload_model`` of the engine, with ``args``; a swap sends every front end the models before
   any frame reaches the new versions (``Engine.on_change``).
@@ -33,6 +38,8 @@ and what the hub sends back:
   the engine admitted the frames), ``("error", rid, error class name, message, retry_after_s,
   late_ms)`` exactly once per ``infer``, counted in the metrics here before it is sent;
   ``("reply", rid, value)`` or an error for the others.
+  ``("live", [LiveEvent])``: the answers of a loop turn, while a live stream is open there
+  (:class:`~visionserve.livefeed.Outbox`: held while its channel is backed up, oldest dropped).
   ``("beat",)`` every ``HEARTBEAT_S``: a front end that hears nothing for a while stops taking work.
   ``("free", [rid, ...])`` in zero-copy mode: the engine holds none of these requests'
   frames any more, their extents may be reused (before or after their answers; see arena.py).
@@ -55,6 +62,7 @@ from ..dataplane import ModelView
 from ..errors import INTERNAL_MESSAGE, InternalError, VisionServeError
 from ..framing import Channel, connect
 from ..imaging import Frame
+from ..livefeed import Outbox
 from ..logs import request_id
 from .arena import ArenaReader
 
@@ -89,6 +97,9 @@ class Link:
         # request id -> its frame's future (or their gather), its model, its number of frames
         self.tasks: dict[int, tuple[asyncio.Future, str, int]] = {}
         self.lost = asyncio.Event()
+        # live results streams open in this front end, and its outbox while there are some
+        self.live_streams = 0
+        self.outbox: Outbox | None = None
 
     @property
     def ch(self) -> Channel:
@@ -156,12 +167,50 @@ class Link:
         elif kind == "repository":
             _, rid, call, args = msg
             self._background(self._repository(rid, call, args))
+        elif kind in ("live_open", "live_close", "live_summary", "live_dropped"):
+            self._live(kind, msg)
         elif kind == "metrics":
             from prometheus_client import generate_latest
 
             self.ch.send(("reply", msg[1], generate_latest()))
         else:
             log.error("front end %d sent an unknown message %r", self.index, kind)
+
+    def _live(self, kind: str, msg: tuple) -> None:
+        source = self.hub.engine.live_source
+        if kind == "live_open":
+            _, rid, model, station, last_id = msg
+            try:
+                source.reserve()
+            except VisionServeError as exc:
+                self._error(rid, exc)
+                return
+            if self.outbox is None:
+                transport = self.ch.transport
+                assert transport is not None  # connected before its first message
+                self.outbox = Outbox(lambda events: self.ch.send(("live", events)),
+                                     transport.get_write_buffer_size,
+                                     lambda n: source.count_dropped("frontend", n))
+                source.attach(self.outbox)
+            self.live_streams += 1
+            self.ch.send(("reply", rid, source.recent(model, station, last_id)))
+        elif kind == "live_close":
+            if self.live_streams:
+                self.live_streams -= 1
+                source.release()
+            if not self.live_streams:
+                self._close_outbox()
+        elif kind == "live_summary":
+            _, rid, model, minutes = msg
+            self.ch.send(("reply", rid, source.summary(model, minutes)))
+        else:
+            source.count_dropped("stream", msg[1])
+
+    def _close_outbox(self) -> None:
+        if self.outbox is not None:
+            self.hub.engine.live_source.detach(self.outbox)
+            self.outbox.close()
+            self.outbox = None
 
     def _background(self, work) -> None:
         task = asyncio.get_running_loop().create_task(work)
@@ -264,9 +313,13 @@ class Link:
                            getattr(exc, "late_ms", None)))
 
     def on_lost(self) -> None:
-        # the front end died or stopped: its clients are gone, so are their frames
+        # the front end died or stopped: its clients are gone, so are their frames and streams
         for task, _, _ in list(self.tasks.values()):
             task.cancel()
+        if self.live_streams:
+            self.hub.engine.live_source.release(self.live_streams)
+            self.live_streams = 0
+        self._close_outbox()
         self.lost.set()
 
     def close(self) -> None:

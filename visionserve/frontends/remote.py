@@ -32,6 +32,7 @@ from ..dataplane import ModelLookup, ModelView
 from ..errors import DeadlineExceeded, Unavailable, VisionServeError
 from ..framing import Channel
 from ..imaging import Frame
+from ..livefeed import LiveEvent, LiveStream, LiveStreams
 from ..logs import request_id
 from .arena import Arena
 
@@ -68,6 +69,7 @@ class RemoteEngine(ModelLookup):
         self._ids = itertools.count(1)
         self.connected = asyncio.Event()
         self.lost = asyncio.Event()
+        self.feed = RemoteFeed(self)
 
     # --- the channel -------------------------------------------------------------------------
 
@@ -96,6 +98,9 @@ class RemoteEngine(ModelLookup):
             self.connected.set()
             if models is not None and self.channel is not None:  # in force here from now on
                 self.channel.send(("applied", generation))
+            return
+        if kind == "live":  # the engine's answers of a loop turn, for the streams open here
+            self.feed.streams(msg[1])
             return
         if kind == "free":  # zero-copy: the engine holds none of these requests' frames any more
             for rid in msg[1]:
@@ -144,6 +149,7 @@ class RemoteEngine(ModelLookup):
                 fut.set_exception(Unavailable("the server's engine process is gone",
                                               retry_after_s=1.0))
         self._pending.clear()
+        self.feed.shut()  # no more results: the streams end
         self.lost.set()
 
     async def watch(self) -> None:
@@ -332,3 +338,48 @@ class RemoteEngine(ModelLookup):
         self._draining = True
         if self.channel is not None:
             self.channel.close()
+
+
+class RemoteFeed:
+    """The live results feed (:class:`~visionserve.livefeed.LiveFeed`) of a front-end process:
+    its streams here, fed by the engine process's ``live`` messages while one is open; the
+    stream limit, the kept events and the summary are the engine's (hub.py says the messages)."""
+
+    def __init__(self, remote: RemoteEngine) -> None:
+        self.remote = remote
+        self.streams = LiveStreams(self._dropped)
+
+    async def open(self, model: str | None, station: str | None, last_id: str | None
+                   ) -> tuple[list[LiveEvent], LiveStream]:
+        if self.streams.closing:
+            raise Unavailable.shutting_down()
+        fut, _ = self.remote._call("live_open", model, station, last_id)
+        try:
+            replay = await asyncio.shield(fut)
+        except asyncio.CancelledError:  # the browser left first: the engine counted its stream
+            fut.add_done_callback(self._opened_late)
+            raise
+        return replay, self.streams.add(model, station, replay, self._closed)
+
+    def _closed(self, stream: LiveStream) -> None:
+        self.streams.remove(stream)
+        self._send(("live_close",))
+
+    def _opened_late(self, fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self._send(("live_close",))
+
+    def _dropped(self, n: int) -> None:
+        self._send(("live_dropped", n))
+
+    def _send(self, msg: tuple) -> None:
+        channel = self.remote.channel
+        if channel is not None:
+            channel.send(msg)
+
+    async def summary(self, model: str, minutes: int) -> dict:
+        fut, _ = self.remote._call("live_summary", model, minutes)
+        return await fut
+
+    def shut(self) -> None:
+        self.streams.shut()

@@ -15,7 +15,7 @@ from ..dataplane import DataPlane
 from ..errors import VisionServeError, describe_validation
 from ..security import ADMIN, classify
 from ..users.store import Users, users_db_path
-from . import inspect, recipes, signin, v2, verdict
+from . import inspect, live, recipes, signin, v2, verdict
 from .common import (
     ClientGone,
     client_gone_response,
@@ -67,6 +67,7 @@ def create_app(engine: DataPlane, settings: ServerSettings, routers: tuple = ())
     app.include_router(verdict.router)
     app.include_router(recipes.router)
     app.include_router(signin.router)
+    app.include_router(live.router)
     for extra in routers:
         app.include_router(extra)
 

@@ -13,7 +13,11 @@ Here, as in nginx:
   one idle longest between requests, is closed to make room: slow clients cannot lock real ones
   out, and the open sockets stay bounded. A connection with a request in progress is never closed;
 - only when every connection has a request in progress does a new request get 503 with
-  Retry-After (JSON, like every other error); health checks are answered even then.
+  Retry-After (JSON, like every other error); health checks are answered even then;
+- a connection whose answer is a stream that stays open (``STREAM_PATHS``: the live results) is
+  not counted once its request head has come: those streams have their own limit
+  (``max_live_streams``, kept by the live feed), and the connections of requests stay bounded
+  by ``max_connections`` as before.
 
 A request cannot hold its connection by sending its body slowly either:
 
@@ -41,7 +45,7 @@ from typing import Any
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from ..errors import Unavailable
-from ..security import HEALTH_PATHS
+from ..security import HEALTH_PATHS, STREAM_PATHS
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +103,7 @@ class ConnectionTable:
         self.idle: dict[GuardedHTTPProtocol, None] = {}   # kept alive between requests
         self.bodies: dict[GuardedHTTPProtocol, None] = {}  # a request body still arriving
         self.lingering: dict[GuardedHTTPProtocol, None] = {}  # answered, the body still coming
+        self.streams: dict[GuardedHTTPProtocol, None] = {}  # answering a stream (not counted)
         self.last_connection = 0.0  # loop time of the latest connection
         self.shutting_down = False
         self._body_check: asyncio.TimerHandle | None = None
@@ -108,7 +113,8 @@ class ConnectionTable:
         self._report: asyncio.TimerHandle | None = None
 
     def full(self, connections: int) -> bool:
-        return self.limit is not None and connections - self.closing > self.limit
+        return self.limit is not None and \
+            connections - self.closing - len(self.streams) > self.limit
 
     def make_room(self, newcomer: GuardedHTTPProtocol) -> None:
         victim = next(iter(self.lingering), None)
@@ -255,12 +261,15 @@ class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
             self._forget()
             if self.transport.is_closing() or self._linger is not None:
                 return
+            if self.cycle.scope["path"] in STREAM_PATHS and not self.cycle.response_complete:
+                self.table.streams[self] = None
             if self._between_requests():
                 self.table.idle[self] = None  # ... and was answered already, from its head
             elif self._in_message and not self.cycle.response_complete:
                 self.table.body_started(self)  # ... and its body is still arriving
 
     def on_response_complete(self) -> None:
+        self.table.streams.pop(self, None)
         super().on_response_complete()
         if not self.transport.is_closing() and self._head_timer is None \
                 and self._between_requests():
@@ -375,6 +384,7 @@ class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         self._forget()
         self.table.bodies.pop(self, None)
         self.table.lingering.pop(self, None)
+        self.table.streams.pop(self, None)
         if self._linger is not None:
             self._linger.cancel()
         if self._closing:

@@ -52,7 +52,7 @@ def http_server(app, engine, settings: ServerSettings) -> DrainingServer:
 class DrainingServer(uvicorn.Server):
     """uvicorn server whose first SIGTERM/SIGINT drains the engine before the sockets close, so
     readiness goes false and new requests get 503 while accepted ones still get answers; the
-    listener then stays open while connections keep coming (see
+    live result streams then end; the listener then stays open while connections keep coming (see
     :meth:`~.connections.ConnectionTable.quiet`)."""
 
     def __init__(self, config, engine, drain_timeout_s: float) -> None:
@@ -82,6 +82,9 @@ class DrainingServer(uvicorn.Server):
         ok = await self.engine.drain(self.drain_timeout_s)
         if not ok:
             log.warning("drain timeout: unfinished frames were answered 503")
+        # the live streams have had the last answers: they end now (an open one would hold the
+        # connections' graceful close for its whole timeout)
+        self.engine.feed.shut()
         table = getattr(self.config.http_protocol_class, "table", None)
         if table is not None:  # the late comers are answered before the listener closes
             await table.quiet()

@@ -41,7 +41,7 @@ from functools import partial
 from typing import Any
 
 from .. import imaging
-from ..logs import request_id
+from ..logs import current_request_id
 from . import metrics
 from .capture import FolderTarget, NoRoom, Policy, S3Target, image_bytes, image_key, sidecar
 from .record import Record
@@ -160,12 +160,12 @@ class Recorder:
     # --- engine side (its event loop): one callback and one put per frame ------------------------
 
     def watch(self, served, pending: Sequence, origin: tuple | None) -> None:
-        rid = _request_id()
+        rid = current_request_id()
         for i, item in enumerate(pending):
             item.future.add_done_callback(partial(self._answered, served, origin, rid, i, item))
 
     def refused(self, served, count: int, origin: tuple | None, exc) -> None:
-        rid, wall = _request_id(), time.time()
+        rid, wall = current_request_id(), time.time()
         for i in range(count):
             self._offer((wall, served, origin, rid, i, None, exc, 0.0, None))
 
@@ -183,6 +183,7 @@ class Recorder:
             # bytes of its own: a frame read in place from a front end's arena would keep that
             # space for as long as it waits in the capture queue
             frame = imaging.owned(item.payload)
+            item.captured = True  # the live feed, tapped after the records, says so
         self._offer((wall, served, origin, rid, index, r, exc, now - item.arrival, frame))
 
     def _offer(self, item: tuple) -> None:
@@ -486,8 +487,3 @@ class Recorder:
             fn()
         except Exception:  # a bug: logged, and the capture thread keeps running
             log.exception("capture: uploading the spooled images failed")
-
-
-def _request_id() -> str | None:
-    rid = request_id.get()
-    return None if rid == "-" else rid  # "-": outside a request

@@ -512,6 +512,9 @@ class AnomalyDetection(Task):
         return ("anomalous", 1, result.score) if result.anomalous else \
             ("normal", 0, result.score)
 
+    def reasons(self, result: Anomaly) -> tuple[str, ...]:
+        return result.reasons
+
     def margin(self, result: Anomaly) -> float | None:
         """The normalised image score against ``verdict.image_threshold``."""
         return abs(result.score - self._rule.verdict.image_threshold)

@@ -157,6 +157,11 @@ class Task(ABC):
         """(label, class index, score) for the PLC's result registers; ("", -1, nan) if none."""
         return "", -1, float("nan")
 
+    def reasons(self, result: Any) -> tuple[str, ...]:
+        """Why the frame is NG, in a few words each (the live results feed); () when the task
+        says no more than its label."""
+        return ()
+
     def margin(self, result: Any) -> float | None:
         """How far the frame's deciding score lies from the verdict's threshold, on the score's
         own scale (0: on the threshold); image capture's ``uncertain`` policy keeps frames within

@@ -536,6 +536,9 @@ class DetectionTask(Task):
         """A detection's mask as a boolean ``[height, width]`` image (segmentation), else None."""
         return None
 
+    def reasons(self, result: Detected) -> tuple[str, ...]:
+        return tuple(r.message for r in result.reasons)
+
     def summary(self, result: Detected) -> tuple[str, int, float]:
         """The top reason's first object, else the best detection."""
         dets = result.detections

@@ -75,11 +75,12 @@ class Listener:
                 if stream is not None:
                     self.local_port = stream.get_extra_info("client_addr")[1]
                 self.headers = r.headers
-                self._opened.set()
                 if r.status_code != 200:
                     r.read()
                     self.body = r.text
+                    self._opened.set()  # with its body: the test reads it at once
                     return
+                self._opened.set()
                 fields: dict[str, str] = {}
                 for line in r.iter_lines():
                     if line.startswith(":"):

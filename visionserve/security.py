@@ -107,6 +107,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/guard/jobs/{id}/logs", ADMIN, VIEWER),  # a command's output
     Route("GET", "/v1/guard/health", ADMIN, VIEWER),
     Route("GET", "/v1/parts/{id}", ADMIN, VIEWER),  # records and image names
+    Route("GET", "/v1/records", ADMIN, VIEWER),  # the same, filtered
     Route("GET POST", "/ui/login", SIGNIN, form=True),  # the one form-encoded body taken
     Route("POST", "/ui/logout", SIGNIN),
     Route("GET", "/ui/session", SIGNIN),

@@ -650,6 +650,11 @@ class ServerSettings(BaseSettings):
         description="Captured images waiting to be written; past it images are dropped and "
                     "counted, inference never waits.",
         json_schema_extra=_RECORDS)
+    preview_frames: int = Field(
+        200, ge=0, le=100_000,
+        description="Last answered frames kept per model (ids and outputs, no images) for the "
+                    "verdict preview (POST /v1/models/{m}/verdict/preview); 0: none kept.",
+        json_schema_extra=_MODELS)
 
     @field_validator("guard_margin", "records_max_bytes", "capture_quota")
     @classmethod

@@ -96,6 +96,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/recipes", INFERENCE),
     Route("GET", "/v1/stations/{s}", INFERENCE),
     Route("PUT", "/v1/models/{m}/verdict", ADMIN, QUALITY),
+    Route("POST", "/v1/models/{m}/verdict/preview", ADMIN, QUALITY),  # changes nothing
     Route("POST", "/v2/repository/index", ADMIN),
     Route("POST", "/v2/repository/models/{m}/load", ADMIN),
     Route("POST", "/v2/repository/models/{m}/unload", ADMIN),

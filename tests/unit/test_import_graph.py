@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("frames and devices", frozenset({"imaging", "gpu"})),
     ("models", frozenset({"backends", "tasks", "repository", "verdicts", "recipes"})),
     ("data plane", frozenset({"dataplane", "batching", "execution", "engine", "oip", "served",
-                              "admission", "enginestats", "lifecycle"})),
+                              "admission", "enginestats", "lifecycle", "preview"})),
     ("front ends", frozenset({"http", "grpc", "frontends", "security", "users"})),
     ("services", frozenset({"guard", "plc", "ops", "records"})),
     ("assembly", frozenset({"runtime", "cli", "__main__"})),

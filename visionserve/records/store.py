@@ -331,8 +331,9 @@ class SqliteStore(RecordStore):
     def listing_sql(query: RecordQuery) -> tuple[str, tuple]:
         """The listing's statement and parameters (its plan is checked to use an index)."""
         where, args = query.where("?")
-        return (f"SELECT id, {', '.join(COLUMNS)} FROM records{where} "
-                "ORDER BY time DESC, id DESC LIMIT ?", (*args, min(query.limit, MAX_PAGE)))
+        sql = (f"SELECT id, {', '.join(COLUMNS)} FROM records{where} "
+               "ORDER BY time DESC, id DESC LIMIT ?")
+        return sql, (*args, min(query.limit, MAX_PAGE))
 
     def _chunk(self, after_id: int, since: float, until: float, n: int) -> list:
         return self._read(f"SELECT id, {', '.join(COLUMNS)} FROM records WHERE id > ? AND "

@@ -15,6 +15,7 @@ import sys
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import tzinfo
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -59,6 +60,30 @@ def data_home() -> Path:
     if not os.path.isabs(data):  # the XDG spec: unset or relative means the default
         data = os.path.join(os.path.expanduser("~"), ".local", "share")
     return Path(data) / "visionserve"
+
+
+def time_zone(name: str = "") -> tuple[str, tzinfo]:
+    """(IANA name, zone) of the time zone ``name``; "" is the machine's local zone (``TZ``, else
+    the zone ``/etc/localtime`` links to, else ``/etc/timezone``; UTC when none says).
+    ValueError names a zone the system's tz database lacks."""
+    import os
+    from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+    if not name:
+        name = os.environ.get("TZ", "").lstrip(":")
+        if not name:
+            target = os.path.realpath("/etc/localtime")
+            name = target.split("/zoneinfo/", 1)[1] if "/zoneinfo/" in target else ""
+        if not name:
+            try:
+                name = Path("/etc/timezone").read_text(encoding="utf-8").strip()
+            except OSError:
+                name = "UTC"
+    try:
+        return name, ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise ValueError(f"unknown time zone {name!r}: use an IANA name such as Europe/Berlin "
+                         "or UTC") from None
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -329,6 +354,7 @@ SETTING_GROUPS: dict[str, str] = {
     "PLC": "Results to PLCs over OPC UA and Modbus TCP (docs/plc.md).",
     "records": "Traceability records and image capture (docs/records.md).",
     "guard": "Sharing the GPU with training jobs (docs/guard.md).",
+    "console": "The operator console in the browser at /ui (docs/console.md).",
     "logging and process": "Logging, shutdown and the serving process's threads.",
 }
 _NETWORK: JsonDict = {"group": "network"}
@@ -339,6 +365,7 @@ _GPU: JsonDict = {"group": "GPU"}
 _PLC: JsonDict = {"group": "PLC"}
 _RECORDS: JsonDict = {"group": "records"}
 _GUARD: JsonDict = {"group": "guard"}
+_CONSOLE: JsonDict = {"group": "console"}
 _OTHER: JsonDict = {"group": "logging and process"}
 
 
@@ -655,11 +682,25 @@ class ServerSettings(BaseSettings):
         description="Last answered frames kept per model (ids and outputs, no images) for the "
                     "verdict preview (POST /v1/models/{m}/verdict/preview); 0: none kept.",
         json_schema_extra=_MODELS)
+    console: bool = Field(
+        True, description="Serve the operator console at /ui (same port and access rules).",
+        json_schema_extra=_CONSOLE)
+    time_zone: str = Field(
+        "", description="The time zone the console shows times in (IANA name, e.g. "
+                        "Europe/Berlin); empty: the machine's local zone.",
+        json_schema_extra={**_CONSOLE, "default_text": "the machine's local zone"})
 
     @field_validator("guard_margin", "records_max_bytes", "capture_quota")
     @classmethod
     def _margin(cls, v: str) -> str:
         parse_bytes(v)
+        return v
+
+    @field_validator("time_zone")
+    @classmethod
+    def _zone(cls, v: str) -> str:
+        if v:
+            time_zone(v)
         return v
 
     @model_validator(mode="after")

@@ -48,6 +48,11 @@ DEADLINE_MISSES = Counter(
     "Frames answered LATE (504): the deadline passed in the queue, during decode "
     "or compute, or at the front end", ["model"])
 READY = Gauge("visionserve_model_ready", "1 when the model version is ready", ["model", "version"])
+FRONTENDS_ALIVE = Gauge("visionserve_frontends_alive",
+                        "Front-end processes running (--frontends; absent without them)")
+BATCH_WORKERS_ALIVE = Gauge("visionserve_batch_workers_alive",
+                            "Worker processes running that prepare (and with "
+                            "--gpu-batch-processes run) batches, all model instances together")
 
 
 class ModelSeries:

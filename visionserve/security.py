@@ -8,12 +8,16 @@ Every HTTP route is in :data:`ROUTES`, in one of two classes (docs/security.md):
   (``--no-auth-metrics-open``), which load balancers and scrapers probe without the secret.
 - *protected*: whatever changes state, writes a file, runs a command, or reads more than a
   verdict (verdict and recipe changes, the model repository, the guard's job API, part records,
-  the API docs). They need ``Authorization: Bearer <admin token>`` unless the server binds
-  loopback addresses only. The bind address decides, not the client's: behind a reverse proxy
-  on the same machine every client is 127.0.0.1, and behind a Docker port mapping none is.
+  the API docs, the console's pages). They need ``Authorization: Bearer <admin token>`` unless
+  the server binds loopback addresses only. The bind address decides, not the client's: behind
+  a reverse proxy on the same machine every client is 127.0.0.1, and behind a Docker port
+  mapping none is.
   Whatever the bind address, a protected request must name this server in ``Host`` (DNS
   rebinding), must not come from a foreign ``Origin``, and a body it sends must be JSON (415):
   what a web page can send without the browser asking first is refused.
+
+The console's style sheet and script (``STATIC``) are open to every client whatever the tokens,
+with the ``Host`` and ``Origin`` checks of protected routes.
 
 The admin token also passes where the inference token is asked for; the inference token never
 opens a protected route. Where the console has users (:mod:`visionserve.users`), a protected route
@@ -53,6 +57,9 @@ log = logging.getLogger("visionserve")
 INFERENCE, HEALTH, METRICS, ADMIN = "inference", "health", "metrics", "admin"
 #: the console's sign-in: no token, but the Host and Origin checks of protected routes
 SIGNIN = "signin"
+#: the console's style sheet and script: files of the package, open to every client whatever
+#: the tokens (a browser sends none for them); the Host and Origin checks still hold
+STATIC = "static"
 
 
 @dataclass(frozen=True)
@@ -116,6 +123,12 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/docs/oauth2-redirect", ADMIN),
     Route("GET", "/redoc", ADMIN),
     Route("GET", "/openapi.json", ADMIN),
+    # the console (docs/console.md): its pages read what protected routes read
+    Route("GET", "/ui", ADMIN, VIEWER),
+    Route("GET", "/ui/models", ADMIN, VIEWER),
+    Route("GET", "/ui/stations", ADMIN, VIEWER),
+    Route("GET", "/ui/system", ADMIN, VIEWER),
+    Route("GET", "/ui/static/{name}", STATIC),
 )
 
 HEALTH_PATHS = tuple(r.path for r in ROUTES if r.access == HEALTH)
@@ -271,6 +284,8 @@ class Access:
         UNAUTHENTICATED or FORBIDDEN (the inference token on a protected route); identity is who
         the credential says it is (``admin-token``, ``loopback``), or "" for an open route."""
         bearer = _bearer(authorization)
+        if kind == STATIC:
+            return None, ""
         if kind == ADMIN:
             if _matches(bearer, self.admin_token):
                 return None, "admin-token"
@@ -316,8 +331,9 @@ class Access:
         opened = f"; {probes}: open" if probes else ""
         return [f"inference (infer, metadata, config, ready, stats, inspect): {inference}{opened}",
                 ("protected (verdict and recipe changes, /v2/repository, /v1/guard, /v1/parts, "
-                 f"API docs): {protected}; Host: {hosts}; JSON bodies only, no foreign Origin"),
-                Users(users_db_path(settings.users_db)).describe()]
+                  f"API docs, console pages): {protected}; Host: {hosts}; JSON bodies only, "
+                  "no foreign Origin"),
+                 Users(users_db_path(settings.users_db)).describe()]
 
 
 def _listed(value: str) -> frozenset[str] | None:
@@ -479,7 +495,7 @@ class HttpSecurity:
         method, path = scope["method"], scope["path"]
         route = route_of(method, path)
         kind = route.access if route is not None else ADMIN
-        if kind in (ADMIN, SIGNIN):
+        if kind in (ADMIN, SIGNIN, STATIC):
             why = self.access.cross_site(headers.get(b"host"), headers.get(b"origin"))
             if why is not None:
                 return 403, why, ()

@@ -91,6 +91,19 @@ def test_default_bind_protects_changes_and_keeps_inference_open(repo, tmp_path, 
         for path in ("/v1/parts/A-1", "/v1/guard/jobs", "/openapi.json", "/docs"):
             assert httpx.get(server.url + path, timeout=10).status_code == 401, path
         assert httpx.get(server.url + "/openapi.json", headers=admin, timeout=10).status_code == 404
+        # the console: its pages behind the admin token (rendered in whichever process takes
+        # the connection), its style sheet and script open
+        for path in ("/ui", "/ui/models", "/ui/stations", "/ui/system"):
+            assert httpx.get(server.url + path, timeout=10).status_code == 401, path
+        for _ in range(4):
+            page = httpx.get(server.url + "/ui/system", headers=admin, timeout=30)
+            assert page.status_code == 200 and "System" in page.text, page.text
+            assert ("2 of 2 alive" if frontends == "2" else "run in the serving process") \
+                in page.text
+        assert httpx.get(server.url + "/ui/models", headers=admin, timeout=30).status_code == 200
+        for name in ("console.css", "console.js"):
+            assert httpx.get(f"{server.url}/ui/static/{name}", timeout=10).status_code == 200
+        assert httpx.get(f"{server.url}/ui/static/nothing.js", timeout=10).status_code == 404
         # nested JSON is a bad request
         r = httpx.post(f"{server.url}/v2/repository/index", content=_nested(), timeout=30,
                        headers={**admin, "Content-Type": "application/json"})
@@ -207,6 +220,29 @@ def test_a_web_page_cannot_drive_a_loopback_server(repo, tmp_path):
             == ("loopback", "someone")
     finally:
         server.stop()
+
+
+def test_console_pages_and_files_refuse_a_foreign_host_or_origin(repo, tmp_path):
+    """A loopback bind opens the console's pages to this machine; a rebound Host or a foreign
+    Origin is refused on them and on its files; --no-console serves neither."""
+    server = start_server(repo, tmp_path, grpc=False)
+    try:
+        for path in ("/ui/models", "/ui/static/console.js"):
+            assert httpx.get(server.url + path, timeout=30).status_code == 200, path
+            for headers, words in (({"Host": f"evil.example:{server.http_port}"}, "allowed_hosts"),
+                                   ({"Origin": "http://evil.example"}, "allowed_origins")):
+                r = httpx.get(server.url + path, headers=headers, timeout=10)
+                assert r.status_code == 403 and words in r.json()["error"], (path, r.text)
+        page = httpx.get(server.url + "/ui/models", timeout=30)
+        assert "default-src 'self'" in page.headers["content-security-policy"]
+    finally:
+        server.stop()
+    off = start_server(repo, tmp_path, "--no-console", grpc=False)
+    try:
+        for path in ("/ui", "/ui/models", "/ui/static/console.css"):
+            assert httpx.get(off.url + path, timeout=10).status_code == 404, path
+    finally:
+        off.stop()
 
 
 def test_forwarded_for_only_from_trusted_proxies(repo, tmp_path):

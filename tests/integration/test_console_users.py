@@ -329,3 +329,27 @@ def _ready(url: str, ctx: ssl.SSLContext) -> bool:
         return httpx.get(url + "/v2/health/ready", verify=ctx, timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_every_role_reads_the_console_pages_and_acts_by_its_role(server):
+    """The /ui pages open to a signed-in user of any role (and to nobody without a credential
+    on this 0.0.0.0 bind); an action from a page is judged by the role its route needs: a viewer
+    and a quality user cannot unload a model, an admin can (and loads it back)."""
+    for path in ("/ui", "/ui/models", "/ui/stations", "/ui/system"):
+        assert httpx.get(f"{server.url}{path}", timeout=30).status_code == 401, path
+    for n, user in enumerate(USERS):
+        client, csrf = session_client(server, user, f"198.51.100.{120 + n}")
+        with client:
+            for path in ("/ui", "/ui/models", "/ui/stations", "/ui/system"):
+                r = client.get(path, follow_redirects=True)
+                assert r.status_code == 200 and "text/html" in r.headers["content-type"], \
+                    (user, path, r.status_code)
+            r = client.post("/v2/repository/models/tiny/unload", json={},
+                            headers={"X-CSRF-Token": csrf})
+            if USERS[user] == "admin":
+                assert r.status_code == 200, r.text
+                assert client.post("/v2/repository/models/tiny/load", json={},
+                                   headers={"X-CSRF-Token": csrf}).status_code == 200
+            else:
+                assert r.status_code == 403 and "needs the role admin" in r.json()["error"], \
+                    (user, r.text)

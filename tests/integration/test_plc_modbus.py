@@ -6,12 +6,14 @@ hangs (docs/plc.md)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import struct
 import threading
 import time
 
+import httpx
 import numpy as np
 import pytest
 from conftest import wait_for
@@ -69,6 +71,14 @@ def test_inspect_results_reach_the_plc_in_order_with_their_part_ids(plc_server, 
     ids = [r[2] for r in results]
     assert ids == list(range(ids[0], ids[0] + 6))  # the inspection id counts each result
     assert Status.RESULT_VALID not in plc.status()
+    # the console's System page: the PLC connected, the station's last handshake
+    def system_page() -> str | None:
+        text = re.sub(r"\s+", "", httpx.get(plc_server.server.url + "/ui/system", timeout=10).text)
+        return text if "<th" in text and "Lastacknowledged" in text else None
+
+    page = wait_for(system_page, what="the handshake on the System page")
+    assert "<td>modbus</td>" in page and "<td>OK</td>" in page, page
+
 
 
 def test_cameras_go_to_their_own_station(plc_server, plc, jpeg_bytes):

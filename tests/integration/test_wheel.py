@@ -111,6 +111,12 @@ def test_serve_from_root_starts_on_the_shipped_model(venv, tmp_path):
         assert ready is not None and ready.status_code == 200, log.read_text()[-3000:]
         model = httpx.get(f"http://127.0.0.1:{port}/v2/models/defect-classifier", timeout=5)
         assert model.status_code == 200, model.text
+        # the console: its templates and files come from the installed package
+        page = httpx.get(f"http://127.0.0.1:{port}/ui/models", timeout=10)
+        assert page.status_code == 200 and "defect-classifier" in page.text, page.text[-2000:]
+        for name in ("console.css", "console.js"):
+            asset = httpx.get(f"http://127.0.0.1:{port}/ui/static/{name}", timeout=5)
+            assert asset.status_code == 200 and asset.content, name
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

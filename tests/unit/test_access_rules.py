@@ -14,6 +14,8 @@ from visionserve.errors import ConfigError
 from visionserve.security import (
     ADMIN,
     ROUTES,
+    SIGNIN,
+    STATIC,
     Access,
     HttpSecurity,
     classify,
@@ -32,16 +34,22 @@ def test_is_loopback(host, local):
 
 def test_every_route_of_the_app_is_in_the_table():
     """A new route must be classified: none of the server's routes falls to the default."""
+    from visionserve.console.pages import make_router as console_router
     from visionserve.guard.http import make_router as guard_router
     from visionserve.http.app import create_app
     from visionserve.records.http import make_router as records_router
 
-    routers = (guard_router(None), records_router(None))
-    app = create_app(None, ServerSettings(api_docs=True), routers)
+    settings = ServerSettings(api_docs=True)
+    console = console_router(settings)
+    app = create_app(None, settings, (guard_router(None), records_router(None), console))
     schema = app.openapi()
     routes = [(m.upper(), p) for p, ops in schema["paths"].items() for m in ops]
     routes += [("GET", p) for p in ("/metrics", "/docs", "/docs/oauth2-redirect", "/redoc",
                                     "/openapi.json")]
+    # the console's pages are no API: outside the OpenAPI document, in the table all the same
+    pages = [(m, r.path) for r in console.routes for m in sorted(r.methods)]
+    assert len(pages) == 5, pages
+    routes += pages
     for method, path in routes:
         assert any(r.matches(method, path) for r in ROUTES), (method, path)
     assert len(routes) >= 35
@@ -57,9 +65,17 @@ def test_every_route_of_the_app_is_in_the_table():
     ("POST", "/v1/stations/s/recipe", ADMIN), ("GET", "/v1/stations/s", "inference"),
     ("POST", "/v1/models/m/inspect", "inference"), ("HEAD", "/v2/health/ready", "health"),
     ("GET", "/metrics", "metrics"), ("GET", "/nowhere", ADMIN), ("DELETE", "/v2/models/m", ADMIN),
+    ("GET", "/ui", ADMIN), ("GET", "/ui/models", ADMIN), ("GET", "/ui/stations", ADMIN),
+    ("GET", "/ui/system", ADMIN), ("HEAD", "/ui/system", ADMIN),
+    ("GET", "/ui/static/console.css", STATIC),
+    ("GET", "/ui/static/a/b.js", ADMIN), ("POST", "/ui/static/console.js", ADMIN),
+    ("GET", "/ui/session", SIGNIN), ("GET", "/ui/nowhere", ADMIN),
 ])
 def test_classify(method, path, kind):
     assert classify(method, path) == kind
+
+
+HOSTS_OF_ASSETS = frozenset({"localhost"})
 
 
 async def _ok(scope, receive, send):
@@ -74,6 +90,26 @@ def test_open_paths_with_the_inference_token(metrics_open):
     assert client.get("/metrics").status_code == (200 if metrics_open else 401)
     assert client.get("/v2/models/m").status_code == 401
     assert client.get("/v2/models/m", headers={"Authorization": "Bearer secret"}).status_code == 200
+
+
+@pytest.mark.parametrize("access", [
+    Access(token=b"infer", admin_token=b"adm", hosts=HOSTS_OF_ASSETS),
+    Access(token=b"infer", admin_required=False, hosts=HOSTS_OF_ASSETS),
+])
+def test_console_assets_are_open_but_host_and_origin_checked(access):
+    """The console's style sheet and script need no token (a browser sends none for them);
+    its pages are protected routes; the Host and Origin checks hold for both."""
+    client = TestClient(HttpSecurity(_ok, access))
+    here = {"Host": "localhost:8000"}
+    assert client.get("/ui/static/console.css", headers=here).status_code == 200
+    assert client.get("/ui/models", headers=here).status_code == 401
+    assert client.get("/ui/models", headers={**here, "Authorization": "Bearer adm"}
+                      ).status_code == (200 if access.admin_token else 401)
+    for headers, words in (({"Host": "evil.example:8000"}, "allowed_hosts"),
+                           ({**here, "Origin": "http://evil.example"}, "allowed_origins")):
+        for path in ("/ui/static/console.js", "/ui/system"):
+            r = client.get(path, headers={**headers, "Authorization": "Bearer adm"})
+            assert r.status_code == 403 and words in r.json()["error"], (path, r.text)
 
 
 def test_protected_routes_need_the_admin_token_off_loopback():

@@ -116,9 +116,17 @@ def test_a_slot_is_not_written_again_until_the_compute_thread_gives_it_back(pp):
         pp.release(t)
 
 
+def _alive() -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("visionserve_batch_workers_alive") or 0.0
+
+
 def test_when_one_of_two_workers_dies_the_other_prepares_every_batch(caplog):
+    before = _alive()  # the module's shared worker counts too
     p = worker(workers=2)
     assert p.start(), p.failure
+    assert _alive() == before + 2  # the console's System page shows it
     try:
         frames = [jpeg(i) for i in range(3)]
         victim = p.pids[0]
@@ -131,8 +139,10 @@ def test_when_one_of_two_workers_dies_the_other_prepares_every_batch(caplog):
         assert len(p.pids) == 1 and victim not in p.pids
         assert p.counts == {"remote_batches": 6, "local_batches": 0}
         assert any("1 preparation process(es) left" in r.message for r in caplog.records)
+        assert _alive() == before + 1
     finally:
         p.close()
+    assert _alive() == before
 
 
 def test_a_worker_that_dies_leaves_its_batches_to_the_serving_process(caplog):

@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("data plane", frozenset({"dataplane", "batching", "execution", "engine", "oip", "served",
                               "admission", "enginestats", "lifecycle", "preview"})),
     ("front ends", frozenset({"http", "grpc", "frontends", "security", "users"})),
-    ("services", frozenset({"guard", "plc", "ops", "records"})),
+    ("services", frozenset({"guard", "plc", "ops", "records", "console"})),
     ("assembly", frozenset({"runtime", "cli", "__main__"})),
 )
 #: Packages of one layer that never import one another: each front end translates on its own

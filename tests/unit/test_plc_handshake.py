@@ -41,9 +41,9 @@ def test_four_edge_handshake_presents_one_result_per_acknowledge():
     for p in "123":
         hs.offer(_event(p))
     assert _presented(hs) == "1" and hs.waiting == 2
-    hs.write_control(E | ACK)  # the PLC acknowledges result 1
+    assert hs.write_control(E | ACK)  # the PLC acknowledges result 1
     assert not hs.valid  # ResultValid drops...
-    hs.write_control(E | ACK)  # (a level held high acknowledges nothing more)
+    assert not hs.write_control(E | ACK)  # (a level held high acknowledges nothing more)
     assert not hs.valid and hs.waiting == 2
     hs.write_control(E)  # ...and only when ResultAck drops is the next one presented
     assert _presented(hs) == "2" and hs.current[0] == 2

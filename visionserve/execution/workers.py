@@ -69,6 +69,7 @@ from ..errors import InternalError
 from ..gpu.memory import prep_allowance, stage_slot_bytes
 from ..imaging import Frame
 from ..logs import batch_ids
+from ..metrics import BATCH_WORKERS_ALIVE
 from .link import Ready, WorkerFailed, WorkerLink
 from .protocol import REPLY_TIMEOUT_S, START_TIMEOUT_S
 from .results import Prepared, RanBatch, padded_size
@@ -112,6 +113,8 @@ class WorkerPool:
         self._ptrs: dict[int, tuple[WorkerLink, int]] = {}  # a slot's data pointer -> its owner
         self._local = threading.Lock()  # the fallback is one thread's at a time
         self._counts_lock = threading.Lock()
+        self._alive_lock = threading.Lock()
+        self._counted = 0  # workers this pool has counted in BATCH_WORKERS_ALIVE
         self.failure: str | None = None  # why a worker is gone (the first reason)
         self.counts = {"remote_batches": 0, "local_batches": 0}
         self._loop: asyncio.AbstractEventLoop | None = None  # attached to (see attach)
@@ -156,6 +159,7 @@ class WorkerPool:
             self._ptrs.update({s.data_ptr(): (w, k) for k, s in enumerate(w.slots)
                                if s is not None})
             self._idle.put(w)
+        self._count_alive()
         if self.pids:
             log.info("%s: batches prepared%s by process(es) %s", self.name,
                      " and run" if self.runs_model else "", ", ".join(map(str, self.pids)))
@@ -180,6 +184,15 @@ class WorkerPool:
                     pass
         for w in self.workers:
             w.stop()
+        self._count_alive()
+
+    def _count_alive(self) -> None:
+        """Bring this pool's share of ``visionserve_batch_workers_alive`` (a sum over every
+        pool of the process) to the workers alive now."""
+        with self._alive_lock:
+            alive = len(self.pids)
+            BATCH_WORKERS_ALIVE.inc(alive - self._counted)
+            self._counted = alive
 
     def _lost(self, w: WorkerLink | None, why: str, level: int = logging.ERROR) -> None:
         if self.failure is None:
@@ -187,6 +200,7 @@ class WorkerPool:
         if w is not None:
             w.stop(kill=True)
         left = sum(x.alive for x in self.workers)
+        self._count_alive()
         log.log(level, "%s: %s; %s", self.name, why,
                 f"{left} preparation process(es) left" if left else
                 "its batches are prepared in the serving process from now on")

@@ -95,8 +95,9 @@ class Handshake:
         """Results buffered behind the presented one."""
         return len(self.buffer)
 
-    def write_control(self, value: int) -> None:
-        """The PLC wrote the control bits (edges act; levels are kept)."""
+    def write_control(self, value: int) -> bool:
+        """The PLC wrote the control bits (edges act; levels are kept); True when this
+        acknowledged the result presented (a Result Ack handshake)."""
         new, old = Control(value & 0b111), self.control
         self.control = new
         rose = new & ~old
@@ -107,9 +108,11 @@ class Handshake:
             self.overflow = False
         if Control.FAULT_RESET in rose:
             self.overflow = False
-        if Control.RESULT_ACK in rose and self.valid:
+        acked = Control.RESULT_ACK in rose and self.valid
+        if acked:
             self.valid = False  # acknowledged; the next one waits for ResultAck to drop
         self._present()
+        return acked
 
     def offer(self, event: ResultEvent) -> bool:
         """A new result of this station; False when it was not kept (disabled, or overflow)."""

@@ -20,9 +20,12 @@ OVERFLOWS = Counter("visionserve_plc_buffer_overflows", "Modbus results dropped 
 STALLED = Gauge("visionserve_plc_engine_stalled", "1 while the watchdog finds the engine making no "
                 "progress (the heartbeat stops)")
 CLIENTS = Gauge("visionserve_plc_clients", "Connected PLC clients", ["protocol"])
+LAST_ACK = Gauge("visionserve_plc_last_ack_timestamp_seconds", "Unix time a PLC last "
+                 "acknowledged a station's result (Modbus Result Ack handshake)", ["station"])
 
 #: the series the PLC server processes update; their updates reach this process's /metrics
-RELAYED = ("RESULTS", "BUS_DROPPED", "UNROUTED", "BUS_DELAY", "OVERFLOWS", "STALLED", "CLIENTS")
+RELAYED = ("RESULTS", "BUS_DROPPED", "UNROUTED", "BUS_DELAY", "OVERFLOWS", "STALLED", "CLIENTS",
+           "LAST_ACK")
 _METHODS = frozenset(("inc", "set", "observe"))
 
 

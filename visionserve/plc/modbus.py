@@ -99,6 +99,7 @@ class ModbusStations:
         self.handshakes = [Handshake(depth) for _ in stations.names]
         self.line = LineStatus()
         self._overflows = [metrics.OVERFLOWS.labels(n) for n in stations.names]
+        self._acks = [metrics.LAST_ACK.labels(n) for n in stations.names]
         self._delay = metrics.BUS_DELAY.labels("modbus")
         self._lock = threading.Lock()
         self._pending: deque[ResultEvent] = deque()
@@ -194,7 +195,7 @@ class ModbusStations:
         target = self._target(unit, fc)
         if isinstance(target, ExcCodes):
             return target
-        _, hs, table = target
+        index, hs, table = target
         if table == "coils":
             if address < 0 or address + len(values) > CONTROL_BITS:
                 return ExcCodes.ILLEGAL_ADDRESS
@@ -209,7 +210,8 @@ class ModbusStations:
                 return ExcCodes.ILLEGAL_VALUE
         else:
             return ExcCodes.ILLEGAL_ADDRESS  # input registers and discrete inputs are read-only
-        hs.write_control(word)
+        if hs.write_control(word):  # once per part: the serving process hears of it
+            self._acks[index].set(time.time())
         return None
 
 

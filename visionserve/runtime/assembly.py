@@ -65,7 +65,7 @@ async def serve(engine, settings: ServerSettings, guard: HostedGuard | None = No
 
 def service_routers(settings: ServerSettings, guard_store=None) -> tuple:
     """The services' HTTP routes of a process's app: the guard's job API (with ``guard_store``),
-    the part records (``--records``)."""
+    the part records (``--records``), the console (``--console``)."""
     routers = []
     if guard_store is not None:
         from ..guard.http import make_router
@@ -76,6 +76,10 @@ def service_routers(settings: ServerSettings, guard_store=None) -> tuple:
         from ..records.service import store_of
 
         routers.append(records_router(store_of(settings)))
+    if settings.console:
+        from ..console.pages import make_router as console_router
+
+        routers.append(console_router(settings, guard_store))
     return tuple(routers)
 
 

@@ -31,6 +31,7 @@ from ..errors import VisionServeError
 from ..frontends.arena import create_memfd
 from ..frontends.hub import Hub
 from ..http.connections import refuse_until_quiet
+from ..metrics import FRONTENDS_ALIVE
 from ..process import RestartBackoff
 from .ports import listen_socket
 from .startup import start_engine
@@ -75,6 +76,7 @@ class FrontEnds:
         finally:
             os.close(arena_fd)  # mapped by the hub, inherited by the front end
         self.procs[index] = proc
+        self._count_alive()
         self.backoff[index].started()
         log.info("front end %d started (pid %d)", index, proc.pid)
 
@@ -86,10 +88,14 @@ class FrontEnds:
                     continue
                 log.error("front end %d (pid %d) exited with %s; starting it again", index,
                           proc.pid, proc.returncode)
+                self._count_alive()
                 self.hub.detach(index)
                 await asyncio.sleep(self.backoff[index].delay())
                 if not self.stopping:
                     await self._spawn(index)
+
+    def _count_alive(self) -> None:
+        FRONTENDS_ALIVE.set(sum(p.poll() is None for p in self.procs.values()))
 
     def signal_all(self, sig: int) -> None:
         for proc in self.procs.values():

@@ -1,0 +1,108 @@
+"""The console's parts that need no server: its texts in one place, the System page's figures
+from the Prometheus series, the time zone it names, and the files the wheel must carry."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from visionserve.config import ServerSettings, time_zone
+from visionserve.console import pages, system
+from visionserve.console.strings import SCRIPT_KEYS, STRINGS
+
+CONSOLE = Path(pages.__file__).parent
+
+
+def test_every_text_the_templates_use_is_in_the_strings():
+    used = set()
+    for template in (CONSOLE / "templates").glob("*.html"):
+        text = template.read_text(encoding="utf-8")
+        used |= set(re.findall(r"\bs\.(\w+)", text)) | set(re.findall(r'"(nav_\w+)"', text))
+        # no English outside the strings: what stands between tags is a {{ }} expression
+        for between in re.findall(r">([^<>{}]+)<", text):
+            assert not between.strip(), (template.name, between)
+    used |= {key for _, key in pages.PAGES}
+    assert used - set(STRINGS) == set()
+    assert set(SCRIPT_KEYS) <= set(STRINGS)
+
+
+def test_the_script_takes_its_texts_from_the_page():
+    script = (CONSOLE / "static" / "console.js").read_text(encoding="utf-8")
+    for key in SCRIPT_KEYS:
+        assert f"strings.{key}" in script or key.startswith("confirm_"), key
+    # nothing but the server: no other origin named anywhere in the console's files
+    for path in [*(CONSOLE / "static").iterdir(), *(CONSOLE / "templates").iterdir()]:
+        assert "http://" not in path.read_text() and "https://" not in path.read_text(), path
+
+
+EXPOSITION = """\
+# HELP visionserve_gpu_memory_budget_bytes GPU memory budget the server reserves
+# TYPE visionserve_gpu_memory_budget_bytes gauge
+visionserve_gpu_memory_budget_bytes 4.294967296e+09
+# TYPE visionserve_gpu_memory_reserved_bytes gauge
+visionserve_gpu_memory_reserved_bytes 2.147483648e+09
+# TYPE visionserve_gpu_device_memory_total_bytes gauge
+visionserve_gpu_device_memory_total_bytes 8.589934592e+10
+# TYPE visionserve_frontends_alive gauge
+visionserve_frontends_alive 3.0
+# TYPE visionserve_batch_workers_alive gauge
+visionserve_batch_workers_alive 2.0
+# TYPE visionserve_plc_clients gauge
+visionserve_plc_clients{protocol="modbus"} 1.0
+# TYPE visionserve_plc_results counter
+visionserve_plc_results_total{result="OK",station="st1"} 41.0
+visionserve_plc_results_total{result="NG",station="st1"} 2.0
+# TYPE visionserve_plc_last_ack_timestamp_seconds gauge
+visionserve_plc_last_ack_timestamp_seconds{station="st1"} 1.7650512e+09
+# TYPE visionserve_plc_engine_stalled gauge
+visionserve_plc_engine_stalled 0.0
+"""
+
+
+def test_system_figures_from_the_series():
+    f = system.read(EXPOSITION)
+    assert f.gpu == {"budget": 4 * 1024**3, "reserved": 2 * 1024**3, "card_total": 80 * 1024**3}
+    assert (f.frontends_alive, f.batch_workers, f.plc_stalled) == (3, 2, False)
+    assert f.plc_clients == {"modbus": 1}
+    assert f.plc_results == {("st1", "OK"): 41, ("st1", "NG"): 2}
+    assert f.plc_last_ack == {"st1": 1.7650512e+09}
+
+
+def test_a_machine_without_a_gpu_shows_none():
+    """The GPU series exist on every machine (0 where nothing sets them): no card, no GPU."""
+    text = ("# TYPE visionserve_gpu_memory_budget_bytes gauge\n"
+            "visionserve_gpu_memory_budget_bytes 0\n")
+    assert system.read(text).gpu == {}
+
+
+@pytest.mark.parametrize("n, shown", [(0, "0 B"), (1023, "1023 B"), (1536, "1.5 KiB"),
+                                      (3 * 1024**3, "3.0 GiB"), (2048 * 1024**3, "2048.0 GiB")])
+def test_sizes(n, shown):
+    assert system.size(n) == shown
+
+
+def test_time_zone(monkeypatch):
+    assert time_zone("Europe/Berlin")[0] == "Europe/Berlin"
+    monkeypatch.setenv("TZ", "America/Chicago")
+    assert time_zone("")[0] == "America/Chicago"
+    monkeypatch.delenv("TZ")
+    name, zone = time_zone("")
+    assert name and zone is not None  # the machine's, from /etc/localtime or UTC
+    with pytest.raises(ValueError, match="unknown time zone 'Mars/Olympus'"):
+        ServerSettings(time_zone="Mars/Olympus")
+
+
+def test_the_wheel_carries_the_console():
+    """pyproject.toml's package data names every template and static file."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+
+    data = tomllib.loads((CONSOLE.parents[1] / "pyproject.toml").read_text())
+    globs = data["tool"]["setuptools"]["package-data"]["visionserve.console"]
+    files = [p.relative_to(CONSOLE) for p in CONSOLE.rglob("*")
+             if p.is_file() and p.suffix not in (".py", ".pyc")]
+    assert files and all(any(f.match(g) for g in globs) for f in files), (files, globs)

@@ -1,0 +1,145 @@
+"""The console's routes: ``GET /ui`` (to the first page), ``/ui/models``, ``/ui/stations``,
+``/ui/system`` and the package's own files at ``/ui/static/{name}``.
+
+Each page is rendered here from what the data plane says (the repository index, the served
+versions, the verdict rules, the recipes, the server's Prometheus series) and the guard's job
+store; nothing is cached, so a reload shows the server as it is. A page's buttons call the
+server's existing JSON routes from the browser (``static/console.js``), under the access rules
+every client meets (docs/security.md)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+
+from ..config import ServerSettings, time_zone
+from ..errors import NotFound, VisionServeError
+from ..http.common import engine_of
+from . import system
+from .strings import STRINGS, script_strings
+
+if TYPE_CHECKING:
+    from ..dataplane import DataPlane, ServedModel
+    from ..guard.store import JobStore
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+HERE = Path(__file__).resolve().parent
+#: the files under /ui/static, by name, and their media types
+STATIC_TYPES = {".css": "text/css; charset=utf-8", ".js": "text/javascript; charset=utf-8"}
+#: the pages in the navigation, in order: (path, strings key of its name)
+PAGES = (("/ui/models", "nav_models"), ("/ui/stations", "nav_stations"),
+         ("/ui/system", "nav_system"))
+#: the guard's jobs the System page lists
+LIVE_JOB_STATES = ("queued", "running", "paused")
+#: every page: scripts and styles from this server only, no frames, no inline script
+HEADERS = {"Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'; "
+                                      "form-action 'self'; base-uri 'none'",
+           "X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin",
+           "Cache-Control": "no-store"}
+
+
+def make_router(settings: ServerSettings, guard_store: JobStore | None = None) -> APIRouter:
+    """The console's routes for a server with ``settings``; ``guard_store``: the hosted
+    guard's job queue (``--guard``), listed on the System page."""
+    from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
+
+    env = Environment(loader=FileSystemLoader(HERE / "templates"),
+                      autoescape=select_autoescape(("html",)), undefined=StrictUndefined,
+                      trim_blocks=True, lstrip_blocks=True)
+    zone_name, zone = time_zone(settings.time_zone)
+    env.filters["when"] = lambda t: (datetime.fromtimestamp(t, zone).strftime("%Y-%m-%d %H:%M:%S")
+                                     if t else STRINGS["none"])
+    env.filters["size"] = system.size
+    static = {p.name: (p.read_bytes(), STATIC_TYPES[p.suffix])
+              for p in sorted((HERE / "static").iterdir()) if p.suffix in STATIC_TYPES}
+    router = APIRouter(include_in_schema=False)
+
+    def render(name: str, path: str, **data: Any) -> HTMLResponse:
+        page = env.get_template(name).render(
+            s=STRINGS, pages=PAGES, here=path, zone=zone_name,
+            now=datetime.now(zone).strftime("%Y-%m-%d %H:%M:%S"),
+            script_strings=script_strings(), **data)
+        return HTMLResponse(page, headers=HEADERS)
+
+    @router.get("/ui")
+    async def home() -> RedirectResponse:
+        return RedirectResponse(PAGES[0][0], status_code=303)
+
+    @router.get("/ui/models")
+    async def models(request: Request) -> HTMLResponse:
+        engine = engine_of(request)
+        return render("models.html", "/ui/models", models=await _models(engine),
+                      control=settings.model_control_mode)
+
+    @router.get("/ui/stations")
+    async def stations(request: Request) -> HTMLResponse:
+        return render("stations.html", "/ui/stations", book=engine_of(request).recipes.view())
+
+    @router.get("/ui/system")
+    async def system_page(request: Request) -> HTMLResponse:
+        engine = engine_of(request)
+        figures = system.read((await engine.metrics_text()).decode("utf-8"))
+        jobs, jobs_error = await _guard_jobs(guard_store)
+        served = sum(1 for s in await engine.statistics() if s.ready)
+        return render("system.html", "/ui/system", figures=figures, settings=settings,
+                      ready=engine.ready, served=served, jobs=jobs, jobs_error=jobs_error,
+                      guard_on=guard_store is not None,
+                      plc_on=bool(settings.opcua or settings.modbus))
+
+    @router.get("/ui/static/{name}")
+    async def asset(name: str) -> Response:
+        if name not in static:
+            raise NotFound(f"no console file {name!r}")
+        body, media = static[name]
+        return Response(body, media_type=media, headers={"X-Content-Type-Options": "nosniff",
+                                                          "Cache-Control": "no-cache"})
+
+    return router
+
+
+async def _models(engine: DataPlane) -> list[dict[str, Any]]:
+    """Each model of the repository: its versions and their state, the versions served (backend,
+    device, instances), its batching and the ``[verdict]`` in force."""
+    rows = await engine.repository_index()
+    served: dict[str, list[ServedModel]] = {}
+    for s in engine.select():
+        served.setdefault(s.name, []).append(s)
+    out = []
+    for name in sorted(engine.entries):
+        config = engine.entries[name].config
+        verdict, verdict_error = await _guarded(engine.verdict(name))
+        out.append({
+            "name": name, "task": config.task, "backend": config.runtime.backend,
+            "instances": config.runtime.instances, "batching": config.batching,
+            "versions": [r for r in rows if r["name"] == name],
+            "served": sorted(served.get(name, []), key=lambda s: s.version),
+            "verdict": verdict or {}, "verdict_error": verdict_error,
+        })
+    return out
+
+
+async def _guarded(read: Awaitable[T]) -> tuple[T | None, str | None]:
+    """(what ``read`` gives, None), or (None, the server's message) when it refuses."""
+    try:
+        return await read, None
+    except VisionServeError as exc:
+        return None, exc.message
+
+
+async def _guard_jobs(store: JobStore | None) -> tuple[list, str | None]:
+    if store is None:
+        return [], None
+    try:
+        return await run_in_threadpool(store.list, LIVE_JOB_STATES), None
+    except Exception as exc:  # noqa: BLE001 - the page shows what the store said
+        log.warning("console: the guard's jobs cannot be read: %s", exc)
+        return [], str(exc)

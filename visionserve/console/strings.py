@@ -1,0 +1,137 @@
+"""Every text the console shows, in English, in one place: the templates read :data:`STRINGS`
+(as ``s``), the script reads the part of it :data:`SCRIPT_KEYS` names (a JSON block on each
+page). ``{name}`` fields are filled where the text is used."""
+
+from __future__ import annotations
+
+STRINGS: dict[str, str] = {
+    # the frame of every page
+    "product": "visionserve",
+    "console": "Operator console",
+    "nav_label": "Pages",
+    "nav_models": "Models",
+    "nav_stations": "Stations and recipes",
+    "nav_system": "System",
+    "skip_to_content": "Skip to content",
+    "times_in": "Times in {zone}.",
+    "rendered_at": "Shown at {time}.",
+    "reload": "Reload",
+    "none": "none",
+    "yes": "yes",
+    "no": "no",
+    "unknown": "unknown",
+    "error_reading": "Could not read this: {error}",
+    # the confirmation dialog and the messages of actions (the script shows these)
+    "confirm_title": "Please confirm",
+    "confirm_ok": "Yes, do it",
+    "confirm_cancel": "Cancel",
+    "working": "Working…",
+    "done": "Done: {what}.",
+    "refused": "The server refused: {error} (HTTP {status})",
+    "network_error": "The server could not be reached: {error}",
+    # Models
+    "models_title": "Models",
+    "models_intro": "Each model of the repository, its versions and their state, how it runs, "
+                    "and the verdict rules in force.",
+    "control_mode": "Model control mode: {mode}.",
+    "control_mode_none": "Loading and unloading are turned off on this server "
+                         "(--model-control-mode none); the server says why when asked.",
+    "no_models": "The repository holds no model.",
+    "model_task": "Task",
+    "model_backend": "Backend",
+    "model_versions": "Versions",
+    "col_version": "Version",
+    "col_state": "State",
+    "col_reason": "Reason",
+    "col_device": "Runs on",
+    "col_instances": "Instances",
+    "batching": "Batching",
+    "batch_max": "Largest batch",
+    "batch_preferred": "Warmed-up batch sizes",
+    "batch_delay": "Longest wait for a batch (ms)",
+    "batch_queue": "Queue limit (frames)",
+    "batch_takt": "Takt (ms)",
+    "verdict_rules": "Verdict rules in force",
+    "verdict_empty": "This model's task has no verdict rules.",
+    "col_rule": "Rule",
+    "col_value": "Value",
+    "load": "Load {model}",
+    "unload": "Unload {model}",
+    "confirm_load": "Load model {model} from the repository? Its versions are swapped in as one "
+                    "change; frames keep flowing.",
+    "confirm_unload": "Unload every version of model {model}? Frames sent to it are refused "
+                      "until it is loaded again.",
+    "loaded": "model {model} loaded",
+    "unloaded": "model {model} unloaded",
+    # Stations and recipes
+    "stations_title": "Stations and recipes",
+    "stations_intro": "Which recipe each station runs, and switching it: the switch goes "
+                      "through the server's audited recipe route.",
+    "no_stations": "No stations: the server has no recipes file (docs/recipes.md).",
+    "col_station": "Station",
+    "col_recipe": "Recipe",
+    "col_model": "Model",
+    "col_cameras": "Cameras",
+    "col_switch": "Switch to",
+    "no_recipe": "no recipe yet",
+    "default_version": "default",
+    "switch": "Switch {station}",
+    "switch_to_label": "Recipe for station {station}",
+    "confirm_switch": "Make station {station} run recipe {recipe}? Its next frames are decided "
+                      "by that recipe's model and rules.",
+    "switched": "station {station} runs recipe {recipe}",
+    "recipes_heading": "Recipes",
+    "col_description": "Description",
+    "col_verdict": "Verdict settings",
+    # System
+    "system_title": "System",
+    "system_intro": "The device and its memory, the processes of the server, the guard's "
+                    "training jobs and the PLC link.",
+    "server_heading": "Server",
+    "ready": "Ready",
+    "versions_served": "Model versions loaded",
+    "device_heading": "Device",
+    "device": "Device",
+    "device_cpu": "CPU (no GPU)",
+    "device_gpu": "GPU",
+    "gpu_budget": "Memory budget",
+    "gpu_reserved": "Reserved by the server",
+    "gpu_used": "Used by the server",
+    "gpu_card_used": "Used on the card (every process)",
+    "gpu_card_total": "Card memory",
+    "processes_heading": "Processes",
+    "frontends": "Front-end processes",
+    "frontends_none": "none: HTTP and gRPC run in the serving process",
+    "alive_of": "{alive} of {total} alive",
+    "batch_workers": "Batch worker processes alive",
+    "batch_workers_none": "none: batches run in the serving process",
+    "guard_heading": "Training-queue guard",
+    "guard_off": "The guard is off on this server (--guard).",
+    "guard_no_jobs": "No job is queued, running or paused.",
+    "col_job": "Job",
+    "col_name": "Name",
+    "col_priority": "Priority",
+    "col_gpu_mem": "GPU memory",
+    "col_submitted": "Submitted",
+    "col_started": "Started",
+    "plc_heading": "PLC link",
+    "plc_off": "No PLC server runs on this server (--opcua, --modbus).",
+    "col_protocol": "Protocol",
+    "col_clients": "Clients connected",
+    "plc_engine_stalled": "Engine stalled (heartbeat stopped)",
+    "plc_results": "Results sent to the PLC",
+    "col_result": "Result",
+    "col_count": "Count",
+    "plc_no_results": "No result sent yet.",
+    "plc_handshakes": "Last handshake per station (the PLC acknowledged a result)",
+    "plc_no_handshakes": "No PLC has acknowledged a result yet (Modbus Result Ack).",
+    "col_last_ack": "Last acknowledged",
+}
+
+#: the texts the script needs (the confirmation dialog and the messages of actions)
+SCRIPT_KEYS = ("confirm_title", "confirm_ok", "confirm_cancel", "working", "done", "refused",
+               "network_error")
+
+
+def script_strings() -> dict[str, str]:
+    return {k: STRINGS[k] for k in SCRIPT_KEYS}

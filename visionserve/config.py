@@ -681,6 +681,11 @@ class ServerSettings(BaseSettings):
         description="Captured images waiting to be written; past it images are dropped and "
                     "counted, inference never waits.",
         json_schema_extra=_RECORDS)
+    preview_frames: int = Field(
+        200, ge=0, le=100_000,
+        description="Last answered frames kept per model (ids and outputs, no images) for the "
+                    "verdict preview (POST /v1/models/{m}/verdict/preview); 0: none kept.",
+        json_schema_extra=_MODELS)
     console: bool = Field(
         True, description="Serve the operator console at /ui (same port and access rules).",
         json_schema_extra=_CONSOLE)

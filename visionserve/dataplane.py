@@ -155,6 +155,11 @@ class DataPlane(Protocol):
         line)."""
         ...
 
+    async def preview_verdict(self, name: str, changes: Mapping) -> dict:
+        """What ``changes`` of model ``name``'s ``[verdict]`` would make of its last answered
+        frames: validated as :meth:`verdict` validates them, nothing changed."""
+        ...
+
     def recipe_for(self, station: str | None, camera: str | None
                    ) -> tuple[str | None, Recipe | None]: ...
 

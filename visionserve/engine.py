@@ -41,6 +41,7 @@ from .execution.results import FrameResult, device_fault, padded_size
 from .imaging import Frame
 from .lifecycle import Lifecycle
 from .livefeed import LiveSource, LocalFeed
+from .preview import Ring, judge_again
 from .repository import ModelEntry
 from .served import Served, effective_config
 from .served import file_stamp as _file_stamp
@@ -83,6 +84,10 @@ class Engine(ModelLookup):
         # --frontends processes from the same source
         self.live_source = LiveSource(self, settings.max_live_streams)
         self.feed = LocalFeed(self.live_source)
+        #: the last answered frames of each model, for the verdict preview (None: kept none)
+        self.preview = Ring(settings.preview_frames) if settings.preview_frames else None
+        if self.preview is not None:
+            self.admission.tap(self.preview)
 
     # --- state, start and shutdown ------------------------------------------------------------
 
@@ -304,6 +309,15 @@ class Engine(ModelLookup):
     async def switch_recipe(self, station: str, recipe_id: str,
                             caller: Mapping | None = None) -> dict:
         return await self.lifecycle.switch_recipe(station, recipe_id, caller)
+
+    async def preview_verdict(self, name: str, changes: Mapping) -> dict:
+        """What ``changes`` of model ``name``'s ``[verdict]`` would make of its last answered
+        frames (:mod:`.preview`), validated as a change is; nothing changes."""
+        config = await self.lifecycle.trial_verdict(name, changes)
+        if self.preview is None:
+            return {"frames": 0, "changed": 0, "frames_changed": [], "unavailable": 0,
+                    "why": "no frames are kept: --preview-frames is 0"}
+        return await asyncio.to_thread(judge_again, self.preview.kept(name), config)
 
     async def repository_index(self, ready: bool = False) -> list[dict[str, str]]:
         return await self.lifecycle.repository_index(ready)

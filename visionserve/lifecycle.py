@@ -268,6 +268,14 @@ class Lifecycle:
                                                    "old": old, "new": new, "caller": who}})
         return new
 
+    async def trial_verdict(self, name: str, changes: Mapping) -> ModelConfig:
+        """Model ``name``'s settings with ``changes`` of its ``[verdict]`` set, validated as
+        :meth:`verdict` validates them (the same errors); nothing is written or changed (the
+        verdict preview)."""
+        entry = self.models.entry(name)
+        config, _ = await asyncio.to_thread(verdicts.change, entry.path / "model.toml", changes)
+        return config
+
     # --- the model repository: index, load, unload, poll -----------------------------------
 
     def _lock(self, name: str) -> asyncio.Lock:

@@ -103,6 +103,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/recipes", INFERENCE),
     Route("GET", "/v1/stations/{s}", INFERENCE),
     Route("PUT", "/v1/models/{m}/verdict", ADMIN, QUALITY),
+    Route("POST", "/v1/models/{m}/verdict/preview", ADMIN, QUALITY),  # changes nothing
     Route("POST", "/v2/repository/index", ADMIN),
     Route("POST", "/v2/repository/models/{m}/load", ADMIN),
     Route("POST", "/v2/repository/models/{m}/unload", ADMIN),
@@ -114,6 +115,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/guard/jobs/{id}/logs", ADMIN, VIEWER),  # a command's output
     Route("GET", "/v1/guard/health", ADMIN, VIEWER),
     Route("GET", "/v1/parts/{id}", ADMIN, VIEWER),  # records and image names
+    Route("GET", "/v1/records", ADMIN, VIEWER),  # the same, filtered
     Route("GET POST", "/ui/login", SIGNIN, form=True),  # the one form-encoded body taken
     Route("POST", "/ui/logout", SIGNIN),
     Route("GET", "/ui/session", SIGNIN),

@@ -27,7 +27,7 @@ from conftest import REPO, free_port, wait_for
 
 from tests.tools.disks import mount_disk
 from visionserve.records.record import Record
-from visionserve.records.store import PostgresStore, StoreFault
+from visionserve.records.store import PostgresStore, RecordQuery, StoreFault
 
 TOKEN = "s3cret"
 
@@ -185,6 +185,32 @@ def test_postgres_store_writes_reads_exports_and_retains(postgres_url):
     store.close()
     with pytest.raises(StoreFault):
         PostgresStore(postgres_url.rsplit("/", 1)[0] + "/no_such_db").write(rows[:1])
+
+
+def test_postgres_store_lists_by_filter_a_page_at_a_time(postgres_url):
+    store = PostgresStore(postgres_url)
+    base = time.time() - 100
+    rows = [Record(base + i / 7, f"L-{i % 4}", "st", "cam", f"m{i % 2}", "1", None,
+                   "NG" if i % 3 else "OK", "dent" if i % 2 else "scratch", 0.5, None, {},
+                   f"list-{i}", 0, None, f"2026/L-{i}.jpg" if i % 3 else None)
+            for i in range(20)]
+    store.write(rows)
+    want = [r.request_id for r in reversed(rows) if r.verdict == "NG" and r.model == "m1"]
+    got, before = [], None
+    while True:
+        page = store.listing(RecordQuery(verdict="NG", model="m1", since=base - 1, limit=3,
+                                         before=before))
+        got += [r.request_id for _, r in page]
+        if len(page) < 3:
+            break
+        before = (page[-1][1].time, page[-1][0])
+    assert got == want and len(got) > 3
+    dents = store.listing(RecordQuery(label="dent", since=base - 1))
+    assert {r.label for _, r in dents} == {"dent"} and len(dents) == 10
+    part = store.listing(RecordQuery(part_id="L-1", since=base - 1))
+    assert [r.request_id for _, r in part] == [f"list-{i}" for i in (17, 13, 9, 5, 1)]
+    assert all(r.image for _, r in store.listing(RecordQuery(verdict="NG", since=base - 1)))
+    store.close()
 
 
 # --- S3 ------------------------------------------------------------------------------------------

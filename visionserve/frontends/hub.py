@@ -29,6 +29,8 @@ Messages (tuples) a front end sends:
   ``("repository", rid, call, args)``: ``call`` one of ``repository_index``, ``load_model``,
   ``unload_model`` of the engine, with ``args``; a swap sends every front end the models before
   any frame reaches the new versions (``Engine.on_change``).
+  ``("preview", rid, model, changes)``: what a ``[verdict]`` change would make of the model's
+  last answered frames (``Engine.preview_verdict``); nothing changes.
 and what the hub sends back:
   ``("state", ready, draining, {(model, version): ready}, models, generation)``: on connect and
   on every change; ``models`` (the repository entries, the served versions' configs and the
@@ -72,8 +74,8 @@ log = logging.getLogger(__name__)
 STATE_POLL_S = 0.05
 #: how often every front end is told that this process is alive (see remote.HEARTBEAT_TIMEOUT_S)
 HEARTBEAT_S = 0.2
-#: the engine's calls a front end may make with a "repository" message
-REPOSITORY_CALLS = ("repository_index", "load_model", "unload_model")
+#: the engine's calls a front end may make with a "repository" message (and the preview's)
+REPOSITORY_CALLS = ("repository_index", "load_model", "unload_model", "preview_verdict")
 
 
 class Link:
@@ -169,6 +171,9 @@ class Link:
             self._background(self._repository(rid, call, args))
         elif kind in ("live_open", "live_close", "live_summary", "live_dropped"):
             self._live(kind, msg)
+        elif kind == "preview":
+            _, rid, *args = msg
+            self._background(self._repository(rid, "preview_verdict", tuple(args)))
         elif kind == "metrics":
             from prometheus_client import generate_latest
 

@@ -305,6 +305,12 @@ class RemoteEngine(ModelLookup):
                             None if caller is None else dict(caller))
         return await fut
 
+    async def preview_verdict(self, name: str, changes) -> dict:
+        """Asked of the engine process, which keeps the answered frames."""
+        self.entry(name)
+        fut, _ = self._call("preview", name, dict(changes))
+        return await fut
+
     async def switch_recipe(self, station: str, recipe_id: str, caller=None) -> dict:
         """Asked of the engine process, which tells every front end the new recipe."""
         fut, _ = self._call("recipe", station, recipe_id, None if caller is None else dict(caller))

@@ -18,6 +18,7 @@ import sqlite3
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -28,6 +29,8 @@ from .record import COLUMNS, Record
 
 #: the part's history: at most this many records in one answer
 MAX_HISTORY = 1000
+#: the listing (``GET /v1/records``): at most this many records in one page
+MAX_PAGE = 500
 #: rows fetched at a time by an export
 EXPORT_CHUNK = 2000
 #: rows deleted per statement by retention (short transactions: the writer goes on between them)
@@ -47,6 +50,42 @@ class StoreFault(Unavailable):
         self.full = "full" in self.cause.lower() or "no space" in self.cause.lower()
 
 
+@dataclass(frozen=True)
+class RecordQuery:
+    """Which records a listing wants: each field set narrows it (equality; ``since <= time <
+    until``); ``before``: (time, id) of the previous page's last row, for the next page."""
+
+    verdict: str | None = None
+    model: str | None = None
+    label: str | None = None
+    part_id: str | None = None
+    since: float | None = None
+    until: float | None = None
+    before: tuple[float, int] | None = None
+    limit: int = 100
+
+    def where(self, mark: str, time_sql: str = "?") -> tuple[str, tuple]:
+        """The WHERE clause (``mark``: the dialect's placeholder, ``time_sql`` the expression a
+        time parameter goes into) and its parameters."""
+        terms: list[str] = []
+        args: list = []
+        for column in ("verdict", "model", "label", "part_id"):
+            value = getattr(self, column)
+            if value is not None:
+                terms.append(f"{column} = {mark}")
+                args.append(value)
+        if self.since is not None:
+            terms.append(f"time >= {time_sql}")
+            args.append(self.since)
+        if self.until is not None:
+            terms.append(f"time < {time_sql}")
+            args.append(self.until)
+        if self.before is not None:  # keyset: strictly after the last row, newest first
+            terms.append(f"(time < {time_sql} OR (time = {time_sql} AND id < {mark}))")
+            args += [self.before[0], self.before[0], self.before[1]]
+        return (" WHERE " + " AND ".join(terms)) if terms else "", tuple(args)
+
+
 class RecordStore(ABC):
     """``write`` from one thread (the writer); the reads from any thread."""
 
@@ -60,6 +99,11 @@ class RecordStore(ABC):
     @abstractmethod
     def history(self, part_id: str, limit: int = 100) -> list[Record]:
         """The part's records, newest first."""
+
+    @abstractmethod
+    def listing(self, query: RecordQuery) -> list[tuple[int, Record]]:
+        """Up to ``query.limit`` (at most MAX_PAGE) records ``query`` names, newest first (by
+        time, then id), each with its id (the next page's ``before``)."""
 
     def select(self, since: float | None = None, until: float | None = None) -> Iterator[Record]:
         """Records with ``since <= time < until``, oldest first, fetched a chunk at a time (by
@@ -146,7 +190,11 @@ def _schema(table: str, dialect: int, key: str) -> str:
                                             for c in COLUMNS])
     return (f"CREATE TABLE IF NOT EXISTS {table} (\n    {cols}\n);\n"
             f"CREATE INDEX IF NOT EXISTS {table}_part ON {table} (part_id, time);\n"
-            f"CREATE INDEX IF NOT EXISTS {table}_time ON {table} (time);\n")
+            f"CREATE INDEX IF NOT EXISTS {table}_time ON {table} (time);\n"
+            # the listing's filters (GET /v1/records), newest first within each
+            f"CREATE INDEX IF NOT EXISTS {table}_model ON {table} (model, time);\n"
+            f"CREATE INDEX IF NOT EXISTS {table}_label ON {table} (label, time);\n"
+            f"CREATE INDEX IF NOT EXISTS {table}_verdict ON {table} (verdict, time);\n")
 
 
 _SQLITE_SCHEMA = _schema("records", 0, "INTEGER PRIMARY KEY")
@@ -274,6 +322,18 @@ class SqliteStore(RecordStore):
         rows = self._read(f"{_SELECT} WHERE part_id = ? ORDER BY time DESC, id DESC LIMIT ?",
                           (part_id, min(limit, MAX_HISTORY)))
         return [Record.from_row(r) for r in rows]
+
+    def listing(self, query: RecordQuery) -> list[tuple[int, Record]]:
+        rows = self._read(*self.listing_sql(query))
+        return [(r["id"], Record.from_row(r)) for r in rows]
+
+    @staticmethod
+    def listing_sql(query: RecordQuery) -> tuple[str, tuple]:
+        """The listing's statement and parameters (its plan is checked to use an index)."""
+        where, args = query.where("?")
+        sql = (f"SELECT id, {', '.join(COLUMNS)} FROM records{where} "
+               "ORDER BY time DESC, id DESC LIMIT ?")
+        return sql, (*args, min(query.limit, MAX_PAGE))
 
     def _chunk(self, after_id: int, since: float, until: float, n: int) -> list:
         return self._read(f"SELECT id, {', '.join(COLUMNS)} FROM records WHERE id > ? AND "
@@ -417,6 +477,13 @@ class PostgresStore(RecordStore):
                           "ORDER BY time DESC, id DESC LIMIT %s",
                           (part_id, min(limit, MAX_HISTORY)))
         return [Record.from_row(r) for r in rows]
+
+    def listing(self, query: RecordQuery) -> list[tuple[int, Record]]:
+        where, args = query.where("%s", "to_timestamp(%s)")
+        rows = self._read(f"SELECT id, {_PG_COLUMNS} FROM {_PG_TABLE}{where} "
+                          "ORDER BY time DESC, id DESC LIMIT %s",
+                          (*args, min(query.limit, MAX_PAGE)))
+        return [(r["id"], Record.from_row(r)) for r in rows]
 
     def _chunk(self, after_id: int, since: float, until: float, n: int) -> list:
         return self._read(f"SELECT id, {_PG_COLUMNS} FROM {_PG_TABLE} WHERE id > %s AND "

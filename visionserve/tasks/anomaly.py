@@ -37,7 +37,7 @@ from pydantic import Field, field_validator, model_validator
 
 from ..backends.checks import Subject, TensorSpec, fmt
 from ..config import ModelConfig, _Strict
-from .base import OipOutput, Rows, Task, pickled_as_fields
+from .base import OipOutput, Rows, Task, Unjudgeable, pickled_as_fields
 from .geometry import FrameMap, Size, frame_maps
 from .regions import find_regions, inside
 
@@ -196,6 +196,10 @@ class Anomaly:
     @property
     def anomalous(self) -> bool:
         return bool(self.reasons)
+
+
+#: the [verdict] fields that decide which map pixels form regions, and their areas
+_REGION_FIELDS = frozenset({"pixel_threshold", "roi", "area_unit", "pixels_per_mm"})
 
 
 @dataclass(frozen=True)
@@ -390,6 +394,22 @@ class AnomalyDetection(Task):
         keep = tuple(regions[:self.config.output.max_regions])
         verdict = "NG" if reasons else "OK"
         return verdict, Anomaly(score, raw, keep, count, tuple(reasons), amap)
+
+    def rejudge(self, result: Anomaly, judged: ModelConfig, config: ModelConfig) -> str:
+        """The image score against the new image_threshold, and the kept regions (largest first)
+        against the new min_region_area, when the regions would be the same: settings that
+        change which map pixels form regions need the map run through again."""
+        assert isinstance(judged, AnomalyConfig) and isinstance(config, AnomalyConfig)
+        v = config.verdict
+        changed = sorted(f for f in _REGION_FIELDS if getattr(judged.verdict, f) != getattr(v, f))
+        if result.map is not None and changed:
+            raise Unjudgeable(f"{', '.join(changed)} change the regions: their frames' anomaly "
+                              "maps would have to be run again")
+        if result.score >= v.image_threshold:
+            return "NG"
+        big = v.min_region_area is not None and bool(result.regions) \
+            and result.regions[0].area >= v.min_region_area
+        return "NG" if big else "OK"
 
     def _regions(self, rule: _Rule, amap: np.ndarray, fm: FrameMap) -> list[FrameRegion]:
         """Regions of the map at or above pixel_threshold, on the frame (not in the letterbox

@@ -78,6 +78,11 @@ class OipOutput:
 VERDICT = OipOutput("verdict", "BYTES")
 
 
+class Unjudgeable(Exception):
+    """A kept answer cannot be judged again under other ``[verdict]`` values: the rule needs
+    outputs the answer does not keep (the message says which)."""
+
+
 class Task(ABC):
     """A kind of model (classification, detection, ...): its schema, outputs, verdict rule."""
 
@@ -152,6 +157,13 @@ class Task(ABC):
         from . import annotate
 
         annotate.banner(image, verdict)
+
+    def rejudge(self, result: Any, judged: ModelConfig, config: ModelConfig) -> str:
+        """The verdict ``result`` (answered under ``judged``) would get under ``config``'s
+        ``[verdict]``, the same model and outputs (the verdict preview, ``POST
+        /v1/models/{m}/verdict/preview``); Unjudgeable where the rule needs outputs the result
+        does not keep. The default: none can be judged again."""
+        raise Unjudgeable(f"the {self.name} task keeps no outputs to judge again")
 
     def summary(self, result: Any) -> tuple[str, int, float]:
         """(label, class index, score) for the PLC's result registers; ("", -1, nan) if none."""

@@ -87,6 +87,11 @@ def activate(raw: np.ndarray, activation: str) -> np.ndarray:
     return x
 
 
+def _verdict(label: str, score: float, ok_labels: frozenset[str], threshold: float) -> str:
+    """OK only when the top label is a good one with score >= threshold."""
+    return "OK" if label in ok_labels and score >= threshold else "NG"
+
+
 _ONE_ROW = "list one label per model output, in the model's output order"
 _NAME_IT = "name the model output that holds the [batch, labels] scores"
 
@@ -172,9 +177,14 @@ class Classification(Task):
         out = []
         for i, t in enumerate(top):
             label, score = labels[t], float(scores[i, t])
-            ok = label in ok_labels and score >= threshold
-            out.append(("OK" if ok else "NG", Classified(label, int(t), score, scores[i])))
+            out.append((_verdict(label, score, ok_labels, threshold),
+                        Classified(label, int(t), score, scores[i])))
         return out
+
+    def rejudge(self, result: Classified, judged: ModelConfig, config: ModelConfig) -> str:
+        assert isinstance(config, ClassificationConfig)
+        v = config.verdict
+        return _verdict(result.label, result.score, frozenset(v.ok_labels), v.ok_threshold)
 
     # --- the answer ---------------------------------------------------------------------------
 

@@ -353,6 +353,15 @@ class DetectionTask(Task):
                                                                    scores.tolist(), boxes, areas)))
         return verdict, Detected(dets, reasons)
 
+    def rejudge(self, result: Detected, judged: ModelConfig, config: ModelConfig) -> str:
+        """The kept objects (label, score, box, area: all the rules read) under the new rules."""
+        assert isinstance(config, DetectionConfig)
+        dets = result.detections
+        boxes = np.array([d.box for d in dets], np.float64).reshape(len(dets), 4)
+        verdict, _ = Judge(config.verdict, config.output.labels).judge(
+            [d.label for d in dets], [d.score for d in dets], boxes, [d.area for d in dets])
+        return verdict
+
     def select(self, outputs: Mapping[str, Any], rows: Rows, bounds: np.ndarray) -> Kept:
         """Score filter, boxes clipped to their frames (``bounds``: ``[N, 4]``, each frame's
         :meth:`.geometry.FrameMap.window`) and those of no size dropped, NMS (where the model

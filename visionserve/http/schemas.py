@@ -149,3 +149,21 @@ PROTECTED: dict[int | str, dict[str, Any]] = {
     403: {"description": "A foreign Host or Origin, or the inference token where the admin "
                          "token is needed", "content": _ERROR_BODY},
     415: {"description": "A body that is not JSON", "content": _ERROR_BODY}}
+
+#: what the console's sign-in (POST /ui/login) may answer besides the session
+SIGN_IN: dict[int | str, dict[str, Any]] = {
+    303: {"description": "A browser's form: signed in, sent on to the console"},
+    400: {"description": "No user name or password", "content": _ERROR_BODY},
+    401: {"description": "Wrong user name or password (never which)", "content": _ERROR_BODY},
+    403: {"description": "A foreign Host or Origin", "content": _ERROR_BODY},
+    415: {"description": "A body that is neither a form nor JSON", "content": _ERROR_BODY},
+    429: {"description": "Too many failed sign-ins: wait Retry-After seconds",
+          "content": _ERROR_BODY},
+    503: {"description": "The users file cannot be read", "content": _ERROR_BODY}}
+
+#: what the console's session routes (GET /ui/session, POST /ui/logout) may refuse with
+SESSION_ROUTES: dict[int | str, dict[str, Any]] = {
+    401: {"description": "No session, or one that ended", "content": _ERROR_BODY},
+    403: {"description": "A foreign Host or Origin, or a change without the session's CSRF "
+                         "token", "content": _ERROR_BODY},
+    503: {"description": "The users file cannot be read", "content": _ERROR_BODY}}

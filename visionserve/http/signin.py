@@ -25,6 +25,7 @@ from ..errors import InvalidInput, UnsupportedMediaType
 from ..security import SESSION_COOKIE, SESSION_KEY
 from ..users.store import Session, Users
 from .common import parse_json, read_body, settings_of
+from .schemas import SESSION_ROUTES, SIGN_IN
 
 log = logging.getLogger("visionserve")
 
@@ -106,7 +107,8 @@ async def login_form() -> HTMLResponse:
                          "object of the same fields. Sets the session cookie; a browser's form is "
                          f"sent on to {CONSOLE_HOME}, other clients get the session as "
                          "GET /ui/session does. 401 for a wrong user name or password (never "
-                         "which), 429 with Retry-After after repeated failures.")
+                         "which), 429 with Retry-After after repeated failures.",
+             responses=SIGN_IN)
 async def login(request: Request) -> Response:
     browser = "text/html" in request.headers.get("accept", "")
     user, password = await _credentials(request)
@@ -143,7 +145,8 @@ async def login(request: Request) -> Response:
 
 @router.post("/ui/logout", summary="Sign out of the console",
              description="Ends the session in every front-end process and clears the cookie; "
-                         "needs the session's CSRF token (X-CSRF-Token).")
+                         "needs the session's CSRF token (X-CSRF-Token).",
+             responses=SESSION_ROUTES)
 async def logout(request: Request) -> JSONResponse:
     session = session_of(request)
     store = users_of(request).store()
@@ -158,7 +161,8 @@ async def logout(request: Request) -> JSONResponse:
 
 @router.get("/ui/session", summary="The console session",
             description="The signed-in user, their role, the CSRF token every change must carry "
-                        "(X-CSRF-Token) and the session's expiry; 401 without a session.")
+                        "(X-CSRF-Token) and the session's expiry; 401 without a session.",
+            responses=SESSION_ROUTES)
 async def session_details(request: Request) -> JSONResponse:
     session = session_of(request)
     if session is None:

@@ -175,7 +175,8 @@ def _sign_in(browser, server, user: str) -> None:
     browser.get(server.url + "/ui/login")
     browser.find_element(By.ID, "user").send_keys(user)
     browser.find_element(By.ID, "password").send_keys(PASSWORD, Keys.ENTER)
-    WebDriverWait(browser, 30).until(lambda d: d.current_url.endswith("/ui/models"))
+    WebDriverWait(browser, 30).until(lambda d: d.current_url.endswith("/ui/models"),
+                                     f"{user} was not signed in")
 
 
 def test_a_viewer_sees_the_rules_but_no_form(browser, tmp_path):  # noqa: F811

@@ -60,16 +60,16 @@ def _inspect(server, png: bytes, part: str) -> dict:
     return r.json()
 
 
-def _form(browser):
-    return browser.find_element(By.CSS_SELECTOR, f"form.verdict-form[data-model='{MODEL}']")
+def _form(driver):
+    return driver.find_element(By.CSS_SELECTOR, f"form.verdict-form[data-model='{MODEL}']")
 
 
-def _type_into(browser, element, text: str) -> None:
+def _type_into(driver, element, text: str) -> None:
     """Tab to ``element``, select what it holds and type ``text`` (the keyboard only)."""
-    browser.find_element(By.TAG_NAME, "body").click()
-    _tab_to(browser, element)
-    _press(browser, Keys.CONTROL, "a")
-    _press(browser, Keys.NULL, text)
+    driver.find_element(By.TAG_NAME, "body").click()
+    _tab_to(driver, element)
+    _press(driver, Keys.CONTROL, "a")
+    _press(driver, Keys.NULL, text)
 
 
 def _said(form, which: str) -> str:
@@ -170,12 +170,12 @@ def test_a_threshold_change_is_previewed_then_saved_with_the_keyboard(browser, s
     assert not save.is_enabled()
 
 
-def _sign_in(browser, server, user: str) -> None:
-    browser.delete_all_cookies()
-    browser.get(server.url + "/ui/login")
-    browser.find_element(By.ID, "user").send_keys(user)
-    browser.find_element(By.ID, "password").send_keys(PASSWORD, Keys.ENTER)
-    WebDriverWait(browser, 30).until(lambda d: d.current_url.endswith("/ui/models"),
+def _sign_in(driver, server, user: str) -> None:
+    driver.delete_all_cookies()
+    driver.get(server.url + "/ui/login")
+    driver.find_element(By.ID, "user").send_keys(user)
+    driver.find_element(By.ID, "password").send_keys(PASSWORD, Keys.ENTER)
+    WebDriverWait(driver, 30).until(lambda d: d.current_url.endswith("/ui/models"),
                                      f"{user} was not signed in")
 
 

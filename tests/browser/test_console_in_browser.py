@@ -19,7 +19,7 @@ from conftest import REPO, start_server
 
 try:
     from selenium import webdriver
-    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
@@ -153,7 +153,9 @@ def _confirm_with_keyboard(browser, accept: bool = True) -> str:
     button = browser.find_element(By.ID, "confirm-ok" if accept else "confirm-cancel")
     _tab_to(browser, button, limit=4)  # the dialog keeps the focus inside it
     _press(browser, Keys.ENTER)
-    WebDriverWait(browser, 10, ignored_exceptions=(StaleElementReferenceException,)).until(
+    # the page reloads after a success: an element looked up as it goes is stale, or its node
+    # no longer in the document (Chromium's inspector error), until the new page is there
+    WebDriverWait(browser, 10, ignored_exceptions=(WebDriverException,)).until(
         lambda d: d.find_element(By.ID, "confirm").get_attribute("open") is None)
     return text
 
@@ -180,7 +182,7 @@ def _said(browser) -> str:
         try:
             status = d.find_element(By.ID, "status").text.strip()
             alert = d.find_element(By.ID, "alert").text.strip()
-        except StaleElementReferenceException:
+        except WebDriverException:  # the page is reloading
             return None
         if alert:
             return f"alert: {alert}"

@@ -27,7 +27,10 @@ JPEG = {"Content-Type": "image/jpeg"}
 def children(pid: int) -> list[int]:
     out = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        text = (task / "children").read_text().split()
+        try:
+            text = (task / "children").read_text().split()
+        except FileNotFoundError:  # the thread ended since the listing
+            continue
         out += [int(c) for c in text]
     return out
 

@@ -10,7 +10,7 @@ import pytest
 
 from visionserve.config import ServerSettings, time_zone
 from visionserve.console import pages, system
-from visionserve.console.strings import SCRIPT_KEYS, STRINGS
+from visionserve.console.strings import LIVE_SCRIPT_KEYS, SCRIPT_KEYS, STRINGS
 
 CONSOLE = Path(pages.__file__).parent
 
@@ -106,3 +106,11 @@ def test_the_wheel_carries_the_console():
     files = [p.relative_to(CONSOLE) for p in CONSOLE.rglob("*")
              if p.is_file() and p.suffix not in (".py", ".pyc")]
     assert files and all(any(f.match(g) for g in globs) for f in files), (files, globs)
+
+
+def test_the_live_pages_script_takes_its_texts_from_the_page():
+    script = (CONSOLE / "static" / "live.js").read_text(encoding="utf-8")
+    assert set(LIVE_SCRIPT_KEYS) <= set(STRINGS)
+    for key in LIVE_SCRIPT_KEYS:
+        assert f"strings.{key}" in script, key
+    assert pages.PAGES[0][0] == "/ui/live"  # the console's home

@@ -183,7 +183,7 @@ SCRIPT_KEYS = ("confirm_title", "confirm_ok", "confirm_cancel", "working", "done
 LIVE_SCRIPT_KEYS = ("none", "live_ok", "live_ng", "live_late", "live_refused", "live_p50",
                     "live_p99", "live_takt", "live_totals", "live_latency_now", "live_no_latency",
                     "live_counts_chart", "live_latency_chart", "live_since", "live_not_kept",
-                    "live_connecting", "live_connected", "live_reconnecting", "live_dropped",
+                    "live_connected", "live_reconnecting", "live_dropped",
                     "live_shutdown", "live_summary_error")
 
 

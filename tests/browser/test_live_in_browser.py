@@ -17,8 +17,19 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from conftest import start_server
-from test_console_in_browser import (ZONE, _axe_violations, _open, _press, _repo, _screenshot,
-                                     _tab_to, _text, browser)
+from test_console_in_browser import (
+    ZONE,
+    _axe_violations,
+    _open,
+    _press,
+    _repo,
+    _screenshot,
+    _tab_to,
+    _text,
+    browser,
+    pytestmark,  # the browser marks and the skip where Chromium is absent
+)
+
 from visionserve_tools import synthetic
 
 try:
@@ -28,9 +39,7 @@ try:
 except ImportError:  # skipped by the marks below, with the reason
     pass
 
-from test_console_in_browser import pytestmark  # noqa: F401 - the browser marks and the skip
-
-__all__ = ["browser"]  # the browser fixture, shared with the other pages' tests
+__all__ = ["browser", "pytestmark"]  # the browser fixture and marks of the other pages' tests
 
 MODEL = "defect-classifier"
 INSPECT = f"/v1/models/{MODEL}/inspect"

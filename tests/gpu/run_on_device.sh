@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The GPU suite on a CUDA machine, in one call: every test in tests/gpu and the CPU tests of the
-# GPU code (marked gpu_path, under tests/), in two parts. About 8 minutes on one H100 (16 cores)
+# GPU code (marked gpu_path, under tests/), in two parts. About 7 minutes on one H100 (16 cores)
 # with the wheels of .whl/, pytest-xdist among them:
 #   1. the tests that share the card, in JOBS (6) pytest-xdist workers (--dist loadgroup; the
-#      tests marked slow handed out first): about 2.5 minutes; the frame-integrity cases (30 s of
+#      tests marked slow handed out first): about 2 minutes; the frame-integrity cases (30 s of
 #      load each) and the batch workers' swap (about a minute) are the longest
 #   2. then the ones that need the card to themselves (marked gpu_alone: the guard's acceptance
 #      and GPU-sharing runs, its hostile-job and MPS tests), one after another: about 4.5 minutes
+#      (on 2026-12-06: 406 s in all, part 1 106 s, part 2 279 s, the bytecode 7 s)
 # Before them, the bytecode of torch and the other large packages is compiled once, in parallel,
-# into PYC_DIR (/tmp/pyc; 10-20 s), for every process of the run to read (PYTHONPYCACHEPREFIX):
+# into PYC_DIR (/tmp/pyc; 7-20 s), for every process of the run to read (PYTHONPYCACHEPREFIX):
 # the image keeps none, and each new Python process would spend ~5 s compiling torch. PYC=0
 # leaves that out. Without pytest-xdist (or with JOBS=0) part 1 runs serially, about 10 minutes:
 # more than one call allows.

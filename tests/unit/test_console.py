@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from visionserve.config import ServerSettings, time_zone
-from visionserve.console import pages, system
-from visionserve.console.strings import LIVE_SCRIPT_KEYS, SCRIPT_KEYS, STRINGS
+from visionserve import verdicts
+from visionserve.config import ServerSettings, load_model_config, time_zone
+from visionserve.console import pages, system, verdictform
+from visionserve.console.strings import LIVE_SCRIPT_KEYS, SCRIPT_KEYS, STRINGS, VERDICT_SCRIPT_KEYS
 
 CONSOLE = Path(pages.__file__).parent
+REPO = CONSOLE.parents[1]
 
 
 def test_every_text_the_templates_use_is_in_the_strings():
@@ -106,6 +108,45 @@ def test_the_wheel_carries_the_console():
     files = [p.relative_to(CONSOLE) for p in CONSOLE.rglob("*")
              if p.is_file() and p.suffix not in (".py", ".pyc")]
     assert files and all(any(f.match(g) for g in globs) for f in files), (files, globs)
+
+
+def test_the_verdict_script_takes_its_texts_from_the_page():
+    script = (CONSOLE / "static" / "verdict.js").read_text(encoding="utf-8")
+    assert set(VERDICT_SCRIPT_KEYS) <= set(STRINGS)
+    for key in VERDICT_SCRIPT_KEYS:
+        assert f"strings.{key}" in script or f'"{key}"' in script, key
+
+
+def _fields(model: str) -> dict[str, verdictform.Field]:
+    config = load_model_config(REPO / "models" / model / "model.toml")
+    values = verdicts.current(config)
+    return {f.name: f for f in verdictform.fields(config, values)}
+
+
+def test_the_verdict_form_fits_each_task():
+    """Each field of the rule in force gets the input its schema says: numbers with their
+    limits, choices, the model's labels as checkboxes, the rest as JSON text."""
+    classifier = _fields("defect-classifier")
+    assert list(classifier) == ["ok_labels", "ok_threshold"]
+    labels, threshold = classifier["ok_labels"], classifier["ok_threshold"]
+    assert (labels.kind, labels.value) == (verdictform.LABELS, ["ok"])
+    assert "ok" in labels.options and len(labels.options) > 1
+    assert (threshold.kind, threshold.value, threshold.minimum, threshold.maximum,
+            threshold.optional) == (verdictform.NUMBER, 0.5, 0.0, 1.0, False)
+    anomaly = _fields("surface-anomaly")
+    assert anomaly["image_threshold"].kind == verdictform.NUMBER
+    area = anomaly["min_region_area"]
+    assert (area.kind, area.optional, area.value, area.minimum) == (verdictform.NUMBER, True,
+                                                                    None, 0.0)
+    unit = anomaly["area_unit"]
+    assert (unit.kind, unit.options, unit.value) == (verdictform.CHOICE, ("px", "mm2"), "px")
+    assert anomaly["pixels_per_mm"].minimum == 0.0  # exclusive: the server says so
+    assert (anomaly["roi"].kind, anomaly["roi"].value) == (verdictform.JSON, "[]")
+    detector = _fields("defect-detector")
+    assert detector["min_overlap"].kind == verdictform.NUMBER
+    assert detector["roi_match"].kind == verdictform.CHOICE
+    assert {detector[k].kind for k in ("defects", "count", "roi", "exclude")} == {verdictform.JSON}
+    assert all(f.help for f in detector.values())
 
 
 def test_the_live_pages_script_takes_its_texts_from_the_page():

@@ -22,8 +22,11 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from ..config import ServerSettings, time_zone
 from ..errors import NotFound, VisionServeError
 from ..http.common import engine_of
-from . import system
-from .strings import STRINGS, live_strings, script_strings
+from ..http.signin import session_of
+from ..security import route_of
+from ..users.store import role_covers
+from . import system, verdictform
+from .strings import STRINGS, live_strings, script_strings, verdict_script_strings
 
 if TYPE_CHECKING:
     from ..dataplane import DataPlane, ServedModel
@@ -96,7 +99,9 @@ def make_router(settings: ServerSettings, guard_store: JobStore | None = None) -
     async def models(request: Request) -> HTMLResponse:
         engine = engine_of(request)
         return render("models.html", "/ui/models", models=await _models(engine),
-                      control=settings.model_control_mode)
+                      control=settings.model_control_mode,
+                      verdict_editable=_may(request, "PUT", "/v1/models/{m}/verdict"),
+                      verdict_strings=verdict_script_strings())
 
     @router.get("/ui/stations")
     async def stations(request: Request) -> HTMLResponse:
@@ -141,8 +146,18 @@ async def _models(engine: DataPlane) -> list[dict[str, Any]]:
             "versions": [r for r in rows if r["name"] == name],
             "served": sorted(served.get(name, []), key=lambda s: s.version),
             "verdict": verdict or {}, "verdict_error": verdict_error,
+            "verdict_fields": verdictform.fields(config, verdict) if verdict else [],
         })
     return out
+
+
+def _may(request: Request, method: str, path: str) -> bool:
+    """Whether the page's reader may send ``method path`` (the page shows that action's form):
+    a signed-in user whose role covers the route's; without a session the page was opened with
+    the admin token or on a loopback bind without users, which open every protected route."""
+    session = session_of(request)
+    route = route_of(method, path)
+    return session is None or (route is not None and role_covers(session.role, route.role))
 
 
 async def _guarded(read: Awaitable[T]) -> tuple[T | None, str | None]:

@@ -63,6 +63,31 @@ STRINGS: dict[str, str] = {
     "confirm_unload": "Unload every version of model {model}? Frames sent to it are refused "
                       "until it is loaded again.",
     "loaded": "model {model} loaded",
+    # Models: changing a model's verdict rules (the form, and what its script shows)
+    "verdict_edit": "Change the verdict rules of {model}",
+    "verdict_edit_intro": "Preview a change first: it shows which of the model's last answered "
+                          "frames would get another verdict. Save is possible once the values "
+                          "shown were previewed; the change is audited under your name.",
+    "verdict_read_only": "Your role may read these rules but not change them (role quality "
+                         "or admin changes them).",
+    "verdict_optional": "optional: leave empty for the default",
+    "verdict_json": "JSON",
+    "verdict_limits": "from {low} to {high}",
+    "verdict_at_least": "at least {low}",
+    "verdict_at_most": "at most {high}",
+    "verdict_preview": "Preview",
+    "verdict_save": "Save",
+    "verdict_no_change": "No value differs from the rules in force: change one, then preview.",
+    "verdict_bad_json": "{field}: not valid JSON ({error}).",
+    "verdict_previewed": "{changed} of the last {frames} frames would change verdict.",
+    "verdict_unavailable": "{count} frames could not be judged again: {why}",
+    "verdict_save_hint": "Save is enabled after a preview of the values shown.",
+    "verdict_saved": "Saved: the rules of {model} now in force are {rules}.",
+    "col_part": "Part",
+    "col_request": "Request",
+    "col_change": "Verdict: old → new",
+    "col_time": "Time",
+    "verdict_changes_caption": "Frames whose verdict would change, newest first",
     "unloaded": "model {model} unloaded",
     # Stations and recipes
     "stations_title": "Stations and recipes",
@@ -140,8 +165,7 @@ STRINGS: dict[str, str] = {
     "live_answers": "Last answers",
     "live_rows_note": "The newest {rows} answers; older ones leave the list.",
     "live_no_answers": "No answer yet: answers show here as the line sends frames.",
-    "col_time": "Time",
-    "col_part": "Part id",
+    "col_part_id": "Part id",
     "col_verdict_short": "Verdict",
     "col_label": "Label or reasons",
     "col_latency": "Latency (ms)",
@@ -179,6 +203,12 @@ SCRIPT_KEYS = ("confirm_title", "confirm_ok", "confirm_cancel", "working", "done
                "network_error")
 
 
+#: the texts the verdict form's script needs (``static/verdict.js``)
+VERDICT_SCRIPT_KEYS = ("working", "refused", "network_error", "verdict_no_change",
+                       "verdict_bad_json", "verdict_previewed", "verdict_unavailable",
+                       "verdict_saved", "col_part", "col_request", "col_change", "col_time",
+                       "verdict_changes_caption", "none")
+
 #: the texts the Line live page's script needs (its rows, plots and connection state)
 LIVE_SCRIPT_KEYS = ("none", "live_ok", "live_ng", "live_late", "live_refused", "live_p50",
                     "live_p99", "live_takt", "live_totals", "live_latency_now", "live_no_latency",
@@ -189,6 +219,10 @@ LIVE_SCRIPT_KEYS = ("none", "live_ok", "live_ng", "live_late", "live_refused", "
 
 def script_strings() -> dict[str, str]:
     return {k: STRINGS[k] for k in SCRIPT_KEYS}
+
+
+def verdict_script_strings() -> dict[str, str]:
+    return {k: STRINGS[k] for k in VERDICT_SCRIPT_KEYS}
 
 
 def live_strings() -> dict[str, str]:

@@ -44,11 +44,13 @@ NOT_SIGNED_IN = f"not signed in: sign in with POST {LOGIN_PATH}"
 PAGE_TITLE = "Sign in · visionserve"
 LABEL_USER, LABEL_PASSWORD, BUTTON = "User name", "Password", "Sign in"
 
-#: the login page loads nothing: no script, no style sheet, no font, no frame around it
+#: the login page loads nothing: no script, no style sheet, no font, no frame around it; its
+#: referrer policy is same-origin, as the console's: under no-referrer a browser sends the form
+#: with ``Origin: null``, which the cross-site check refuses
 _PAGE_HEADERS = {
     "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; "
                                "form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
-    "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store",
+    "X-Frame-Options": "DENY", "Referrer-Policy": "same-origin", "Cache-Control": "no-store",
 }
 _PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8">

@@ -80,11 +80,15 @@
     empty.hidden = true;
   }
 
+  let source = null;
+  let reopen = null;
+
   function listen() {
     const query = new URLSearchParams();
     if (root.dataset.model) query.set("model", root.dataset.model);
     if (root.dataset.station) query.set("station", root.dataset.station);
-    const source = new EventSource(`/v1/live?${query}`);
+    reopen = null;
+    source = new EventSource(`/v1/live?${query}`);
     source.onopen = () => { state.textContent = strings.live_connected; };
     source.onmessage = (m) => show(JSON.parse(m.data));
     source.addEventListener("dropped", (m) => {
@@ -93,9 +97,20 @@
     source.addEventListener("shutdown", () => { notice.textContent = strings.live_shutdown; });
     source.onerror = () => {
       state.textContent = strings.live_reconnecting;
-      if (source.readyState === EventSource.CLOSED) setTimeout(listen, REOPEN_MS);
+      if (source.readyState === EventSource.CLOSED && reopen === null) {
+        reopen = setTimeout(listen, REOPEN_MS);
+      }
     };
   }
+
+  // leaving the page gives its stream back at once (the server keeps a limited number open);
+  // a page the browser brings back from its cache listens again
+  window.addEventListener("pagehide", () => {
+    clearTimeout(reopen);
+    reopen = null;
+    if (source) source.close();
+  });
+  window.addEventListener("pageshow", (e) => { if (e.persisted) listen(); });
 
   // --- the plots ------------------------------------------------------------------------------
 

@@ -127,6 +127,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/openapi.json", ADMIN),
     # the console (docs/console.md): its pages read what protected routes read
     Route("GET", "/ui", ADMIN, VIEWER),
+    Route("GET", "/ui/live", ADMIN, VIEWER),
     Route("GET", "/ui/models", ADMIN, VIEWER),
     Route("GET", "/ui/stations", ADMIN, VIEWER),
     Route("GET", "/ui/system", ADMIN, VIEWER),

@@ -218,7 +218,7 @@ def test_each_page_shows_the_servers_data_and_passes_axe(browser, server, path, 
 
 def test_the_console_home_leads_to_the_first_page(browser, server):
     _open(browser, server, "/ui")
-    assert browser.current_url == server.url + "/ui/models"
+    assert browser.current_url == server.url + "/ui/live"
 
 
 def test_unload_and_load_with_the_confirmation_and_the_keyboard(browser, server):

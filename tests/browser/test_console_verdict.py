@@ -175,8 +175,10 @@ def _sign_in(driver, server, user: str) -> None:
     driver.get(server.url + "/ui/login")
     driver.find_element(By.ID, "user").send_keys(user)
     driver.find_element(By.ID, "password").send_keys(PASSWORD, Keys.ENTER)
-    WebDriverWait(driver, 30).until(lambda d: d.current_url.endswith("/ui/models"),
+    WebDriverWait(driver, 30).until(lambda d: d.current_url.endswith("/ui/live"),  # the home
                                      f"{user} was not signed in")
+    driver.get(server.url + "/ui/models")
+    WebDriverWait(driver, 30).until(lambda d: d.find_element(By.TAG_NAME, "h1"))
 
 
 def test_a_viewer_sees_the_rules_but_no_form(browser, tmp_path):  # noqa: F811

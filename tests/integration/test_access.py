@@ -93,7 +93,7 @@ def test_default_bind_protects_changes_and_keeps_inference_open(repo, tmp_path, 
         assert httpx.get(server.url + "/openapi.json", headers=admin, timeout=10).status_code == 404
         # the console: its pages behind the admin token (rendered in whichever process takes
         # the connection), its style sheet and script open
-        for path in ("/ui", "/ui/models", "/ui/stations", "/ui/system"):
+        for path in ("/ui", "/ui/live", "/ui/models", "/ui/stations", "/ui/system"):
             assert httpx.get(server.url + path, timeout=10).status_code == 401, path
         for _ in range(4):
             page = httpx.get(server.url + "/ui/system", headers=admin, timeout=30)
@@ -101,7 +101,7 @@ def test_default_bind_protects_changes_and_keeps_inference_open(repo, tmp_path, 
             assert ("2 of 2 alive" if frontends == "2" else "run in the serving process") \
                 in page.text
         assert httpx.get(server.url + "/ui/models", headers=admin, timeout=30).status_code == 200
-        for name in ("console.css", "console.js"):
+        for name in ("console.css", "console.js", "live.css", "live.js"):
             assert httpx.get(f"{server.url}/ui/static/{name}", timeout=10).status_code == 200
         assert httpx.get(f"{server.url}/ui/static/nothing.js", timeout=10).status_code == 404
         # nested JSON is a bad request

@@ -335,12 +335,12 @@ def test_every_role_reads_the_console_pages_and_acts_by_its_role(server):
     """The /ui pages open to a signed-in user of any role (and to nobody without a credential
     on this 0.0.0.0 bind); an action from a page is judged by the role its route needs: a viewer
     and a quality user cannot unload a model, an admin can (and loads it back)."""
-    for path in ("/ui", "/ui/models", "/ui/stations", "/ui/system"):
+    for path in ("/ui", "/ui/live", "/ui/models", "/ui/stations", "/ui/system"):
         assert httpx.get(f"{server.url}{path}", timeout=30).status_code == 401, path
     for n, user in enumerate(USERS):
         client, csrf = session_client(server, user, f"198.51.100.{120 + n}")
         with client:
-            for path in ("/ui", "/ui/models", "/ui/stations", "/ui/system"):
+            for path in ("/ui", "/ui/live", "/ui/models", "/ui/stations", "/ui/system"):
                 r = client.get(path, follow_redirects=True)
                 assert r.status_code == 200 and "text/html" in r.headers["content-type"], \
                     (user, path, r.status_code)
@@ -353,3 +353,18 @@ def test_every_role_reads_the_console_pages_and_acts_by_its_role(server):
             else:
                 assert r.status_code == 403 and "needs the role admin" in r.json()["error"], \
                     (user, r.text)
+
+
+def test_a_viewer_reads_the_line_live_page_and_what_it_polls(server):
+    """The Line live page and the summary its script reads every few seconds: a viewer's
+    session opens both; without a credential (this 0.0.0.0 bind) both are 401."""
+    for path in ("/ui/live", "/ui/live?model=tiny", "/v1/live/summary?model=tiny"):
+        assert httpx.get(f"{server.url}{path}", timeout=30).status_code == 401, path
+    client, _ = session_client(server, "otto", "198.51.100.140")
+    with client:
+        page = client.get("/ui/live?model=tiny")
+        assert page.status_code == 200 and "<h1>Line live</h1>" in page.text, page.text
+        assert "default-src 'self'" in page.headers["content-security-policy"]
+        summary = client.get("/v1/live/summary", params={"model": "tiny", "minutes": 10})
+        assert summary.status_code == 200 and len(summary.json()["minutes"]) == 10, summary.text
+        assert client.get("/ui/live?model=nope").status_code == 404

@@ -48,7 +48,7 @@ def test_every_route_of_the_app_is_in_the_table():
                                     "/openapi.json")]
     # the console's pages are no API: outside the OpenAPI document, in the table all the same
     pages = [(m, r.path) for r in console.routes for m in sorted(r.methods)]
-    assert len(pages) == 5, pages
+    assert len(pages) == 6, pages
     routes += pages
     for method, path in routes:
         assert any(r.matches(method, path) for r in ROUTES), (method, path)
@@ -66,7 +66,8 @@ def test_every_route_of_the_app_is_in_the_table():
     ("POST", "/v1/stations/s/recipe", ADMIN), ("GET", "/v1/stations/s", "inference"),
     ("POST", "/v1/models/m/inspect", "inference"), ("HEAD", "/v2/health/ready", "health"),
     ("GET", "/metrics", "metrics"), ("GET", "/nowhere", ADMIN), ("DELETE", "/v2/models/m", ADMIN),
-    ("GET", "/ui", ADMIN), ("GET", "/ui/models", ADMIN), ("GET", "/ui/stations", ADMIN),
+    ("GET", "/ui", ADMIN), ("GET", "/ui/live", ADMIN), ("GET", "/ui/models", ADMIN),
+    ("GET", "/ui/stations", ADMIN),
     ("GET", "/ui/system", ADMIN), ("HEAD", "/ui/system", ADMIN),
     ("GET", "/ui/static/console.css", STATIC),
     ("GET", "/ui/static/a/b.js", ADMIN), ("POST", "/ui/static/console.js", ADMIN),

@@ -11,7 +11,7 @@ import pytest
 from visionserve import verdicts
 from visionserve.config import ServerSettings, load_model_config, time_zone
 from visionserve.console import pages, system, verdictform
-from visionserve.console.strings import SCRIPT_KEYS, STRINGS, VERDICT_SCRIPT_KEYS
+from visionserve.console.strings import LIVE_SCRIPT_KEYS, SCRIPT_KEYS, STRINGS, VERDICT_SCRIPT_KEYS
 
 CONSOLE = Path(pages.__file__).parent
 REPO = CONSOLE.parents[1]
@@ -147,3 +147,11 @@ def test_the_verdict_form_fits_each_task():
     assert detector["roi_match"].kind == verdictform.CHOICE
     assert {detector[k].kind for k in ("defects", "count", "roi", "exclude")} == {verdictform.JSON}
     assert all(f.help for f in detector.values())
+
+
+def test_the_live_pages_script_takes_its_texts_from_the_page():
+    script = (CONSOLE / "static" / "live.js").read_text(encoding="utf-8")
+    assert set(LIVE_SCRIPT_KEYS) <= set(STRINGS)
+    for key in LIVE_SCRIPT_KEYS:
+        assert f"strings.{key}" in script, key
+    assert pages.PAGES[0][0] == "/ui/live"  # the console's home

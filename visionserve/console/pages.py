@@ -1,5 +1,5 @@
-"""The console's routes: ``GET /ui`` (to the first page), ``/ui/models``, ``/ui/stations``,
-``/ui/system`` and the package's own files at ``/ui/static/{name}``.
+"""The console's routes: ``GET /ui`` (to the first page), ``/ui/live``, ``/ui/models``,
+``/ui/stations``, ``/ui/system`` and the package's own files at ``/ui/static/{name}``.
 
 Each page is rendered here from what the data plane says (the repository index, the served
 versions, the verdict rules, the recipes, the server's Prometheus series) and the guard's job
@@ -26,7 +26,7 @@ from ..http.signin import session_of
 from ..security import route_of
 from ..users.store import role_covers
 from . import system, verdictform
-from .strings import STRINGS, script_strings, verdict_script_strings
+from .strings import STRINGS, live_strings, script_strings, verdict_script_strings
 
 if TYPE_CHECKING:
     from ..dataplane import DataPlane, ServedModel
@@ -39,8 +39,12 @@ HERE = Path(__file__).resolve().parent
 #: the files under /ui/static, by name, and their media types
 STATIC_TYPES = {".css": "text/css; charset=utf-8", ".js": "text/javascript; charset=utf-8"}
 #: the pages in the navigation, in order: (path, strings key of its name)
-PAGES = (("/ui/models", "nav_models"), ("/ui/stations", "nav_stations"),
+PAGES = (("/ui/live", "nav_live"), ("/ui/models", "nav_models"), ("/ui/stations", "nav_stations"),
          ("/ui/system", "nav_system"))
+#: the answers the Line live page keeps on screen (newest on top)
+LIVE_ROWS = 50
+#: the minutes of answers and latency the Line live page plots
+LIVE_MINUTES = 10
 #: the guard's jobs the System page lists
 LIVE_JOB_STATES = ("queued", "running", "paused")
 #: every page: scripts and styles from this server only, no frames, no inline script
@@ -76,6 +80,20 @@ def make_router(settings: ServerSettings, guard_store: JobStore | None = None) -
     @router.get("/ui")
     async def home() -> RedirectResponse:
         return RedirectResponse(PAGES[0][0], status_code=303)
+
+    @router.get("/ui/live")
+    async def live(request: Request, model: str = "", station: str = "") -> HTMLResponse:
+        engine = engine_of(request)
+        stations = sorted(engine.recipes.stations)
+        if model and model not in engine.entries:
+            raise NotFound(f"no model {model!r} in the repository")
+        if station and station not in stations:
+            raise NotFound(f"no station {station!r} in the recipes")
+        shown = [model] if model else sorted(engine.entries)
+        return render("live.html", "/ui/live", models=sorted(engine.entries), stations=stations,
+                      model=model, station=station, shown=shown,
+                      live_strings=live_strings(), live_rows=LIVE_ROWS,
+                      live_minutes=LIVE_MINUTES)
 
     @router.get("/ui/models")
     async def models(request: Request) -> HTMLResponse:

@@ -9,6 +9,7 @@ STRINGS: dict[str, str] = {
     "product": "visionserve",
     "console": "Operator console",
     "nav_label": "Pages",
+    "nav_live": "Line live",
     "nav_models": "Models",
     "nav_stations": "Stations and recipes",
     "nav_system": "System",
@@ -151,6 +152,50 @@ STRINGS: dict[str, str] = {
     "plc_handshakes": "Last handshake per station (the PLC acknowledged a result)",
     "plc_no_handshakes": "No PLC has acknowledged a result yet (Modbus Result Ack).",
     "col_last_ack": "Last acknowledged",
+    # Line live
+    "live_title": "Line live",
+    "live_intro": "Each answer as it happens, newest on top, and the answers and latency of "
+                  "the last minutes against the takt.",
+    "live_filter": "Show",
+    "live_filter_model": "Model",
+    "live_filter_station": "Station",
+    "live_all_models": "every model",
+    "live_all_stations": "every station",
+    "live_apply": "Show these answers",
+    "live_answers": "Last answers",
+    "live_rows_note": "The newest {rows} answers; older ones leave the list.",
+    "live_no_answers": "No answer yet: answers show here as the line sends frames.",
+    "col_part_id": "Part id",
+    "col_verdict_short": "Verdict",
+    "col_label": "Label or reasons",
+    "col_latency": "Latency (ms)",
+    "live_minutes": "Last {minutes} minutes",
+    "live_counts": "Answers per minute",
+    "live_latency": "Latency per minute (ms) against the takt",
+    "live_ok": "OK",
+    "live_ng": "NG",
+    "live_late": "LATE",
+    "live_refused": "refused",
+    "live_p50": "p50",
+    "live_p99": "p99",
+    "live_takt": "takt",
+    "live_totals": "Totals: OK {ok}, NG {ng}, LATE {late}, refused {refused}.",
+    "live_latency_now": "This minute: p50 {p50} ms, p99 {p99} ms; takt {takt} ms.",
+    "live_no_latency": "none",
+    "live_counts_chart": "Answers of {model} per minute over the last {minutes} minutes: "
+                         "OK {ok}, NG {ng}, LATE {late}, refused {refused} in all.",
+    "live_latency_chart": "Latency of {model} per minute over the last {minutes} minutes "
+                          "against its takt of {takt} ms; this minute p50 {p50} ms, "
+                          "p99 {p99} ms.",
+    "live_since": "Answers kept since {time}.",
+    "live_not_kept": "The server keeps answers from when a console first listens.",
+    "live_connecting": "Connecting to the server's live results…",
+    "live_connected": "Live: answers show as they happen.",
+    "live_reconnecting": "The connection to the server was lost; reconnecting…",
+    "live_dropped": "{dropped} answers were not shown: this page read slower than the line "
+                    "answered ({total} in all).",
+    "live_shutdown": "The server is shutting down; this page reconnects when it is back.",
+    "live_summary_error": "The counts could not be read: {error}",
 }
 
 #: the texts the script needs (the confirmation dialog and the messages of actions)
@@ -164,6 +209,13 @@ VERDICT_SCRIPT_KEYS = ("working", "refused", "network_error", "verdict_no_change
                        "verdict_saved", "col_part", "col_request", "col_change", "col_time",
                        "verdict_changes_caption", "none")
 
+#: the texts the Line live page's script needs (its rows, plots and connection state)
+LIVE_SCRIPT_KEYS = ("none", "live_ok", "live_ng", "live_late", "live_refused", "live_p50",
+                    "live_p99", "live_takt", "live_totals", "live_latency_now", "live_no_latency",
+                    "live_counts_chart", "live_latency_chart", "live_since", "live_not_kept",
+                    "live_connected", "live_reconnecting", "live_dropped",
+                    "live_shutdown", "live_summary_error")
+
 
 def script_strings() -> dict[str, str]:
     return {k: STRINGS[k] for k in SCRIPT_KEYS}
@@ -171,3 +223,7 @@ def script_strings() -> dict[str, str]:
 
 def verdict_script_strings() -> dict[str, str]:
     return {k: STRINGS[k] for k in VERDICT_SCRIPT_KEYS}
+
+
+def live_strings() -> dict[str, str]:
+    return {k: STRINGS[k] for k in LIVE_SCRIPT_KEYS}

@@ -1,4 +1,4 @@
-// The console's one script: the buttons that change something. Each asks for confirmation in
+// The console's script on every page: the buttons that change something. Each asks for confirmation in
 // a dialog, then sends its request as JSON to the server's own route, with the CSRF token of
 // the signed-in session where the server has sessions (GET /ui/session; without it no token
 // is sent and the route's access rule decides). The server's answer is shown as it said it.
@@ -28,6 +28,9 @@
     }
     return csrf;
   }
+
+  // for the pages' own scripts (loaded after this one): one place for these two
+  window.visionserveConsole = {fill, csrfToken};
 
   function confirmWith(text) {
     return new Promise((resolve) => {

@@ -28,9 +28,7 @@
                  ["refused", strings.live_refused]];
   const newest = new Map();  // the engine run's id -> the highest event number shown of it
 
-  function fill(text, values) {
-    return text.replace(/\{(\w+)\}/g, (all, name) => (name in values ? values[name] : all));
-  }
+  const {fill} = window.visionserveConsole;  // console.js, loaded first
 
   // times as the other pages show them: in the server's zone, YYYY-MM-DD HH:MM:SS
   const clock = new Intl.DateTimeFormat("en-US", {

@@ -9,24 +9,7 @@
   const source = document.getElementById("verdict-strings");
   if (!source) return;
   const strings = JSON.parse(source.textContent);
-  let csrf = null;  // null: not asked yet; "": the server has no sessions
-
-  function fill(text, values) {
-    return text.replace(/\{(\w+)\}/g, (all, name) => (name in values ? values[name] : all));
-  }
-
-  async function csrfToken() {
-    if (csrf === null) {
-      try {
-        const r = await fetch("/ui/session", {headers: {"Accept": "application/json"},
-                                              credentials: "same-origin"});
-        csrf = r.ok ? ((await r.json()).csrf_token || "") : "";
-      } catch (e) {
-        csrf = "";
-      }
-    }
-    return csrf;
-  }
+  const {fill, csrfToken} = window.visionserveConsole;  // console.js, loaded first
 
   // one field's value as JSON, or throws Error with the message to show
   function valueOf(el) {

@@ -16,6 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from visionserve_tools.benchgpu import IN_PROCESS
+
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED_MODELS = REPO / "models"
 
@@ -232,14 +234,18 @@ class ServerProcess:
 
 def start_server(models: Path, tmp_path: Path, *extra: str, grpc: bool = True,
                  env: dict[str, str] | None = None, wait: bool = True,
-                 new_session: bool = False) -> ServerProcess:
-    """``new_session``: its own process group, so a test can signal the whole group (Ctrl-C)."""
+                 new_session: bool = False, as_shipped: bool = False) -> ServerProcess:
+    """``new_session``: its own process group, so a test can signal the whole group (Ctrl-C);
+    ``as_shipped``: the front ends and batch workers the server chooses for the machine."""
     http_port = free_port()
     grpc_port = free_port() if grpc else -1
     log_path = tmp_path / f"server-{http_port}.log"
     args = [sys.executable, "-m", "visionserve", "serve", "--models", str(models), "--host", "127.0.0.1",
             "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--device", "cpu", *extra]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    # unless the test names them (its flags win): no front ends or batch workers, as the
+    # server chooses on the CPU; on a GPU it would choose some
+    fixed = {} if as_shipped else IN_PROCESS
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **fixed, **(env or {})}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=str(REPO),
                                 start_new_session=new_session)

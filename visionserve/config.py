@@ -527,11 +527,12 @@ class ServerSettings(BaseSettings):
         description="On the GPU, prepare a batch of same-size JPEGs in one TorchScript call "
                     "instead of some 40 torch calls; off: the eager path (docs/gpu.md).",
         json_schema_extra=_GPU)
-    gpu_batch_processes: int = Field(
-        0, ge=0, le=8,
+    gpu_batch_processes: int | None = Field(
+        None, ge=0, le=8,
         description="On the GPU, worker processes per model instance that prepare and run its "
                     "batches, each with a model copy inside --gpu-memory-budget (docs/gpu.md).",
-        json_schema_extra=_GPU)
+        json_schema_extra={**_GPU, "default_text": "on a GPU a quarter of the cores, at most 3; "
+                                                   "0 on the CPU"})
     recipes: Path | None = Field(
         None, description="The recipes file (docs/recipes.md); default: recipes.toml in the "
                           "model repository, when there is one.",
@@ -541,11 +542,12 @@ class ServerSettings(BaseSettings):
         description="Nice levels below the event loop for the model's threads in the serving "
                     "process (Linux), so the loop runs first; 0: all at one priority.",
         json_schema_extra=_OTHER)
-    frontends: int = Field(
-        0, ge=0, le=64,
+    frontends: int | None = Field(
+        None, ge=0, le=64,
         description="HTTP/gRPC front-end processes handing frames to the engine through shared "
                     "memory; 0: the front end runs in the engine's process (docs/gpu.md).",
-        json_schema_extra=_NETWORK)
+        json_schema_extra={**_NETWORK, "default_text": "on a GPU half the cores, at most 8; 0 "
+                                                       "on the CPU"})
     frontend_arena_bytes: int = Field(
         64 * 1024**2, ge=1024**2,
         description="Shared memory per front-end process for frames in flight; a larger frame "

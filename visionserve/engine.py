@@ -133,7 +133,7 @@ class Engine(ModelLookup):
 
             self.gpu = GpuReservation(self.settings.gpu_memory_budget, self.device,
                                       one_call=self.settings.gpu_prep_one_call,
-                                      batch_processes=self.settings.gpu_batch_processes)
+                                      batch_processes=self.settings.gpu_batch_processes or 0)
             await self.gpu.reserve([(e.name, effective_config(e.config, self.settings))
                                     for e in entries])
         for entry in entries:

@@ -47,6 +47,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 LABELS = ["ok", "scratch", "spot", "crack", "contamination"]
+#: a server's front ends and batch workers when a scenario does not name them: none (the server
+#: as shipped chooses them on a GPU); its flags (--frontends N) win over these
+IN_PROCESS = {"VISIONSERVE_FRONTENDS": "0", "VISIONSERVE_GPU_BATCH_PROCESSES": "0"}
 
 TOML = """\
 description = "benchmark: ResNet-50, random weights"
@@ -303,9 +306,12 @@ def get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
 
 class Server:
     def __init__(self, models: Path, log_path: Path, *extra: str, device: str = "cuda",
-                 env: dict[str, str] | None = None, log_level: str | None = "warning") -> None:
-        """``log_level`` None: the server's own default (as shipped); ``startup_log``: what the
-        server wrote until it was ready."""
+                 env: dict[str, str] | None = None, log_level: str | None = "warning",
+                 as_shipped: bool = False) -> None:
+        """``log_level`` None: the server's own default; ``as_shipped``: the front ends and
+        batch workers the server chooses itself, else none unless ``extra`` or ``env`` names
+        them (each scenario says what it measures); ``startup_log``: what the server wrote
+        until it was ready."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -318,8 +324,10 @@ class Server:
         settings = " ".join(f"{k}={v}" for k, v in (env or {}).items())
         self._log.write(f"\n=== {settings + ' ' if settings else ''}{' '.join(args)}\n".encode())
         self._log.flush()
+        fixed = {} if as_shipped else IN_PROCESS
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **fixed,
+                                          **(env or {})})
         t0 = time.time()
         while time.time() - t0 < 240:
             if self.proc.poll() is not None:

@@ -197,7 +197,8 @@ def served(models: Path, model: str, frames: dict[str, list[bytes]], spec: dict[
     each count of ``clients`` at each frame size."""
     part: dict = {"settings": spec}
     try:
-        s = Server(models, log_path, device=device, env=server_env(spec), log_level=None)
+        s = Server(models, log_path, device=device, env=server_env(spec), log_level=None,
+                   as_shipped=True)
     except RuntimeError as exc:  # a setting the server refuses: said, and the next one runs
         part["error"] = str(exc)
         return part

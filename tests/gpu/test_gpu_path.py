@@ -697,7 +697,7 @@ def test_front_end_processes_hold_no_gpu_context_and_answer_like_the_engine(repo
     log_path = tmp_path / "fe-server.log"
     args = [sys.executable, "-m", "visionserve", "serve", "--models", str(repo), "--device", "cuda:0",
             "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", "-1", "--frontends", "2",
-            "--gpu-memory-budget", "2GiB"]
+            "--gpu-batch-processes", "0", "--gpu-memory-budget", "2GiB"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)

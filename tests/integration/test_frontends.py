@@ -387,3 +387,16 @@ def test_a_killed_serving_process_takes_its_front_ends_along_at_once(tiny_repo, 
         for p in fronts:
             if _alive(p):
                 os.kill(p, signal.SIGKILL)
+
+
+def test_as_shipped_on_the_cpu_the_front_end_runs_in_the_serving_process(tiny_repo, tmp_path):
+    """With no --frontends and no --gpu-batch-processes the server chooses, and says so: on the
+    CPU, none of either (the model's threads use the cores)."""
+    s = start_server(tiny_repo, tmp_path, grpc=False, as_shipped=True)
+    try:
+        assert "execution: 0 front-end process(es), 0 batch worker(s) per model instance" \
+            in s.log()
+        assert not children(s.proc.pid)
+        assert httpx.get(f"{s.url}/v2/health/ready").status_code == 200
+    finally:
+        s.stop()

@@ -251,10 +251,10 @@ class GpuReservation:
         if self.batch_processes:
             on_device = task is not None and task.on_device
             if model_path is None or backend.config is None or on_device:
-                log.warning("%s: its batches are run in the serving process: --gpu-batch-processes "
-                            "needs a task that reads the model's outputs on the host", name)
-                return InProcess(prep.prepare, f"{here}; --gpu-batch-processes needs a task that "
-                                               "reads the model's outputs on the host")
+                log.info("%s: its batches are run in the serving process: batch workers need a "
+                         "task that reads the model's outputs on the host", name)
+                return InProcess(prep.prepare, f"{here}; batch workers need a task that reads "
+                                               "the model's outputs on the host")
             model = {"path": str(model_path), "config": backend.config.model_dump(mode="json")}
         if self.prep_processes or model is not None:
             from .workers import WorkerPool

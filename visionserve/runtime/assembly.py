@@ -14,21 +14,23 @@ import logging
 from ..config import ServerSettings
 from ..errors import VisionServeError
 from .hosted import HostedGuard, start_mps, watch_batchers
-from .startup import apply_process_settings, pin_device, start_engine
+from .startup import apply_process_settings, choose_execution, pin_device, start_engine
 
 log = logging.getLogger("visionserve")
 
 
 def assemble(settings: ServerSettings):
-    """(engine, hosted guard or None), the device pinned and the models scanned (not loaded:
-    :func:`serve` starts them); ``settings`` with the admin token resolved
-    (:func:`~visionserve.security.with_admin_token`). Raises VisionServeError on bad settings or
-    model repository."""
+    """(settings, engine, hosted guard or None), the device pinned, the front ends and batch
+    workers chosen (:func:`~.startup.choose_execution`: the returned settings say how many) and
+    the models scanned (not loaded: :func:`serve` starts them). ``settings`` comes with the admin
+    token resolved (:func:`~visionserve.security.with_admin_token`). Raises VisionServeError on
+    bad settings or model repository."""
     from ..security import Access
 
     for line in Access.from_settings(settings).summary(settings):  # the token files read
         log.info("access: %s", line)
     resolved = pin_device(settings.device)
+    settings = choose_execution(settings, on_gpu=resolved.kind == "cuda")
     apply_process_settings(settings)
     mps = None
     if settings.guard and settings.guard_mps:  # before anything here initialises CUDA
@@ -42,7 +44,7 @@ def assemble(settings: ServerSettings):
     if settings.guard:
         p99 = engine.latency_p99() if settings.guard_latency_budget_ms else None
         guard = HostedGuard(settings, resolved, latency=p99, mps=mps)
-    return engine, guard
+    return settings, engine, guard
 
 
 async def serve(engine, settings: ServerSettings, guard: HostedGuard | None = None) -> int:

@@ -50,12 +50,12 @@ class FrontEnds:
         self.http_sock = http_sock
         self.grpc_port = grpc_port
         self.procs: dict[int, subprocess.Popen] = {}
-        self.backoff = {i: RestartBackoff() for i in range(settings.frontends)}
+        self.backoff = {i: RestartBackoff() for i in range(settings.frontends or 0)}
         self.stopping = False
         self._watcher: asyncio.Task | None = None
 
     async def start(self) -> None:
-        for i in range(self.settings.frontends):
+        for i in range(self.settings.frontends or 0):
             await self._spawn(i)
         self._watcher = asyncio.get_running_loop().create_task(self._watch())
 

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         log.warning("%s", warning)
     try:
         settings = with_admin_token(settings)
-        engine, guard = assemble(settings)
+        settings, engine, guard = assemble(settings)
     except VisionServeError as exc:
         if not settings.hold_on_error:
             print(f"visionserve serve: {exc.message}", file=sys.stderr)

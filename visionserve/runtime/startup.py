@@ -61,6 +61,47 @@ def pin_device(spec: str):
     return resolved
 
 
+#: on a GPU, front-end processes and batch workers per model instance, chosen from the cores
+#: the process may use: a front end reads, parses and answers HTTP for about two cores' worth
+#: of clients, and each batch worker prepares and runs batches on about four
+FRONTEND_CORES, MAX_FRONTENDS = 2, 8
+WORKER_CORES, MAX_WORKERS = 4, 3
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which a container's cpuset limits)."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def choose_execution(settings: ServerSettings, on_gpu: bool,
+                     cores: int | None = None) -> ServerSettings:
+    """``settings`` with ``frontends`` and ``gpu_batch_processes`` decided where they were left
+    to the server (None): on a GPU, a front-end process per two cores (at most 8) and a batch
+    worker per four (at most 3), so that the HTTP parsing and the batches' preparation spread
+    over the machine; on the CPU none, the model's own threads use the cores. Logged, with why.
+    A batch worker that does not fit the GPU memory budget, or a task that reads its outputs on
+    the device, leaves its batches in the serving process (said when the model loads)."""
+    if settings.frontends is not None and settings.gpu_batch_processes is not None:
+        return settings
+    cores = cores or usable_cores()
+    frontends = settings.frontends
+    workers = settings.gpu_batch_processes
+    if frontends is None:
+        frontends = min(MAX_FRONTENDS, cores // FRONTEND_CORES) if on_gpu else 0
+        frontends = frontends if frontends > 1 else 0  # one front end only adds a hop
+    if workers is None:
+        workers = min(MAX_WORKERS, cores // WORKER_CORES) if on_gpu else 0
+    why = f"{cores} cores, {'a GPU' if on_gpu else 'no GPU'}"
+    log.info("execution: %s front-end process(es), %s batch worker(s) per model instance (%s; "
+             "--frontends and --gpu-batch-processes set them)", frontends, workers, why)
+    return settings.model_copy(update={"frontends": frontends, "gpu_batch_processes": workers})
+
+
 async def start_engine(engine) -> int:
     """Load and warm up every model; 0 when ready, else the exit code (3), the reason logged."""
     try:

@@ -93,6 +93,7 @@ def test_the_image_is_the_stored_file_and_the_overlay_draws_the_boxes(server):
     assert server.verdicts["D-2"] == "NG"
     rid = row_id(server, "D-2")
     record = listing(server, part_id="D-2")["records"][0]
+    assert record["id"] == rid  # the listing names the id the image routes take
     raw = get(server, f"/v1/records/{rid}/image")
     assert raw.status_code == 200 and raw.headers["content-type"] == "image/jpeg"
     assert raw.content == (server.data / "captures" / record["image"]).read_bytes()

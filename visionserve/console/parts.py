@@ -78,5 +78,10 @@ def card(row_id: int, r: Record) -> dict[str, Any]:
     image = f"/v1/records/{row_id}/image" if r.image else None
     return {"id": row_id, "r": r, "reasons": r.reasons(), "image": image,
             "overlay": f"/v1/records/{row_id}/overlay" if r.image else None,
-            "timings": {k: r.timings[k] for k in ("queue_ms", "compute_ms", "total_ms",
-                                                  "batch_size") if k in r.timings}}
+            "timings": {k: _figure(r.timings[k]) for k in ("queue_ms", "compute_ms", "total_ms",
+                                                           "batch_size") if k in r.timings}}
+
+
+def _figure(value: Any) -> str:
+    """A timing as the page shows it: milliseconds to a tenth, a batch size whole."""
+    return f"{value:.1f}" if isinstance(value, float) else str(value)

@@ -210,6 +210,10 @@ def test_postgres_store_lists_by_filter_a_page_at_a_time(postgres_url):
     part = store.listing(RecordQuery(part_id="L-1", since=base - 1))
     assert [r.request_id for _, r in part] == [f"list-{i}" for i in (17, 13, 9, 5, 1)]
     assert all(r.image for _, r in store.listing(RecordQuery(verdict="NG", since=base - 1)))
+    captured = store.listing(RecordQuery(model="m0", since=base - 1, captured=True))
+    assert captured and all(r.image and r.model == "m0" for _, r in captured)
+    row_id, record = captured[0]
+    assert store.record(row_id) == record and store.record(10**12) is None
     store.close()
 
 

@@ -48,7 +48,7 @@ def test_a_segmenters_mask_is_tinted_and_its_box_drawn():
 
 def test_a_thumbnail_scales_the_boxes_with_the_frame():
     img = _frame(640, 480)
-    ok, png = cv2.imencode(".png", img)
+    _, png = cv2.imencode(".png", img)
     result = {"detections": [{"label": "scratch", "score": 0.8, "box": [400, 300, 560, 420]}],
               "reasons": []}
     body, media = render(Stored(png.tobytes(), "png", b""), _record(result), overlay=True,
@@ -69,7 +69,7 @@ def test_an_anomaly_heat_map_kept_compact_is_drawn_over_the_frame():
     back = annotate.expand_heat(kept, 640, 480)
     assert back.shape == (480, 640) and back[250, 375] > 0.9 and back[50, 50] < 0.05
     img = _frame(640, 480)
-    ok, png = cv2.imencode(".png", img)
+    _, png = cv2.imencode(".png", img)
     side = json.dumps({"drawing": {"heat_map": kept}}).encode()
     record = _record({"regions": [{"box": [300, 200, 450, 300], "area": 15000, "peak": 1.0}],
                       "reasons": ["image score 1.0 >= image_threshold 0.5"]})
@@ -83,7 +83,7 @@ def test_an_anomaly_heat_map_kept_compact_is_drawn_over_the_frame():
 
 def test_the_image_alone_is_the_stored_file_and_a_raw_frame_is_png():
     img = _frame()
-    ok, jpg = cv2.imencode(".jpg", img)
+    _, jpg = cv2.imencode(".jpg", img)
     assert render(Stored(jpg.tobytes(), "jpg", b""), _record({}), overlay=False) == \
         (jpg.tobytes(), "image/jpeg")
     buf = io.BytesIO()

@@ -24,9 +24,9 @@ from ..config import ServerSettings, time_zone
 from ..errors import NotFound, VisionServeError, http_status
 from ..http.common import engine_of
 from ..http.signin import session_of
-from ..security import route_of
 from ..records.record import iso
 from ..records.store import MAX_PAGE, RecordStore
+from ..security import route_of
 from ..users.store import role_covers
 from . import parts, system, verdictform
 from .strings import STRINGS, live_strings, script_strings, verdict_script_strings

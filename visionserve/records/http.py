@@ -8,8 +8,9 @@ The part's history answers ``{"part_id": ..., "count": n, "records": [...]}`` (e
 docs/records.md); 404 with a message for a part with no record. The listing answers ``{"count":
 n, "records": [...], "next": cursor or null}``, each record with its ``id`` (what the image
 routes take); ``next`` goes into ``before`` for the next page (keyset pagination: a page is as
-fast deep in the store as at its start, and records written meanwhile never shift it). A filter that is not understood is a 400 naming it; both answer 503
-with Retry-After while the store cannot be read.
+fast deep in the store as at its start, and records written meanwhile never shift it). A
+filter that is not understood is a 400 naming it; both answer 503 with Retry-After while the
+store cannot be read.
 
 A captured image, by its record's id (a listing's ``id``):
 

@@ -45,7 +45,7 @@ def render(stored: Stored, record: Record, *, overlay: bool, size: int | None = 
     if overlay:
         draw(image, record, _drawing(stored.sidecar), f)
     elif size is None:  # a raw frame, whole
-        ok, buf = cv2.imencode(".png", image)
+        _, buf = cv2.imencode(".png", image)
         return buf.tobytes(), "image/png"
     return annotate.encode_jpeg(image), "image/jpeg"
 
@@ -105,7 +105,8 @@ def _mask(rle: Mapping[str, Any], w: int, h: int) -> np.ndarray:
     """A segmenter's mask (COCO RLE over the frame) at the drawn size."""
     from ..tasks.segmentation import rle_decode
 
+    cv2 = imaging._cv2()
     m = rle_decode(rle)
     if m.shape != (h, w):
-        m = imaging._cv2().resize(m.astype(np.uint8), (w, h), interpolation=imaging._cv2().INTER_NEAREST) > 0
+        m = cv2.resize(m.astype(np.uint8), (w, h), interpolation=cv2.INTER_NEAREST) > 0
     return m

@@ -436,7 +436,9 @@ class Recorder:
                     continue
                 if item is _WAKE:
                     continue
-                self._store_image(*item, keep=time.monotonic() < self._capture_deadline)
+                record, frame, drawing = item
+                self._store_image(record, frame, drawing,
+                                  time.monotonic() < self._capture_deadline)
             with self._capture_lock:
                 self._capture_closed = True
             while True:  # what came in meanwhile: its records, without their image
@@ -445,7 +447,8 @@ class Recorder:
                 except queue.Empty:
                     break
                 if item is not _WAKE:
-                    self._store_image(*item, keep=False)
+                    record, frame, drawing = item
+                    self._store_image(record, frame, drawing, keep=False)
         finally:
             self._capture_done.set()
 

@@ -73,15 +73,14 @@ class ImageSource:
                            "write")
         return key
 
-    def _from_folder(self, row_id: int, folder: Path, key: str, sidecar: bool,
-                     missing: str = "") -> Stored:
+    def _from_folder(self, row_id: int, folder: Path, key: str, sidecar: bool) -> Stored:
         path = (folder / self._checked(row_id, key)).resolve()
         if not path.is_relative_to(folder.resolve()):  # a date folder linked elsewhere
             raise NotFound(f"the image of record {row_id} lies outside {folder}")
         try:
             data = path.read_bytes()
         except OSError:
-            raise NotFound(missing or f"the image of record {row_id} ({key}) is no longer in "
+            raise NotFound(f"the image of record {row_id} ({key}) is no longer in "
                            f"{folder}: the capture quota deletes the oldest images first, or "
                            "the folder was moved (--capture-target)") from None
         try:

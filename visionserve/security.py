@@ -116,6 +116,8 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/guard/health", ADMIN, VIEWER),
     Route("GET", "/v1/parts/{id}", ADMIN, VIEWER),  # records and image names
     Route("GET", "/v1/records", ADMIN, VIEWER),  # the same, filtered
+    Route("GET", "/v1/records/{id}/image", ADMIN, VIEWER),  # a record's captured image
+    Route("GET", "/v1/records/{id}/overlay", ADMIN, VIEWER),  # the same, the answer drawn
     Route("GET POST", "/ui/login", SIGNIN, form=True),  # the one form-encoded body taken
     Route("POST", "/ui/logout", SIGNIN),
     Route("GET", "/ui/session", SIGNIN),
@@ -128,6 +130,8 @@ ROUTES: tuple[Route, ...] = (
     # the console (docs/console.md): its pages read what protected routes read
     Route("GET", "/ui", ADMIN, VIEWER),
     Route("GET", "/ui/live", ADMIN, VIEWER),
+    Route("GET", "/ui/parts", ADMIN, VIEWER),
+    Route("GET", "/ui/parts/{part}", ADMIN, VIEWER),
     Route("GET", "/ui/models", ADMIN, VIEWER),
     Route("GET", "/ui/stations", ADMIN, VIEWER),
     Route("GET", "/ui/system", ADMIN, VIEWER),

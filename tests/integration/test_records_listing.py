@@ -129,13 +129,16 @@ def test_the_listing_is_a_viewer_s_read(tmp_path):
 
 def _record(i: int) -> Record:
     return Record(1.0e9 + i, f"P-{i}", None, None, f"m{i % 2}", "1", None, "NG" if i % 3 else "OK",
-                  "dent", 0.5, None, {}, f"r{i}")
+                  "dent", 0.5, None, {}, f"r{i}", image=f"2001-09-09/P-{i}.0123456789ab.jpg")
 
 
 @pytest.mark.parametrize("query", [RecordQuery(verdict="NG"), RecordQuery(model="m1"),
                                    RecordQuery(label="dent"), RecordQuery(part_id="P-3"),
                                    RecordQuery(verdict="NG", before=(1.0e9 + 5, 5)),
-                                   RecordQuery(model="m0", since=1.0e9, until=2.0e9)])
+                                   RecordQuery(model="m0", since=1.0e9, until=2.0e9),
+                                   RecordQuery(verdict="NG", captured=True),
+                                   RecordQuery(verdict="NG", model="m1", captured=True),
+                                   RecordQuery(verdict="NG", label="dent", captured=True)])
 def test_filtered_listings_use_an_index_also_in_a_file_made_without_them(tmp_path, query):
     path = tmp_path / "records.sqlite"
     old = sqlite3.connect(path)  # the table as an older server made it: part and time only

@@ -210,6 +210,10 @@ def test_postgres_store_lists_by_filter_a_page_at_a_time(postgres_url):
     part = store.listing(RecordQuery(part_id="L-1", since=base - 1))
     assert [r.request_id for _, r in part] == [f"list-{i}" for i in (17, 13, 9, 5, 1)]
     assert all(r.image for _, r in store.listing(RecordQuery(verdict="NG", since=base - 1)))
+    captured = store.listing(RecordQuery(model="m0", since=base - 1, captured=True))
+    assert captured and all(r.image and r.model == "m0" for _, r in captured)
+    row_id, record = captured[0]
+    assert store.record(row_id) == record and store.record(10**12) is None
     store.close()
 
 
@@ -274,6 +278,18 @@ def test_captured_images_go_to_an_s3_bucket_with_their_record(server_factory, ti
     assert client.get_object("line3", name).read() == jpeg_bytes
     side = json.loads(client.get_object("line3", name + ".json").read())
     assert side["part_id"] == "S-1" and side["image"] == rec["image"]
+    # read back through the server's own S3 client, by the record's id
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    rid = httpx.get(f"{server.url}/v1/records", params={"part_id": "S-1"}, headers=auth,
+                    timeout=10).json()["records"][0]["id"]
+    image = httpx.get(f"{server.url}/v1/records/{rid}/image", headers=auth, timeout=30)
+    assert image.status_code == 200 and image.content == jpeg_bytes
+    drawn = httpx.get(f"{server.url}/v1/records/{rid}/overlay", params={"size": 64},
+                      headers=auth, timeout=30)
+    assert drawn.status_code == 200 and drawn.headers["content-type"] == "image/jpeg"
+    client.remove_object("line3", name)  # the bucket's lifecycle rule
+    gone = httpx.get(f"{server.url}/v1/records/{rid}/image", headers=auth, timeout=30)
+    assert gone.status_code == 404 and "no longer" in gone.json()["error"], gone.text
 
 
 # --- data safety: a full disk, repeated ids, an unreachable bucket, a shared capture folder ----
@@ -426,6 +442,9 @@ def test_an_unreachable_bucket_never_leaves_a_record_pointing_at_nothing(
         assert row["image"].startswith("s3://line3/captures/")
         key = row["image"].removeprefix("s3://line3/captures/")
         assert (spool / key).read_bytes() == frames[row["part_id"]]  # stored, to be uploaded
+        # the image route reads it from the spool meanwhile
+        image = httpx.get(f"{server.url}/v1/records/{row['id']}/image", timeout=30)
+        assert image.status_code == 200 and image.content == frames[row["part_id"]]
     assert _metric(server, "visionserve_capture_spooled") == 3
     assert "cannot be reached" in server.log()
     exe = _moto_exe()  # the rest needs a server that comes back

@@ -4,6 +4,7 @@ checks, and the admin token a server makes for itself."""
 from __future__ import annotations
 
 import stat
+from pathlib import Path
 
 import pytest
 from starlette.responses import PlainTextResponse
@@ -38,17 +39,19 @@ def test_every_route_of_the_app_is_in_the_table():
     from visionserve.guard.http import make_router as guard_router
     from visionserve.http.app import create_app
     from visionserve.records.http import make_router as records_router
+    from visionserve.records.images import ImageSource
 
     settings = ServerSettings(api_docs=True)
     console = console_router(settings)
-    app = create_app(None, settings, (guard_router(None), records_router(None), console))
+    images = ImageSource(Path("/nonexistent"))
+    app = create_app(None, settings, (guard_router(None), records_router(None, images), console))
     schema = app.openapi()
     routes = [(m.upper(), p) for p, ops in schema["paths"].items() for m in ops]
     routes += [("GET", p) for p in ("/metrics", "/docs", "/docs/oauth2-redirect", "/redoc",
                                     "/openapi.json")]
     # the console's pages are no API: outside the OpenAPI document, in the table all the same
     pages = [(m, r.path) for r in console.routes for m in sorted(r.methods)]
-    assert len(pages) == 6, pages
+    assert len(pages) == 8, pages
     routes += pages
     for method, path in routes:
         assert any(r.matches(method, path) for r in ROUTES), (method, path)
@@ -67,7 +70,9 @@ def test_every_route_of_the_app_is_in_the_table():
     ("POST", "/v1/models/m/inspect", "inference"), ("HEAD", "/v2/health/ready", "health"),
     ("GET", "/metrics", "metrics"), ("GET", "/nowhere", ADMIN), ("DELETE", "/v2/models/m", ADMIN),
     ("GET", "/ui", ADMIN), ("GET", "/ui/live", ADMIN), ("GET", "/ui/models", ADMIN),
-    ("GET", "/ui/stations", ADMIN),
+    ("GET", "/ui/stations", ADMIN), ("GET", "/ui/parts", ADMIN), ("GET", "/ui/parts/P-1", ADMIN),
+    ("GET", "/v1/records/7/image", ADMIN), ("GET", "/v1/records/7/overlay", ADMIN),
+    ("GET", "/v1/records/7/8/image", ADMIN),
     ("GET", "/ui/system", ADMIN), ("HEAD", "/ui/system", ADMIN),
     ("GET", "/ui/static/console.css", STATIC),
     ("GET", "/ui/static/a/b.js", ADMIN), ("POST", "/ui/static/console.js", ADMIN),

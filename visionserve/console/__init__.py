@@ -12,5 +12,7 @@ browser, under the same access rules as any other client. The pages are rendered
 - :mod:`.strings`: every text the pages show, in one place;
 - :mod:`.verdictform`: the Models page's form for a model's ``[verdict]``;
 - :mod:`.system`: the System page's figures, read from the server's own Prometheus series;
+- :mod:`.parts`: the NG parts pages' reads of the record store (``parts.css`` and ``parts.js``
+  beside them; their pictures come from the records' image routes);
 - :mod:`.pages`: the routes (``make_router``).
 """

@@ -1,5 +1,6 @@
-"""The console's routes: ``GET /ui`` (to the first page), ``/ui/live``, ``/ui/models``,
-``/ui/stations``, ``/ui/system`` and the package's own files at ``/ui/static/{name}``.
+"""The console's routes: ``GET /ui`` (to the first page), ``/ui/live``, ``/ui/parts`` (NG
+parts) and ``/ui/parts/{part_id}``, ``/ui/models``, ``/ui/stations``, ``/ui/system`` and the
+package's own files at ``/ui/static/{name}``.
 
 Each page is rendered here from what the data plane says (the repository index, the served
 versions, the verdict rules, the recipes, the server's Prometheus series) and the guard's job
@@ -10,7 +11,7 @@ every client meets (docs/security.md)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -20,12 +21,14 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from ..config import ServerSettings, time_zone
-from ..errors import NotFound, VisionServeError
+from ..errors import NotFound, VisionServeError, http_status
 from ..http.common import engine_of
 from ..http.signin import session_of
+from ..records.record import iso
+from ..records.store import MAX_PAGE, RecordStore
 from ..security import route_of
 from ..users.store import role_covers
-from . import system, verdictform
+from . import parts, system, verdictform
 from .strings import STRINGS, live_strings, script_strings, verdict_script_strings
 
 if TYPE_CHECKING:
@@ -39,8 +42,8 @@ HERE = Path(__file__).resolve().parent
 #: the files under /ui/static, by name, and their media types
 STATIC_TYPES = {".css": "text/css; charset=utf-8", ".js": "text/javascript; charset=utf-8"}
 #: the pages in the navigation, in order: (path, strings key of its name)
-PAGES = (("/ui/live", "nav_live"), ("/ui/models", "nav_models"), ("/ui/stations", "nav_stations"),
-         ("/ui/system", "nav_system"))
+PAGES = (("/ui/live", "nav_live"), ("/ui/parts", "nav_parts"), ("/ui/models", "nav_models"),
+         ("/ui/stations", "nav_stations"), ("/ui/system", "nav_system"))
 #: the answers the Line live page keeps on screen (newest on top)
 LIVE_ROWS = 50
 #: the minutes of answers and latency the Line live page plots
@@ -54,9 +57,11 @@ HEADERS = {"Content-Security-Policy": "default-src 'self'; frame-ancestors 'none
            "Cache-Control": "no-store"}
 
 
-def make_router(settings: ServerSettings, guard_store: JobStore | None = None) -> APIRouter:
+def make_router(settings: ServerSettings, guard_store: JobStore | None = None,
+                records: RecordStore | None = None) -> APIRouter:
     """The console's routes for a server with ``settings``; ``guard_store``: the hosted
-    guard's job queue (``--guard``), listed on the System page."""
+    guard's job queue (``--guard``), listed on the System page; ``records``: the record store
+    (``--records``), whose captured NG frames the NG parts pages show."""
     from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
 
     env = Environment(loader=FileSystemLoader(HERE / "templates"),
@@ -66,16 +71,17 @@ def make_router(settings: ServerSettings, guard_store: JobStore | None = None) -
     env.filters["when"] = lambda t: (datetime.fromtimestamp(t, zone).strftime("%Y-%m-%d %H:%M:%S")
                                      if t else STRINGS["none"])
     env.filters["size"] = system.size
+    env.filters["iso"] = iso
     static = {p.name: (p.read_bytes(), STATIC_TYPES[p.suffix])
               for p in sorted((HERE / "static").iterdir()) if p.suffix in STATIC_TYPES}
     router = APIRouter(include_in_schema=False)
 
-    def render(name: str, path: str, **data: Any) -> HTMLResponse:
+    def render(name: str, path: str, status_code: int = 200, **data: Any) -> HTMLResponse:
         page = env.get_template(name).render(
             s=STRINGS, pages=PAGES, here=path, zone=zone_name,
             now=datetime.now(zone).strftime("%Y-%m-%d %H:%M:%S"),
             script_strings=script_strings(), **data)
-        return HTMLResponse(page, headers=HEADERS)
+        return HTMLResponse(page, status_code=status_code, headers=HEADERS)
 
     @router.get("/ui")
     async def home() -> RedirectResponse:
@@ -94,6 +100,27 @@ def make_router(settings: ServerSettings, guard_store: JobStore | None = None) -
                       model=model, station=station, shown=shown,
                       live_strings=live_strings(), live_rows=LIVE_ROWS,
                       live_minutes=LIVE_MINUTES)
+
+    @router.get("/ui/parts")
+    async def ng_parts(request: Request, since: str = "", until: str = "", model: str = "",
+                       label: str = "", part_id: str = "", before: str = "") -> HTMLResponse:
+        filters = {"since": since, "until": until, "model": model, "label": label,
+                   "part_id": part_id}
+        models = sorted(set(engine_of(request).entries) | ({model} if model else set()))
+        shown, error, status = await _read_records(
+            records, parts.read_gallery, filters, before, zone)
+        return render("parts.html", "/ui/parts", status, models=models, error=error,
+                      paged=bool(before),
+                      gallery=shown or parts.Gallery(filters, [], None), thumb=parts.THUMB_SIDE)
+
+    @router.get("/ui/parts/{part_id}")
+    async def part(part_id: str) -> HTMLResponse:
+        answers, error, status = await _read_records(records, parts.read_part, part_id)
+        if error is None and not answers:
+            error, status = STRINGS["part_unknown"].format(part=part_id), 404
+        return render("part.html", "/ui/parts", status, part_id=part_id, answers=answers or [],
+                      error=error, picture=parts.PICTURE_SIDE,
+                      most=len(answers or []) >= MAX_PAGE)
 
     @router.get("/ui/models")
     async def models(request: Request) -> HTMLResponse:
@@ -158,6 +185,18 @@ def _may(request: Request, method: str, path: str) -> bool:
     session = session_of(request)
     route = route_of(method, path)
     return session is None or (route is not None and role_covers(session.role, route.role))
+
+
+async def _read_records(store: RecordStore | None, read: Callable[..., T], *args: Any
+                        ) -> tuple[T | None, str | None, int]:
+    """(what ``read(store, *args)`` gives in a worker thread, None, 200), or (None, the
+    message, its HTTP status) when the server keeps no records or refuses."""
+    if store is None:
+        return None, STRINGS["records_off"], 200
+    try:
+        return await run_in_threadpool(read, store, *args), None, 200
+    except VisionServeError as exc:
+        return None, exc.message, http_status(exc)
 
 
 async def _guarded(read: Awaitable[T]) -> tuple[T | None, str | None]:

@@ -10,6 +10,7 @@ STRINGS: dict[str, str] = {
     "console": "Operator console",
     "nav_label": "Pages",
     "nav_live": "Line live",
+    "nav_parts": "NG parts",
     "nav_models": "Models",
     "nav_stations": "Stations and recipes",
     "nav_system": "System",
@@ -89,6 +90,54 @@ STRINGS: dict[str, str] = {
     "col_time": "Time",
     "verdict_changes_caption": "Frames whose verdict would change, newest first",
     "unloaded": "model {model} unloaded",
+    # NG parts: the gallery of captured NG frames, and a part's page
+    "parts_title": "NG parts",
+    "parts_intro": "The captured frames of NG answers, newest first, with the model's answer "
+                   "drawn on them. A part id leads to every answer for that part.",
+    "parts_filter": "Show NG frames",
+    "parts_since": "From ({zone})",
+    "parts_until": "Until, not including ({zone})",
+    "parts_model": "Model",
+    "parts_all_models": "every model",
+    "parts_label": "Label",
+    "parts_part_id": "Part id",
+    "parts_apply": "Show these frames",
+    "parts_clear": "Show all NG frames",
+    "parts_none": "No captured NG frame matches. Frames are captured with --records and "
+                  "--capture ng (or all).",
+    "parts_older": "Older NG frames",
+    "parts_newest": "Newest NG frames",
+    "parts_gallery": "Captured NG frames, newest first",
+    "parts_image_alt": "Frame of part {part} from {model} at {time}: {verdict}, the answer "
+                       "drawn on it",
+    "parts_no_part": "no part id",
+    "parts_open_image": "Full size",
+    "records_off": "This server keeps no records (--records): there are no NG frames to show.",
+    "part_title": "Part {part}",
+    "part_intro": "Every answer the server recorded for this part id, newest first, with the "
+                  "captured images.",
+    "part_unknown": "No record of part {part} (records are kept for records_max_age_days; is "
+                    "X-Part-Id sent?).",
+    "part_most": "The newest {count} answers are shown.",
+    "part_back": "Back to the NG parts",
+    "part_answer": "{time}: {model} version {version}",
+    "part_verdict": "Verdict",
+    "part_label": "Label",
+    "part_score": "Score",
+    "part_reasons": "Reasons",
+    "part_recipe": "Recipe",
+    "part_camera": "Camera",
+    "part_request": "Request id",
+    "part_frame": "Frame in the request",
+    "part_timings": "Timings",
+    "part_timings_value": "queue {queue_ms} ms, compute {compute_ms} ms, total {total_ms} ms, "
+                          "batch of {batch_size}",
+    "part_latency_value": "total {total_ms} ms",
+    "part_image": "Captured image",
+    "part_no_image": "Not captured (the capture policy did not keep this frame).",
+    "part_raw_image": "The image as stored",
+    "part_image_alt": "Frame of part {part} from {model} at {time}: {verdict}, the answer "
+                      "drawn on it",
     # Stations and recipes
     "stations_title": "Stations and recipes",
     "stations_intro": "Which recipe each station runs, and switching it: the switch goes "

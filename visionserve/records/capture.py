@@ -40,6 +40,8 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 #: folders holding ``<name>.<12 hex digits>.<ext>`` and its ``.json`` sidecar
 _OWN_DAY = re.compile(r"\d{4}-\d{2}-\d{2}")
 _OWN_FILE = re.compile(r"[A-Za-z0-9._-]+\.[0-9a-f]{12}\.(?:jpg|png|bmp|npy)(?:\.json)?")
+#: an image's key as a record names it (no sidecar): what the image route reads, nothing else
+OWN_KEY = re.compile(rf"{_OWN_DAY.pattern}/[A-Za-z0-9._-]+\.[0-9a-f]{{12}}\.(?:jpg|png|bmp|npy)")
 #: the share of a capture folder's file system that images leave to the records
 RESERVE_SHARE = 0.2
 RESERVE_MAX = 256 * 1024**2
@@ -108,8 +110,13 @@ def image_bytes(kind: str, data: Any) -> bytes:
     return buf.getvalue()
 
 
-def sidecar(record: Record) -> bytes:
-    return json.dumps(record.to_dict(), indent=1).encode()
+def sidecar(record: Record, drawing: dict[str, Any] | None = None) -> bytes:
+    """The record as JSON; ``drawing``: what the task keeps to draw its answer on the image
+    later (``Task.capture_fields``, e.g. an anomaly model's heat map), under ``"drawing"``."""
+    out = record.to_dict()
+    if drawing:
+        out["drawing"] = drawing
+    return json.dumps(out, indent=1).encode()
 
 
 class NoRoom(Exception):
@@ -277,29 +284,23 @@ class FolderTarget:
         return freed
 
 
-class S3Target:
-    """``s3://bucket/prefix`` on an S3-compatible server (MinIO, Ceph, AWS S3), through the
-    MinIO client (the ``s3`` extra). Credentials from ``AWS_ACCESS_KEY_ID`` /
-    ``AWS_SECRET_ACCESS_KEY`` (and ``AWS_SESSION_TOKEN``, ``AWS_REGION``); retention is the
-    bucket's lifecycle rule, not a quota here.
+class S3Bucket:
+    """``s3://bucket/prefix`` on the S3-compatible server at ``endpoint``, and the MinIO client
+    (the ``s3`` extra) that reaches it: credentials from ``AWS_ACCESS_KEY_ID`` /
+    ``AWS_SECRET_ACCESS_KEY`` (and ``AWS_SESSION_TOKEN``, ``AWS_REGION``). No retries inside
+    the client: an unreachable bucket must not hold a thread for seconds per image."""
 
-    While the bucket cannot be reached, images go to ``spool`` (a local :class:`FolderTarget`)
-    and are uploaded from there, oldest first, when it answers again (:meth:`flush`); the
-    record names the ``s3://`` URL the image will have. Without a spool a failed upload raises."""
-
-    def __init__(self, url: str, endpoint: str | None, spool: FolderTarget | None = None) -> None:
+    def __init__(self, url: str, endpoint: str | None) -> None:
         minio = require("minio", "image capture to S3")
         import urllib3
 
         parts = urlsplit(url)
         if parts.scheme != "s3" or not parts.netloc:
             raise ConfigError(f"capture_target {url!r}: use s3://bucket/prefix")
-        self.bucket, self.prefix = parts.netloc, parts.path.strip("/")
+        self.name, self.prefix = parts.netloc, parts.path.strip("/")
         ep = urlsplit(endpoint or "https://s3.amazonaws.com")
         if ep.scheme not in ("http", "https") or not ep.netloc:
             raise ConfigError(f"capture_s3_endpoint {endpoint!r}: use http(s)://host:port")
-        # no retries inside the client (an unreachable bucket would hold the capture thread for
-        # seconds per image): a failed upload goes to the spool, retried from there
         http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=S3_CONNECT_S, read=S3_READ_S),
                                    retries=False, ca_certs=_ca_certs())
         self.client = minio.Minio(
@@ -308,7 +309,31 @@ class S3Target:
             session_token=os.environ.get("AWS_SESSION_TOKEN"), secure=ep.scheme == "https",
             region=os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"),
             http_client=http)
-        self.where = f"{ep.scheme}://{ep.netloc}/{self.bucket}/{self.prefix}".rstrip("/")
+        self.where = f"{ep.scheme}://{ep.netloc}/{self.name}/{self.prefix}".rstrip("/")
+
+    def object(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def location(self, key: str) -> str:
+        return f"s3://{self.name}/{self.object(key)}"
+
+    def key(self, location: str) -> str | None:
+        """The key of a location in this bucket and prefix; None for any other."""
+        head = self.location("")
+        return location[len(head):] if location.startswith(head) else None
+
+
+class S3Target:
+    """``s3://bucket/prefix`` on an S3-compatible server (MinIO, Ceph, AWS S3): an
+    :class:`S3Bucket`; retention is the bucket's lifecycle rule, not a quota here.
+
+    While the bucket cannot be reached, images go to ``spool`` (a local :class:`FolderTarget`)
+    and are uploaded from there, oldest first, when it answers again (:meth:`flush`); the
+    record names the ``s3://`` URL the image will have. Without a spool a failed upload raises."""
+
+    def __init__(self, url: str, endpoint: str | None, spool: FolderTarget | None = None) -> None:
+        self.bucket = S3Bucket(url, endpoint)
+        self.client, self.where = self.bucket.client, self.bucket.where
         self.spool = spool
         self._down_since: float | None = None
         self._retry_s = S3_RETRY_MIN_S
@@ -316,18 +341,15 @@ class S3Target:
         self._spooled = len(spool.images()) if spool is not None else 0
         metrics.CAPTURE_SPOOLED.set(self._spooled)
 
-    def _object(self, key: str) -> str:
-        return f"{self.prefix}/{key}" if self.prefix else key
-
     def location(self, key: str) -> str:
-        return f"s3://{self.bucket}/{self._object(key)}"
+        return self.bucket.location(key)
 
     def _upload(self, key: str, data: bytes, meta: bytes) -> None:
-        name = self._object(key)
-        self.client.put_object(self.bucket, name, io.BytesIO(data), len(data),
+        name, bucket = self.bucket.object(key), self.bucket.name
+        self.client.put_object(bucket, name, io.BytesIO(data), len(data),
                                content_type=_CONTENT_TYPES.get(key.rsplit(".", 1)[-1],
                                                                "application/octet-stream"))
-        self.client.put_object(self.bucket, name + ".json", io.BytesIO(meta), len(meta),
+        self.client.put_object(bucket, name + ".json", io.BytesIO(meta), len(meta),
                                content_type="application/json")
 
     def put(self, key: str, data: bytes, meta: bytes) -> str:

@@ -6,10 +6,19 @@
 
 The part's history answers ``{"part_id": ..., "count": n, "records": [...]}`` (each record as in
 docs/records.md); 404 with a message for a part with no record. The listing answers ``{"count":
-n, "records": [...], "next": cursor or null}``: ``next`` goes into ``before`` for the next page
-(keyset pagination: a page is as fast deep in the store as at its start, and records written
-meanwhile never shift it). A filter that is not understood is a 400 naming it; both answer 503
-with Retry-After while the store cannot be read.
+n, "records": [...], "next": cursor or null}``, each record with its ``id`` (what the image
+routes take); ``next`` goes into ``before`` for the next page (keyset pagination: a page is as
+fast deep in the store as at its start, and records written meanwhile never shift it). A
+filter that is not understood is a 400 naming it; both answer 503 with Retry-After while the
+store cannot be read.
+
+A captured image, by its record's id (a listing's ``id``):
+
+  GET /v1/records/{id}/image?size=      the image as stored (a raw frame as PNG)
+  GET /v1/records/{id}/overlay?size=    the same with the model's answer drawn on it (JPEG)
+
+``size`` (32 to 1024) makes a thumbnail of that longer side (JPEG). 404 with the reason for an
+unknown record, a record without an image, or an image no longer kept (:mod:`.images`).
 
 The store is read in a worker thread with its own connection: the event loop never waits
 for it, and the writer is never held up.
@@ -19,10 +28,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Query
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from ..errors import InvalidInput, NotFound, VisionServeError
 from ..http.common import error_response
+from .images import ImageSource
+from .overlay import THUMB_MAX, THUMB_MIN, render
 from .record import VERDICTS, parse_time
 from .store import MAX_HISTORY, MAX_PAGE, RecordQuery, RecordStore
 
@@ -65,8 +76,56 @@ def parse_query(verdict: str | None, model: str | None, label: str | None,
                        mark, n)
 
 
-def make_router(store: RecordStore) -> APIRouter:
+def parse_id(text: str) -> int:
+    """A record's id in a path; NotFound for text that is none (no record has it)."""
+    if not text.isdigit() or len(text) > 18:
+        raise NotFound(f"no record {text!r}: a record's id is a whole number (a listing's "
+                       "\"id\")")
+    return int(text)
+
+
+def parse_size(text: str | None) -> int | None:
+    if not text:
+        return None
+    if not text.isdigit() or not THUMB_MIN <= int(text) <= THUMB_MAX:
+        raise InvalidInput(f"size {text!r}: a thumbnail's longer side, a whole number from "
+                           f"{THUMB_MIN} to {THUMB_MAX}")
+    return int(text)
+
+
+def make_router(store: RecordStore, images: ImageSource | None = None) -> APIRouter:
     router = APIRouter(tags=["Records"])
+
+    def picture(record_id: str, size: str | None, overlay: bool) -> tuple[bytes, str]:
+        """(a worker thread) the record, its image, drawn or not."""
+        row_id, thumb = parse_id(record_id), parse_size(size)
+        record = store.record(row_id)
+        if record is None:
+            raise NotFound(f"no record {row_id} (records are kept for records_max_age_days)")
+        assert images is not None
+        stored = images.read(row_id, record, sidecar=overlay)
+        return render(stored, record, overlay=overlay, size=thumb)
+
+    async def answer(record_id: str, size: str | None, overlay: bool) -> Response:
+        try:
+            body, media = await run_in_threadpool(picture, record_id, size, overlay)
+        except VisionServeError as exc:
+            return error_response(exc, {"record": record_id})
+        # a record's image never changes: the browser may keep it (only for this user)
+        return Response(body, media_type=media, headers={
+            "Cache-Control": "private, max-age=3600", "X-Content-Type-Options": "nosniff"})
+
+    if images is not None:
+        @router.get("/v1/records/{record_id}/image", summary="A record's captured image")
+        async def record_image(record_id: str, size: str | None = Query(
+                None, description=f"a thumbnail's longer side, {THUMB_MIN}..{THUMB_MAX}")):
+            return await answer(record_id, size, False)
+
+        @router.get("/v1/records/{record_id}/overlay", summary="A record's captured image with "
+                    "the model's answer drawn on it")
+        async def record_overlay(record_id: str, size: str | None = Query(
+                None, description=f"a thumbnail's longer side, {THUMB_MIN}..{THUMB_MAX}")):
+            return await answer(record_id, size, True)
 
     @router.get("/v1/parts/{part_id}", summary="A part's traceability records, newest first")
     async def part_history(part_id: str, limit: int = Query(100, ge=1, le=MAX_HISTORY)):
@@ -94,7 +153,8 @@ def make_router(store: RecordStore) -> APIRouter:
         except VisionServeError as exc:
             return error_response(exc)
         full = len(rows) == query.limit
-        return JSONResponse({"count": len(rows), "records": [r.to_dict() for _, r in rows],
+        return JSONResponse({"count": len(rows),
+                             "records": [{"id": i, **r.to_dict()} for i, r in rows],
                              "next": cursor(*_last(rows)) if full else None})
 
     return router

@@ -51,6 +51,14 @@ class Record:
         data["timings"] = data["timings"] or {}
         return cls(**data)
 
+    def reasons(self) -> list[str]:
+        """Why the frame got its verdict, in a few words each: the task's reasons (a
+        detector's rule messages, an anomaly model's), else its error; [] when the label says
+        all."""
+        kept = (self.result or {}).get("reasons") or []
+        out = [r.get("message", "") if isinstance(r, dict) else str(r) for r in kept]
+        return [r for r in out if r] or ([self.error] if self.error else [])
+
     def to_dict(self) -> dict[str, Any]:
         """For JSON: ``time`` as ISO 8601 UTC, ``timestamp`` the same in seconds."""
         out = asdict(self)

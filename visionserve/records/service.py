@@ -11,6 +11,7 @@ from pathlib import Path
 from ..config import ServerSettings, data_home, parse_bytes
 from ..errors import VisionServeError
 from .capture import Policy, open_target
+from .images import ImageSource
 from .store import RecordStore, open_store
 from .writer import Recorder
 
@@ -26,6 +27,11 @@ def records_folder(settings: ServerSettings) -> Path:
 def store_of(settings: ServerSettings) -> RecordStore:
     """The record store the settings name (opened on first use)."""
     return open_store(settings.records_url, records_folder(settings))
+
+
+def images_of(settings: ServerSettings) -> ImageSource:
+    """Where the captured images of ``settings`` are read back from (the image routes)."""
+    return ImageSource.of(settings, records_folder(settings))
 
 
 def make_recorder(settings: ServerSettings) -> Recorder:

@@ -63,6 +63,8 @@ class RecordQuery:
     until: float | None = None
     before: tuple[float, int] | None = None
     limit: int = 100
+    #: only records whose frame was captured (an image is stored): the console's NG gallery
+    captured: bool = False
 
     def where(self, mark: str, time_sql: str = "?") -> tuple[str, tuple]:
         """The WHERE clause (``mark``: the dialect's placeholder, ``time_sql`` the expression a
@@ -74,6 +76,8 @@ class RecordQuery:
             if value is not None:
                 terms.append(f"{column} = {mark}")
                 args.append(value)
+        if self.captured:  # also what the partial indexes of captured records name
+            terms.append("image IS NOT NULL")
         if self.since is not None:
             terms.append(f"time >= {time_sql}")
             args.append(self.since)
@@ -99,6 +103,11 @@ class RecordStore(ABC):
     @abstractmethod
     def history(self, part_id: str, limit: int = 100) -> list[Record]:
         """The part's records, newest first."""
+
+    @abstractmethod
+    def record(self, row_id: int) -> Record | None:
+        """The record with this id (a listing's), None when there is none (never written, or
+        deleted by retention)."""
 
     @abstractmethod
     def listing(self, query: RecordQuery) -> list[tuple[int, Record]]:
@@ -194,7 +203,15 @@ def _schema(table: str, dialect: int, key: str) -> str:
             # the listing's filters (GET /v1/records), newest first within each
             f"CREATE INDEX IF NOT EXISTS {table}_model ON {table} (model, time);\n"
             f"CREATE INDEX IF NOT EXISTS {table}_label ON {table} (label, time);\n"
-            f"CREATE INDEX IF NOT EXISTS {table}_verdict ON {table} (verdict, time);\n")
+            f"CREATE INDEX IF NOT EXISTS {table}_verdict ON {table} (verdict, time);\n"
+            # the captured frames (the console's gallery): few of all records, so a filter
+            # that matches many records but few images still reads only images' rows
+            f"CREATE INDEX IF NOT EXISTS {table}_captured ON {table} (verdict, time) "
+            "WHERE image IS NOT NULL;\n"
+            f"CREATE INDEX IF NOT EXISTS {table}_captured_model ON {table} (model, time) "
+            "WHERE image IS NOT NULL;\n"
+            f"CREATE INDEX IF NOT EXISTS {table}_captured_label ON {table} (label, time) "
+            "WHERE image IS NOT NULL;\n")
 
 
 _SQLITE_SCHEMA = _schema("records", 0, "INTEGER PRIMARY KEY")
@@ -322,6 +339,10 @@ class SqliteStore(RecordStore):
         rows = self._read(f"{_SELECT} WHERE part_id = ? ORDER BY time DESC, id DESC LIMIT ?",
                           (part_id, min(limit, MAX_HISTORY)))
         return [Record.from_row(r) for r in rows]
+
+    def record(self, row_id: int) -> Record | None:
+        rows = self._read(f"{_SELECT} WHERE id = ?", (row_id,))
+        return Record.from_row(rows[0]) if rows else None
 
     def listing(self, query: RecordQuery) -> list[tuple[int, Record]]:
         rows = self._read(*self.listing_sql(query))
@@ -477,6 +498,10 @@ class PostgresStore(RecordStore):
                           "ORDER BY time DESC, id DESC LIMIT %s",
                           (part_id, min(limit, MAX_HISTORY)))
         return [Record.from_row(r) for r in rows]
+
+    def record(self, row_id: int) -> Record | None:
+        rows = self._read(f"SELECT {_PG_COLUMNS} FROM {_PG_TABLE} WHERE id = %s", (row_id,))
+        return Record.from_row(rows[0]) if rows else None
 
     def listing(self, query: RecordQuery) -> list[tuple[int, Record]]:
         where, args = query.where("%s", "to_timestamp(%s)")

@@ -36,7 +36,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -294,7 +294,10 @@ class Recorder:
             self._lose(1, "error")
             return None
         if frame is not None:
-            return self._capture(record, frame)
+            assert r is not None
+            # what the image's sidecar keeps to draw the answer again: made on the capture thread
+            drawing = partial(served.task.capture_fields, r.result, (frame.width, frame.height))
+            return self._capture(record, frame, drawing)
         return record
 
     def _write(self, batch: list[Record]) -> bool:
@@ -398,7 +401,8 @@ class Recorder:
 
     # --- capture -------------------------------------------------------------------------------
 
-    def _capture(self, record: Record, frame: Any) -> Record | None:
+    def _capture(self, record: Record, frame: Any, drawing: Callable[[], dict]
+                 ) -> Record | None:
         """Hand the frame and its record to the capture thread, which hands the record back
         once the image is stored (None here); the record itself when there is no room in the
         capture queue, or capture has closed."""
@@ -407,7 +411,7 @@ class Recorder:
                 metrics.CAPTURE_DROPPED.labels("shutdown").inc()
                 return record
             try:
-                self._captures.put_nowait((record, frame))
+                self._captures.put_nowait((record, frame, drawing))
             except queue.Full:
                 metrics.CAPTURE_DROPPED.labels("queue_full").inc()
                 return record
@@ -432,8 +436,9 @@ class Recorder:
                     continue
                 if item is _WAKE:
                     continue
-                record, frame = item
-                self._store_image(record, frame, time.monotonic() < self._capture_deadline)
+                record, frame, drawing = item
+                self._store_image(record, frame, drawing,
+                                  time.monotonic() < self._capture_deadline)
             with self._capture_lock:
                 self._capture_closed = True
             while True:  # what came in meanwhile: its records, without their image
@@ -442,12 +447,13 @@ class Recorder:
                 except queue.Empty:
                     break
                 if item is not _WAKE:
-                    record, frame = item
-                    self._store_image(record, frame, keep=False)
+                    record, frame, drawing = item
+                    self._store_image(record, frame, drawing, keep=False)
         finally:
             self._capture_done.set()
 
-    def _store_image(self, record: Record, frame: Any, keep: bool) -> None:
+    def _store_image(self, record: Record, frame: Any, drawing: Callable[[], dict],
+                     keep: bool) -> None:
         """Store the image (``keep``) and hand its record to the writer, naming the image only
         if it is stored."""
         assert self.target is not None and self.policy is not None
@@ -459,7 +465,8 @@ class Recorder:
             try:
                 key = image_key(record, frame.kind)
                 kept = dataclasses.replace(record, image=self.target.location(key))
-                image = self.target.put(key, image_bytes(frame.kind, frame.data), sidecar(kept))
+                image = self.target.put(key, image_bytes(frame.kind, frame.data),
+                                        sidecar(kept, self._drawing(drawing, record)))
             except NoRoom as exc:
                 metrics.CAPTURE_DROPPED.labels("no_room").inc()
                 self._capture_failed(key, exc)
@@ -472,6 +479,17 @@ class Recorder:
             self._queue.put(dataclasses.replace(record, image=image), timeout=FORWARD_WAIT_S)
         except queue.Full:
             self._lose(1, "queue_full")
+
+    @staticmethod
+    def _drawing(drawing: Callable[[], dict], record: Record) -> dict:
+        """What the task keeps to draw the answer on the image later; a task's failure costs
+        the drawing, never the image."""
+        try:
+            return drawing()
+        except Exception:
+            log.exception("capture: model %s could not keep what draws its answer on %s's "
+                          "image", record.model, record.part_id or record.request_id)
+            return {}
 
     def _capture_failed(self, key: str, exc: BaseException) -> None:
         now = time.monotonic()

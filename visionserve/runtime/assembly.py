@@ -73,15 +73,17 @@ def service_routers(settings: ServerSettings, guard_store=None) -> tuple:
         from ..guard.http import make_router
 
         routers.append(make_router(guard_store))
+    store = None
     if settings.records:
         from ..records.http import make_router as records_router
-        from ..records.service import store_of
+        from ..records.service import images_of, store_of
 
-        routers.append(records_router(store_of(settings)))
+        store = store_of(settings)
+        routers.append(records_router(store, images_of(settings)))
     if settings.console:
         from ..console.pages import make_router as console_router
 
-        routers.append(console_router(settings, guard_store))
+        routers.append(console_router(settings, guard_store, store))
     return tuple(routers)
 
 

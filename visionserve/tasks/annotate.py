@@ -8,7 +8,9 @@ this runs on the batch path. It costs a decode, the drawing and a JPEG encode pe
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -21,6 +23,8 @@ HIT_COLOUR = (0, 140, 255)
 OBJECT_COLOUR = (255, 200, 0)
 ROI_COLOUR = (255, 255, 0)
 EXCLUDE_COLOUR = (160, 160, 160)
+#: a heat map kept beside a captured image (:func:`compact_heat`): its longer side in pixels
+HEAT_MAP_SIDE = 160
 
 
 def _scale(img: np.ndarray) -> tuple[int, float]:
@@ -79,6 +83,35 @@ def heat(img: np.ndarray, score_map: np.ndarray, alpha: float = 0.45) -> None:
     m = np.clip(np.nan_to_num(score_map), 0.0, 1.0)
     colour = cv2.applyColorMap((m * 255).astype(np.uint8), cv2.COLORMAP_JET)
     img[...] = cv2.addWeighted(img, 1 - alpha, colour, alpha, 0)
+
+
+def compact_heat(score_map: np.ndarray) -> dict[str, Any]:
+    """A [0, 1] map over the frame, kept to be drawn later (a captured image's sidecar): its
+    longer side at most :data:`HEAT_MAP_SIDE` pixels, 8 bits, as a base64 PNG (a few KB)."""
+    cv2 = imaging._cv2()
+    h, w = score_map.shape
+    f = min(1.0, HEAT_MAP_SIDE / max(h, w))
+    small = cv2.resize(np.clip(np.nan_to_num(score_map.astype(np.float32)), 0.0, 1.0),
+                       (max(1, round(w * f)), max(1, round(h * f))), interpolation=cv2.INTER_AREA)
+    ok, buf = cv2.imencode(".png", np.round(small * 255).astype(np.uint8))
+    if not ok:
+        raise RuntimeError("PNG encoding of the heat map failed")
+    return {"png": base64.b64encode(buf.tobytes()).decode("ascii")}
+
+
+def expand_heat(kept: dict[str, Any], width: int, height: int) -> np.ndarray:
+    """A map of :func:`compact_heat` -> [0, 1] floats of ``[height, width]``; ValueError when
+    it is not one."""
+    cv2 = imaging._cv2()
+    try:
+        raw = np.frombuffer(base64.b64decode(kept["png"], validate=True), np.uint8)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"not a kept heat map: {exc}") from None
+    small = cv2.imdecode(raw, cv2.IMREAD_GRAYSCALE)
+    if small is None:
+        raise ValueError("not a kept heat map: the PNG cannot be decoded")
+    return cv2.resize(small.astype(np.float32) / 255.0, (width, height),
+                      interpolation=cv2.INTER_LINEAR)
 
 
 def encode_jpeg(img: np.ndarray, quality: int = 85) -> bytes:

@@ -528,6 +528,16 @@ class AnomalyDetection(Task):
             annotate.box(image, r.box, f"{r.peak:.2f}", annotate.HIT_COLOUR)
         annotate.banner(image, verdict, [f"score {result.score:.3f}", *result.reasons])
 
+    def capture_fields(self, result: Anomaly, size: Size) -> dict[str, Any]:
+        """The heat map over the frame, compact (the record keeps only the regions)."""
+        from . import annotate
+
+        if result.map is None:
+            return {}
+        spec = self.config.input
+        return {"heat_map": annotate.compact_heat(
+            FrameMap.of(spec, size).mask(result.map, spec.width, spec.height))}
+
     def summary(self, result: Anomaly) -> tuple[str, int, float]:
         return ("anomalous", 1, result.score) if result.anomalous else \
             ("normal", 0, result.score)

@@ -158,6 +158,13 @@ class Task(ABC):
 
         annotate.banner(image, verdict)
 
+    def capture_fields(self, result: Any, size: Size) -> dict[str, Any]:
+        """What a captured frame's sidecar keeps beside its record so that the answer can be
+        drawn on the stored image later (:mod:`visionserve.records.overlay`), for a frame of
+        ``size`` (width, height): compact JSON values, computed off the hot path (the capture
+        thread). The default: nothing, the record's fields (boxes, masks, regions) suffice."""
+        return {}
+
     def rejudge(self, result: Any, judged: ModelConfig, config: ModelConfig) -> str:
         """The verdict ``result`` (answered under ``judged``) would get under ``config``'s
         ``[verdict]``, the same model and outputs (the verdict preview, ``POST

@@ -26,6 +26,14 @@ def test_on_the_cpu_everything_stays_in_the_serving_process():
     assert (chosen.frontends, chosen.gpu_batch_processes) == (0, 0)
 
 
+def test_with_the_guard_batch_workers_only_when_named():
+    chosen = choose_execution(ServerSettings(guard=True), on_gpu=True, cores=16)
+    assert (chosen.frontends, chosen.gpu_batch_processes) == (8, 0)
+    named = choose_execution(ServerSettings(guard=True, gpu_batch_processes=2), on_gpu=True,
+                             cores=16)
+    assert (named.frontends, named.gpu_batch_processes) == (8, 2)
+
+
 def test_what_the_user_set_is_kept(monkeypatch):
     given = ServerSettings(frontends=0)
     chosen = choose_execution(given, on_gpu=True, cores=16)

@@ -83,9 +83,11 @@ def choose_execution(settings: ServerSettings, on_gpu: bool,
     """``settings`` with ``frontends`` and ``gpu_batch_processes`` decided where they were left
     to the server (None): on a GPU, a front-end process per two cores (at most 8) and a batch
     worker per four (at most 3), so that the HTTP parsing and the batches' preparation spread
-    over the machine; on the CPU none, the model's own threads use the cores. Logged, with why.
-    A batch worker that does not fit the GPU memory budget, or a task that reads its outputs on
-    the device, leaves its batches in the serving process (said when the model loads)."""
+    over the machine; on the CPU none, the model's own threads use the cores. With ``--guard``
+    no batch worker unless named: each holds a CUDA context outside the budget, which the
+    guard's margin would have to cover (docs/gpu.md). Logged, with why. A batch worker that does
+    not fit the GPU memory budget, or a task that reads its outputs on the device, leaves its
+    batches in the serving process (said when the model loads)."""
     if settings.frontends is not None and settings.gpu_batch_processes is not None:
         return settings
     cores = cores or usable_cores()
@@ -94,9 +96,11 @@ def choose_execution(settings: ServerSettings, on_gpu: bool,
     if frontends is None:
         frontends = min(MAX_FRONTENDS, cores // FRONTEND_CORES) if on_gpu else 0
         frontends = frontends if frontends > 1 else 0  # one front end only adds a hop
-    if workers is None:
-        workers = min(MAX_WORKERS, cores // WORKER_CORES) if on_gpu else 0
     why = f"{cores} cores, {'a GPU' if on_gpu else 'no GPU'}"
+    if workers is None:
+        workers = min(MAX_WORKERS, cores // WORKER_CORES) if on_gpu and not settings.guard else 0
+        if on_gpu and settings.guard:
+            why += ", --guard"
     log.info("execution: %s front-end process(es), %s batch worker(s) per model instance (%s; "
              "--frontends and --gpu-batch-processes set them)", frontends, workers, why)
     return settings.model_copy(update={"frontends": frontends, "gpu_batch_processes": workers})

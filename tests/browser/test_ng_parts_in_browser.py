@@ -121,3 +121,27 @@ def test_the_parts_page_shows_its_record_and_image(browser, line):
     assert marks == 1
     _screenshot(browser, "part")
     assert _axe_violations(browser) == []
+
+
+def test_the_line_live_page_shows_the_last_ng_parts_picture(browser, line):
+    """(last in this file: it adds an NG record the gallery tests above do not expect)"""
+    _open(browser, line, "/ui/live")
+    caption = (By.ID, "last-ng-caption")
+    WebDriverWait(browser, 10).until(lambda d: "NG-103" in d.find_element(*caption).text)
+    r = httpx.post(f"{line.url}/v1/models/{MODEL}/inspect", timeout=60,
+                   content=synthetic.encode(synthetic.generate("crack", seed=7)),
+                   headers={"Content-Type": "image/jpeg", "X-Part-Id": "NG-LIVE-1",
+                            "X-Deadline-Ms": "10000"})
+    assert r.status_code == 200 and r.json()["verdict"] == "NG", r.text
+    WebDriverWait(browser, 5).until(lambda d: "NG-LIVE-1" in d.find_element(*caption).text)
+    image = browser.find_element(By.ID, "last-ng-image")
+    WebDriverWait(browser, 10).until(lambda d: d.execute_script(
+        "const i = arguments[0]; return i.complete && i.naturalWidth > 0", image))
+    record = httpx.get(f"{line.url}/v1/parts/NG-LIVE-1", timeout=10).json()["records"][0]
+    assert image.get_attribute("src").endswith("/overlay?size=640") and "crack" in \
+        browser.find_element(*caption).text, record
+    assert image.get_attribute("alt").startswith("The captured frame of NG part NG-LIVE-1")
+    assert browser.find_element(By.ID, "last-ng-link").get_attribute("href") \
+        .endswith("/ui/parts/NG-LIVE-1")
+    _screenshot(browser, "live-last-ng")
+    assert _axe_violations(browser) == []

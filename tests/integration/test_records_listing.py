@@ -75,6 +75,9 @@ def test_each_filter_narrows_the_listing_newest_first(server):
     older = _list(server, until=_iso(middle)).json()["records"]
     assert len(newer) + len(older) == 12 and all(r["timestamp"] >= middle - 1e-3 for r in newer)
     assert _list(server, model="nobody").json() == {"count": 0, "records": [], "next": None}
+    captured = _list(server, captured="true").json()["records"]  # --capture ng: the NG ones
+    assert [r["request_id"] for r in captured] == [r["request_id"] for r in ng]
+    assert _list(server, captured="false").json()["count"] == 12
 
 
 def _iso(t: float) -> str:
@@ -103,6 +106,7 @@ def test_pages_follow_one_another_without_gaps_or_repeats(server):
     ({"verdict": "maybe"}, "verdict"), ({"since": "yesterday"}, "not a time"),
     ({"limit": "0"}, "limit"), ({"limit": "abc"}, "limit"), ({"limit": "501"}, "limit"),
     ({"before": "x"}, "before"), ({"since": "2026-12-02", "until": "2026-12-01"}, "after"),
+    ({"captured": "yes"}, "captured"),
 ])
 def test_a_bad_filter_is_a_400_naming_it(server, params, says):
     r = _list(server, **params)

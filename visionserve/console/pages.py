@@ -99,7 +99,8 @@ def make_router(settings: ServerSettings, guard_store: JobStore | None = None,
         return render("live.html", "/ui/live", models=sorted(engine.entries), stations=stations,
                       model=model, station=station, shown=shown,
                       live_strings=live_strings(), live_rows=LIVE_ROWS,
-                      live_minutes=LIVE_MINUTES)
+                      live_minutes=LIVE_MINUTES,
+                      last_ng=records is not None and settings.capture != "none")
 
     @router.get("/ui/parts")
     async def ng_parts(request: Request, since: str = "", until: str = "", model: str = "",

@@ -212,6 +212,10 @@ STRINGS: dict[str, str] = {
     "live_all_stations": "every station",
     "live_apply": "Show these answers",
     "live_answers": "Last answers",
+    "live_last_ng": "Last NG part",
+    "live_last_ng_none": "No captured NG frame yet.",
+    "live_last_ng_caption": "Part {part} · {model} {version} · {time} · {label}",
+    "live_last_ng_alt": "The captured frame of NG part {part} with the model's answer drawn on it",
     "live_rows_note": "The newest {rows} answers; older ones leave the list.",
     "live_no_answers": "No answer yet: answers show here as the line sends frames.",
     "col_part_id": "Part id",
@@ -263,7 +267,8 @@ LIVE_SCRIPT_KEYS = ("none", "live_ok", "live_ng", "live_late", "live_refused", "
                     "live_p99", "live_takt", "live_totals", "live_latency_now", "live_no_latency",
                     "live_counts_chart", "live_latency_chart", "live_since", "live_not_kept",
                     "live_connected", "live_reconnecting", "live_dropped",
-                    "live_shutdown", "live_summary_error")
+                    "live_shutdown", "live_summary_error", "live_last_ng_caption",
+                    "live_last_ng_alt")
 
 
 def script_strings() -> dict[str, str]:

@@ -2,7 +2,7 @@
 ``GET /v1/records``, the records a filter names, newest first, a page at a time.
 
   GET /v1/parts/{part_id}?limit=100
-  GET /v1/records?verdict=NG&model=&label=&part_id=&since=&until=&limit=100&before=
+  GET /v1/records?verdict=NG&model=&label=&part_id=&since=&until=&limit=100&before=&captured=
 
 The part's history answers ``{"part_id": ..., "count": n, "records": [...]}`` (each record as in
 docs/records.md); 404 with a message for a part with no record. The listing answers ``{"count":
@@ -45,9 +45,12 @@ def cursor(row_id: int, time: float) -> str:
 
 def parse_query(verdict: str | None, model: str | None, label: str | None,
                 part_id: str | None, since: str | None, until: str | None, limit: str | None,
-                before: str | None) -> RecordQuery:
+                before: str | None, captured: str | None = None) -> RecordQuery:
     """The listing's query parameters (empty: not set) -> a RecordQuery; InvalidInput names a bad
     one."""
+    if captured not in (None, "", "true", "false"):
+        raise InvalidInput(f"captured {captured!r}: true (only records with a stored image) or "
+                           "false")
     verdict, model, label, part_id, since, until, limit, before = (
         v or None for v in (verdict, model, label, part_id, since, until, limit, before))
     if verdict is not None and verdict.upper() not in VERDICTS:
@@ -73,7 +76,7 @@ def parse_query(verdict: str | None, model: str | None, label: str | None,
             raise InvalidInput(f"before {before!r}: pass the previous page's \"next\" as it "
                                "came") from None
     return RecordQuery(verdict.upper() if verdict else None, model, label, part_id, t0, t1,
-                       mark, n)
+                       mark, n, captured=captured == "true")
 
 
 def parse_id(text: str) -> int:
@@ -146,9 +149,12 @@ def make_router(store: RecordStore, images: ImageSource | None = None) -> APIRou
                       since: str | None = Query(None, description="ISO 8601, inclusive"),
                       until: str | None = Query(None, description="ISO 8601, exclusive"),
                       limit: str | None = Query(None, description=f"1..{MAX_PAGE}; 100"),
-                      before: str | None = Query(None, description="the previous page's next")):
+                      before: str | None = Query(None, description="the previous page's next"),
+                      captured: str | None = Query(None, description="true: only records with "
+                                                                     "a stored image")):
         try:
-            query = parse_query(verdict, model, label, part_id, since, until, limit, before)
+            query = parse_query(verdict, model, label, part_id, since, until, limit, before,
+                                captured)
             rows = await run_in_threadpool(store.listing, query)
         except VisionServeError as exc:
             return error_response(exc)

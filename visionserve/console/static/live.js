@@ -76,6 +76,59 @@
     rows.insertBefore(tr, rows.firstChild);
     while (rows.children.length > maxRows) rows.removeChild(rows.lastChild);
     empty.hidden = true;
+    if (event.verdict === "NG") lastNgSoon(event.part_id);
+  }
+
+  // The last NG part's captured frame with the model's answer drawn on it (with --records and
+  // --capture): read from the records listing when an NG answer comes, at most once every
+  // LAST_NG_EVERY_MS whatever the rate of NG answers; the record is written just after the
+  // answer, so a read that finds an older one reads again once.
+  const lastNg = document.getElementById("last-ng");
+  const LAST_NG_EVERY_MS = 2000;
+  const LAST_NG_AGAIN_MS = 1000;
+  let lastNgShown = null;   // the record id on show
+  let lastNgTimer = null;   // a read is planned
+  let lastNgAt = 0;         // when the last read started
+  let lastNgWanted = null;  // the part id of the newest NG answer seen
+
+  function lastNgSoon(part) {
+    if (!lastNg) return;
+    lastNgWanted = part;
+    if (lastNgTimer !== null) return;
+    const wait = Math.max(0, lastNgAt + LAST_NG_EVERY_MS - Date.now());
+    lastNgTimer = setTimeout(() => readLastNg(true), wait);
+  }
+
+  async function readLastNg(retry) {
+    lastNgTimer = null;
+    lastNgAt = Date.now();
+    const query = new URLSearchParams({verdict: "NG", captured: "true", limit: "1"});
+    if (root.dataset.model) query.set("model", root.dataset.model);
+    let record = null;
+    try {
+      const r = await fetch(`/v1/records?${query}`, {
+        headers: {"Accept": "application/json"}, credentials: "same-origin"});
+      if (r.ok) record = (await r.json()).records[0] || null;
+    } catch (e) {
+      return;  // the next NG answer reads again
+    }
+    if (record && record.id !== lastNgShown) {
+      lastNgShown = record.id;
+      const part = record.part_id || strings.none;
+      const image = document.getElementById("last-ng-image");
+      image.src = `/v1/records/${record.id}/overlay?size=640`;
+      image.alt = fill(strings.live_last_ng_alt, {part: part});
+      document.getElementById("last-ng-link").href = record.part_id
+        ? `/ui/parts/${encodeURIComponent(record.part_id)}` : "/ui/parts";
+      document.getElementById("last-ng-caption").textContent = fill(
+        strings.live_last_ng_caption, {part: part, model: record.model,
+          version: record.version, time: when(record.timestamp), label: record.label || ""});
+      lastNg.hidden = false;
+      document.getElementById("last-ng-empty").hidden = true;
+    }
+    if (retry && lastNgWanted !== null && (!record || record.part_id !== lastNgWanted)) {
+      lastNgTimer = setTimeout(() => readLastNg(false), LAST_NG_AGAIN_MS);
+    }
   }
 
   let source = null;
@@ -227,6 +280,7 @@
   }
 
   listen();
+  if (lastNg) readLastNg(false);
   summaries();
   setInterval(summaries, SUMMARY_EVERY_MS);
 })();

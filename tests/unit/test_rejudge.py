@@ -1,6 +1,7 @@
 """Each task's ``rejudge`` (the verdict preview) against its own ``postprocess``: a kept answer
 judged again under new ``[verdict]`` values gets the verdict the same outputs get under them;
-where the rule needs outputs the answer does not keep, it says so (Unjudgeable)."""
+an anomaly answer's regions are found again on its kept map; where the rule needs outputs the
+answer does not keep, it says so (Unjudgeable)."""
 
 from __future__ import annotations
 
@@ -27,12 +28,33 @@ def test_anomaly_judged_again_as_served(new):
     assert [old.rejudge(r, old.config, now.config) for _, r in kept] == want
 
 
-def test_anomaly_regions_from_other_pixel_settings_are_unjudgeable():
+@pytest.mark.parametrize("new", [{"pixel_threshold": 0.7}, {"pixel_threshold": 0.35},
+                                 {"roi": [[[0, 0], [200, 0], [200, 200], [0, 200]]]},
+                                 {"area_unit": "mm2", "pixels_per_mm": 2.0,
+                                  "min_region_area": 2000}])
+def test_anomaly_regions_are_found_again_on_the_kept_map(new):
+    """Settings that change which map pixels form regions: the kept map (and the frame's
+    geometry) gives the verdict the model's outputs would get under them, with no new run."""
+    maps = [anomaly.blob(v) for v in (0.3, 0.45, 0.6, 0.9)] + [anomaly.blob(0.9, x=slice(2, 12))]
+    sizes = [(640, 480), (1280, 720), (640, 480), (320, 240), (640, 480)]
+    base = {"image_threshold": 1.0, "pixel_threshold": 0.5, "min_region_area": 9000}
+    old = anomaly.make(base)
+    kept = old.postprocess(anomaly.batch(*maps), slice(0, len(maps)), sizes)
+    now = anomaly.make({**base, **new})
+    want = [v for v, _ in now.postprocess(anomaly.batch(*maps), slice(0, len(maps)), sizes)]
+    assert [old.rejudge(r, old.config, now.config) for _, r in kept] == want
+    if new == {"pixel_threshold": 0.7}:  # a higher threshold: the blobs' regions shrink
+        assert want != [v for v, _ in kept], want
+
+
+def test_an_answer_without_its_frame_geometry_is_unjudgeable_for_region_settings():
+    from dataclasses import replace
+
     old = anomaly.make({"image_threshold": 0.5, "pixel_threshold": 0.5})
     (_, r), = old.postprocess(anomaly.batch(anomaly.blob(0.9)), slice(0, 1))
     now = anomaly.make({"image_threshold": 0.5, "pixel_threshold": 0.7})
     with pytest.raises(Unjudgeable, match="pixel_threshold"):
-        old.rejudge(r, old.config, now.config)
+        old.rejudge(replace(r, frame=None), old.config, now.config)
 
 
 @pytest.mark.parametrize("new", [{"defects": {"a": {"min_score": 0.97}}},

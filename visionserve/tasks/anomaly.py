@@ -192,6 +192,8 @@ class Anomaly:
     region_count: int  # all of them
     reasons: tuple[str, ...]  # why NG; empty for OK
     map: np.ndarray | None  # [h, w] float32, normalised (a copy of the model's)
+    #: the frame's geometry, with a map: what finds its regions again under other settings
+    frame: FrameMap | None = None
 
     @property
     def anomalous(self) -> bool:
@@ -393,18 +395,24 @@ class AnomalyDetection(Task):
                                    f"{big[0].area:.1f})")
         keep = tuple(regions[:self.config.output.max_regions])
         verdict = "NG" if reasons else "OK"
-        return verdict, Anomaly(score, raw, keep, count, tuple(reasons), amap)
+        return verdict, Anomaly(score, raw, keep, count, tuple(reasons), amap,
+                                None if amap is None else fm)
 
     def rejudge(self, result: Anomaly, judged: ModelConfig, config: ModelConfig) -> str:
-        """The image score against the new image_threshold, and the kept regions (largest first)
-        against the new min_region_area, when the regions would be the same: settings that
-        change which map pixels form regions need the map run through again."""
+        """The answer judged as ``postprocess`` judges it under ``config``: the image score
+        against the new image_threshold; where the settings that decide which map pixels form
+        regions changed, the regions found again on the kept map (each answer keeps its
+        normalised map and its frame's geometry), else the kept regions (largest first) against
+        the new min_region_area."""
         assert isinstance(judged, AnomalyConfig) and isinstance(config, AnomalyConfig)
         v = config.verdict
         changed = sorted(f for f in _REGION_FIELDS if getattr(judged.verdict, f) != getattr(v, f))
         if result.map is not None and changed:
-            raise Unjudgeable(f"{', '.join(changed)} change the regions: their frames' anomaly "
-                              "maps would have to be run again")
+            if result.frame is None:
+                raise Unjudgeable(f"{', '.join(changed)} change the regions, and the answer "
+                                  "keeps no frame geometry to find them again")
+            return self._judge(_Rule.of(v), result.score, result.raw_score, result.map,
+                               result.frame)[0]
         if result.score >= v.image_threshold:
             return "NG"
         big = v.min_region_area is not None and bool(result.regions) \

@@ -24,9 +24,10 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from ..audit import Entry
 from ..config import parse_bytes
 from ..errors import InvalidInput, NotFound, Unavailable, VisionServeError, describe_validation
-from ..http.common import error_response, parse_json
+from ..http.common import audit_of, caller_of, error_response, parse_json
 from .store import STATES, JobSpec, JobStateError, JobStore, StoreFault
 
 #: the supervisor records a heartbeat every second; older than this, health says it is not working
@@ -125,6 +126,11 @@ def make_router(store: JobStore) -> APIRouter:
             job = await call(store.submit, spec)
         except _Reply as r:
             return r.response
+        entry = Entry("job-submit", "job", str(job.id), None,
+                      {"command": spec.command, "name": spec.name, "gpu_mem": spec.gpu_mem,
+                       "priority": spec.priority, "policy": spec.policy}, caller_of(request))
+        await audit_of(request).arecord(entry, "guard job %d (%s) submitted by %s", job.id,
+                                        " ".join(spec.command), entry.by())
         return JSONResponse(_job(job), status_code=201)
 
     @router.get("/jobs/{job_id}", response_model=JobResponse)
@@ -135,11 +141,17 @@ def make_router(store: JobStore) -> APIRouter:
             return r.response
 
     @router.post("/jobs/{job_id}/cancel", response_model=JobResponse)
-    async def cancel(job_id: int):
+    async def cancel(request: Request, job_id: int):
         try:
-            return _job(await call(store.request_cancel, job_id))
+            before = await call(store.get, job_id)
+            job = await call(store.request_cancel, job_id)
         except _Reply as r:
             return r.response
+        entry = Entry("job-cancel", "job", str(job_id), before.state, job.state,
+                      caller_of(request))
+        await audit_of(request).arecord(entry, "guard job %d cancelled by %s (%s -> %s)", job_id,
+                                        entry.by(), before.state, job.state)
+        return _job(job)
 
     @router.get("/jobs/{job_id}/logs", response_class=PlainTextResponse)
     async def logs(job_id: int, tail_bytes: int | None = Query(None, ge=1)):

@@ -115,6 +115,17 @@ class Row:
     new: Any
 
 
+@dataclass(frozen=True)
+class Filters:
+    """Which entries a reader asks for: ``since`` <= time < ``until`` (seconds since the epoch),
+    of ``user`` and ``action`` where given."""
+
+    since: float | None = None
+    until: float | None = None
+    user: str = ""
+    action: str = ""
+
+
 def command_caller(command: str) -> dict[str, str]:
     """The caller of a change made from the command line: the OS user who runs ``command``, on
     this machine."""
@@ -231,15 +242,16 @@ class AuditTrail:
 
     # --- reading ------------------------------------------------------------------------------
 
-    def read(self, *, since: float | None = None, until: float | None = None, user: str = "",
-             action: str = "", before: int | None = None, after: int | None = None,
-             limit: int = 50) -> list[Row]:
-        """Entries newest first, at most ``limit``: those before entry id ``before`` (the next
-        older page), or the ``limit`` oldest after id ``after`` (the next newer page), within
-        ``since`` <= time < ``until``, of ``user`` and ``action`` where given."""
-        where, values = [], []
-        for clause, value in (("time >= ?", since), ("time < ?", until), ("user = ?", user or None),
-                              ("action = ?", action or None), ("id < ?", before),
+    def read(self, filters: Filters = Filters(), *, before: int | None = None,
+             after: int | None = None, limit: int = 50) -> list[Row]:
+        """Entries of ``filters``, newest first, at most ``limit``: those before entry id
+        ``before`` (the next older page), or the ``limit`` oldest after id ``after`` (the next
+        newer page)."""
+        where: list[str] = []
+        values: list[float | str | int] = []
+        for clause, value in (("time >= ?", filters.since), ("time < ?", filters.until),
+                              ("user = ?", filters.user or None),
+                              ("action = ?", filters.action or None), ("id < ?", before),
                               ("id > ?", after)):
             if value is not None:
                 where.append(clause)
@@ -248,13 +260,15 @@ class AuditTrail:
         sql = ("SELECT id, time, user, declared, client, request_id, action, target, old, new "
                f"FROM audit {'WHERE ' + ' AND '.join(where) if where else ''} "
                f"ORDER BY id {order} LIMIT ?")
-        rows = [Row(*r[:8], _unjson(r[8]), _unjson(r[9]))
+        rows = [Row(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], _unjson(r[8]),
+                    _unjson(r[9]))
                 for r in self._db.execute(sql, (*values, max(1, min(limit, MAX_LIMIT))))]
         return rows[::-1] if order == "ASC" else rows
 
-    def has(self, *, before: int | None = None, after: int | None = None, **filters: Any) -> bool:
-        """Whether an entry of the same filters lies before (older) or after (newer) an id."""
-        return bool(self.read(before=before, after=after, limit=1, **filters))
+    def has(self, filters: Filters, *, before: int | None = None,
+            after: int | None = None) -> bool:
+        """Whether an entry of ``filters`` lies before (older) or after (newer) an id."""
+        return bool(self.read(filters, before=before, after=after, limit=1))
 
 
 def _json(value: Any) -> str | None:

@@ -225,9 +225,9 @@ class Lifecycle:
                     log.warning("station %s runs recipe %s, but after a restart it would not: %s",
                                 station, recipe_id, exc.message)
         ms = (time.monotonic() - t0) * 1000
-        entry = Entry("recipe", "station", station, old, recipe_id, dict(caller or {}))
-        await self.audit.arecord(entry, "station %s switched from recipe %s to %s by %s in %.1f ms",
-                                 station, old, recipe_id, entry.by(), ms)
+        change = Entry("recipe", "station", station, old, recipe_id, dict(caller or {}))
+        await self.audit.arecord(change, "station %s switched from recipe %s to %s by %s in "
+                                 "%.1f ms", station, old, recipe_id, change.by(), ms)
         return {"station": station, **recipe.view(), "version": served.version,
                 "previous": old, "changeover_ms": round(ms, 3), "persisted": persisted}
 
@@ -259,9 +259,9 @@ class Lifecycle:
                     served.task.reconfigure(served.config)
             self.models.generation += 1
             new = verdicts.current(config)
-        entry = Entry("verdict", "model", name, old, new, dict(caller or {}))
-        await self.audit.arecord(entry, "verdict of model %s changed by %s: %s -> %s", name,
-                                 entry.by(), json.dumps(old), json.dumps(new))
+        change = Entry("verdict", "model", name, old, new, dict(caller or {}))
+        await self.audit.arecord(change, "verdict of model %s changed by %s: %s -> %s", name,
+                                 change.by(), json.dumps(old), json.dumps(new))
         return new
 
     async def trial_verdict(self, name: str, changes: Mapping) -> ModelConfig:
@@ -362,10 +362,10 @@ class Lifecycle:
     async def _audit_versions(self, action: str, name: str, before: list[str], done: dict,
                               caller: Mapping | None) -> None:
         """The audit entry of a load or unload: the versions served before and after."""
-        entry = Entry(action, "model", name, {"versions": before},
-                      {"versions": done["versions"]}, dict(caller or {}))
-        await self.audit.arecord(entry, "model %s %s by %s: version(s) %s -> %s", name,
-                                 "loaded" if action == "model-load" else "unloaded", entry.by(),
+        change = Entry(action, "model", name, {"versions": before},
+                       {"versions": done["versions"]}, dict(caller or {}))
+        await self.audit.arecord(change, "model %s %s by %s: version(s) %s -> %s", name,
+                                 "loaded" if action == "model-load" else "unloaded", change.by(),
                                  before, done["versions"])
 
     def _in_use(self, served: list[Served]) -> str:

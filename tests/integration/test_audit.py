@@ -23,9 +23,9 @@ from tests.integration.test_console_users import (
     PASSWORD,
     _front_ends,
     add_users,
+    only,
     session_client,
     sign_in,
-    only,
     users_cmd,
 )
 from tests.tools.recipe_repo import RECIPES, versioned_tiny
@@ -74,7 +74,8 @@ def test_each_change_leaves_one_entry_naming_who_made_it(server):
     data = server.data
     anna, csrf = session_client(server, "qe-anna", "198.51.100.70")
     (signed_in,) = _entries(data, action="sign-in", user="qe-anna")
-    assert signed_in["client"].startswith("198.51.100.70:") and signed_in["target"] == "user qe-anna"
+    assert signed_in["client"].startswith("198.51.100.70:")
+    assert signed_in["target"] == "user qe-anna"
     assert json.loads(signed_in["new"]) == {"role": "quality"}
 
     # st1 runs housing-black already: its verdict settings are in force, only the recipe changes

@@ -15,6 +15,11 @@ PATH = "/ui/audit"
 ROWS = 50
 
 
+def action_name(action: str) -> str:
+    """What the page calls an action (an action it has no name for: as the server names it)."""
+    return STRINGS.get(f"audit_action_{action}", action)
+
+
 def changes(old: Any, new: Any) -> list[str]:
     """``old → new`` lines: one per field that differs where both are objects (a verdict rule
     change shows the rules it changed, not every rule), else one line."""

@@ -137,6 +137,7 @@ def make_router(settings: ServerSettings, guard_store: JobStore | None = None) -
             page, error = {"entries": [], "older": None, "newer": None}, exc.message
         return render(request, "audit.html", auditview.PATH, page=page, query=query,
                       actions=ACTIONS, error=error, changes=auditview.changes,
+                      action_name=auditview.action_name,
                       since_input=auditview.local_input(since),
                       until_input=auditview.local_input(until),
                       older_link=page["older"] and auditview.page_link(query, before=page["older"]),

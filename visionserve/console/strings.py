@@ -216,6 +216,7 @@ STRINGS: dict[str, str] = {
     "audit_older": "Older entries",
     "audit_newer": "Newer entries",
     "audit_newest": "Newest entries",
+    "audit_col_time": "Time ({zone})",
     "audit_col_user": "User",
     "audit_col_from": "From",
     "audit_col_action": "Action",

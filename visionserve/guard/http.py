@@ -1,4 +1,5 @@
-"""The guard over HTTP: ``make_router(store)`` for the server app (``serve --guard``).
+"""The guard over HTTP: ``make_router(store, audit)`` for the server app (``serve --guard``); a
+job submitted or cancelled is audited (:mod:`visionserve.audit`) under the caller's name.
 
   GET  /v1/guard/jobs                 list (optional ?state=queued&state=running)
   POST /v1/guard/jobs                 submit (JSON body, see JobRequest)
@@ -24,10 +25,10 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..audit import Entry
+from ..audit import AuditTrail, Entry
 from ..config import parse_bytes
 from ..errors import InvalidInput, NotFound, Unavailable, VisionServeError, describe_validation
-from ..http.common import audit_of, caller_of, error_response, parse_json
+from ..http.common import caller_of, error_response, parse_json
 from .store import STATES, JobSpec, JobStateError, JobStore, StoreFault
 
 #: the supervisor records a heartbeat every second; older than this, health says it is not working
@@ -86,7 +87,7 @@ def _job(job) -> dict:
     return JobResponse.model_validate(job.to_dict(), from_attributes=False).model_dump()
 
 
-def make_router(store: JobStore) -> APIRouter:
+def make_router(store: JobStore, audit: AuditTrail) -> APIRouter:
     router = APIRouter(prefix="/v1/guard", tags=["guard"])
 
     async def call(fn, *args):
@@ -129,8 +130,8 @@ def make_router(store: JobStore) -> APIRouter:
         entry = Entry("job-submit", "job", str(job.id), None,
                       {"command": spec.command, "name": spec.name, "gpu_mem": spec.gpu_mem,
                        "priority": spec.priority, "policy": spec.policy}, caller_of(request))
-        await audit_of(request).arecord(entry, "guard job %d (%s) submitted by %s", job.id,
-                                        " ".join(spec.command), entry.by())
+        await audit.arecord(entry, "guard job %d (%s) submitted by %s", job.id,
+                            " ".join(spec.command), entry.by())
         return JSONResponse(_job(job), status_code=201)
 
     @router.get("/jobs/{job_id}", response_model=JobResponse)
@@ -149,8 +150,8 @@ def make_router(store: JobStore) -> APIRouter:
             return r.response
         entry = Entry("job-cancel", "job", str(job_id), before.state, job.state,
                       caller_of(request))
-        await audit_of(request).arecord(entry, "guard job %d cancelled by %s (%s -> %s)", job_id,
-                                        entry.by(), before.state, job.state)
+        await audit.arecord(entry, "guard job %d cancelled by %s (%s -> %s)", job_id,
+                            entry.by(), before.state, job.state)
         return _job(job)
 
     @router.get("/jobs/{job_id}/logs", response_class=PlainTextResponse)

@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ..audit import ACTIONS, MAX_LIMIT, AuditTrail, Row
+from ..audit import ACTIONS, MAX_LIMIT, AuditTrail, Filters, Row
 from ..config import time_zone
 from ..errors import InvalidInput, Unavailable
 from ..storage import sqlite_fault
@@ -73,16 +73,15 @@ async def audit_page(trail: AuditTrail, query: AuditQuery, zone_setting: str) ->
         raise InvalidInput(f"limit={query.limit}: from 1 to {MAX_LIMIT}")
     if query.before is not None and query.after is not None:
         raise InvalidInput("give before (older entries) or after (newer entries), not both")
-    filters = {"since": parse_time(query.since, zone, "since"),
-               "until": parse_time(query.until, zone, "until"),
-               "user": query.user.strip(), "action": query.action}
+    filters = Filters(parse_time(query.since, zone, "since"),
+                      parse_time(query.until, zone, "until"), query.user.strip(), query.action)
 
     def read() -> tuple[list[Row], bool, bool]:
-        rows = trail.read(before=query.before, after=query.after, limit=query.limit, **filters)
+        rows = trail.read(filters, before=query.before, after=query.after, limit=query.limit)
         if not rows:
             return rows, False, False
-        return (rows, trail.has(before=rows[-1].id, **filters),
-                trail.has(after=rows[0].id, **filters))
+        return (rows, trail.has(filters, before=rows[-1].id),
+                trail.has(filters, after=rows[0].id))
 
     try:
         rows, older, newer = await asyncio.to_thread(read)

@@ -171,6 +171,6 @@ def settings_of(request: Request) -> ServerSettings:
 
 def audit_of(request: Request) -> AuditTrail:
     """The process's audit trail (:mod:`visionserve.audit`), for the changes a route makes
-    itself (sign-ins, the guard's jobs) and for reading it."""
+    itself (sign-ins and sign-outs) and for reading it."""
     return request.app.state.audit
 

@@ -68,9 +68,10 @@ def service_routers(settings: ServerSettings, guard_store=None) -> tuple:
     the part records (``--records``), the console (``--console``)."""
     routers = []
     if guard_store is not None:
+        from ..audit import AuditTrail
         from ..guard.http import make_router
 
-        routers.append(make_router(guard_store))
+        routers.append(make_router(guard_store, AuditTrail.from_settings(settings)))
     if settings.records:
         from ..records.http import make_router as records_router
         from ..records.service import store_of

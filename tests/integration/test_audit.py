@@ -219,8 +219,9 @@ def test_user_changes_from_the_command_line_are_audited(tmp_path):
 
 
 def test_front_ends_keep_sign_ins_and_old_entries_go(tmp_path):
-    """--frontends 2: a sign-in is kept by whichever front end it lands in. An entry older than
-    --audit-retention-days is deleted by the server's first write."""
+    """--frontends 2: a sign-in is kept by whichever front end it lands in; a model unload sent
+    to a front end is kept with its caller. An entry older than --audit-retention-days is
+    deleted by the server's first write."""
     from conftest import TINY_TOML, make_tiny_model
 
     make_tiny_model(tmp_path / "repo" / "tiny", TINY_TOML)
@@ -232,6 +233,7 @@ def test_front_ends_keep_sign_ins_and_old_entries_go(tmp_path):
     with closing(sqlite3.connect(_db(data))) as c, c:
         c.execute("UPDATE audit SET time = ? WHERE user = 'ghost'", (time.time() - 3 * 86400,))
     s = start_server(tmp_path / "repo", tmp_path, "--host", "0.0.0.0", "--frontends", "2",
+                     "--model-control-mode", "explicit",
                      "--trusted-proxies", "127.0.0.1", "--audit-retention-days", "2",
                      grpc=False, env={"XDG_DATA_HOME": str(data)})
     try:
@@ -244,6 +246,16 @@ def test_front_ends_keep_sign_ins_and_old_entries_go(tmp_path):
         assert sorted(r["client"].split(":")[0] for r in rows) == ["198.51.100.100",
                                                                   "198.51.100.101"]
         assert _entries(data, user="ghost") == []
+        # a change through a front end is made, and audited, by the serving process with the
+        # front end's caller
+        token = (data / "visionserve" / "admin-token").read_text().strip()
+        r = httpx.post(f"{s.url}/v2/repository/models/tiny/unload", json={},
+                       headers={"Authorization": f"Bearer {token}", "X-Request-Id": "u-1"},
+                       timeout=30)
+        assert r.status_code == 200, r.text
+        (unload,) = _entries(data, action="model-unload")
+        assert (unload["user"], unload["request_id"]) == ("admin-token", "u-1")
+        assert unload["client"].startswith("127.0.0.1:")
     finally:
         s.stop()
 

@@ -38,9 +38,9 @@ from typing import Any
 from .config import ServerSettings, users_db_path
 from .storage import open_sqlite, sqlite_fault
 
+#: "visionserve.audit": the audit lines (journald and log shippers filter on this name), and an
+#: error line where an entry could not be kept
 log = logging.getLogger(__name__)
-#: the audit lines (journald and log shippers filter on this logger's name)
-audit_log = logging.getLogger("visionserve.audit")
 
 AUDIT_ENV = "VISIONSERVE_AUDIT_DB"
 FILE_NAME = "audit.sqlite"
@@ -203,11 +203,11 @@ class AuditTrail:
         extra: dict[str, Any] = {"audit": entry.log_fields()}
         if entry.kind == "model":
             extra["model"] = entry.name
-        audit_log.log(level, message, *args, extra=extra)
+        log.log(level, message, *args, extra=extra)
         try:
             self._insert(entry)
-        except sqlite3.Error as exc:
-            if not sqlite_fault(exc):
+        except (sqlite3.Error, OSError) as exc:  # OSError: its folder cannot be made
+            if isinstance(exc, sqlite3.Error) and not sqlite_fault(exc):
                 raise  # a wrong statement: a bug
             log.error("audit: the entry (%s of %s by %s) could not be kept in %s: %s",
                       entry.action, entry.target, entry.by(), self.path, exc)

@@ -273,3 +273,17 @@ def test_retention_prunes_cheaply(tmp_path):
     assert [r.old for r in trail.read()] == ["b"]
     forever = AuditTrail(path, retention_days=0)
     assert forever.prune() == 0 and len(forever.read()) == 1
+
+
+def test_an_entry_that_cannot_be_kept_is_said_and_the_line_stays(tmp_path, caplog):
+    blocked = tmp_path / "a file"
+    blocked.write_text("")
+    trail = AuditTrail(blocked / "audit.sqlite")  # its folder cannot be made
+    who = {"operator": "anna", "client": "192.0.2.7:5"}
+    with caplog.at_level("INFO"):
+        kept = trail.record(Entry("recipe", "station", "st1", "a", "b", who), "switched %s", "st1")
+    assert not kept
+    said = {(r.name, r.levelname, r.getMessage()) for r in caplog.records}
+    assert ("visionserve.audit", "INFO", "switched st1") in said
+    assert any(name == "visionserve.audit" and level == "ERROR" and "could not be kept" in m
+               for name, level, m in said)

@@ -94,8 +94,11 @@ class Entry:
         return f"{self.user} from {client}" if self.user else str(client)
 
     def log_fields(self) -> dict[str, Any]:
-        """The ``audit`` field of the log line (``--log-json``)."""
-        return {"action": self.action, self.kind: self.name, "old": self.old, "new": self.new,
+        """The ``audit`` field of the log line (``--log-json``). A failed sign-in's name is left
+        out: it may be a password typed into the wrong field, which the audit file (mode 0600,
+        read by quality and admin) may hold but every reader of the log must not see."""
+        name = None if self.action == "sign-in-failed" else self.name
+        return {"action": self.action, self.kind: name, "old": self.old, "new": self.new,
                 "caller": dict(self.caller)}
 
 

@@ -132,6 +132,9 @@ def test_each_change_leaves_one_entry_naming_who_made_it(server):
     (failed,) = _entries(data, action="sign-in-failed")
     assert (failed["user"], failed["target"]) == ("", "user nobody")
     assert b"not the password" not in _files(data)
+    failed_line = wait_for(lambda: [x for x in server.log().splitlines()
+                                    if "sign-in-failed" in x], what="the failed sign-in's line")
+    assert "nobody" not in failed_line[-1]  # perhaps a password typed into the name field
 
     assert anna.post("/ui/logout", headers={"X-CSRF-Token": csrf}).status_code == 200
     (out,) = _entries(data, action="sign-out")

@@ -132,8 +132,8 @@ async def login(request: Request) -> Response:
     if store is None or found is None:
         if store is not None:
             await asyncio.to_thread(store.login_failed, keys)
-        # the name tried, never the password; the general log line names neither (a password
-        # typed into the name field would land in every log reader's view)
+        # the audit file keeps the name tried, never the password; the log line names neither
+        # (Entry.log_fields)
         entry = Entry("sign-in-failed", "user", user[:64], caller=caller_of(request))
         await audit_of(request).arecord(entry, "console: failed sign-in from %s", client,
                                         level=logging.WARNING)

@@ -62,6 +62,20 @@ def data_home() -> Path:
     return Path(data) / "visionserve"
 
 
+USERS_DB_ENV = "VISIONSERVE_USERS_DB"
+
+
+def users_db_path(configured: Path | None = None) -> Path:
+    """The console's users file: ``configured`` (the setting users_db), else
+    ``$VISIONSERVE_USERS_DB``, else ``$XDG_DATA_HOME/visionserve/users.sqlite``: the same for the
+    server and the CLI. The audit trail is kept beside it (:mod:`visionserve.audit`)."""
+    import os
+
+    if configured:
+        return Path(configured)
+    return Path(os.environ.get(USERS_DB_ENV) or data_home() / "users.sqlite")
+
+
 def time_zone(name: str = "") -> tuple[str, tzinfo]:
     """(IANA name, zone) of the time zone ``name``; "" is the machine's local zone (``TZ``, else
     the zone ``/etc/localtime`` links to, else ``/etc/timezone``; UTC when none says).
@@ -503,6 +517,12 @@ class ServerSettings(BaseSettings):
         None, description="The console's users and their sessions (visionserve users manages "
                           "them); with no user in it, access is as without the console.",
         json_schema_extra={**_SECURITY, "default_text": "$XDG_DATA_HOME/visionserve/users.sqlite"})
+    audit_db: Path | None = Field(
+        None, description="The audit trail: who changed what, when (docs/security.md).",
+        json_schema_extra={**_SECURITY, "default_text": "audit.sqlite beside the users file"})
+    audit_retention_days: float = Field(
+        365.0, ge=0, description="Audit entries older than this many days are deleted; 0 keeps "
+                                 "every entry.", json_schema_extra=_SECURITY)
     session_ttl_s: float = Field(
         8 * 3600.0, ge=60, le=30 * 86_400,
         description="A console sign-in lasts this long (seconds), then the user signs in again.",

@@ -179,13 +179,16 @@ class DataPlane(Protocol):
         index; ``ready``: only the READY ones)."""
         ...
 
-    async def load_model(self, name: str, parameters: Mapping | None = None) -> dict:
+    async def load_model(self, name: str, parameters: Mapping | None = None,
+                         caller: Mapping | None = None) -> dict:
         """Load model ``name`` (again) from the repository, as one swap; returns what changed and
-        ``switched_at``, the ``time.monotonic()`` of the switch."""
+        ``switched_at``, the ``time.monotonic()`` of the switch (``caller``: for the audit)."""
         ...
 
-    async def unload_model(self, name: str, parameters: Mapping | None = None) -> dict:
-        """Unload every version of model ``name`` (``parameters["force"]``: even in use)."""
+    async def unload_model(self, name: str, parameters: Mapping | None = None,
+                           caller: Mapping | None = None) -> dict:
+        """Unload every version of model ``name`` (``parameters["force"]``: even in use;
+        ``caller``: for the audit)."""
         ...
 
     async def metrics_text(self) -> bytes: ...

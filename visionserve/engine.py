@@ -322,11 +322,13 @@ class Engine(ModelLookup):
     async def repository_index(self, ready: bool = False) -> list[dict[str, str]]:
         return await self.lifecycle.repository_index(ready)
 
-    async def load_model(self, name: str, parameters: Mapping | None = None) -> dict:
-        return await self.lifecycle.load_model(name, parameters)
+    async def load_model(self, name: str, parameters: Mapping | None = None,
+                         caller: Mapping | None = None) -> dict:
+        return await self.lifecycle.load_model(name, parameters, caller)
 
-    async def unload_model(self, name: str, parameters: Mapping | None = None) -> dict:
-        return await self.lifecycle.unload_model(name, parameters)
+    async def unload_model(self, name: str, parameters: Mapping | None = None,
+                           caller: Mapping | None = None) -> dict:
+        return await self.lifecycle.unload_model(name, parameters, caller)
 
     # --- inference: admission.Admission ------------------------------------------------------
 

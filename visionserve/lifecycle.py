@@ -26,6 +26,7 @@ from typing import Protocol
 
 from . import metrics, recipes, verdicts
 from .admission import Gate
+from .audit import AuditTrail, Entry
 from .config import ModelConfig, ServerSettings
 from .errors import ConfigError, Conflict, InvalidInput, NotFound, Unavailable, VisionServeError
 from .recipes import Assignments
@@ -33,9 +34,6 @@ from .repository import ModelEntry, folder_of, load_entry, model_folders, scan, 
 from .served import Served, effective_config, file_stamp
 
 log = logging.getLogger(__name__)
-#: one line per change of a model's [verdict] or a station's recipe, with old and new values and
-#: the caller
-audit = logging.getLogger("visionserve.audit")
 
 #: a model that answered a frame this recently (or has frames queued or running) is in use: its
 #: unload is refused unless forced
@@ -102,6 +100,8 @@ class Lifecycle:
         self.gate = models.gate
         self.load = load
         self.release = release
+        #: every change made for a caller (verdict rules, recipes, loads and unloads) is audited
+        self.audit = AuditTrail.from_settings(self.settings)
         # one lock per model serialises its changes: [verdict] settings, loads, unloads
         self._locks: dict[str, asyncio.Lock] = {}
         # model -> versions loading beside the served ones now (the repository index says so)
@@ -225,11 +225,9 @@ class Lifecycle:
                     log.warning("station %s runs recipe %s, but after a restart it would not: %s",
                                 station, recipe_id, exc.message)
         ms = (time.monotonic() - t0) * 1000
-        who = dict(caller or {})
-        audit.info("station %s switched from recipe %s to %s by %s in %.1f ms", station, old,
-                   recipe_id, _by(who), ms,
-                   extra={"audit": {"action": "recipe", "station": station, "old": old,
-                                    "new": recipe_id, "caller": who}})
+        change = Entry("recipe", "station", station, old, recipe_id, dict(caller or {}))
+        await self.audit.arecord(change, "station %s switched from recipe %s to %s by %s in "
+                                 "%.1f ms", station, old, recipe_id, change.by(), ms)
         return {"station": station, **recipe.view(), "version": served.version,
                 "previous": old, "changeover_ms": round(ms, 3), "persisted": persisted}
 
@@ -261,11 +259,9 @@ class Lifecycle:
                     served.task.reconfigure(served.config)
             self.models.generation += 1
             new = verdicts.current(config)
-        who = dict(caller or {})
-        audit.info("verdict of model %s changed by %s: %s -> %s", name, _by(who),
-                   json.dumps(old), json.dumps(new),
-                   extra={"model": name, "audit": {"action": "verdict", "model": name,
-                                                   "old": old, "new": new, "caller": who}})
+        change = Entry("verdict", "model", name, old, new, dict(caller or {}))
+        await self.audit.arecord(change, "verdict of model %s changed by %s: %s -> %s", name,
+                                 change.by(), json.dumps(old), json.dumps(new))
         return new
 
     async def trial_verdict(self, name: str, changes: Mapping) -> ModelConfig:
@@ -316,7 +312,8 @@ class Lifecycle:
                              "reason": self.reasons.get(name, "unloaded")})
         return [r for r in rows if r["state"] == "READY"] if ready else rows
 
-    async def load_model(self, name: str, parameters: Mapping | None = None) -> dict:
+    async def load_model(self, name: str, parameters: Mapping | None = None,
+                         caller: Mapping | None = None) -> dict:
         """Load model ``name`` from the repository, or load it again: the versions its
         model.toml and files select now, as one swap (see the module's docstring). A version
         whose file and effective config are unchanged is kept as it serves. InvalidInput for a
@@ -330,9 +327,13 @@ class Lifecycle:
                                    "load it")
         folder = folder_of(Path(self.settings.models), name)
         async with self._lock(name):
-            return await self._swap(name, folder)
+            before = self._versions(name)
+            done = await self._swap(name, folder)
+        await self._audit_versions("model-load", name, before, done, caller)
+        return done
 
-    async def unload_model(self, name: str, parameters: Mapping | None = None) -> dict:
+    async def unload_model(self, name: str, parameters: Mapping | None = None,
+                           caller: Mapping | None = None) -> dict:
         """Unload every version of model ``name``; its requests are answered 503 from then on.
         A model in use (frames queued or running, or answered in the last ``IN_USE_S`` s) is
         refused (Conflict) unless ``parameters["force"]`` is true."""
@@ -349,8 +350,23 @@ class Lifecycle:
                     raise Conflict(f"model {name} is in use ({busy}): not unloaded. Unloading it "
                                    "stops its line: its requests get 503. Send parameters "
                                    '{"force": true} to unload it all the same')
-            return await self._switch(name, None, gone, "unloaded" + (" (forced)" if force
+            before = self._versions(name)
+            done = await self._switch(name, None, gone, "unloaded" + (" (forced)" if force
                                                                        and gone else ""))
+        await self._audit_versions("model-unload", name, before, done, caller)
+        return done
+
+    def _versions(self, name: str) -> list[str]:
+        return [str(v) for n, v in sorted(self.models.served) if n == name]
+
+    async def _audit_versions(self, action: str, name: str, before: list[str], done: dict,
+                              caller: Mapping | None) -> None:
+        """The audit entry of a load or unload: the versions served before and after."""
+        change = Entry(action, "model", name, {"versions": before},
+                       {"versions": done["versions"]}, dict(caller or {}))
+        await self.audit.arecord(change, "model %s %s by %s: version(s) %s -> %s", name,
+                                 "loaded" if action == "model-load" else "unloaded", change.by(),
+                                 before, done["versions"])
 
     def _in_use(self, served: list[Served]) -> str:
         """Why ``served`` counts as in use ('' when it does not)."""
@@ -488,8 +504,3 @@ class Lifecycle:
                 async with self._lock(name):
                     await self._switch(name, None, gone, "unloaded (its folder was removed)")
 
-
-def _by(caller: dict) -> str:
-    """Who an audit line names: the credential's identity and the client's address."""
-    client = caller.get("client", "?")
-    return f"{caller['operator']} from {client}" if caller.get("operator") else client

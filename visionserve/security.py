@@ -44,11 +44,11 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from .config import ServerSettings, data_home
+from .config import ServerSettings, data_home, users_db_path
 from .errors import ConfigError, VisionServeError, http_status, retry_after
 from .logs import new_request_id, request_id
 from .users.store import ADMIN as ADMIN_ROLE
-from .users.store import QUALITY, VIEWER, Session, Users, role_covers, users_db_path
+from .users.store import QUALITY, VIEWER, Session, Users, role_covers
 
 log = logging.getLogger("visionserve")
 
@@ -123,6 +123,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/ui/session", SIGNIN),
     Route("GET", "/v1/live", ADMIN, VIEWER),  # every answer with its part id
     Route("GET", "/v1/live/summary", ADMIN, VIEWER),
+    Route("GET", "/v1/audit", ADMIN, QUALITY),  # who changed what: names, addresses, rules
     Route("GET", "/docs", ADMIN),  # the API pages (api_docs): they can send any call
     Route("GET", "/docs/oauth2-redirect", ADMIN),
     Route("GET", "/redoc", ADMIN),
@@ -135,6 +136,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/ui/models", ADMIN, VIEWER),
     Route("GET", "/ui/stations", ADMIN, VIEWER),
     Route("GET", "/ui/system", ADMIN, VIEWER),
+    Route("GET", "/ui/audit", ADMIN, QUALITY),
     Route("GET", "/ui/static/{name}", STATIC),
 )
 

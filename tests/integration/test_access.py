@@ -37,9 +37,10 @@ def _put_verdict(server, value: float, headers: dict | None = None) -> httpx.Res
                      headers=headers or {}, timeout=30)
 
 
-def _audits(server) -> list[dict]:
-    return [json.loads(x)["audit"] for x in server.log().splitlines()
-            if x.startswith("{") and '"audit"' in x]
+def _audits(server, action: str = "verdict") -> list[dict]:
+    """The audit lines of ``action`` in the server's JSON log."""
+    lines = [json.loads(x) for x in server.log().splitlines() if x.startswith("{")]
+    return [x["audit"] for x in lines if x.get("audit", {}).get("action") == action]
 
 
 def _nested(depth: int = 100_000) -> bytes:

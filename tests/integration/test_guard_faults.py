@@ -21,6 +21,7 @@ from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
 
 from tests.tools.disks import mount_disk
+from visionserve.audit import AuditTrail
 from visionserve.guard import proc
 from visionserve.guard.http import make_router
 from visionserve.guard.memory import SimulatedMemorySource, write_simulation
@@ -85,14 +86,14 @@ def test_supervisor_survives_a_database_fault_and_catches_up(disk, tmp_path, cap
     assert len([m for m in said if "works again" in m]) == 1, said
 
 
-def test_api_answers_503_with_retry_after_during_a_fault(disk):
+def test_api_answers_503_with_retry_after_during_a_fault(disk, tmp_path):
     """The guard's API used to answer unhandled 500s while the database failed."""
     store = JobStore(disk.dir / "guard.sqlite")
     job = store.submit(JobSpec(command=[sys.executable, "-c", "pass"]))
     pid = os.getpid()
     store.acquire_lease(pid, proc.starttime(pid) or 0, None, proc.is_alive)  # as a supervisor
     app = FastAPI()
-    app.include_router(make_router(store))
+    app.include_router(make_router(store, AuditTrail(tmp_path / "audit.sqlite")))
     with TestClient(app) as client:
         disk.fail()
         try:

@@ -8,6 +8,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from visionserve.audit import AuditTrail
 from visionserve.guard.http import make_router
 from visionserve.guard.store import JobSpec, JobStore
 
@@ -16,7 +17,7 @@ from visionserve.guard.store import JobSpec, JobStore
 def client_store(tmp_path):
     store = JobStore(tmp_path / "g.sqlite")
     app = FastAPI()
-    app.include_router(make_router(store))
+    app.include_router(make_router(store, AuditTrail(tmp_path / "audit.sqlite")))
     with TestClient(app) as client:
         yield client, store
 

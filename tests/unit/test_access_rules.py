@@ -10,6 +10,7 @@ import pytest
 from starlette.responses import PlainTextResponse
 from starlette.testclient import TestClient
 
+from visionserve.audit import AuditTrail
 from visionserve.config import ServerSettings
 from visionserve.errors import ConfigError
 from visionserve.security import (
@@ -21,6 +22,7 @@ from visionserve.security import (
     HttpSecurity,
     classify,
     is_loopback,
+    route_of,
     with_admin_token,
 )
 
@@ -44,14 +46,15 @@ def test_every_route_of_the_app_is_in_the_table():
     settings = ServerSettings(api_docs=True)
     console = console_router(settings)
     images = ImageSource(Path("/nonexistent"))
-    app = create_app(None, settings, (guard_router(None), records_router(None, images), console))
+    app = create_app(None, settings, (guard_router(None, AuditTrail.from_settings(settings)),
+                                      records_router(None, images), console))
     schema = app.openapi()
     routes = [(m.upper(), p) for p, ops in schema["paths"].items() for m in ops]
     routes += [("GET", p) for p in ("/metrics", "/docs", "/docs/oauth2-redirect", "/redoc",
                                     "/openapi.json")]
     # the console's pages are no API: outside the OpenAPI document, in the table all the same
     pages = [(m, r.path) for r in console.routes for m in sorted(r.methods)]
-    assert len(pages) == 8, pages
+    assert len(pages) == 9, pages
     routes += pages
     for method, path in routes:
         assert any(r.matches(method, path) for r in ROUTES), (method, path)
@@ -77,9 +80,18 @@ def test_every_route_of_the_app_is_in_the_table():
     ("GET", "/ui/static/console.css", STATIC),
     ("GET", "/ui/static/a/b.js", ADMIN), ("POST", "/ui/static/console.js", ADMIN),
     ("GET", "/ui/session", SIGNIN), ("GET", "/ui/nowhere", ADMIN),
+    ("GET", "/v1/audit", ADMIN), ("GET", "/ui/audit", ADMIN), ("POST", "/v1/audit", ADMIN),
 ])
 def test_classify(method, path, kind):
     assert classify(method, path) == kind
+
+
+def test_the_audit_trail_opens_to_quality_and_admin():
+    """Who changed what names people and addresses: viewers (operators) do not read it."""
+    for path in ("/v1/audit", "/ui/audit"):
+        route = route_of("GET", path)
+        assert route is not None and route.role == "quality", path
+    assert route_of("POST", "/v1/audit") is None  # no route writes it: protected, admin
 
 
 HOSTS_OF_ASSETS = frozenset({"localhost"})

@@ -155,3 +155,26 @@ def test_the_live_pages_script_takes_its_texts_from_the_page():
     for key in LIVE_SCRIPT_KEYS:
         assert f"strings.{key}" in script, key
     assert pages.PAGES[0][0] == "/ui/live"  # the console's home
+
+
+def test_every_audit_action_has_its_name_on_the_page():
+    from visionserve.audit import ACTIONS
+
+    assert {f"audit_action_{a}" for a in ACTIONS} <= set(STRINGS)
+
+
+def test_the_audit_page_shows_what_changed():
+    from visionserve.console import auditview
+    from visionserve.http.audit import AuditQuery
+
+    old = {"ok_threshold": 0.5, "ok_labels": ["ok"]}
+    assert auditview.changes(old, {**old, "ok_threshold": 0.7}) == ["ok_threshold: 0.5 → 0.7"]
+    assert auditview.changes(None, "housing-black") == ["— → housing-black"]
+    assert auditview.changes({"versions": ["1"]}, {"versions": []}) == ['versions: ["1"] → []']
+    assert auditview.changes(None, {"role": "viewer"}) == ["— → role: viewer"]
+    assert auditview.changes(None, None) == []
+    query = AuditQuery(user="qe anna", action="verdict")
+    assert auditview.page_link(query, before=7) == "/ui/audit?user=qe+anna&action=verdict&before=7"
+    assert auditview.page_link(AuditQuery()) == "/ui/audit"
+    assert auditview.local_input("2026-12-06T14:30") == "2026-12-06T14:30"
+    assert auditview.local_input("1796582392") == ""

@@ -27,7 +27,7 @@ PACKAGE = "visionserve"
 #: all sit in the package's layer.
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("foundation", frozenset({"", "errors", "config", "plugins", "logs", "metrics", "latency",
-                              "extras", "process", "threads", "storage", "framing"})),
+                              "extras", "process", "threads", "storage", "framing", "audit"})),
     ("frames and devices", frozenset({"imaging", "gpu"})),
     ("models", frozenset({"backends", "tasks", "repository", "verdicts", "recipes"})),
     ("data plane", frozenset({"dataplane", "batching", "execution", "engine", "oip", "served",

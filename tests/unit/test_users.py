@@ -12,6 +12,7 @@ import pytest
 from starlette.responses import PlainTextResponse
 from starlette.testclient import TestClient
 
+from visionserve.config import users_db_path
 from visionserve.security import (
     ROUTES,
     SESSION_COOKIE,
@@ -29,7 +30,6 @@ from visionserve.users.store import (
     UserStore,
     login_delay,
     role_covers,
-    users_db_path,
 )
 
 PASSWORD = "correct horse battery"

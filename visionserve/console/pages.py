@@ -1,6 +1,6 @@
 """The console's routes: ``GET /ui`` (to the first page), ``/ui/live``, ``/ui/parts`` (NG
-parts) and ``/ui/parts/{part_id}``, ``/ui/models``, ``/ui/stations``, ``/ui/system`` and the
-package's own files at ``/ui/static/{name}``.
+parts) and ``/ui/parts/{part_id}``, ``/ui/models``, ``/ui/stations``, ``/ui/system``,
+``/ui/audit`` and the package's own files at ``/ui/static/{name}``.
 
 Each page is rendered here from what the data plane says (the repository index, the served
 versions, the verdict rules, the recipes, the server's Prometheus series) and the guard's job
@@ -20,15 +20,17 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
+from ..audit import ACTIONS
 from ..config import ServerSettings, time_zone
-from ..errors import NotFound, VisionServeError, http_status
-from ..http.common import engine_of
+from ..errors import InvalidInput, NotFound, VisionServeError, http_status
+from ..http.audit import AuditQuery, audit_page
+from ..http.common import audit_of, engine_of
 from ..http.signin import session_of
 from ..records.record import iso
 from ..records.store import MAX_PAGE, RecordStore
 from ..security import route_of
 from ..users.store import role_covers
-from . import parts, system, verdictform
+from . import auditview, parts, system, verdictform
 from .strings import STRINGS, live_strings, script_strings, verdict_script_strings
 
 if TYPE_CHECKING:
@@ -41,9 +43,11 @@ T = TypeVar("T")
 HERE = Path(__file__).resolve().parent
 #: the files under /ui/static, by name, and their media types
 STATIC_TYPES = {".css": "text/css; charset=utf-8", ".js": "text/javascript; charset=utf-8"}
-#: the pages in the navigation, in order: (path, strings key of its name)
+#: the pages in the navigation, in order: (path, strings key of its name); each reader sees those
+#: their role may open
 PAGES = (("/ui/live", "nav_live"), ("/ui/parts", "nav_parts"), ("/ui/models", "nav_models"),
-         ("/ui/stations", "nav_stations"), ("/ui/system", "nav_system"))
+         ("/ui/stations", "nav_stations"), ("/ui/system", "nav_system"),
+         (auditview.PATH, "nav_audit"))
 #: the answers the Line live page keeps on screen (newest on top)
 LIVE_ROWS = 50
 #: the minutes of answers and latency the Line live page plots
@@ -76,9 +80,11 @@ def make_router(settings: ServerSettings, guard_store: JobStore | None = None,
               for p in sorted((HERE / "static").iterdir()) if p.suffix in STATIC_TYPES}
     router = APIRouter(include_in_schema=False)
 
-    def render(name: str, path: str, status_code: int = 200, **data: Any) -> HTMLResponse:
+    def render(request: Request, name: str, path: str, status_code: int = 200,
+               **data: Any) -> HTMLResponse:
+        pages = [(p, key) for p, key in PAGES if _may(request, "GET", p)]
         page = env.get_template(name).render(
-            s=STRINGS, pages=PAGES, here=path, zone=zone_name,
+            s=STRINGS, pages=pages, here=path, zone=zone_name,
             now=datetime.now(zone).strftime("%Y-%m-%d %H:%M:%S"),
             script_strings=script_strings(), **data)
         return HTMLResponse(page, status_code=status_code, headers=HEADERS)
@@ -96,7 +102,8 @@ def make_router(settings: ServerSettings, guard_store: JobStore | None = None,
         if station and station not in stations:
             raise NotFound(f"no station {station!r} in the recipes")
         shown = [model] if model else sorted(engine.entries)
-        return render("live.html", "/ui/live", models=sorted(engine.entries), stations=stations,
+        return render(request, "live.html", "/ui/live", models=sorted(engine.entries),
+                      stations=stations,
                       model=model, station=station, shown=shown,
                       live_strings=live_strings(), live_rows=LIVE_ROWS,
                       live_minutes=LIVE_MINUTES,
@@ -110,30 +117,32 @@ def make_router(settings: ServerSettings, guard_store: JobStore | None = None,
         models = sorted(set(engine_of(request).entries) | ({model} if model else set()))
         shown, error, status = await _read_records(
             records, parts.read_gallery, filters, before, zone)
-        return render("parts.html", "/ui/parts", status, models=models, error=error,
+        return render(request, "parts.html", "/ui/parts", status, models=models, error=error,
                       paged=bool(before),
                       gallery=shown or parts.Gallery(filters, [], None), thumb=parts.THUMB_SIDE)
 
     @router.get("/ui/parts/{part_id}")
-    async def part(part_id: str) -> HTMLResponse:
+    async def part(request: Request, part_id: str) -> HTMLResponse:
         answers, error, status = await _read_records(records, parts.read_part, part_id)
         if error is None and not answers:
             error, status = STRINGS["part_unknown"].format(part=part_id), 404
-        return render("part.html", "/ui/parts", status, part_id=part_id, answers=answers or [],
+        return render(request, "part.html", "/ui/parts", status, part_id=part_id,
+                      answers=answers or [],
                       error=error, picture=parts.PICTURE_SIDE,
                       most=len(answers or []) >= MAX_PAGE)
 
     @router.get("/ui/models")
     async def models(request: Request) -> HTMLResponse:
         engine = engine_of(request)
-        return render("models.html", "/ui/models", models=await _models(engine),
+        return render(request, "models.html", "/ui/models", models=await _models(engine),
                       control=settings.model_control_mode,
                       verdict_editable=_may(request, "PUT", "/v1/models/{m}/verdict"),
                       verdict_strings=verdict_script_strings())
 
     @router.get("/ui/stations")
     async def stations(request: Request) -> HTMLResponse:
-        return render("stations.html", "/ui/stations", book=engine_of(request).recipes.view())
+        return render(request, "stations.html", "/ui/stations",
+                      book=engine_of(request).recipes.view())
 
     @router.get("/ui/system")
     async def system_page(request: Request) -> HTMLResponse:
@@ -141,10 +150,29 @@ def make_router(settings: ServerSettings, guard_store: JobStore | None = None,
         figures = system.read((await engine.metrics_text()).decode("utf-8"))
         jobs, jobs_error = await _guard_jobs(guard_store)
         served = sum(1 for s in await engine.statistics() if s.ready)
-        return render("system.html", "/ui/system", figures=figures, settings=settings,
+        return render(request, "system.html", "/ui/system", figures=figures, settings=settings,
                       ready=engine.ready, served=served, jobs=jobs, jobs_error=jobs_error,
                       guard_on=guard_store is not None,
                       plc_on=bool(settings.opcua or settings.modbus))
+
+    @router.get(auditview.PATH)
+    async def audit(request: Request, user: str = "", action: str = "", since: str = "",
+                    until: str = "", before: int | None = None,
+                    after: int | None = None) -> HTMLResponse:
+        query = AuditQuery(since, until, user, action, auditview.ROWS, before, after)
+        error = None
+        try:
+            page = await audit_page(audit_of(request), query, settings.time_zone)
+        except InvalidInput as exc:  # a filter the server cannot read: said on the page
+            page, error = {"entries": [], "older": None, "newer": None}, exc.message
+        return render(request, "audit.html", auditview.PATH, page=page, query=query,
+                      actions=ACTIONS, error=error, changes=auditview.changes,
+                      action_name=auditview.action_name,
+                      since_input=auditview.local_input(since),
+                      until_input=auditview.local_input(until),
+                      older_link=page["older"] and auditview.page_link(query, before=page["older"]),
+                      newer_link=page["newer"] and auditview.page_link(query, after=page["newer"]),
+                      newest_link=auditview.page_link(query))
 
     @router.get("/ui/static/{name}")
     async def asset(name: str) -> Response:

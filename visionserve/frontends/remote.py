@@ -320,12 +320,14 @@ class RemoteEngine(ModelLookup):
         fut, _ = self._call("repository", "repository_index", (ready,))
         return await fut
 
-    async def load_model(self, name: str, parameters=None) -> dict:
-        fut, _ = self._call("repository", "load_model", (name, dict(parameters or {})))
+    async def load_model(self, name: str, parameters=None, caller=None) -> dict:
+        fut, _ = self._call("repository", "load_model", (name, dict(parameters or {}),
+                                                         dict(caller or {})))
         return await fut
 
-    async def unload_model(self, name: str, parameters=None) -> dict:
-        fut, _ = self._call("repository", "unload_model", (name, dict(parameters or {})))
+    async def unload_model(self, name: str, parameters=None, caller=None) -> dict:
+        fut, _ = self._call("repository", "unload_model", (name, dict(parameters or {}),
+                                                           dict(caller or {})))
         return await fut
 
     async def metrics_text(self) -> bytes:

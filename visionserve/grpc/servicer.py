@@ -87,7 +87,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def RepositoryModelLoad(self, request, context):
         async def load():
-            await self.engine.load_model(request.model_name, convert.parameters(request.parameters))
+            await self.engine.load_model(request.model_name, convert.parameters(request.parameters),
+                                         _caller(context))
             return pb.RepositoryModelLoadResponse()
 
         return await _call(context, load)
@@ -95,7 +96,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelUnload(self, request, context):
         async def unload():
             await self.engine.unload_model(request.model_name,
-                                           convert.parameters(request.parameters))
+                                           convert.parameters(request.parameters),
+                                           _caller(context))
             return pb.RepositoryModelUnloadResponse()
 
         return await _call(context, unload)
@@ -216,6 +218,14 @@ def _request_id(context: grpc.aio.ServicerContext, oip_id: str = "") -> str:
         if key == "x-request-id" and value:
             return str(value)[:64]
     return oip_id[:64] or new_request_id()
+
+
+def _caller(context: grpc.aio.ServicerContext) -> dict[str, Any]:
+    """Who made a repository change, for the audit: the peer's address, the request id and the
+    ``x-operator`` metadata (unchecked); gRPC names no credential's identity."""
+    meta = dict(context.invocation_metadata() or ())
+    return {"client": context.peer(), "request_id": request_id.get(), "operator": None,
+            "operator_declared": meta.get("x-operator")}
 
 
 async def _call(context: grpc.aio.ServicerContext, work: Callable[[], Any],

@@ -1,4 +1,5 @@
-"""The guard over HTTP: ``make_router(store)`` for the server app (``serve --guard``).
+"""The guard over HTTP: ``make_router(store, audit)`` for the server app (``serve --guard``); a
+job submitted or cancelled is audited (:mod:`visionserve.audit`) under the caller's name.
 
   GET  /v1/guard/jobs                 list (optional ?state=queued&state=running)
   POST /v1/guard/jobs                 submit (JSON body, see JobRequest)
@@ -24,9 +25,10 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from ..audit import AuditTrail, Entry
 from ..config import parse_bytes
 from ..errors import InvalidInput, NotFound, Unavailable, VisionServeError, describe_validation
-from ..http.common import error_response, parse_json
+from ..http.common import caller_of, error_response, parse_json
 from .store import STATES, JobSpec, JobStateError, JobStore, StoreFault
 
 #: the supervisor records a heartbeat every second; older than this, health says it is not working
@@ -85,7 +87,7 @@ def _job(job) -> dict:
     return JobResponse.model_validate(job.to_dict(), from_attributes=False).model_dump()
 
 
-def make_router(store: JobStore) -> APIRouter:
+def make_router(store: JobStore, audit: AuditTrail) -> APIRouter:
     router = APIRouter(prefix="/v1/guard", tags=["guard"])
 
     async def call(fn, *args):
@@ -125,6 +127,11 @@ def make_router(store: JobStore) -> APIRouter:
             job = await call(store.submit, spec)
         except _Reply as r:
             return r.response
+        entry = Entry("job-submit", "job", str(job.id), None,
+                      {"command": spec.command, "name": spec.name, "gpu_mem": spec.gpu_mem,
+                       "priority": spec.priority, "policy": spec.policy}, caller_of(request))
+        await audit.arecord(entry, "guard job %d (%s) submitted by %s", job.id,
+                            " ".join(spec.command), entry.by())
         return JSONResponse(_job(job), status_code=201)
 
     @router.get("/jobs/{job_id}", response_model=JobResponse)
@@ -135,11 +142,17 @@ def make_router(store: JobStore) -> APIRouter:
             return r.response
 
     @router.post("/jobs/{job_id}/cancel", response_model=JobResponse)
-    async def cancel(job_id: int):
+    async def cancel(request: Request, job_id: int):
         try:
-            return _job(await call(store.request_cancel, job_id))
+            before = await call(store.get, job_id)
+            job = await call(store.request_cancel, job_id)
         except _Reply as r:
             return r.response
+        entry = Entry("job-cancel", "job", str(job_id), before.state, job.state,
+                      caller_of(request))
+        await audit.arecord(entry, "guard job %d cancelled by %s (%s -> %s)", job_id,
+                            entry.by(), before.state, job.state)
+        return _job(job)
 
     @router.get("/jobs/{job_id}/logs", response_class=PlainTextResponse)
     async def logs(job_id: int, tail_bytes: int | None = Query(None, ge=1)):

@@ -10,12 +10,13 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
-from ..config import ServerSettings
+from ..audit import AuditTrail
+from ..config import ServerSettings, users_db_path
 from ..dataplane import DataPlane
 from ..errors import VisionServeError, describe_validation
 from ..security import ADMIN, classify
-from ..users.store import Users, users_db_path
-from . import inspect, live, recipes, signin, v2, verdict
+from ..users.store import Users
+from . import audit, inspect, live, recipes, signin, v2, verdict
 from .common import (
     ClientGone,
     client_gone_response,
@@ -39,6 +40,7 @@ def create_app(engine: DataPlane, settings: ServerSettings, routers: tuple = ())
     app.state.engine = engine
     app.state.settings = settings
     app.state.users = Users(users_db_path(settings.users_db))  # opened once the file exists
+    app.state.audit = AuditTrail.from_settings(settings)
 
     @app.exception_handler(VisionServeError)
     async def _vs_error(request: Request, exc: VisionServeError) -> JSONResponse:
@@ -68,6 +70,7 @@ def create_app(engine: DataPlane, settings: ServerSettings, routers: tuple = ())
     app.include_router(recipes.router)
     app.include_router(signin.router)
     app.include_router(live.router)
+    app.include_router(audit.router)
     for extra in routers:
         app.include_router(extra)
 

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 
+from ..audit import AuditTrail
 from ..config import ServerSettings
 from ..errors import (
     INTERNAL_MESSAGE,
@@ -166,4 +167,10 @@ def engine_of(request: Request) -> DataPlane:
 
 def settings_of(request: Request) -> ServerSettings:
     return request.app.state.settings
+
+
+def audit_of(request: Request) -> AuditTrail:
+    """The process's audit trail (:mod:`visionserve.audit`), for the changes a route makes
+    itself (sign-ins and sign-outs) and for reading it."""
+    return request.app.state.audit
 

@@ -21,10 +21,11 @@ from urllib.parse import parse_qs
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
+from ..audit import Entry
 from ..errors import InvalidInput, UnsupportedMediaType
 from ..security import SESSION_COOKIE, SESSION_KEY
 from ..users.store import Session, Users
-from .common import parse_json, read_body, settings_of
+from .common import audit_of, caller_of, parse_json, read_body, settings_of
 from .schemas import SESSION_ROUTES, SIGN_IN
 
 log = logging.getLogger("visionserve")
@@ -131,12 +132,19 @@ async def login(request: Request) -> Response:
     if store is None or found is None:
         if store is not None:
             await asyncio.to_thread(store.login_failed, keys)
-        log.warning("console: failed sign-in from %s", client)  # never the name: a typo'd password
+        # the audit file keeps the name tried, never the password; the log line names neither
+        # (Entry.log_fields)
+        entry = Entry("sign-in-failed", "user", user[:64], caller=caller_of(request))
+        await audit_of(request).arecord(entry, "console: failed sign-in from %s", client,
+                                        level=logging.WARNING)
         return _refused(browser, WRONG, user, 401)
     await asyncio.to_thread(store.login_succeeded, keys[0])
     ttl = settings_of(request).session_ttl_s
     token, session = await asyncio.to_thread(store.open_session, found.name, ttl)
-    log.info("console: %s (%s) signed in from %s", found.name, found.role, client)
+    entry = Entry("sign-in", "user", found.name, None, {"role": found.role},
+                  {**caller_of(request), "operator": found.name})
+    await audit_of(request).arecord(entry, "console: %s (%s) signed in from %s", found.name,
+                                    found.role, client)
     response: Response = (Response(status_code=303, headers={"Location": CONSOLE_HOME})
                           if browser else JSONResponse(_described(session)))
     response.headers["Cache-Control"] = "no-store"
@@ -154,7 +162,9 @@ async def logout(request: Request) -> JSONResponse:
     store = users_of(request).store()
     if session is not None and store is not None:
         await asyncio.to_thread(store.end_session, session.key)
-        log.info("console: %s signed out", session.user)
+        entry = Entry("sign-out", "user", session.user,
+                      caller={**caller_of(request), "operator": session.user})
+        await audit_of(request).arecord(entry, "console: %s signed out", session.user)
     response = JSONResponse({"signed_out": session.user if session is not None else None})
     response.delete_cookie(SESSION_COOKIE, path="/", httponly=True, samesite="strict",
                            secure=request.url.scheme == "https")

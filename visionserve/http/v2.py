@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from .. import oip
 from ..errors import InvalidInput, PayloadTooLarge, VisionServeError, describe_validation
 from .common import (
+    caller_of,
     engine_of,
     read_body,
     read_json_object,
@@ -225,14 +226,16 @@ async def repository_index(request: Request) -> JSONResponse:
              summary="Load or reload a model (a swap: docs/triton-compat.md)")
 async def repository_load(request: Request, model_name: str) -> JSONResponse:
     params = _parameters(await _repository_body(request))
-    return JSONResponse(await engine_of(request).load_model(model_name, params))
+    return JSONResponse(await engine_of(request).load_model(model_name, params,
+                                                            caller_of(request)))
 
 
 @router.post("/v2/repository/models/{model_name}/unload", responses={**ERRORS, **CONFLICT},
              summary="Unload a model (parameters.force: even while in use)")
 async def repository_unload(request: Request, model_name: str) -> JSONResponse:
     params = _parameters(await _repository_body(request))
-    return JSONResponse(await engine_of(request).unload_model(model_name, params))
+    return JSONResponse(await engine_of(request).unload_model(model_name, params,
+                                                              caller_of(request)))
 
 
 #: the threads that parse and convert large JSON requests: a few, so that a burst of them waits

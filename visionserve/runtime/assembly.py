@@ -70,9 +70,10 @@ def service_routers(settings: ServerSettings, guard_store=None) -> tuple:
     the part records (``--records``), the console (``--console``)."""
     routers = []
     if guard_store is not None:
+        from ..audit import AuditTrail
         from ..guard.http import make_router
 
-        routers.append(make_router(guard_store))
+        routers.append(make_router(guard_store, AuditTrail.from_settings(settings)))
     store = None
     if settings.records:
         from ..records.http import make_router as records_router

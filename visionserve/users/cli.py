@@ -16,7 +16,9 @@ The users file is --db, else $VISIONSERVE_USERS_DB, else $XDG_DATA_HOME/visionse
 (~/.local/share/visionserve/users.sqlite; mode 0600): run the command as the server's user, with
 the same environment, so that both use the same file. Changes take effect at once, also on a
 running server: a removed user's sessions end, a new password ends the user's sessions, a new role
-applies to the next request. Exit codes: 0 done, 1 no such user or the name is taken, 2 bad input.
+applies to the next request. Every change is audited under the name of the OS user who runs the
+command, in the audit file beside the users file ($VISIONSERVE_AUDIT_DB where set). Exit codes: 0
+done, 1 no such user or the name is taken, 2 bad input.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ..audit import AuditTrail, Entry, audit_db_path, command_caller
+from ..config import users_db_path
 from .store import (
     DB_ENV,
     DEFAULT_DB,
@@ -35,7 +39,6 @@ from .store import (
     UserError,
     UserStore,
     check_password,
-    users_db_path,
 )
 
 
@@ -97,18 +100,25 @@ def run(args: argparse.Namespace) -> int:
         if command == "list":
             return _list(path)
         store = UserStore(path, create=command == "add")
+        old = new = None
         if command == "add":
             store.add(args.name, args.role, _password(args))
+            new = args.role
             print(f"added {args.name} ({args.role}) to {path}")
         elif command == "remove":
+            old = _role(store, args.name)
             store.remove(args.name)
             print(f"removed {args.name}; their sessions ended")
         elif command == "passwd":
             store.set_password(args.name, _password(args))
             print(f"new password for {args.name}; their sessions ended")
         else:
+            old, new = _role(store, args.name), args.role
             store.set_role(args.name, args.role)
             print(f"{args.name} is now {args.role}")
+        _audit(Entry(f"user-{command.replace('passwd', 'password')}", "user", args.name,
+                     old and {"role": old}, new and {"role": new},
+                     command_caller("visionserve users")), path)
     except FileNotFoundError:
         print(f"visionserve users: no users file at {path} ('users add' makes it)",
               file=sys.stderr)
@@ -120,6 +130,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"visionserve users: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _role(store: UserStore, name: str) -> str | None:
+    return next((u.role for u in store.users() if u.name == name), None)
+
+
+def _audit(entry: Entry, users_file: Path) -> None:
+    """Keep the change in the audit file beside the users file (and log its line); a file that
+    cannot be written is said on stderr, the change stands."""
+    trail = AuditTrail(audit_db_path(None, users_file))
+    if not trail.record(entry, "user %s: %s by %s", entry.name, entry.action, entry.by()):
+        print(f"visionserve users: warning: the change is not in the audit file {trail.path}",
+              file=sys.stderr)
 
 
 def _list(path: Path) -> int:

@@ -26,7 +26,7 @@ from pathlib import Path
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError
 
-from ..config import data_home
+from ..config import USERS_DB_ENV
 from ..errors import Unavailable
 from ..storage import open_sqlite, sqlite_fault
 
@@ -34,7 +34,7 @@ from ..storage import open_sqlite, sqlite_fault
 ROLES = ("viewer", "quality", "admin")
 VIEWER, QUALITY, ADMIN = ROLES
 
-DB_ENV = "VISIONSERVE_USERS_DB"
+DB_ENV = USERS_DB_ENV
 DEFAULT_DB = "$XDG_DATA_HOME/visionserve/users.sqlite"  # how help texts name the default
 
 #: names the audit line uses for credentials (docs/security.md); no user may take them
@@ -90,14 +90,6 @@ class Session:
     role: str
     csrf_token: str
     expires: float
-
-
-def users_db_path(configured: Path | None = None) -> Path:
-    """The users file: ``configured`` (the setting users_db), else ``$VISIONSERVE_USERS_DB``,
-    else ``$XDG_DATA_HOME/visionserve/users.sqlite``: the same for the server and the CLI."""
-    if configured:
-        return Path(configured)
-    return Path(os.environ.get(DB_ENV) or data_home() / "users.sqlite")
 
 
 def role_covers(role: str, needed: str) -> bool:

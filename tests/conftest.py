@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -17,6 +20,12 @@ import httpx
 import pytest
 
 from visionserve_tools.benchgpu import IN_PROCESS
+
+# the servers' data folder (admin token, users, the audit trail) is the test run's own, never
+# the home folder of whoever runs the tests; a test that needs another sets XDG_DATA_HOME itself
+if "XDG_DATA_HOME" not in os.environ:
+    os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="visionserve-tests-")
+    atexit.register(shutil.rmtree, os.environ["XDG_DATA_HOME"], True)
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED_MODELS = REPO / "models"

@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 RING = 300
 #: events waiting for one browser; past it the oldest go (counted, and the stream is told)
 STREAM_QUEUE = 1000
+#: a stream gives what came at most once in this long: at a line's pace every answer alone would
+#: cost each open page a wake-up and a write of its own (the server's event loop, per page)
+STREAM_BATCH_S = 0.1
 #: events waiting for one front-end process; past it the oldest go (counted)
 OUTBOX = 2000
 #: a front-end process's channel with more unsent bytes than this gets no live events until it
@@ -394,7 +397,8 @@ class Outbox:
 
 class LiveStream:
     """One open stream (a browser's ``GET /v1/live``): its filter and its bounded queue.
-    :meth:`next` gives what came; ``missed`` says how many were dropped since it last gave."""
+    :meth:`next` gives what came, at most once in ``STREAM_BATCH_S`` (the first event after a
+    quiet spell at once); ``missed`` says how many were dropped since it last gave."""
 
     def __init__(self, model: str | None, station: str | None, after: int,
                  on_close: Callable[[LiveStream], None]) -> None:
@@ -407,6 +411,7 @@ class LiveStream:
         self.dropped = 0  # dropped in all
         self.closed = False
         self._wake = asyncio.Event()
+        self._gave = -math.inf  # monotonic time next() last gave events
 
     def offer(self, events: Sequence[LiveEvent]) -> int:
         """Queue the events this stream wants; returns how many old ones went to make room."""
@@ -434,8 +439,14 @@ class LiveStream:
                 await asyncio.wait_for(self._wake.wait(), timeout_s)
             except TimeoutError:
                 pass
+        if self.queue and not self.closed:  # what comes in the rest of the batch goes along
+            rest = self._gave + STREAM_BATCH_S - time.monotonic()
+            if rest > 0:
+                await asyncio.sleep(rest)
         if self.closed and not self.queue:
             return None
+        if self.queue:
+            self._gave = time.monotonic()
         events = list(self.queue)
         self.queue.clear()
         missed, self.missed = self.missed, 0

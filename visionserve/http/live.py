@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Sequence
+from functools import lru_cache
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -32,6 +33,8 @@ router = APIRouter(tags=["Live results"])
 HEARTBEAT_S = 15.0
 #: how long a browser waits before it reconnects a stream that ended (the SSE ``retry:``)
 RECONNECT_MS = 2000
+#: events whose encoding is kept for the other streams of this process that send them too
+ENCODED = 4096
 
 
 class SummaryMinute(BaseModel):
@@ -103,8 +106,14 @@ async def sse(replay: Sequence[LiveEvent], stream: LiveStream,
 
 
 def _events(events: Sequence[LiveEvent]) -> bytes:
-    return b"".join(f"id: {e.id}\ndata: {json.dumps(e.to_json())}\n\n".encode()
-                    for e in events)
+    return b"".join(map(_encoded, events))
+
+
+@lru_cache(maxsize=ENCODED)
+def _encoded(e: LiveEvent) -> bytes:
+    """One event as the stream sends it, encoded once for every page that shows it (each open
+    stream gets the same event object)."""
+    return f"id: {e.id}\ndata: {json.dumps(e.to_json())}\n\n".encode()
 
 
 def _event(name: str, data: dict) -> bytes:

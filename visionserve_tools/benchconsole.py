@@ -260,15 +260,13 @@ def live_run(models: Path, log_dir: Path, browser: Browser, pool: Any, args: arg
 
 
 def live(args: argparse.Namespace, tmp: Path, save: Callable[[dict], None]) -> dict:
-    from visionserve_tools.benchclient import images
+    from visionserve_tools.benchclient import generator, images
 
     models = model_repo(tmp / "live-models")
     frames = images.load(args.frames)
     res: dict = {"rate": args.rate, "pages": args.pages, "window_s": args.window_s,
                  "frontends": args.frontends, "max_batch_size": args.max_batch_size,
- "frames": args.frames, "runs": []}
-    from visionserve_tools.benchclient import generator
-
+                 "frames": args.frames, "runs": [], "runs_left_out": []}
     server_cpus, browser_cpus = split_cpus(args.pin)
     res["cpus"] = {"server_and_load": sorted(server_cpus), "browser": sorted(browser_cpus)}
     # what is started from here inherits this process's CPUs: the load the server's, the
@@ -280,14 +278,27 @@ def live(args: argparse.Namespace, tmp: Path, save: Callable[[dict], None]) -> d
         os.sched_setaffinity(0, browser_cpus)
     browser = Browser(args.pages, "800,600")
     try:
-        for run in range(1, args.runs + 1):
-            res["runs"].append(live_run(models, tmp, browser, pool, args, run, server_cpus))
+        attempt = 0
+        while len(res["runs"]) < args.runs and attempt < 2 * args.runs:
+            attempt += 1
+            run = live_run(models, tmp, browser, pool, args, attempt, server_cpus)
+            # a window in which the server did not keep up with the load compares other work
+            kept = all(run[w]["answers_per_s"] >= 0.95 * args.rate
+                       for w in ("without_pages", f"with_{args.pages}_pages"))
+            res["runs" if kept else "runs_left_out"].append(run)
+            if not kept:
+                log(f"run {attempt} left out: the server answered under 95% of {args.rate:g}/s")
             save(res)
     finally:
         pool.close()
         browser.close()
-    median = statistics.median(r["per_page_cpu_pct_of_a_core"] for r in res["runs"])
-    res["median_per_page_cpu_pct_of_a_core"] = round(median, 3)
+    if not res["runs"]:
+        res["pass"] = False
+        log("live: no run in which the server kept up with the load")
+        return res
+    for key in ("per_page_cpu_pct_of_a_core", "per_page_loop_cpu_pct_of_a_core"):
+        res[f"median_{key}"] = round(statistics.median(r[key] for r in res["runs"]), 3)
+    median = res["median_per_page_cpu_pct_of_a_core"]
     res["target_pct_of_a_core"] = PAGE_CPU_TARGET_PCT
     res["pass"] = median <= PAGE_CPU_TARGET_PCT
     log(f"live: median {median:.2f}% of a core a page (target {PAGE_CPU_TARGET_PCT}%): "
@@ -369,7 +380,8 @@ def fill_store(folder: Path, records: int, images: int, *, days: float = 7.0,
 
 
 def filters(filled: dict) -> dict[str, dict[str, str]]:
-    """The listings the NG page asks for: NG, and NG by model, label, part id and time."""
+    """The listings the NG page asks for: NG, and NG by model, label, part id and time; the next
+    page; and a filter that matches nothing."""
     from visionserve.records.record import iso
 
     mid = (filled["since"] + filled["until"]) / 2
@@ -381,6 +393,8 @@ def filters(filled: dict) -> dict[str, dict[str, str]]:
             "time (one day)": {**ng, **day},
             "model, label and time": {**ng, "model": "defect-detector", "label": "crack", **day},
             "part id": {"part_id": "P0050000"},
+            # none matches: the NG records read to the last one (the worst case of a filter)
+            "no match (NG labelled ok)": {**ng, "label": "ok"},
             "page 2 (before)": ng}
 
 

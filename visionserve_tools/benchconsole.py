@@ -230,9 +230,9 @@ def loaded_window(pool: Any, server: Server, browser: Browser, rate: float, warm
 def live_run(models: Path, log_dir: Path, browser: Browser, pool: Any, args: argparse.Namespace,
              run: int, server_cpus: set[int]) -> dict:
     """One run: a fresh server, a window without pages, one with ``args.pages`` open."""
+    batching = ("--max-batch-size", str(args.max_batch_size)) if args.max_batch_size else ()
     server = Server(models, log_dir / f"live-server-{run}.log", "--frontends",
-                    str(args.frontends), "--max-batch-size", str(args.max_batch_size),
-                    device="cpu")
+                    str(args.frontends), *batching, device="cpu")
     try:
         if server_cpus:
             pin_tree(server.proc.pid, server_cpus)
@@ -489,12 +489,13 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--settle-s", type=float, default=3.0,
                    help="after the pages opened, before their window [%(default)s]")
     g.add_argument("--frontends", type=int, default=0, help="the server's [%(default)s]")
-    g.add_argument("--pin", choices=("on", "off"), default="on",
+    g.add_argument("--pin", choices=("on", "off"), default="off",
                    help="on: the browser on the last CPU, the server and the load on the others "
                         "(an operator's browser runs on another machine) [%(default)s]")
-    g.add_argument("--max-batch-size", type=int, default=1,
-                   help="the server's; 1: the model's CPU a frame does not change with how the "
-                        "browser's own CPU delays frames into batches [%(default)s]")
+    g.add_argument("--max-batch-size", type=int, default=0,
+                   help="the server's (0: the model's own); 1: the model's CPU a frame does not "
+                        "change when the browser's CPU delays frames into batches, but a server "
+                        "short of CPU then falls behind the load [%(default)s]")
     g.add_argument("--frames", default="gen:320x240",
                    help="the load's frames (visionserve bench --images) [%(default)s]")
     g = ap.add_argument_group("--ng-page")

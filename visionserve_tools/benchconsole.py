@@ -243,9 +243,11 @@ def live_run(models: Path, log_dir: Path, browser: Browser, pool: Any, args: arg
     try:
         if server_cpus:
             pin_tree(server.proc.pid, server_cpus)
-        without = loaded_window(pool, server, browser, args.rate, args.warmup_s, args.window_s, run)
+        without = loaded_window(pool, server, browser, args.rate, args.warmup_s, args.window_s,
+                                run)
         browser.open_all(server.url + "/ui/live", LIVE_READY_JS)
-        with_pages = loaded_window(pool, server, browser, args.rate, args.settle_s, args.window_s, run)
+        with_pages = loaded_window(pool, server, browser, args.rate, args.settle_s,
+                                   args.window_s, run)
         streams = server.metrics(("visionserve_live_streams",)).get("visionserve_live_streams")
         rows = [d.execute_script("return document.querySelectorAll('#live-rows tr').length")
                 for d in browser.each()]

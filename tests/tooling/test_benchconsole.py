@@ -43,11 +43,11 @@ def test_the_store_filler_writes_n_records_and_m_captured_images(tmp_path):
 
 
 def test_the_cpu_reader_reads_a_process_tree_and_its_window():
-    busy = "import time\nend = time.process_time() + 0.4\nwhile time.process_time() < end: pass\n" \
-           "time.sleep(30)"
-    parent = subprocess.Popen([sys.executable, "-c",
-                               f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, "
-                               f"'-c', {busy!r}])\ntime.sleep(30)"])
+    busy = ("import time\nend = time.process_time() + 0.4\n"
+            "while time.process_time() < end: pass\ntime.sleep(30)")
+    spawn = (f"import subprocess, sys, time\n"
+             f"subprocess.Popen([sys.executable, '-c', {busy!r}])\ntime.sleep(30)")
+    parent = subprocess.Popen([sys.executable, "-c", spawn])
     try:
         window = benchconsole.CpuWindow(parent.pid)
         end = time.monotonic() + 20

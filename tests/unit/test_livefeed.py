@@ -12,6 +12,7 @@ import pytest
 
 from visionserve import livefeed
 from visionserve.errors import DeadlineExceeded, Unavailable
+from visionserve.http import live
 from visionserve.http.live import sse
 from visionserve.livefeed import LiveEvent, LiveSource, LocalFeed, Minutes, Outbox
 
@@ -180,6 +181,27 @@ def test_the_summary_counts_per_minute_with_latency_quantiles():
     # older than the window: gone
     m.add("OK", 1.0, base + livefeed.WINDOW_MIN * 60 + 5)
     assert m.summary(livefeed.WINDOW_MIN, base + livefeed.WINDOW_MIN * 60 + 5)[0]["ok"] == 0
+
+
+async def test_a_stream_gives_at_most_once_a_batch_time_what_came_meanwhile_along(monkeypatch):
+    monkeypatch.setattr(livefeed, "STREAM_BATCH_S", 0.3)
+    loop = asyncio.get_running_loop()
+    streams = livefeed.LiveStreams(lambda n: None)
+    stream = streams.add(None, None, [], lambda s: None)
+    streams([_event(1)])
+    assert [e.seq for e in (await stream.next(1.0))[0]] == [1]  # after a quiet spell: at once
+    streams([_event(2)])
+    loop.call_later(0.05, streams, [_event(3)])  # inside the batch time: goes along
+    assert [e.seq for e in (await stream.next(1.0))[0]] == [2, 3]
+    streams.shut()
+    assert await stream.next(1.0) is None
+
+
+def test_an_event_is_encoded_once_for_every_stream_that_sends_it():
+    event = _event(7)
+    assert live._encoded(event) is live._encoded(event)
+    assert live._events([event, _event(8)]) == live._encoded(event) + live._encoded(_event(8))
+    assert live._encoded(event).startswith(b"id: boot-7\ndata: {")
 
 
 async def test_the_sse_bytes_replay_events_drops_heartbeat_and_end():

@@ -402,6 +402,8 @@ def filters(filled: dict) -> dict[str, dict[str, str]]:
             "time (one day)": {**ng, **day},
             "model, label and time": {**ng, "model": "defect-detector", "label": "crack", **day},
             "part id": {"part_id": "P0050000"},
+            "the gallery's (NG, captured, model, label, time)": {
+                **ng, "captured": "true", "model": "defect-detector", "label": "crack", **day},
             # none matches: the NG records read to the last one (the worst case of a filter)
             "no match (NG labelled ok)": {**ng, "label": "ok"},
             "page 2 (before)": ng}

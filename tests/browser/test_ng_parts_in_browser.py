@@ -143,5 +143,7 @@ def test_the_line_live_page_shows_the_last_ng_parts_picture(browser, line):
     assert image.get_attribute("alt").startswith("The captured frame of NG part NG-LIVE-1")
     assert browser.find_element(By.ID, "last-ng-link").get_attribute("href") \
         .endswith("/ui/parts/NG-LIVE-1")
+    totals = (By.CSS_SELECTOR, "[data-summary] [data-part=totals]")  # read every 3 s
+    WebDriverWait(browser, 10).until(lambda d: "NG 1" in d.find_element(*totals).text)
     _screenshot(browser, "live-last-ng")
     assert _axe_violations(browser) == []

@@ -183,6 +183,11 @@ def load(path: Path) -> Assignments:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"recipes file {path}: cannot be read: {exc}") from None
+    cameras_table = data.get("camera")
+    for name, cam in (cameras_table.items() if isinstance(cameras_table, dict) else ()):
+        if isinstance(cam, dict) and isinstance(cam.get("source"), str) \
+                and has_password(cam["source"]):  # said without repeating the URI
+            raise ConfigError(f"recipes file {path}: camera {name!r}: {PASSWORD_IN_URI}")
     try:
         spec = RecipeFile.model_validate(data)
     except ValidationError as exc:

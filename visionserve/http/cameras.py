@@ -10,6 +10,7 @@ process (:mod:`visionserve.cameras.service`); :meth:`DataPlane.trigger` reaches 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -27,15 +28,14 @@ _TRIGGER = {
     "parameters": [{"name": "X-Part-Id", "in": "header", "required": False,
                     "schema": {"type": "string", "maxLength": MAX_PART_ID},
                     "description": "The part the frame is of: in the answer, the record and the "
-                                   "PLC result."}],
-    "responses": {
-        **ERRORS, **CONFLICT,
-        200: {"description": "A verdict (OK, NG); the inspect JSON with each camera's answer "
-                             "under cameras"},
-        503: {"description": "A camera gave no frame (verdict ERROR, fault says why), or the "
-                             "model is not ready: no decision"},
-        504: {"description": "Deadline missed: verdict LATE, no decision"}},
-}
+                                   "PLC result."}]}
+_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **ERRORS, **CONFLICT,
+    200: {"description": "A verdict (OK, NG): the inspect JSON, with each camera's answer "
+                         "under cameras"},
+    503: {"description": "A camera gave no frame (verdict ERROR, fault says why), or the model "
+                         "is not ready: no decision"},
+    504: {"description": "Deadline missed: verdict LATE, no decision"}}
 
 
 def _part_id(request: Request) -> str | None:
@@ -57,14 +57,14 @@ async def _trigger(request: Request, target: str, station: bool) -> Response:
 
 
 @router.post("/v1/cameras/{name}/trigger", summary="Grab a frame from the camera and inspect it",
-             openapi_extra=_TRIGGER)
+             openapi_extra=_TRIGGER, responses=_RESPONSES)
 async def trigger_camera(request: Request, name: str) -> Response:
     return await _trigger(request, name, False)
 
 
 @router.post("/v1/stations/{station}/trigger",
              summary="Grab a frame from each camera of the station and inspect the part",
-             openapi_extra=_TRIGGER)
+             openapi_extra=_TRIGGER, responses=_RESPONSES)
 async def trigger_station(request: Request, station: str) -> Response:
     return await _trigger(request, station, True)
 

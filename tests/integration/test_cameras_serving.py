@@ -142,6 +142,12 @@ def test_a_trigger_inspects_the_camera_s_file_and_records_it(line, tmp_path, fro
                        reason="timeout") == 1
         assert _metric(server, "visionserve_camera_trigger_to_frame_seconds_count",
                        camera="cam-a") == 4
+        # what the source counts itself: a stale file left beside a trigger's frame is a drop
+        (drops / "a" / "old.jpg").write_bytes(BLACK)
+        os.utime(drops / "a" / "old.jpg", (time.time() - 60, time.time() - 60))
+        (drops / "a" / "new.jpg").write_bytes(WHITE)
+        assert _trigger(server, "cam-a", "P-6", **auth).json()["verdict"] == "OK"
+        assert _metric(server, "visionserve_camera_source_drops_total", camera="cam-a") == 1
     finally:
         server.stop()
 

@@ -442,10 +442,11 @@ class CameraService:
         """Where the camera's frames go: its station's recipe, else its own model, else the one
         model served."""
         spec = camera.spec
-        version = None if spec.version is None else str(spec.version)
         station = self.plane.recipes.cameras.get(camera.name)
-        if station is not None or spec.model is not None:
-            return self.plane.route(spec.model, version, station, None)
+        if station is not None:  # 409 while the station runs no recipe, as its inspect URL
+            return self.plane.route(None, None, station, None)
+        if spec.model is not None:
+            return Route(spec.model, "" if spec.version is None else str(spec.version))
         if len(self.plane.entries) == 1:
             return Route(next(iter(self.plane.entries)), "")
         raise Conflict(f"camera {camera.name} belongs to no station and names no model, and the "

@@ -44,6 +44,13 @@ def test_genicam_bayer_phases_on_the_device(pattern):
     assert (out[2:62, 2:30] == (200, 40, 10)).all() and (out[2:62, 34:62] == (30, 70, 220)).all()
 
 
+@pytest.mark.parametrize("top", [1023, 4095, 65535, 4096, 60007])
+def test_every_16_bit_value_scales_on_the_device_as_opencv_scales_it(top):
+    samples = np.arange(65536, dtype=np.uint16).reshape(256, 256)
+    np.testing.assert_array_equal(_on_cuda(samples, "Mono16", max_value=top),
+                                  to_rgb8(samples, "Mono16", max_value=top))
+
+
 def test_16_bit_samples_scaled_on_the_device_as_uint16_or_a_signed_view():
     samples = np.array([[0, 2048, 4095, 5000, 65535]], dtype=np.uint16)
     want = to_rgb8(samples, "Mono16", max_value=4095)

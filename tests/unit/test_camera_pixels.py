@@ -205,6 +205,19 @@ def test_deeper_formats_scale_by_their_maximum_rounding_to_nearest(name, top):
     np.testing.assert_array_equal(out, _reference_scale(samples, top))
 
 
+@pytest.mark.parametrize("top", [1023, 4095, 65535, 1000, 4096, 60007])
+def test_both_paths_scale_every_16_bit_value_alike(top):
+    """Every value, for the formats' maxima and for settings with ties (even) and near ties
+    (60007): the device's single-precision product rounds as OpenCV's does."""
+    samples = np.arange(65536, dtype=np.uint16).reshape(256, 256)
+    out = to_rgb8(samples, "Mono16", max_value=top)
+    np.testing.assert_array_equal(_device(samples, "Mono16", max_value=top), out)
+    exact = np.minimum((samples.astype(np.int64) * 255 + top // 2) // top, 255)
+    assert np.abs(out[..., 0].astype(np.int64) - exact).max() <= 1
+    if top in DEEP_MONO.values():
+        np.testing.assert_array_equal(out[..., 0], exact)
+
+
 def test_max_value_sets_what_becomes_255_and_values_above_it_saturate():
     """A 12-bit sensor in a Mono16 container: the model's ``[input] raw_max_value = 4095``."""
     samples = np.array([[0, 2048, 4095, 5000, 65535]], dtype=np.uint16)

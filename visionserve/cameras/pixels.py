@@ -12,10 +12,13 @@ camera whose frames go to a model that runs there.
 The rules, one for both paths (docs/cameras.md, "Pixel formats"):
 
 * Deeper formats are scaled to 8 bits first, by their format's maximum value (Mono10: 1023,
-  Mono12: 4095, Mono16: 65535): ``v8 = min(255, round(v * 255 / max))``, in integers
-  (``(v * 255 + max // 2) // max``), unless ``max_value`` (the model's ``[input]
-  raw_max_value``, e.g. 4095 for a 12-bit sensor in a Mono16 container) says otherwise; values
-  above it saturate at 255. 8-bit formats are never scaled.
+  Mono12: 4095, Mono16: 65535): ``v8 = min(255, round(v * 255 / max))``, unless ``max_value``
+  (the model's ``[input] raw_max_value``, e.g. 4095 for a 12-bit sensor in a Mono16 container)
+  says otherwise; values above it saturate at 255. It is computed as OpenCV's
+  ``convertScaleAbs`` does (SIMD, several times faster than a table): ``v`` times ``255 / max``
+  in single precision, rounded to nearest, ties to even. For the formats' own maxima that is
+  exactly ``round(v * 255 / max)`` for every ``v``; with another ``max_value``, a tie or a near
+  tie may round the other way. 8-bit formats are never scaled.
 * Bayer mosaics are then demosaiced bilinearly, as OpenCV's ``COLOR_Bayer*2RGB`` does: every
   missing colour is the rounded mean of its 2 or 4 nearest samples of that colour; the first
   and last row and column, which lack neighbours on one side, repeat the row or column next to
@@ -30,7 +33,6 @@ The rules, one for both paths (docs/cameras.md, "Pixel formats"):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -221,18 +223,14 @@ def scale_max(fmt: PixelFormat, max_value: int | None = None) -> int | None:
     return max_value
 
 
-@lru_cache(maxsize=8)
-def _scale_table(max_value: int) -> np.ndarray:
-    v = np.arange(65536, dtype=np.int64)
-    return np.minimum((v * 255 + max_value // 2) // max_value, 255).astype(np.uint8)
-
-
 def to_8bit(pixels: np.ndarray, fmt: PixelFormat, max_value: int | None = None) -> np.ndarray:
     """Samples of ``fmt`` -> uint8 by the scaling rule (the same array for 8-bit formats)."""
     top = scale_max(fmt, max_value)
     if top is None:
         return pixels
-    return np.take(_scale_table(top), pixels)
+    import cv2
+
+    return cv2.convertScaleAbs(pixels, alpha=255.0 / top)
 
 
 # --- conversion on the CPU -----------------------------------------------------------------------
@@ -291,7 +289,7 @@ def to_rgb8_device(tensor: Any, pixel_format: str, *, max_value: int | None = No
     """:func:`to_rgb8` with torch, on the tensor's device: a frame's samples (``HxW`` or
     ``HxWx3``; uint8, or 16-bit samples as torch.uint16 or int16, read as unsigned) ->
     a uint8 tensor on the same device, ``HxWx3`` RGB or ``HxWx1`` grey, equal to
-    :func:`to_rgb8`'s pixels for the same frame (the same integer scaling, then the same
+    :func:`to_rgb8`'s pixels for the same frame (the same single-precision scaling, then the same
     bilinear demosaic with the same rounding and border rule as OpenCV's)."""
     import torch
 
@@ -302,8 +300,9 @@ def to_rgb8_device(tensor: Any, pixel_format: str, *, max_value: int | None = No
     if top is None:
         px = tensor
     else:  # 16-bit samples, read as unsigned through a signed view (int16 ops are everywhere)
-        v = tensor.view(torch.int16).to(torch.int32) & 0xFFFF
-        px = torch.clamp((v * 255 + top // 2) // top, max=255).to(torch.uint8)
+        v = (tensor.view(torch.int16).to(torch.int32) & 0xFFFF).to(torch.float32)
+        alpha = float(np.float32(255.0 / top))  # the factor in single precision, as OpenCV's
+        px = torch.clamp(torch.round(v * alpha), max=255).to(torch.uint8)  # ties to even
     if fmt.layout == "mono":
         return px.unsqueeze(-1)
     if fmt.layout == "rgb":

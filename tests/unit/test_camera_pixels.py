@@ -71,12 +71,6 @@ def test_the_formats_cameras_send_are_supported_with_their_depth_and_layout():
     assert PIXEL_FORMATS["RGB8"].buffer_size(640, 480) == 640 * 480 * 3
 
 
-def test_the_source_interface_names_only_formats_that_are_converted():
-    from visionserve.cameras import source
-
-    assert set(source.PIXEL_FORMATS) <= set(PIXEL_FORMATS)
-
-
 # --- GenICam's Bayer phases ----------------------------------------------------------------------
 
 # flat colours: every channel different, none a mix of the others

@@ -39,8 +39,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
-
 from .. import imaging
 from ..config import ServerSettings
 from ..dataplane import Cameras, DataPlane, Route, inspect_answer
@@ -54,7 +52,7 @@ from ..errors import (
     http_status,
 )
 from ..recipes import CameraSpec
-from . import metrics
+from . import metrics, pixels
 from .source import ENCODED, CameraFault, Grabbed, Source, open_source
 
 if sys.version_info >= (3, 11):
@@ -86,32 +84,29 @@ class Plane(DataPlane, Protocol):
 
 # --- frames -------------------------------------------------------------------------------------
 
-def to_frame(grabbed: Grabbed, max_pixels: int = imaging.DEFAULT_MAX_PIXELS) -> imaging.Frame:
+def to_frame(grabbed: Grabbed, max_pixels: int = imaging.DEFAULT_MAX_PIXELS,
+             max_value: int | None = None) -> imaging.Frame:
     """The frame the engine inspects from what the camera sent: a file's bytes as they are
     (decoded in the executor, like an inspect request's), pixels as a raw frame (RGB, or grey for
-    Mono8). Runs in the camera's thread. CameraFault (``config``) for a pixel format not
-    converted here."""
-    try:
-        if grabbed.pixel_format == ENCODED:
-            if grabbed.encoded is None:
-                raise CameraFault("the source gave an encoded frame without its bytes", "error")
+    a mono format; :func:`.pixels.to_frame`, deeper formats scaled by ``max_value``, the model's
+    ``[input] raw_max_value``, else their format's maximum). Runs in the camera's thread.
+    CameraFault for a pixel format that is not supported or pixels that are not its frame."""
+    if grabbed.pixel_format == ENCODED:
+        if grabbed.encoded is None:
+            raise CameraFault("the source gave an encoded frame without its bytes", "error")
+        try:
             return imaging.encoded_frame(grabbed.encoded, max_pixels=max_pixels)
-        pixels = grabbed.pixels
-        if pixels is None:
-            raise CameraFault(f"the source gave a {grabbed.pixel_format} frame without pixels",
-                              "error")
-        if grabbed.pixel_format == "Mono8" and pixels.ndim == 2:
-            h, w = pixels.shape
-            return imaging.raw_frame(pixels, (h, w, 1), max_pixels=max_pixels)
-        if grabbed.pixel_format in ("RGB8", "BGR8") and pixels.ndim == 3:
-            rgb = pixels if grabbed.pixel_format == "RGB8" else pixels[:, :, ::-1]
-            h, w, c = rgb.shape
-            return imaging.raw_frame(np.ascontiguousarray(rgb), (h, w, c), max_pixels=max_pixels)
+        except VisionServeError as exc:
+            raise CameraFault(f"the camera's frame is unusable: {exc.message}",
+                              "incomplete") from None
+    if grabbed.pixels is None:
+        raise CameraFault(f"the source gave a {grabbed.pixel_format} frame without pixels",
+                          "error")
+    try:
+        return pixels.to_frame(grabbed.pixels, grabbed.pixel_format, max_value=max_value,
+                               max_pixels=max_pixels)
     except VisionServeError as exc:
         raise CameraFault(f"the camera's frame is unusable: {exc.message}", "incomplete") from None
-    raise CameraFault(f"pixel format {grabbed.pixel_format} ({pixels.dtype}, shape "
-                      f"{pixels.shape}) is not converted; set the camera to Mono8, RGB8 or BGR8",
-                      "config")
 
 
 # --- credentials --------------------------------------------------------------------------------
@@ -192,6 +187,8 @@ class Camera:
         #: from the camera's thread; grabbing waits while ``may_grab`` says no (not serving yet)
         self.on_frame: Callable[[Shot], None] | None = None
         self.may_grab: Callable[[], bool] = lambda: True
+        #: the ``[input] raw_max_value`` of the model its frames go to now (None: the format's)
+        self.max_value: Callable[[], int | None] = lambda: None
 
     @property
     def triggered(self) -> bool:
@@ -326,7 +323,8 @@ class Camera:
                 asked = time.monotonic()
             try:
                 grabbed = self.source.grab(self.spec.timeout_s)
-                shot = Shot(to_frame(grabbed, self.max_pixels), grabbed, asked, time.monotonic())
+                shot = Shot(to_frame(grabbed, self.max_pixels, self.max_value()), grabbed,
+                            asked, time.monotonic())
             except CameraFault as exc:
                 # a camera that triggers itself may well send nothing for a while (no part, no
                 # file); one asked for a frame that times out again and again is taken for gone
@@ -401,6 +399,7 @@ class CameraService:
         self._loop = asyncio.get_running_loop()
         metrics.SOURCE_COUNTERS.read = self._source_stats
         for camera in self.cameras.values():
+            camera.max_value = functools.partial(self._raw_max_value, camera)
             if not camera.triggered:
                 camera.on_frame = functools.partial(self._free_frame, camera)
                 camera.may_grab = lambda: self.plane.ready
@@ -439,6 +438,15 @@ class CameraService:
         answers = await asyncio.gather(*(self._inspect(c, r, part_id, c.grab())
                                          for c, r in zip(cameras, routes)))
         return _part(target if station else None, part_id, routes, cameras, answers, asked)
+
+    def _raw_max_value(self, camera: Camera) -> int | None:
+        """(the camera's thread) the raw_max_value of the model the camera's frames go to now;
+        None where none is set or the frames go nowhere yet (the trigger says why)."""
+        try:
+            entry = self.plane.entries.get(self._route(camera).model)
+        except VisionServeError:
+            return None
+        return entry.config.input.raw_max_value if entry is not None else None
 
     def _camera(self, name: str) -> Camera:
         camera = self.cameras.get(name)

@@ -29,12 +29,9 @@ import numpy as np
 
 from ..errors import ConfigError
 
-#: The pixel formats a source may hand over (GenICam names), and ``ENCODED`` for a file's bytes.
-MONO_FORMATS = ("Mono8", "Mono12", "Mono16")
-BAYER_FORMATS = tuple(f"Bayer{p}{b}" for b in (8, 12) for p in ("RG", "GB", "GR", "BG"))
-COLOR_FORMATS = ("RGB8", "BGR8")
+#: A grabbed frame that is a file's bytes (JPEG, PNG, BMP); pixels come in one of the GenICam
+#: formats :data:`.pixels.PIXEL_FORMATS` names
 ENCODED = "encoded"
-PIXEL_FORMATS = (*MONO_FORMATS, *BAYER_FORMATS, *COLOR_FORMATS)
 
 #: Settings every source is opened with besides its own (``[camera.NAME]``'s ``trigger`` and
 #: ``rate_hz``; ``user`` and ``password`` where credentials are configured for it): a source

@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("models", frozenset({"backends", "tasks", "repository", "verdicts", "recipes"})),
     ("data plane", frozenset({"dataplane", "batching", "execution", "engine", "oip", "served",
                               "admission", "enginestats", "lifecycle", "livefeed",
-                              "preview"})),
+                              "preview", "cameras"})),
     ("front ends", frozenset({"http", "grpc", "frontends", "security", "users"})),
     ("services", frozenset({"guard", "plc", "ops", "records", "console"})),
     ("assembly", frozenset({"runtime", "cli", "__main__"})),

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import tzinfo
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     AfterValidator,
@@ -355,6 +356,7 @@ SETTING_GROUPS: dict[str, str] = {
     "records": "Traceability records and image capture (docs/records.md).",
     "guard": "Sharing the GPU with training jobs (docs/guard.md).",
     "console": "The operator console in the browser at /ui (docs/console.md).",
+    "cameras": "Cameras the server acquires from itself (docs/cameras.md).",
     "logging and process": "Logging, shutdown and the serving process's threads.",
 }
 _NETWORK: JsonDict = {"group": "network"}
@@ -366,6 +368,7 @@ _PLC: JsonDict = {"group": "PLC"}
 _RECORDS: JsonDict = {"group": "records"}
 _GUARD: JsonDict = {"group": "guard"}
 _CONSOLE: JsonDict = {"group": "console"}
+_CAMERAS: JsonDict = {"group": "cameras"}
 _OTHER: JsonDict = {"group": "logging and process"}
 
 
@@ -695,6 +698,24 @@ class ServerSettings(BaseSettings):
         "", description="The time zone the console shows times in (IANA name, e.g. "
                         "Europe/Berlin); empty: the machine's local zone.",
         json_schema_extra={**_CONSOLE, "default_text": "the machine's local zone"})
+    camera: list[str] = Field(
+        default_factory=list,
+        description="A camera as NAME=URI (folder:PATH, gige://DEVICE, rtsp://HOST/PATH), "
+                    "repeatable; beside [camera.NAME] of the recipes file. No password in a URI.",
+        json_schema_extra={**_CAMERAS, "default_text": "none"})
+    camera_credentials: Path | None = Field(
+        None, description="TOML file of camera NAME -> user, password (mode 0600); else "
+                          "VISIONSERVE_CAMERA_<NAME>_USER and _PASSWORD.",
+        json_schema_extra=_CAMERAS)
+
+    @field_validator("camera")
+    @classmethod
+    def _cameras(cls, v: list[str]) -> list[str]:
+        names = [parse_camera_option(text)[0] for text in v]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"--camera names {', '.join(twice)} more than once")
+        return v
 
     @field_validator("guard_margin", "records_max_bytes", "capture_quota")
     @classmethod
@@ -752,6 +773,42 @@ class ServerSettings(BaseSettings):
 
 
 ENV_PREFIX = "VISIONSERVE_"
+
+#: a camera's name (``[camera.NAME]``, ``--camera NAME=URI``): also a metrics label and part of
+#: its credentials' variable names
+CAMERA_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$"
+
+#: why a camera URI with a password in it is refused
+PASSWORD_IN_URI = ("the camera URI holds a password: a URI is shown in logs and process lists; "
+                   "give the user and password in --camera-credentials or in "
+                   "VISIONSERVE_CAMERA_<NAME>_USER / _PASSWORD (docs/cameras.md)")
+
+
+#: ``VISIONSERVE_CAMERA_<NAME>_USER`` / ``_PASSWORD``: a camera's credentials, no setting
+CAMERA_SECRET = re.compile(r"^CAMERA_[A-Z0-9_]+_(USER|PASSWORD)$")
+
+
+def has_password(uri: str) -> bool:
+    """True when ``uri`` carries a password (``scheme://user:password@host``)."""
+    try:
+        return urlsplit(uri.strip()).password is not None
+    except ValueError:
+        return False
+
+
+def parse_camera_option(text: str) -> tuple[str, str]:
+    """``NAME=URI`` of ``--camera`` -> (name, uri); ValueError says what is wrong."""
+    name, sep, uri = text.partition("=")
+    name, uri = name.strip(), uri.strip()
+    if not sep or not name or not uri:
+        raise ValueError(f"--camera {text!r}: expected NAME=URI, e.g. cam-1=folder:/srv/drop")
+    if not re.match(CAMERA_NAME, name):
+        raise ValueError(f"--camera {name!r}: use letters, digits and _.:- (at most 64)")
+    if has_password(uri):
+        raise ValueError(f"--camera {name}: {PASSWORD_IN_URI}")
+    return name, uri
+
+
 
 #: ``VISIONSERVE_*`` variables that are not server settings, and what reads them. The start-up
 #: check for misspelt settings leaves them alone; docs/settings.md lists them.
@@ -845,7 +902,8 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     out = []
     for key in sorted(environ):
         upper = key.upper()  # settings are read case-insensitively
-        if not upper.startswith(ENV_PREFIX) or upper[len(ENV_PREFIX):] in known:
+        if not upper.startswith(ENV_PREFIX) or upper[len(ENV_PREFIX):] in known \
+                or CAMERA_SECRET.match(upper[len(ENV_PREFIX):]):
             continue
         removed = REMOVED_SETTINGS.get(upper[len(ENV_PREFIX):])
         if removed is not None:

@@ -35,14 +35,16 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .config import PASSWORD_IN_URI, has_password, parse_camera_option
 from .errors import ConfigError, NotFound, describe_validation
 
 if sys.version_info >= (3, 11):
@@ -73,11 +75,52 @@ class StationSpec(BaseModel):
                                description="Camera ids whose frames belong to this station.")
 
 
+class CameraSpec(BaseModel):
+    """A camera the server acquires from itself (``[camera.NAME]``; docs/cameras.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    source: str = Field(..., min_length=1,
+                        description="folder:PATH, gige://DEVICE or rtsp://HOST/PATH (no password "
+                                    "in it: credentials come from --camera-credentials or the "
+                                    "environment).")
+    model: str | None = Field(None, description="The model its frames go to when no station "
+                                                "lists it (a station's go to its recipe's).")
+    version: int | None = Field(None, ge=1, description="That model's version (default: its "
+                                                        "default).")
+    trigger: Literal["software", "hardware", "free"] = Field(
+        "software", description="software: a trigger call grabs a frame; hardware: the camera's "
+                                "own input triggers, each frame is inspected; free: free-running.")
+    rate_hz: float | None = Field(None, gt=0, le=1000,
+                                  description="Frames per second when free-running.")
+    timeout_s: float = Field(1.0, gt=0, le=60, description="How long a grab may take.")
+    settings: dict[str, Any] = Field(default_factory=dict,
+                                     description="The source's own settings (docs/cameras.md).")
+
+    @field_validator("source")
+    @classmethod
+    def _no_password(cls, uri: str) -> str:
+        if has_password(uri):
+            raise ValueError(PASSWORD_IN_URI)
+        return uri.strip()
+
+    @model_validator(mode="after")
+    def _rate(self) -> CameraSpec:
+        if self.trigger == "free" and self.rate_hz is None:
+            raise ValueError("trigger 'free' needs rate_hz (frames per second)")
+        return self
+
+    def source_settings(self) -> dict[str, Any]:
+        """What the source is opened with: its own settings, and how it is triggered."""
+        return {**self.settings, "trigger": self.trigger, "rate_hz": self.rate_hz}
+
+
 class RecipeFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     recipe: dict[str, RecipeSpec] = Field(default_factory=dict)
     station: dict[str, StationSpec] = Field(default_factory=dict)
+    camera: dict[str, CameraSpec] = Field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -98,11 +141,13 @@ class Recipe:
 @dataclass(frozen=True)
 class Assignments:
     """Who runs what, as one value: a switch replaces it whole (readers never see half of one).
-    ``stations``: station -> recipe id (None: no recipe yet); ``cameras``: camera -> station."""
+    ``stations``: station -> recipe id (None: no recipe yet); ``cameras``: camera -> station;
+    ``sources``: the cameras the server acquires from itself (``[camera.NAME]``, ``--camera``)."""
 
     recipes: Mapping[str, Recipe]
     stations: Mapping[str, str | None]
     cameras: Mapping[str, str]
+    sources: Mapping[str, CameraSpec] = field(default_factory=dict)
 
     def station_of(self, station: str | None, camera: str | None) -> str | None:
         """The station a frame belongs to: named, else by its camera (None: no station)."""
@@ -143,9 +188,8 @@ def load(path: Path) -> Assignments:
     except ValidationError as exc:
         raise ConfigError(f"recipes file {path}: "
                           + "; ".join(describe_validation(exc, field=True, got=True))) from None
-    import re
-
-    for kind, names in (("recipe", spec.recipe), ("station", spec.station)):
+    for kind, names in (("recipe", spec.recipe), ("station", spec.station),
+                        ("camera", spec.camera)):
         for name in names:
             if not re.match(_NAME, name):
                 raise ConfigError(f"recipes file {path}: {kind} name {name!r}: use letters, digits "
@@ -169,7 +213,21 @@ def load(path: Path) -> Assignments:
         else:
             log.warning("recipes state %s: station %r with recipe %r is no longer in %s; ignored",
                         state_path(path), name, rid, path)
-    return Assignments(recipes, stations, cameras)
+    return Assignments(recipes, stations, cameras, dict(spec.camera))
+
+
+def with_cameras(book: Assignments, options: list[str]) -> Assignments:
+    """``book`` with the cameras of ``--camera NAME=URI`` options: a new camera with the
+    defaults, or a recipes-file camera's source replaced (its settings kept)."""
+    if not options:
+        return book
+    sources = dict(book.sources)
+    for option in options:
+        name, uri = parse_camera_option(option)  # checked when the settings were read
+        known = sources.get(name)
+        sources[name] = CameraSpec(source=uri) if known is None \
+            else known.model_copy(update={"source": uri})
+    return replace(book, sources=sources)
 
 
 def state_path(path: Path) -> Path:

@@ -36,6 +36,11 @@ COLOR_FORMATS = ("RGB8", "BGR8")
 ENCODED = "encoded"
 PIXEL_FORMATS = (*MONO_FORMATS, *BAYER_FORMATS, *COLOR_FORMATS)
 
+#: Settings every source is opened with besides its own (``[camera.NAME]``'s ``trigger`` and
+#: ``rate_hz``; ``user`` and ``password`` where credentials are configured for it): a source
+#: refuses other keys it does not know (ConfigError), and ignores these where they do not apply.
+COMMON_SETTINGS = ("trigger", "rate_hz", "user", "password")
+
 #: How a camera is triggered (the ``trigger`` setting): by the server per trigger call
 #: (``software``), by its own input line (``hardware``: a frame's arrival is the trigger), or
 #: free-running at ``rate_hz`` (``free``).
@@ -172,10 +177,3 @@ def redact(uri: str) -> str:
     netloc = host if parts.port is None else f"{host}:{parts.port}"
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
-
-def has_password(uri: str) -> bool:
-    """True when ``uri`` carries a password (``scheme://user:password@host``)."""
-    try:
-        return urlsplit(uri).password is not None
-    except ValueError:
-        return False

@@ -48,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                    action=argparse.BooleanOptionalAction, default=None,
                                    help=help_text)
                 continue
+            if typing.get_origin(ann) is list:  # repeatable: each use adds one
+                group.add_argument(doc.flags[0], dest=doc.name, action="append", default=None,
+                                   help=help_text, metavar=doc.name.upper())
+                continue
             group.add_argument(doc.flags[0], dest=doc.name, type=_scalar(ann),
                                choices=doc.choices or None, default=None, help=help_text,
                                metavar=None if doc.choices else doc.name.upper())
@@ -70,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = settings_from(args)
     except ValidationError as exc:
-        for line in describe_validation(exc, flag=True, got=True):
+        # a refused --camera may hold a password: its value is not repeated
+        secret = any(err["loc"][:1] == ("camera",) for err in exc.errors())
+        for line in describe_validation(exc, flag=True, got=not secret):
             print(f"visionserve serve: {line}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_json)

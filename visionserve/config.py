@@ -162,6 +162,10 @@ class InputSpec(_Strict):
         (1.0, 1.0, 1.0), description="Per-channel std divided after the mean.")
     tensor_name: str | None = Field(
         None, description="Model graph input name; default: the first input.")
+    raw_max_value: int | None = Field(
+        None, ge=1, le=65535, description="Camera frames deeper than 8 bits: the sample value "
+        "that becomes 255 (e.g. 4095 for a 12-bit sensor in a Mono16 container); values above "
+        "it saturate. Default: the pixel format's maximum (Mono12: 4095). docs/cameras.md.")
 
     @model_validator(mode="after")
     def _check_channels(self) -> InputSpec:

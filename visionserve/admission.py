@@ -149,6 +149,15 @@ class Admission:
         self.results.watch(served, pending, origin)
         return pending
 
+    def refuse(self, served: Served, n: int, origin: tuple | None,
+               exc: VisionServeError) -> None:
+        """``n`` frames that never came (a camera gave none): counted as an answer with ``exc``
+        and told to the taps, as a refusal at admission is, so the PLC hears "no decision"."""
+        self.count_error(served.name, exc, n)
+        exc.counted = True
+        if self.results is not None:
+            self.results.refused(served, n, origin, exc)
+
     def precheck(self, served: Served, n: int, deadline_ms: float | None, priority: int | None,
                  arrival: float, origin: tuple | None = None) -> None:
         """Admission from a request's head, before its body is read: raise (counted, and told to

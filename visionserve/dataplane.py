@@ -13,6 +13,7 @@ process is sent. Its ``task`` renders answers (:mod:`visionserve.tasks`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -188,11 +189,55 @@ class DataPlane(Protocol):
         """Unload every version of model ``name`` (``parameters["force"]``: even in use)."""
         ...
 
+    async def trigger(self, target: str, part_id: str | None, station: bool = False
+                      ) -> tuple[int, dict]:
+        """Acquire a frame from camera ``target`` (with ``station``: from each camera of station
+        ``target``) and inspect it: (HTTP status, the answer). 404 for an unknown camera or
+        station; a camera that gives no frame is a fault in the answer, never an OK."""
+        ...
+
+    async def camera_states(self) -> list[dict]:
+        """Each camera the server acquires from: its state (up, down), last error, counters."""
+        ...
+
     async def metrics_text(self) -> bytes: ...
 
     async def drain(self, timeout_s: float) -> bool: ...
 
     async def close(self) -> None: ...
+
+
+class Cameras(Protocol):
+    """The cameras of the serving process (:class:`visionserve.cameras.service.CameraService`),
+    as the engine holds them: what :meth:`DataPlane.trigger` and ``camera_states`` call."""
+
+    async def trigger(self, target: str, part_id: str | None, station: bool
+                      ) -> tuple[int, dict]: ...
+
+    def states(self) -> list[dict]: ...
+
+
+def inspect_answer(served: ServedModel, r: FrameResult, frame: Frame, arrival: float, *,
+                   part_id: str | None, camera_id: str | None, station: str | None,
+                   recipe: str | None) -> dict[str, Any]:
+    """The inspect JSON of one answered frame (``POST .../inspect``, a camera's trigger)."""
+    task = served.task
+    assert task is not None  # every served version has its task (made when it loads)
+    return {
+        "part_id": part_id,
+        "camera_id": camera_id,
+        "model": served.name,
+        "version": str(served.version),
+        "verdict": r.verdict,
+        **task.inspect_fields(r.result),  # what the model's task says of the frame
+        # the pixels boxes, masks and regions are in: the file's stored ones (EXIF ignored)
+        **({"frame": {"width": frame.width, "height": frame.height}} if task.geometry else {}),
+        **({} if station is None else {"station": station, "recipe": recipe}),
+        "batch_size": r.batch_size,
+        "deadline_met": r.deadline_met,
+        "timing": {"queue_ms": round(r.queue_ms, 3), "compute_ms": round(r.compute_ms, 3),
+                   "total_ms": round((time.monotonic() - arrival) * 1000, 3)},
+    }
 
 
 @dataclass(frozen=True, slots=True)

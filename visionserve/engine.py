@@ -34,8 +34,8 @@ from .backends import base as backends
 from .backends import checks
 from .batching import Batcher, CostModel
 from .config import ServerSettings
-from .dataplane import ModelLookup
-from .errors import ConfigError, VisionServeError
+from .dataplane import Cameras, ModelLookup
+from .errors import ConfigError, NotFound, VisionServeError
 from .execution import Executor, InProcess, choose
 from .execution.results import FrameResult, device_fault, padded_size
 from .imaging import Frame
@@ -88,6 +88,8 @@ class Engine(ModelLookup):
         self.preview = Ring(settings.preview_frames) if settings.preview_frames else None
         if self.preview is not None:
             self.admission.tap(self.preview)
+        #: the cameras the server acquires from (visionserve.cameras.service), while they run
+        self.camera_service: Cameras | None = None
 
     # --- state, start and shutdown ------------------------------------------------------------
 
@@ -358,6 +360,23 @@ class Engine(ModelLookup):
         """What admitting ``n`` frames would raise now, from a request's head
         (``Admission.precheck``)."""
         self.admission.precheck(self.get(name, version), n, deadline_ms, priority, arrival, origin)
+
+    def refuse(self, name: str, version: str | int | None, n: int, origin: tuple | None,
+               exc: VisionServeError) -> None:
+        """Answer ``n`` frames that never came with ``exc`` (``Admission.refuse``)."""
+        self.admission.refuse(self.get(name, version), n, origin, exc)
+
+    # --- cameras: visionserve.cameras.service ------------------------------------------------
+
+    async def trigger(self, target: str, part_id: str | None, station: bool = False
+                      ) -> tuple[int, dict]:
+        if self.camera_service is None:
+            raise NotFound(f"unknown {'station' if station else 'camera'} {target!r}: the server "
+                           "acquires from no camera ([camera.NAME] in the recipes file, --camera)")
+        return await self.camera_service.trigger(target, part_id, station)
+
+    async def camera_states(self) -> list[dict]:
+        return [] if self.camera_service is None else self.camera_service.states()
 
     def tap(self, listener: ResultTap) -> None:
         """Hand every frame's final answer to ``listener`` from now on (``Admission.tap``)."""

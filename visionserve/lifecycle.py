@@ -141,6 +141,8 @@ class Lifecycle:
             for recipe in book.recipes.values():
                 self._check_recipe(path, recipe)
             self._recipes_file, self.models.recipes = path, book
+        # the cameras of --camera NAME=URI beside the recipes file's
+        self.models.recipes = recipes.with_cameras(self.models.recipes, self.settings.camera)
 
     def _check_recipe(self, path: Path, recipe: recipes.Recipe) -> None:
         where = f"recipes file {path}: recipe {recipe.id!r}"

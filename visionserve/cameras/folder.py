@@ -194,9 +194,9 @@ class FolderSource:
                 self._waiting.pop(entry.name, None)
                 return None, "still growing"
             if second.st_size > self.settings.max_bytes:
-                why = f"{second.st_size} bytes, over max_bytes {self.settings.max_bytes}"
-                self._give_up(entry, why)
-                return None, why
+                big = f"{second.st_size} bytes, over max_bytes {self.settings.max_bytes}"
+                self._give_up(entry, big)
+                return None, big
             with open(entry.path, "rb") as f:
                 data = f.read(self.settings.max_bytes + 1)
         except FileNotFoundError:

@@ -27,7 +27,8 @@ Messages (tuples) a front end sends:
   ``("live_close",)`` each. ``("live_summary", rid, model, minutes)``: the per-minute summary.
   ``("live_dropped", n)``: its streams lost ``n`` events (a slow browser), for the metrics.
   ``("repository", rid, call, args)``: ``call`` one of ``repository_index``, ``load_model``,
-  ``unload_model`` of the engine, with ``args``; a swap sends every front end the models before
+  ``unload_model``, ``trigger`` (a camera's or station's, with (target, part id, station)) and
+  ``camera_states`` of the engine, with ``args``; a swap sends every front end the models before
   any frame reaches the new versions (``Engine.on_change``).
   ``("preview", rid, model, changes)``: what a ``[verdict]`` change would make of the model's
   last answered frames (``Engine.preview_verdict``); nothing changes.
@@ -74,8 +75,10 @@ log = logging.getLogger(__name__)
 STATE_POLL_S = 0.05
 #: how often every front end is told that this process is alive (see remote.HEARTBEAT_TIMEOUT_S)
 HEARTBEAT_S = 0.2
-#: the engine's calls a front end may make with a "repository" message (and the preview's)
-REPOSITORY_CALLS = ("repository_index", "load_model", "unload_model", "preview_verdict")
+#: the engine's calls a front end may make with a "repository" message (and the preview's, and
+#: the cameras', which live in this process)
+REPOSITORY_CALLS = ("repository_index", "load_model", "unload_model", "preview_verdict",
+                    "trigger", "camera_states")
 
 
 class Link:

@@ -328,6 +328,16 @@ class RemoteEngine(ModelLookup):
         fut, _ = self._call("repository", "unload_model", (name, dict(parameters or {})))
         return await fut
 
+    async def trigger(self, target: str, part_id: str | None, station: bool = False
+                      ) -> tuple[int, dict]:
+        """Asked of the engine process, where the cameras are."""
+        fut, _ = self._call("repository", "trigger", (target, part_id, station))
+        return await fut
+
+    async def camera_states(self) -> list[dict]:
+        fut, _ = self._call("repository", "camera_states", ())
+        return await fut
+
     async def metrics_text(self) -> bytes:
         fut, _ = self._call("metrics")
         return await fut

@@ -16,6 +16,7 @@ from fastapi.responses import Response
 from starlette.datastructures import Headers
 
 from .. import imaging
+from ..dataplane import inspect_answer
 from ..errors import DeadlineExceeded, InvalidInput, VisionServeError
 from ..execution.results import FrameResult
 from ..tasks import Task, annotate
@@ -208,21 +209,8 @@ async def inspect_frame(request: Request, model_name: str | None, model_version:
         if head.recipe is not None:
             headers["X-Recipe"] = head.recipe
         return Response(jpeg, media_type="image/jpeg", headers=headers)
-    answer = {
-        "part_id": part_id,
-        "camera_id": camera_id,
-        "model": served.name,
-        "version": str(served.version),
-        "verdict": r.verdict,
-        **task.inspect_fields(r.result),  # what the model's task says of the frame
-        # the pixels boxes, masks and regions are in: the file's stored ones (EXIF ignored)
-        **({"frame": {"width": frame.width, "height": frame.height}} if task.geometry else {}),
-        **({} if head.station is None else {"station": head.station, "recipe": head.recipe}),
-        "batch_size": r.batch_size,
-        "deadline_met": r.deadline_met,
-        "timing": {"queue_ms": round(r.queue_ms, 3), "compute_ms": round(r.compute_ms, 3),
-                   "total_ms": round((time.monotonic() - arrival) * 1000, 3)},
-    }
+    answer = inspect_answer(served, r, frame, arrival, part_id=part_id, camera_id=camera_id,
+                            station=head.station, recipe=head.recipe)
     return Response(json.dumps(answer, separators=(",", ":")).encode(),
                     media_type="application/json")
 

@@ -49,15 +49,17 @@ def assemble(settings: ServerSettings):
 
 async def serve(engine, settings: ServerSettings, guard: HostedGuard | None = None) -> int:
     """Run HTTP (+ gRPC) until a signal, then drain; returns the exit code. The PLC servers
-    (--opcua, --modbus) and the record writer (--records) run alongside, in either front-end
-    mode: the engine hands them every answer."""
+    (--opcua, --modbus), the record writer (--records) and the cameras run alongside, in either
+    front-end mode: the engine hands them every answer, and the cameras' frames go to it."""
+    from ..cameras.service import cameras_running
     from ..plc.service import plc_running
     from ..records.service import records_running
 
     async with records_running(engine, settings) as failed, \
-            plc_running(engine, settings) as plc_failed:
-        if failed or plc_failed:
-            return failed or plc_failed
+            plc_running(engine, settings) as plc_failed, \
+            cameras_running(engine, settings) as cameras_failed:
+        if failed or plc_failed or cameras_failed:
+            return failed or plc_failed or cameras_failed
         if settings.frontends:
             from .procs import serve_with_frontends
 

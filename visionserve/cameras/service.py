@@ -1,0 +1,567 @@
+"""The cameras of the serving process: each in its own thread, triggered into inspections.
+
+Each camera (``[camera.NAME]`` of the recipes file, ``--camera NAME=URI``) has one thread that
+owns its :class:`~visionserve.cameras.source.Source`: it opens it, grabs from it, and reopens a
+camera that went down, waiting 0.5 s, then twice as long each time, up to 5 s. Nothing else
+touches a source.
+
+:meth:`CameraService.trigger` is the one way a trigger becomes a verdict, whoever triggers: the
+HTTP route (``POST /v1/cameras/{name}/trigger``, ``/v1/stations/{s}/trigger``) and, later, the
+PLC. It grabs from each camera of the trigger at once, turns each grab into a raw frame
+(:func:`to_frame`) and submits it through the data plane as an inspect request does (no JPEG
+round trip), with the part id and the camera's name as its origin: the part's record, the live
+feed and the PLC result path get them. A camera that gives no frame is a fault: its answer says
+why, the PLC hears "no decision", and it is counted; never an OK without a frame. A part seen by
+several cameras is NG when any camera's verdict is, and no decision when any camera gave none.
+
+Free-running cameras (``trigger = "free"``, ``rate_hz``) and hardware-triggered ones (the frame's
+arrival is the trigger) are grabbed by their thread without a call, each frame inspected with a
+generated part id (``NAME-<n>``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import itertools
+import logging
+import os
+import queue
+import re
+import stat
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from .. import imaging
+from ..config import ServerSettings
+from ..dataplane import Cameras, DataPlane, Route, inspect_answer
+from ..errors import (
+    ConfigError,
+    Conflict,
+    DeadlineExceeded,
+    NotFound,
+    Unavailable,
+    VisionServeError,
+    http_status,
+)
+from ..recipes import CameraSpec
+from . import metrics
+from .source import ENCODED, CameraFault, Grabbed, Source, open_source
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+log = logging.getLogger(__name__)
+
+#: reconnecting a camera that is down: the first wait, and the longest
+BACKOFF_FIRST_S = 0.5
+BACKOFF_MAX_S = 5.0
+#: grabs that time out one after another before the camera is taken for gone and reopened
+TIMEOUTS_BEFORE_REOPEN = 3
+#: frames of a free-running camera inspected at once; the thread waits for room before grabbing
+FREE_INFLIGHT = 4
+
+
+class Plane(DataPlane, Protocol):
+    """The data plane as the cameras use it: the engine, in the serving process."""
+
+    #: the cameras while they run, for the engine's ``trigger`` and ``camera_states``
+    camera_service: Cameras | None
+
+    def refuse(self, name: str, version: str | int | None, n: int, origin: tuple | None,
+               exc: VisionServeError) -> None: ...
+
+
+# --- frames -------------------------------------------------------------------------------------
+
+def to_frame(grabbed: Grabbed, max_pixels: int = imaging.DEFAULT_MAX_PIXELS) -> imaging.Frame:
+    """The frame the engine inspects from what the camera sent: a file's bytes as they are
+    (decoded in the executor, like an inspect request's), pixels as a raw frame (RGB, or grey for
+    Mono8). Runs in the camera's thread. CameraFault (``config``) for a pixel format not
+    converted here."""
+    try:
+        if grabbed.pixel_format == ENCODED:
+            if grabbed.encoded is None:
+                raise CameraFault("the source gave an encoded frame without its bytes", "error")
+            return imaging.encoded_frame(grabbed.encoded, max_pixels=max_pixels)
+        pixels = grabbed.pixels
+        if pixels is None:
+            raise CameraFault(f"the source gave a {grabbed.pixel_format} frame without pixels",
+                              "error")
+        if grabbed.pixel_format == "Mono8" and pixels.ndim == 2:
+            h, w = pixels.shape
+            return imaging.raw_frame(pixels, (h, w, 1), max_pixels=max_pixels)
+        if grabbed.pixel_format in ("RGB8", "BGR8") and pixels.ndim == 3:
+            rgb = pixels if grabbed.pixel_format == "RGB8" else pixels[:, :, ::-1]
+            h, w, c = rgb.shape
+            return imaging.raw_frame(np.ascontiguousarray(rgb), (h, w, c), max_pixels=max_pixels)
+    except VisionServeError as exc:
+        raise CameraFault(f"the camera's frame is unusable: {exc.message}", "incomplete") from None
+    raise CameraFault(f"pixel format {grabbed.pixel_format} ({pixels.dtype}, shape "
+                      f"{pixels.shape}) is not converted; set the camera to Mono8, RGB8 or BGR8",
+                      "config")
+
+
+# --- credentials --------------------------------------------------------------------------------
+
+def _env_name(camera: str) -> str:
+    return "VISIONSERVE_CAMERA_" + re.sub(r"[^A-Za-z0-9]", "_", camera).upper()
+
+
+def credentials(settings: ServerSettings, names: list[str],
+                environ: Mapping[str, str] | None = None) -> dict[str, dict[str, str]]:
+    """camera -> {"user", "password"} from ``--camera-credentials`` (a TOML file of
+    ``[NAME] user = ..., password = ...``, readable by its owner only), else the environment
+    (``VISIONSERVE_CAMERA_<NAME>_USER`` / ``_PASSWORD``; NAME upper case, other characters as
+    ``_``). ConfigError for a file that others may read, or that cannot be read."""
+    environ = os.environ if environ is None else environ
+    out: dict[str, dict[str, str]] = {}
+    path: Path | None = settings.camera_credentials
+    if path is not None:
+        try:
+            mode = path.stat().st_mode
+            if mode & (stat.S_IRWXG | stat.S_IRWXO):
+                raise ConfigError(f"camera credentials {path}: others may read it (mode "
+                                  f"{stat.S_IMODE(mode):04o}); chmod 600 it")
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"camera credentials {path}: cannot be read: {exc}") from None
+        for name, entry in data.items():
+            if not isinstance(entry, dict) or set(entry) - {"user", "password"}:
+                raise ConfigError(f"camera credentials {path}: [{name}] holds user and password "
+                                  "only")
+            out[name] = {k: str(v) for k, v in entry.items()}
+    for name in names:
+        prefix = _env_name(name)
+        found = {k: environ[f"{prefix}_{k.upper()}"] for k in ("user", "password")
+                 if f"{prefix}_{k.upper()}" in environ}
+        if found and name not in out:
+            out[name] = found
+    return out
+
+
+# --- one camera ---------------------------------------------------------------------------------
+
+@dataclass
+class Shot:
+    """A frame of a camera, ready to inspect: when it was asked for and when it came."""
+
+    frame: imaging.Frame
+    grabbed: Grabbed
+    asked: float
+    got: float
+
+
+class Camera:
+    """One camera and its thread (see the module's docstring)."""
+
+    def __init__(self, name: str, spec: CameraSpec, source: Source, max_pixels: int) -> None:
+        self.name = name
+        self.spec = spec
+        self.source = source
+        self.max_pixels = max_pixels
+        self.state = "starting"
+        self.last_error = ""
+        self.faults: Counter[str] = Counter()
+        self.frames = 0
+        self.inflight = 0  # free-running frames being inspected (the loop's count)
+        self._requests: queue.SimpleQueue[tuple[asyncio.AbstractEventLoop, asyncio.Future,
+                                                float] | None] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._up = metrics.UP.labels(name)
+        self._up.set(0)
+        #: frames that come by themselves (free-running, hardware trigger): each Shot goes here,
+        #: from the camera's thread; grabbing waits while ``may_grab`` says no (not serving yet)
+        self.on_frame: Callable[[Shot], None] | None = None
+        self.may_grab: Callable[[], bool] = lambda: True
+
+    @property
+    def triggered(self) -> bool:
+        """Triggered by a call (software): else its frames come by themselves."""
+        return self.spec.trigger == "software"
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"camera-{self.name}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._requests.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=self.spec.timeout_s + BACKOFF_MAX_S)
+
+    def grab(self) -> asyncio.Future:
+        """A future of the next frame (a :class:`Shot`), or of the CameraFault why there is none:
+        at once when the camera is down."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        if self.state != "up":
+            fut.set_exception(CameraFault(
+                f"camera {self.name} is down: {self.last_error or 'not connected yet'}",
+                "disconnected"))
+            return fut
+        self._requests.put((loop, fut, time.monotonic()))
+        return fut
+
+    def view(self) -> dict[str, Any]:
+        return {"name": self.name, "source": self.source.describe(), "trigger": self.spec.trigger,
+                "state": self.state, "last_error": self.last_error, "frames": self.frames,
+                "faults": dict(self.faults), "source_stats": self.source.stats()}
+
+    def fault(self, exc: CameraFault) -> None:
+        """Count a fault (any thread: the counters are for reading)."""
+        self.faults[exc.reason] += 1
+        metrics.FAULTS.labels(self.name, exc.reason).inc()
+        self.last_error = exc.message
+
+    # --- the thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        backoff = BACKOFF_FIRST_S
+        while not self._stop.is_set():
+            try:
+                self.source.open()
+            except CameraFault as exc:
+                self._down(exc)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX_S)
+                continue
+            except Exception as exc:  # a source's bug must not end the thread
+                log.exception("camera %s: open failed", self.name)
+                self._down(CameraFault(f"open failed: {exc}", "error"))
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX_S)
+                continue
+            backoff = BACKOFF_FIRST_S
+            if self.state != "up":
+                log.info("camera %s: up (%s)", self.name, self.source.describe())
+            self.state, self.last_error = "up", ""
+            self._up.set(1)
+            try:
+                self._serve()
+            finally:
+                with contextlib.suppress(Exception):
+                    self.source.close()
+        self._fail_waiting(CameraFault(f"camera {self.name} stopped", "disconnected"))
+        self._up.set(0)
+
+    def _down(self, exc: CameraFault) -> None:
+        if self.state != "down" or exc.message != self.last_error:
+            log.warning("camera %s: down: %s; reconnecting", self.name, exc.message)
+        self.state = "down"
+        self._up.set(0)
+        self.fault(exc)
+        self._fail_waiting(exc)
+
+    def _fail_waiting(self, exc: CameraFault) -> None:
+        while True:
+            try:
+                item = self._requests.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                _settle(item[0], item[1], exc)
+
+    def _serve(self) -> None:
+        """Grab while the camera is up; returns when it is gone (to be reopened) or stopping."""
+        timeouts = 0
+        period = 1.0 / self.spec.rate_hz if self.spec.rate_hz else 0.0
+        next_at = time.monotonic()
+        while not self._stop.is_set():
+            request = None
+            if self.triggered:
+                try:
+                    request = self._requests.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if request is None:
+                    return
+                asked = request[2]
+            else:
+                if self.inflight >= FREE_INFLIGHT or not self.may_grab():
+                    self._stop.wait(0.001 if self.inflight else 0.05)
+                    continue
+                if period:
+                    now = time.monotonic()
+                    if now < next_at:
+                        self._stop.wait(next_at - now)
+                        continue
+                    next_at = max(next_at + period, now)
+                asked = time.monotonic()
+            try:
+                grabbed = self.source.grab(self.spec.timeout_s)
+                shot = Shot(to_frame(grabbed, self.max_pixels), grabbed, asked, time.monotonic())
+            except CameraFault as exc:
+                timeouts = timeouts + 1 if exc.reason == "timeout" else 0
+                gone = exc.reason in ("disconnected", "not_found") \
+                    or timeouts >= TIMEOUTS_BEFORE_REOPEN
+                if request is not None:
+                    _settle(request[0], request[1], exc)
+                elif exc.reason != "timeout":  # free-running: no new frame is no fault
+                    self.fault(exc)
+                if gone:
+                    self._down(exc)
+                    return
+                continue
+            except Exception as exc:  # a source's bug: a fault, then reopened
+                log.exception("camera %s: grab failed", self.name)
+                fault = CameraFault(f"grab failed: {exc}", "error")
+                if request is not None:
+                    _settle(request[0], request[1], fault)
+                self._down(fault)
+                return
+            timeouts = 0
+            if request is not None:
+                _settle(request[0], request[1], shot)
+            elif self.on_frame is not None:
+                self.on_frame(shot)
+
+
+def _settle(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, value: Any) -> None:
+    """Resolve ``fut`` on its loop from the camera's thread (a Shot, or a CameraFault)."""
+    def settle() -> None:
+        if fut.done():
+            return
+        if isinstance(value, BaseException):
+            fut.set_exception(value)
+        else:
+            fut.set_result(value)
+
+    with contextlib.suppress(RuntimeError):  # the loop closed (shutdown): nobody waits
+        loop.call_soon_threadsafe(settle)
+
+
+# --- the service --------------------------------------------------------------------------------
+
+class CameraService:
+    """Every camera of the serving process, and the triggers (see the module's docstring)."""
+
+    def __init__(self, plane: Plane, cameras: dict[str, Camera]) -> None:
+        self.plane = plane
+        self.cameras = cameras
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._free_ids = itertools.count(1)
+        self._tasks: set[asyncio.Task] = set()
+
+    @classmethod
+    def build(cls, plane: Plane, settings: ServerSettings) -> CameraService:
+        """The cameras of the recipes file and ``--camera`` (in ``plane.recipes.sources``), built
+        but not opened; ConfigError for a bad source, setting or model."""
+        specs = dict(plane.recipes.sources)
+        secrets = credentials(settings, sorted(specs))
+        cameras = {}
+        for name, spec in sorted(specs.items()):
+            if spec.model is not None and spec.model not in plane.entries:
+                raise ConfigError(f"camera {name}: model {spec.model!r} is not in the repository "
+                                  f"(models: {sorted(plane.entries)})")
+            source = open_source(name, spec.source,
+                                 {**spec.source_settings(), **secrets.get(name, {})})
+            cameras[name] = Camera(name, spec, source, settings.max_image_pixels)
+        return cls(plane, cameras)
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        metrics.SOURCE_COUNTERS.read = self._source_stats
+        for camera in self.cameras.values():
+            if not camera.triggered:
+                camera.on_frame = functools.partial(self._free_frame, camera)
+                camera.may_grab = lambda: self.plane.ready
+            camera.start()
+            log.info("camera %s: %s, trigger %s", camera.name, camera.source.describe(),
+                     camera.spec.trigger)
+
+    async def stop(self) -> None:
+        metrics.SOURCE_COUNTERS.read = None
+        await asyncio.gather(*(asyncio.to_thread(c.stop) for c in self.cameras.values()))
+        for task in list(self._tasks):
+            task.cancel()
+
+    def states(self) -> list[dict]:
+        return [c.view() for c in self.cameras.values()]
+
+    def _source_stats(self) -> dict[str, dict[str, int]]:
+        return {c.name: c.source.stats() for c in self.cameras.values()}
+
+    # --- triggers -----------------------------------------------------------------------------
+
+    async def trigger(self, target: str, part_id: str | None, station: bool
+                      ) -> tuple[int, dict]:
+        """Grab from camera ``target`` (``station``: from each camera of station ``target``) and
+        inspect: (HTTP status, answer). The answer is the inspect JSON of the part, with
+        ``cameras``: each camera's own answer by name. 200 with a verdict (OK, NG); 503 when a
+        camera gave no frame (verdict ERROR, ``fault`` says why), or the answer's own error
+        status (504 LATE, ...)."""
+        asked = time.monotonic()
+        cameras = self._of_station(target) if station else [self._camera(target)]
+        for camera in cameras:
+            if not camera.triggered:
+                raise Conflict(f"camera {camera.name} has trigger {camera.spec.trigger!r}: its "
+                               "frames are inspected as they come, not on a trigger call")
+        routes = [self._route(c) for c in cameras]  # a station without a recipe: 409 first
+        answers = await asyncio.gather(*(self._inspect(c, r, part_id, c.grab())
+                                         for c, r in zip(cameras, routes)))
+        return _part(target if station else None, part_id, routes, cameras, answers, asked)
+
+    def _camera(self, name: str) -> Camera:
+        camera = self.cameras.get(name)
+        if camera is None:
+            raise NotFound(f"unknown camera {name!r}; cameras: {sorted(self.cameras)}")
+        return camera
+
+    def _of_station(self, station: str) -> list[Camera]:
+        book = self.plane.recipes
+        if station not in book.stations:
+            raise NotFound(f"unknown station {station!r}; stations: {sorted(book.stations)}")
+        cameras = [self.cameras[c] for c, s in sorted(book.cameras.items())
+                   if s == station and c in self.cameras]
+        if not cameras:
+            raise NotFound(f"station {station!r} has no camera the server acquires from (its "
+                           "cameras = [...] name none of [camera.NAME] / --camera)")
+        return cameras
+
+    def _route(self, camera: Camera) -> Route:
+        """Where the camera's frames go: its station's recipe, else its own model, else the one
+        model served."""
+        spec = camera.spec
+        version = None if spec.version is None else str(spec.version)
+        station = self.plane.recipes.cameras.get(camera.name)
+        if station is not None or spec.model is not None:
+            return self.plane.route(spec.model, version, station, None)
+        if len(self.plane.entries) == 1:
+            return Route(next(iter(self.plane.entries)), "")
+        raise Conflict(f"camera {camera.name} belongs to no station and names no model, and the "
+                       f"server serves {len(self.plane.entries)} models: give [camera."
+                       f"{camera.name}] model = \"...\", or list it in a station's cameras")
+
+    async def _inspect(self, camera: Camera, route: Route, part_id: str | None,
+                       grab: asyncio.Future) -> tuple[int, dict]:
+        """One camera's answer to a trigger: (HTTP status, its inspect JSON or its fault)."""
+        origin = (part_id, camera.name, route.station, route.recipe)
+        base = {"part_id": part_id, "camera_id": camera.name, "model": route.model,
+                **({} if route.station is None
+                   else {"station": route.station, "recipe": route.recipe})}
+        try:
+            shot: Shot = await grab
+        except CameraFault as exc:
+            camera.fault(exc)
+            fault = Unavailable(f"camera {camera.name}: {exc.message}")
+            with contextlib.suppress(VisionServeError):  # PLC, records, live feed: no decision
+                self.plane.refuse(route.model, route.version or None, 1, origin, fault)
+            return 503, {**base, "verdict": "ERROR", "fault": exc.reason, "error": fault.message}
+        metrics.TRIGGER_TO_FRAME.labels(camera.name).observe(shot.got - shot.asked)
+        camera.frames += 1
+        metrics.FRAMES.labels(camera.name).inc()
+        camera_fields = {k: v for k, v in (("frame_id", shot.grabbed.frame_id),
+                                           ("camera_time", shot.grabbed.camera_time))
+                         if v is not None}
+        try:
+            served, (r,) = await self.plane.infer(route.model, route.version or None,
+                                                  [shot.frame], arrival=shot.got, origin=origin)
+        except DeadlineExceeded as exc:
+            late = None if exc.late_ms is None else round(exc.late_ms, 3)
+            return 504, {**base, **camera_fields, "verdict": "LATE", "error": exc.message,
+                         "deadline_met": False, "late_ms": late}
+        except VisionServeError as exc:
+            if not exc.counted:
+                self.plane.count_error(route.model, exc)
+            return http_status(exc), {**base, **camera_fields, "verdict": "ERROR",
+                                      "error": exc.message}
+        metrics.FRAME_TO_VERDICT.labels(camera.name).observe(time.monotonic() - shot.got)
+        answer = inspect_answer(served, r, shot.frame, shot.got, part_id=part_id,
+                                camera_id=camera.name, station=route.station, recipe=route.recipe)
+        answer.update(camera_fields)
+        answer["timing"]["grab_ms"] = round((shot.got - shot.asked) * 1000, 3)
+        return 200, answer
+
+    # --- free-running and hardware-triggered cameras -------------------------------------------
+
+    def _free_frame(self, camera: Camera, shot: Shot) -> None:
+        """A frame that came by itself (camera thread): inspected on the loop."""
+        loop = self._loop
+        if loop is None:
+            return
+        camera.inflight += 1
+        with contextlib.suppress(RuntimeError):  # the loop closed: shutting down
+            loop.call_soon_threadsafe(self._inspect_free, camera, shot)
+
+    def _inspect_free(self, camera: Camera, shot: Shot) -> None:
+        frame_id = shot.grabbed.frame_id
+        part_id = f"{camera.name}-{next(self._free_ids) if frame_id is None else frame_id}"
+
+        async def run() -> None:
+            try:
+                route = self._route(camera)
+                done: asyncio.Future = asyncio.get_running_loop().create_future()
+                done.set_result(shot)
+                status, answer = await self._inspect(camera, route, part_id, done)
+                if status != 200:
+                    log.debug("camera %s: part %s: %s", camera.name, part_id, answer.get("error"))
+            except VisionServeError as exc:  # no route (a station without a recipe)
+                camera.fault(CameraFault(exc.message, "config"))
+            finally:
+                camera.inflight -= 1
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def _part(station: str | None, part_id: str | None, routes: list[Route], cameras: list[Camera],
+          answers: list[tuple[int, dict]], asked: float) -> tuple[int, dict]:
+    """The part's answer from its cameras' (see :meth:`CameraService.trigger`)."""
+    verdicts = [a["verdict"] for _, a in answers]
+    undecided = [(s, a) for s, a in answers if a["verdict"] not in ("OK", "NG")]
+    if undecided:
+        verdict = "ERROR" if any(a["verdict"] == "ERROR" for _, a in undecided) else "LATE"
+        status = next(s for s, a in undecided if a["verdict"] == verdict)
+    else:
+        verdict, status = ("NG" if "NG" in verdicts else "OK"), 200
+    by_camera = {c.name: a for c, (_, a) in zip(cameras, answers)}
+    total_ms = round((time.monotonic() - asked) * 1000, 3)
+    if station is None:  # one camera: its own answer, and the same under cameras
+        (_, answer), = answers
+        body = {**answer, "cameras": by_camera}
+    else:
+        route = routes[0]
+        body = {"part_id": part_id, "station": station, "recipe": route.recipe,
+                "model": route.model, "verdict": verdict, "cameras": by_camera}
+    body["verdict"] = verdict
+    body.setdefault("timing", {})
+    body["timing"] = {**body["timing"], "trigger_ms": total_ms}
+    if verdict not in ("OK", "NG"):
+        body.setdefault("error", "; ".join(a["error"] for _, a in undecided if "error" in a))
+    return status, body
+
+
+@contextlib.asynccontextmanager
+async def cameras_running(engine: Plane, settings: ServerSettings) -> AsyncIterator[int]:
+    """Run the cameras of ``engine`` while the server serves (its ``camera_service``); yields an
+    exit code: 2 for a bad camera setting (logged), else 0."""
+    if not engine.recipes.sources:
+        yield 0
+        return
+    try:
+        service = CameraService.build(engine, settings)
+    except VisionServeError as exc:
+        log.error("%s", exc.message)
+        yield 2
+        return
+    service.start()
+    engine.camera_service = service
+    try:
+        yield 0
+    finally:
+        engine.camera_service = None
+        await service.stop()

@@ -15,6 +15,9 @@ one recipe at a time::
     recipe = "housing-black"        # at start, until switched
     cameras = ["cam-7", "cam-8"]    # optional: frames from these cameras are this station's
 
+``[camera.NAME]`` tables are the cameras the server acquires from itself (:class:`CameraSpec`;
+docs/cameras.md); ``--camera NAME=URI`` adds more (:func:`with_cameras`).
+
 A frame belongs to a station by its ``X-Station-Id`` header (or OIP parameter ``station_id``),
 else by its camera id when a station lists that camera. A station's frames are inspected with the
 recipe's model and version, and every answer names the recipe it was decided under. A switch is
@@ -183,6 +186,11 @@ def load(path: Path) -> Assignments:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"recipes file {path}: cannot be read: {exc}") from None
+    cameras_table = data.get("camera")
+    for name, cam in (cameras_table.items() if isinstance(cameras_table, dict) else ()):
+        if isinstance(cam, dict) and isinstance(cam.get("source"), str) \
+                and has_password(cam["source"]):  # said without repeating the URI
+            raise ConfigError(f"recipes file {path}: camera {name!r}: {PASSWORD_IN_URI}")
     try:
         spec = RecipeFile.model_validate(data)
     except ValidationError as exc:

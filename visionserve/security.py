@@ -102,6 +102,8 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/models/{m}/verdict", INFERENCE),  # the rule /v2/models/{m}/config shows
     Route("GET", "/v1/recipes", INFERENCE),
     Route("GET", "/v1/stations/{s}", INFERENCE),
+    Route("POST", "/v1/cameras/{c}/trigger", INFERENCE),  # an inspection, as inspect is
+    Route("POST", "/v1/stations/{s}/trigger", INFERENCE),
     Route("PUT", "/v1/models/{m}/verdict", ADMIN, QUALITY),
     Route("POST", "/v1/models/{m}/verdict/preview", ADMIN, QUALITY),  # changes nothing
     Route("POST", "/v2/repository/index", ADMIN),
@@ -123,6 +125,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/ui/session", SIGNIN),
     Route("GET", "/v1/live", ADMIN, VIEWER),  # every answer with its part id
     Route("GET", "/v1/live/summary", ADMIN, VIEWER),
+    Route("GET", "/v1/cameras", ADMIN, VIEWER),  # the cameras' sources (no credentials)
     Route("GET", "/docs", ADMIN),  # the API pages (api_docs): they can send any call
     Route("GET", "/docs/oauth2-redirect", ADMIN),
     Route("GET", "/redoc", ADMIN),

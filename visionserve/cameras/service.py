@@ -175,7 +175,9 @@ class Camera:
         self.last_error = ""
         self.faults: Counter[str] = Counter()
         self.frames = 0
-        self.inflight = 0  # free-running frames being inspected (the loop's count)
+        self.inflight = 0  # free-running frames being inspected
+        # the counters above are changed by the camera's thread and the event loop
+        self._lock = threading.Lock()
         self._requests: queue.SimpleQueue[tuple[asyncio.AbstractEventLoop, asyncio.Future,
                                                 float] | None] = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -215,14 +217,19 @@ class Camera:
         self._requests.put((loop, fut, time.monotonic()))
         return fut
 
+    def add_inflight(self, n: int) -> None:
+        with self._lock:
+            self.inflight += n
+
     def view(self) -> dict[str, Any]:
         return {"name": self.name, "source": self.source.describe(), "trigger": self.spec.trigger,
                 "state": self.state, "last_error": self.last_error, "frames": self.frames,
-                "faults": dict(self.faults), "source_stats": self.source.stats()}
+                "faults": dict(self.faults.copy()), "source_stats": self.source.stats()}
 
     def fault(self, exc: CameraFault) -> None:
-        """Count a fault (any thread: the counters are for reading)."""
-        self.faults[exc.reason] += 1
+        """Count a fault (from the camera's thread or the event loop)."""
+        with self._lock:
+            self.faults[exc.reason] += 1
         metrics.FAULTS.labels(self.name, exc.reason).inc()
         self.last_error = exc.message
 
@@ -492,9 +499,11 @@ class CameraService:
         loop = self._loop
         if loop is None:
             return
-        camera.inflight += 1
-        with contextlib.suppress(RuntimeError):  # the loop closed: shutting down
+        camera.add_inflight(1)
+        try:
             loop.call_soon_threadsafe(self._inspect_free, camera, shot)
+        except RuntimeError:  # the loop closed: shutting down
+            camera.add_inflight(-1)
 
     def _inspect_free(self, camera: Camera, shot: Shot) -> None:
         frame_id = shot.grabbed.frame_id
@@ -511,7 +520,7 @@ class CameraService:
             except VisionServeError as exc:  # no route (a station without a recipe)
                 camera.fault(CameraFault(exc.message, "config"))
             finally:
-                camera.inflight -= 1
+                camera.add_inflight(-1)
 
         task = asyncio.get_running_loop().create_task(run())
         self._tasks.add(task)

@@ -15,7 +15,7 @@ from ..dataplane import DataPlane
 from ..errors import VisionServeError, describe_validation
 from ..security import ADMIN, classify
 from ..users.store import Users, users_db_path
-from . import inspect, live, recipes, signin, v2, verdict
+from . import cameras, inspect, live, recipes, signin, v2, verdict
 from .common import (
     ClientGone,
     client_gone_response,
@@ -68,6 +68,7 @@ def create_app(engine: DataPlane, settings: ServerSettings, routers: tuple = ())
     app.include_router(recipes.router)
     app.include_router(signin.router)
     app.include_router(live.router)
+    app.include_router(cameras.router)
     for extra in routers:
         app.include_router(extra)
 

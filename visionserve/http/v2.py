@@ -78,6 +78,10 @@ _INFER_BODY = {
 }
 
 
+#: how long readiness waits for the cameras' states (from the engine process, with --frontends)
+READY_DETAIL_S = 0.5
+
+
 @router.get("/v2/health/live", summary="Server live", responses={200: {"description": "Live"}})
 async def live(request: Request) -> JSONResponse:
     return JSONResponse({"live": True})
@@ -86,8 +90,17 @@ async def live(request: Request) -> JSONResponse:
 @router.get("/v2/health/ready", summary="Server ready",
             responses={200: {"description": "Ready"}, 503: {"description": "Not ready"}})
 async def ready(request: Request) -> JSONResponse:
-    ok = engine_of(request).ready
-    return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+    engine = engine_of(request)
+    ok = engine.ready
+    body: dict[str, Any] = {"ready": ok}
+    if engine.recipes.sources:  # the detail: a camera that is down leaves the rest serving
+        try:
+            states = await asyncio.wait_for(engine.camera_states(), READY_DETAIL_S)
+        except (VisionServeError, asyncio.TimeoutError):
+            states = []
+        body["cameras"] = {c["name"]: c["state"] if c["state"] == "up"
+                           else f"{c['state']}: {c['last_error']}" for c in states}
+    return JSONResponse(body, status_code=200 if ok else 503)
 
 
 @router.get("/v2", response_model=ServerMetadata, summary="Server metadata")

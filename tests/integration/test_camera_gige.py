@@ -1,7 +1,9 @@
 """gige:// cameras against Aravis's GigE Vision camera simulator on loopback: discovered by serial,
 address and id; every pixel format it offers grabbed and converted; features set and read back;
 software triggers; a camera killed mid-run is a fault within the grab's timeout (never a hang,
-never a frame), and grabs work again within 2 s of its return."""
+never a frame), and grabs work again within 2 s of its return; and the same through a real
+server: ``--camera``, ``POST /v1/cameras/{name}/trigger``, faults while the camera is gone, then
+verdicts again."""
 
 from __future__ import annotations
 
@@ -9,12 +11,14 @@ import itertools
 import os
 import time
 
+import httpx
 import numpy as np
 import pytest
+from conftest import start_server, wait_for
 from gige_support import ADDRESS, FORMATS, Simulator, skip_reason
 
 from visionserve.cameras import pixels
-from visionserve.cameras.source import CameraFault, Grabbed, open_source
+from visionserve.cameras.source import CameraFault, Grabbed, Source, open_source
 from visionserve.errors import ConfigError
 
 pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))
@@ -67,7 +71,7 @@ def grab(source, timeout_s: float = 2.0) -> Grabbed:
 def test_the_simulator_is_found_by_serial_address_and_id(sim, opened, device):
     name = {"serial": sim.serial, "address": ADDRESS, "id": sim.device_id}[device]
     source = opened(f"gige://{name}")
-    assert source.describe() == f"gige://{name}"
+    assert isinstance(source, Source) and source.describe() == f"gige://{name}"
     frame = grab(source)
     assert frame.pixel_format == "Mono8" and frame.pixels.shape == (512, 512)
     assert frame.frame_id is not None and frame.camera_time is not None
@@ -123,6 +127,15 @@ def test_free_running_gives_the_newest_frame(sim, opened):
     second = grab(source)
     assert second.frame_id != first.frame_id
     assert source.stats()["skipped"] >= 1
+
+
+def test_hardware_trigger_waits_for_the_line_and_no_longer_than_the_timeout(sim, opened):
+    source = opened(f"gige://{ADDRESS}", trigger="hardware", trigger_source="Line0")
+    assert source.applied.trigger == "hardware"
+    start = time.monotonic()
+    with pytest.raises(CameraFault) as fault:  # nothing drives the simulator's Line0
+        source.grab(0.3)
+    assert fault.value.reason == "timeout" and time.monotonic() - start < 0.3 + 0.2
 
 
 def test_a_camera_killed_mid_run_is_a_fault_within_the_timeout_and_back_within_2_s(sim, opened):
@@ -195,3 +208,47 @@ def test_bad_settings_are_config_errors(settings, message):
     with pytest.raises(ConfigError) as err:
         open_source("cam1", "gige://127.0.0.1", settings)
     assert message in err.value.message
+
+
+def _trigger(server, part: str) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/cameras/cam1/trigger", headers={"X-Part-Id": part},
+                      timeout=30)
+
+
+def test_a_server_inspects_the_simulator_s_frames_and_rides_out_its_restart(sim, tiny_repo,
+                                                                           tmp_path):
+    server = start_server(tiny_repo, tmp_path, "--camera", f"cam1=gige://{sim.serial}",
+                          grpc=False)
+    try:
+        wait_for(lambda: httpx.get(f"{server.url}/v1/cameras", timeout=10).json()["cameras"][0]
+                 ["state"] == "up", 15, "cam1 up")
+        answers = [_trigger(server, f"P-{i}") for i in range(5)]
+        verdicts = [a for a in answers if a.status_code == 200]
+        assert len(verdicts) >= 3, [a.text for a in answers]  # a frame may lose packets
+        for a in answers:  # the others are said faults: never a verdict without a frame
+            assert a.status_code == 200 or (a.status_code == 503 and a.json()["verdict"] ==
+                                            "ERROR" and a.json()["fault"] == "incomplete"), a.text
+        first = verdicts[0].json()
+        assert first["verdict"] in ("OK", "NG") and first["camera_id"] == "cam1"
+        assert first["part_id"] == verdicts[0].request.headers["X-Part-Id"]
+        assert first["model"] == "tiny" and first["camera_time"] > 0
+        sim.kill()
+        for i in range(3):  # gone: fault answers, at most the grab's timeout later, never OK
+            start = time.monotonic()
+            gone = _trigger(server, f"G-{i}")
+            assert time.monotonic() - start < 1.0 + 1.0
+            assert gone.status_code == 503, gone.text
+            assert gone.json()["verdict"] == "ERROR" and gone.json()["part_id"] == f"G-{i}"
+            assert gone.json()["fault"] in ("disconnected", "not_found", "timeout")
+        sim.start()
+        back = time.monotonic()
+        answer = wait_for(lambda: (r := _trigger(server, "B-1")).status_code == 200 and r, 10,
+                          "a verdict after the camera's return")
+        assert time.monotonic() - back < 2.0, "verdicts again within 2 s of the camera's return"
+        assert answer.json()["verdict"] in ("OK", "NG") and answer.json()["part_id"] == "B-1"
+        listed = httpx.get(f"{server.url}/v1/cameras", timeout=10).json()["cameras"][0]
+        assert listed["state"] == "up" and listed["source"] == f"gige://{sim.serial}"
+        assert listed["faults"].get("disconnected", 0) >= 1
+        assert listed["source_stats"]["frames"] >= len(verdicts) + 1
+    finally:
+        server.stop()

@@ -65,6 +65,9 @@ _DISCOVERY_CMD, _DISCOVERY_ACK = 0x0002, 0x0003
 PROBE_S = 0.25
 #: The least receive buffer a GigE stream's socket asks for (bytes).
 SOCKET_BUFFER_MIN = 1 << 20
+#: The longest an open may take (a camera that vanishes while it is configured makes Aravis wait
+#: 2.5 s per register access); past it the open is a ``disconnected`` fault.
+OPEN_TIMEOUT_S = 20.0
 #: How long a normal close waits for the camera to be released (stop, give up control).
 RELEASE_WAIT_S = 5.0
 _INSTALL = ("gige:// cameras need Aravis 0.8 and its Python bindings: on Debian or Ubuntu "
@@ -185,7 +188,6 @@ class Identity:
     manufacturer: str
     model: str
     serial: str
-    user_name: str
 
 
 def probe(address: str, timeout_s: float = PROBE_S) -> Identity | None:
@@ -215,7 +217,7 @@ def _identity(address: str, body: bytes) -> Identity:
         return body[at:at + size].split(b"\0", 1)[0].decode("ascii", "replace").strip()
 
     return Identity(address=address, manufacturer=text(72, 32), model=text(104, 32),
-                    serial=text(216, 16), user_name=text(232, 16))
+                    serial=text(216, 16))
 
 
 def _is_address(device: str) -> bool:
@@ -268,6 +270,7 @@ class _Link:
         self.format = ""
         self.format_code = 0
         self.applied: Applied | None = None
+        self.label = ""  # vendor, model, serial: for the log
 
     def call(self, fn: Callable[[], T], timeout_s: float | None) -> T:
         """``fn()`` on the connection's thread; a CameraFault ``disconnected`` (and the
@@ -346,7 +349,7 @@ class GigeSource:
         link = _Link(self.name, self._glib.Error)
         try:
             target, address = self._locate(link)
-            link.call(lambda: self._connect(link, target, address), None)
+            link.call(lambda: self._connect(link, target, address), OPEN_TIMEOUT_S)
         except CameraFault as exc:
             # a camera that answers is released before the next open (it takes one controller)
             link.release(0 if exc.reason == "disconnected" else RELEASE_WAIT_S)
@@ -355,7 +358,8 @@ class GigeSource:
             link.release(0)
             raise
         self._link = link
-        log.info("camera %s: %s open, %s", self.name, self.describe(), link.applied)
+        log.info("camera %s: %s open (%s): %s", self.name, self.describe(), link.label,
+                 link.applied)
 
     def close(self) -> None:
         link, self._link = self._link, None
@@ -377,7 +381,7 @@ class GigeSource:
             found = probe(known.address)
             if found is not None and found.serial == known.serial:
                 return known.address, known.address
-        return link.call(self._discover, None)
+        return link.call(self._discover, OPEN_TIMEOUT_S)
 
     def _discover(self) -> tuple[str, str | None]:
         Aravis = self._aravis
@@ -429,9 +433,11 @@ class GigeSource:
             camera.start_acquisition()
         except GLib.Error as exc:
             raise CameraFault(f"camera {self.device}: {exc.message}", _reason(exc)) from None
+        found = Identity(address or "", camera.get_vendor_name(), camera.get_model_name(),
+                         camera.get_device_serial_number())
+        link.label = f"{found.manufacturer} {found.model}, serial {found.serial}, at {target}"
         if address is not None:
-            self._known = Identity(address, camera.get_vendor_name(), camera.get_model_name(),
-                                   camera.get_device_serial_number(), "")
+            self._known = found
 
     def _packet_size(self, camera: Any) -> int:
         """The GigE packet size: the setting, or the largest the path takes (Aravis's test

@@ -95,8 +95,9 @@ def test_each_pixel_format_the_simulator_offers_is_grabbed_and_converted(sim, op
 
 def test_features_are_set_and_read_back(sim, opened):
     source = opened(f"gige://{ADDRESS}", exposure_us=2500, gain_db=4.5, roi=[16, 8, 640, 480],
-                    pixel_format="Mono16", buffers=3)
+                    pixel_format="Mono16", buffers=3, frame_rate=500)
     applied = source.applied
+    assert applied.frame_rate == pytest.approx(500)
     assert applied.exposure_us == pytest.approx(2500)
     assert applied.gain_db == 4.0  # the simulator's gain has whole-dB steps: what it took
     assert applied.roi == (16, 8, 640, 480)
@@ -202,6 +203,7 @@ def test_what_the_camera_refuses_is_a_config_fault(sim):
     ({"roi": "full"}, "bad gige setting"),
     ({"pixel_format": "YUV422"}, "not supported"),
     ({"buffers": 1}, "buffers is 2..64"),
+    ({"frame_rate": 0}, "frame_rate must be above 0"),
     ({"trigger": "sometimes"}, "trigger 'sometimes'"),
 ])
 def test_bad_settings_are_config_errors(settings, message):

@@ -5,8 +5,9 @@ number, or, for GigE Vision, its IP address. Aravis (the open GenICam library) i
 its GObject-introspection bindings (Debian: ``gir1.2-aravis-0.8`` with ``python3-gi``).
 
 Opening connects, sets the GenICam features from the camera's settings (``pixel_format``,
-``roi``, ``exposure_us``, ``gain_db``, the trigger), negotiates the GigE packet size, sizes the
-stream socket's receive buffer to a frame, and starts acquisition into ``buffers`` frame buffers.
+``roi``, ``exposure_us``, ``gain_db``, ``frame_rate``, the trigger), negotiates the GigE packet
+size, sizes the stream socket's receive buffer to a frame, and starts acquisition into
+``buffers`` frame buffers.
 A grab then:
 
 * ``software``: executes TriggerSoftware (TriggerMode On, FrameStart) and waits for that frame;
@@ -56,8 +57,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: What a camera's settings may say besides the common ones (docs/cameras.md).
-KNOWN_SETTINGS = ("pixel_format", "roi", "exposure_us", "gain_db", "trigger_source", "buffers",
-                  "packet_size", "packet_delay_ns")
+KNOWN_SETTINGS = ("pixel_format", "roi", "exposure_us", "gain_db", "frame_rate",
+                  "trigger_source", "buffers", "packet_size", "packet_delay_ns")
 #: GigE Vision's control port, and the discovery command and its acknowledgement.
 GVCP_PORT = 3956
 _DISCOVERY_CMD, _DISCOVERY_ACK = 0x0002, 0x0003
@@ -109,6 +110,7 @@ class GigeSettings:
     roi: tuple[int, int, int, int] | None = None
     exposure_us: float | None = None
     gain_db: float | None = None
+    frame_rate: float | None = None
     trigger_source: str = "Line0"
     buffers: int = 4
     packet_size: int | None = None
@@ -130,6 +132,7 @@ class GigeSettings:
                 roi=None if roi is None else _roi(roi),
                 exposure_us=_opt(float, own.get("exposure_us")),
                 gain_db=_opt(float, own.get("gain_db")),
+                frame_rate=_opt(float, own.get("frame_rate")),
                 trigger_source=str(own.get("trigger_source", "Line0")),
                 buffers=int(own.get("buffers", 4)),
                 packet_size=_opt(int, own.get("packet_size")),
@@ -148,6 +151,8 @@ class GigeSettings:
             raise ConfigError(f"camera {name}: buffers is 2..64 frame buffers, not {out.buffers}")
         if out.exposure_us is not None and out.exposure_us <= 0:
             raise ConfigError(f"camera {name}: exposure_us must be above 0")
+        if out.frame_rate is not None and out.frame_rate <= 0:
+            raise ConfigError(f"camera {name}: frame_rate must be above 0")
         if out.packet_size is not None and not 576 <= out.packet_size <= 16384:
             raise ConfigError(f"camera {name}: packet_size is 576..16384 bytes (9000 with jumbo "
                               "frames)")
@@ -176,6 +181,7 @@ class Applied:
     roi: tuple[int, int, int, int]
     exposure_us: float | None
     gain_db: float | None
+    frame_rate: float | None
     trigger: str
     packet_size: int | None
 
@@ -478,6 +484,14 @@ class GigeSource:
             if camera.is_gain_auto_available():
                 camera.set_gain_auto(Aravis.Auto.OFF)
             camera.set_gain(s.gain_db)
+        rate = s.frame_rate if s.frame_rate is not None else (
+            s.rate_hz if s.trigger == "free" else None)
+        if rate is not None:
+            if not camera.is_frame_rate_available():
+                raise CameraFault(f"camera {self.device} has no settable frame rate "
+                                  "(AcquisitionFrameRate)", "config")
+            # before the trigger: Aravis switches FrameStart triggering off to set a rate
+            camera.set_frame_rate(rate)
         if s.trigger == "software":
             if not camera.is_software_trigger_supported():
                 raise CameraFault(f"camera {self.device} has no software trigger; use trigger = "
@@ -491,8 +505,6 @@ class GigeSource:
             camera.set_trigger(s.trigger_source)
         else:
             camera.clear_triggers()
-            if s.rate_hz is not None and camera.is_frame_rate_available():
-                camera.set_frame_rate(s.rate_hz)
         camera.set_acquisition_mode(Aravis.AcquisitionMode.CONTINUOUS)
         region = camera.get_region()
         return Applied(
@@ -500,6 +512,7 @@ class GigeSource:
             roi=(region.x, region.y, region.width, region.height),
             exposure_us=camera.get_exposure_time() if camera.is_exposure_time_available() else None,
             gain_db=camera.get_gain() if camera.is_gain_available() else None,
+            frame_rate=camera.get_frame_rate() if camera.is_frame_rate_available() else None,
             trigger=s.trigger, packet_size=packet_size)
 
     # --- grab -----------------------------------------------------------------------------

@@ -49,6 +49,7 @@ from types import ModuleType
 from typing import Any, TypeVar
 
 from ..errors import ConfigError
+from ..extras import install_hint
 from .pixels import from_buffer, get_format
 from .source import COMMON_SETTINGS, CameraFault, Grabbed, register
 
@@ -71,9 +72,9 @@ SOCKET_BUFFER_MIN = 1 << 20
 OPEN_TIMEOUT_S = 20.0
 #: How long a normal close waits for the camera to be released (stop, give up control).
 RELEASE_WAIT_S = 5.0
-_INSTALL = ("gige:// cameras need Aravis 0.8 and its Python bindings: on Debian or Ubuntu "
-            "apt-get install gir1.2-aravis-0.8 python3-gi (docs/cameras.md, \"GigE Vision and "
-            "USB3 Vision\")")
+_INSTALL = ("gige:// cameras need Aravis 0.8 (Debian, Ubuntu: apt-get install gir1.2-aravis-0.8) "
+            f"and its Python bindings: {install_hint('cameras')}; docs/cameras.md, \"GigE "
+            "Vision and USB3 Vision\"")
 
 _DISCOVERY_LOCK = threading.Lock()  # Aravis's device list is one per process
 

@@ -204,3 +204,18 @@ def test_frames_from_what_cameras_send():
 def test_a_camera_spec_keeps_no_password():
     with pytest.raises(ValueError, match="password"):
         CameraSpec(source="rtsp://admin:admin@10.0.0.9/stream")
+
+
+def test_camera_routes_are_classified_and_credentials_are_no_settings():
+    from visionserve.config import unknown_variables
+    from visionserve.security import ADMIN, INFERENCE, ROUTES, classify
+    from visionserve.users.store import VIEWER
+
+    assert classify("POST", "/v1/cameras/cam-7/trigger") == INFERENCE  # inspect's rule
+    assert classify("POST", "/v1/stations/st1/trigger") == INFERENCE
+    assert classify("GET", "/v1/cameras") == ADMIN
+    assert [r.role for r in ROUTES if r.path == "/v1/cameras"] == [VIEWER]
+    env = {"VISIONSERVE_CAMERA_CAM_7_USER": "u", "VISIONSERVE_CAMERA_CAM_7_PASSWORD": "p",
+           "VISIONSERVE_CAMERA": "[]", "VISIONSERVE_CAMERA_CREDENTIALS": "/x",
+           "VISIONSERVE_CAMERAS": "x"}
+    assert [w.split(" ")[0] for w in unknown_variables(env)] == ["VISIONSERVE_CAMERAS"]

@@ -67,7 +67,8 @@ log = logging.getLogger(__name__)
 #: reconnecting a camera that is down: the first wait, and the longest
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 5.0
-#: grabs that time out one after another before the camera is taken for gone and reopened
+#: triggered grabs that time out one after another before the camera is taken for gone and
+#: reopened
 TIMEOUTS_BEFORE_REOPEN = 3
 #: frames of a free-running camera inspected at once; the thread waits for room before grabbing
 FREE_INFLIGHT = 4
@@ -181,6 +182,9 @@ class Camera:
         self._requests: queue.SimpleQueue[tuple[asyncio.AbstractEventLoop, asyncio.Future,
                                                 float] | None] = queue.SimpleQueue()
         self._stop = threading.Event()
+        # set by a trigger for the camera while it is down (and by stop): reconnect now
+        self._poke = threading.Event()
+        self._backoff = BACKOFF_FIRST_S
         self._thread: threading.Thread | None = None
         self._up = metrics.UP.labels(name)
         self._up.set(0)
@@ -200,6 +204,7 @@ class Camera:
 
     def stop(self) -> None:
         self._stop.set()
+        self._poke.set()
         self._requests.put(None)
         if self._thread is not None:
             self._thread.join(timeout=self.spec.timeout_s + BACKOFF_MAX_S)
@@ -210,6 +215,7 @@ class Camera:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         if self.state != "up":
+            self._poke.set()  # the line wants it: the next reconnect comes sooner
             fut.set_exception(CameraFault(
                 f"camera {self.name} is down: {self.last_error or 'not connected yet'}",
                 "disconnected"))
@@ -236,22 +242,19 @@ class Camera:
     # --- the thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
-        backoff = BACKOFF_FIRST_S
+        self._backoff = BACKOFF_FIRST_S
         while not self._stop.is_set():
             try:
                 self.source.open()
             except CameraFault as exc:
                 self._down(exc)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, BACKOFF_MAX_S)
+                self._pause()
                 continue
             except Exception as exc:  # a source's bug must not end the thread
                 log.exception("camera %s: open failed", self.name)
                 self._down(CameraFault(f"open failed: {exc}", "error"))
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, BACKOFF_MAX_S)
+                self._pause()
                 continue
-            backoff = BACKOFF_FIRST_S
             if self.state != "up":
                 log.info("camera %s: up (%s)", self.name, self.source.describe())
             self.state, self.last_error = "up", ""
@@ -261,8 +264,22 @@ class Camera:
             finally:
                 with contextlib.suppress(Exception):
                     self.source.close()
+            if self.state == "down":  # gone while grabbing: reopened after the backoff too
+                self._pause()
         self._fail_waiting(CameraFault(f"camera {self.name} stopped", "disconnected"))
         self._up.set(0)
+
+    def _pause(self) -> None:
+        """Wait before the next open: the backoff (0.5 s, doubled each time, at most 5 s; back to
+        0.5 s after a frame), cut short by a trigger that wants the camera, but at least 0.5 s
+        after the last try."""
+        began = time.monotonic()
+        self._poke.wait(self._backoff)
+        self._poke.clear()
+        rest = BACKOFF_FIRST_S - (time.monotonic() - began)
+        if rest > 0:
+            self._stop.wait(rest)
+        self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
 
     def _down(self, exc: CameraFault) -> None:
         if self.state != "down" or exc.message != self.last_error:
@@ -311,7 +328,9 @@ class Camera:
                 grabbed = self.source.grab(self.spec.timeout_s)
                 shot = Shot(to_frame(grabbed, self.max_pixels), grabbed, asked, time.monotonic())
             except CameraFault as exc:
-                timeouts = timeouts + 1 if exc.reason == "timeout" else 0
+                # a camera that triggers itself may well send nothing for a while (no part, no
+                # file); one asked for a frame that times out again and again is taken for gone
+                timeouts = timeouts + 1 if exc.reason == "timeout" and request is not None else 0
                 gone = exc.reason in ("disconnected", "not_found") \
                     or timeouts >= TIMEOUTS_BEFORE_REOPEN
                 if request is not None:
@@ -329,7 +348,7 @@ class Camera:
                     _settle(request[0], request[1], fault)
                 self._down(fault)
                 return
-            timeouts = 0
+            timeouts, self._backoff = 0, BACKOFF_FIRST_S
             if request is not None:
                 _settle(request[0], request[1], shot)
             elif self.on_frame is not None:
@@ -442,10 +461,11 @@ class CameraService:
         """Where the camera's frames go: its station's recipe, else its own model, else the one
         model served."""
         spec = camera.spec
-        version = None if spec.version is None else str(spec.version)
         station = self.plane.recipes.cameras.get(camera.name)
-        if station is not None or spec.model is not None:
-            return self.plane.route(spec.model, version, station, None)
+        if station is not None:  # 409 while the station runs no recipe, as its inspect URL
+            return self.plane.route(None, None, station, None)
+        if spec.model is not None:
+            return Route(spec.model, "" if spec.version is None else str(spec.version))
         if len(self.plane.entries) == 1:
             return Route(next(iter(self.plane.entries)), "")
         raise Conflict(f"camera {camera.name} belongs to no station and names no model, and the "

@@ -59,11 +59,13 @@ class Simulator:
         """Aravis's id of the simulated camera."""
         return f"Aravis-Fake-{self.serial}"
 
-    def start(self, timeout_s: float = 10.0) -> None:
-        """Start it and return once it answers discovery with its serial."""
+    def start(self, timeout_s: float = 10.0, lost_per_1000: int = 0) -> None:
+        """Start it and return once it answers discovery with its serial; ``lost_per_1000``:
+        stream packets it drops on purpose."""
         assert self.proc is None, "already running"
+        lossy = ["-r", str(lost_per_1000)] if lost_per_1000 else []
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([SIMULATOR, "-i", ADDRESS, "-s", self.serial],
+            self.proc = subprocess.Popen([SIMULATOR, "-i", ADDRESS, "-s", self.serial, *lossy],
                                          stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

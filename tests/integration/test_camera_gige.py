@@ -130,6 +130,33 @@ def test_free_running_gives_the_newest_frame(sim, opened):
     assert source.stats()["skipped"] >= 1
 
 
+def test_a_frame_that_lost_packets_is_a_fault_never_a_frame(tmp_path, opened):
+    simulator = Simulator(f"VSLOSSY{os.getpid() % 1000:03d}", tmp_path)
+    try:
+        simulator.start(lost_per_1000=5)  # a 512x512 frame is 188 packets: 6 in 10 lose some
+        source = opened(f"gige://{ADDRESS}", buffers=8)
+        frames, faults = [], []
+        for _ in range(12):
+            try:
+                frames.append(source.grab(1.0))
+            except CameraFault as exc:
+                faults.append(exc)
+        assert faults and {f.reason for f in faults} <= {"incomplete", "timeout"}, faults
+        assert any("incomplete frame (lost packets)" in f.message for f in faults)
+        for frame in frames:  # what does come is whole
+            assert frame.pixels.shape == (512, 512)
+        stats = source.stats()
+        assert stats["frames"] == len(frames) and stats["incomplete"] >= 1
+        assert stats["missing_packets"] >= stats["incomplete"]
+        assert stats["drops"] >= stats["incomplete"]
+        simulator.kill()
+        start = time.monotonic()
+        source.close()  # a camera gone without a word is let go at once
+        assert time.monotonic() - start < 1.0
+    finally:
+        simulator.close()
+
+
 def test_hardware_trigger_waits_for_the_line_and_no_longer_than_the_timeout(sim, opened):
     source = opened(f"gige://{ADDRESS}", trigger="hardware", trigger_source="Line0")
     assert source.applied.trigger == "hardware"

@@ -63,6 +63,8 @@ KNOWN_SETTINGS = ("pixel_format", "roi", "exposure_us", "gain_db", "frame_rate",
 #: GigE Vision's control port, and the discovery command and its acknowledgement.
 GVCP_PORT = 3956
 _DISCOVERY_CMD, _DISCOVERY_ACK = 0x0002, 0x0003
+#: A software trigger is repeated only when at least this much of the grab's time is left.
+RETRIGGER_MIN_S = 0.05
 #: How long a camera's last known address is given to answer a discovery packet when opening.
 PROBE_S = 0.25
 #: The least receive buffer a GigE stream's socket asks for (bytes).
@@ -292,6 +294,9 @@ class _Link:
                          "or its network is down)")
             raise CameraFault(self.lost, "disconnected") from None
 
+    def trigger(self) -> None:
+        self.camera.software_trigger()
+
     def release(self, wait_s: float) -> None:
         """Stop acquisition and let the camera go, on the connection's thread; waits up to
         ``wait_s`` (0 for a lost camera, whose release Aravis may retry for seconds)."""
@@ -360,7 +365,7 @@ class GigeSource:
         except CameraFault as exc:
             # a camera that answers is released before the next open (it takes one controller)
             link.release(0 if exc.reason == "disconnected" else RELEASE_WAIT_S)
-            raise
+            raise _bare(exc) from None
         except BaseException:
             link.release(0)
             raise
@@ -373,6 +378,11 @@ class GigeSource:
         if link is None:
             return
         self._fold_stream_counts()
+        known = self._known
+        if link.lost is None and known is not None and probe(known.address) is None:
+            # gone without a word (a free-running camera's grabs only time out): Aravis would
+            # spend seconds on each goodbye to it
+            link.lost = f"camera {self.device} does not answer at {known.address}"
         link.release(0 if link.lost is not None else RELEASE_WAIT_S)
 
     def _locate(self, link: _Link) -> tuple[str, str | None]:
@@ -519,6 +529,12 @@ class GigeSource:
     # --- grab -----------------------------------------------------------------------------
 
     def grab(self, timeout_s: float) -> Grabbed:
+        try:
+            return self._grab(timeout_s)
+        except CameraFault as exc:
+            raise _bare(exc) from None
+
+    def _grab(self, timeout_s: float) -> Grabbed:
         link = self._link
         if link is None:
             raise CameraFault(f"camera {self.name} is not open", "disconnected")
@@ -543,14 +559,15 @@ class GigeSource:
     def _triggered(self, link: _Link, deadline: float) -> Any:
         """Trigger and wait for that frame; trigger once more at half time if none came."""
         self._recycle_waiting(link)
-        camera = link.camera
         start = time.monotonic()
         retry_at = start + (deadline - start) / 2
         for attempt in range(2):
-            link.call(camera.software_trigger, max(0.0, deadline - time.monotonic()))
+            link.call(link.trigger, max(0.0, deadline - time.monotonic()))
             buffer = self._pop(link, retry_at if attempt == 0 else deadline)
             if buffer is not None:
                 return buffer
+            if deadline - time.monotonic() < RETRIGGER_MIN_S:
+                break
             if attempt == 0:
                 self._counts["retriggers"] += 1
                 log.info("camera %s: no frame %.0f ms after a software trigger; triggering again",
@@ -624,6 +641,15 @@ class GigeSource:
     def _fold_stream_counts(self) -> None:
         """A new stream counts from 0: keep what the closed one counted."""
         self._stream_base = {k: self._counts[k] for k in self._stream_base}
+
+
+def _bare(exc: CameraFault) -> CameraFault:
+    """``exc`` without its traceback and context: their frames hold Aravis objects, and the end
+    of one whose camera vanished (Aravis says goodbye to it, seconds of retries) would come in
+    whichever thread drops the fault last, the event loop's included. Their end belongs on the
+    connection's thread (:meth:`_Link.release`)."""
+    exc.__context__ = exc.__cause__ = None
+    return exc.with_traceback(None)
 
 
 def _reason(exc: Any) -> str:

@@ -279,5 +279,8 @@ def test_a_server_inspects_the_simulator_s_frames_and_rides_out_its_restart(sim,
         assert listed["state"] == "up" and listed["source"] == f"gige://{sim.serial}"
         assert listed["faults"].get("disconnected", 0) >= 1
         assert listed["source_stats"]["frames"] >= len(verdicts) + 1
+        scraped = httpx.get(f"{server.url}/metrics", timeout=10).text
+        for counter in ("drops", "incomplete", "resends", "missing_packets", "retriggers"):
+            assert f'visionserve_camera_source_{counter}_total{{camera="cam1"}}' in scraped
     finally:
         server.stop()

@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 
 #: top-level module -> the extra that installs it
 EXTRA_OF = {"torch": "gpu", "torchvision": "gpu", "onnx": "train", "onnxscript": "train",
-            "locust": "load", "psycopg": "records-pg", "minio": "s3", "pyarrow": "records-parquet"}
+            "locust": "load", "psycopg": "records-pg", "minio": "s3", "pyarrow": "records-parquet",
+            "gi": "cameras"}
 
 #: what each extra is for, said in the message
 PURPOSE = {"gpu": "torch and torchvision; from PyPI with their CUDA libraries, about 4 GB",
@@ -28,7 +29,9 @@ PURPOSE = {"gpu": "torch and torchvision; from PyPI with their CUDA libraries, a
            "load": "the load-test tools",
            "records-pg": "the PostgreSQL record store (psycopg 3)",
            "s3": "image capture to an S3-compatible bucket (the MinIO client)",
-           "records-parquet": "records export to Parquet (pyarrow)"}
+           "records-parquet": "records export to Parquet (pyarrow)",
+           "cameras": "gige:// cameras: PyGObject, built against Debian's libgirepository1.0-dev "
+                      "and libcairo2-dev"}
 
 
 def install_hint(extra: str) -> str:

@@ -10,6 +10,7 @@ violation."""
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from zoneinfo import ZoneInfo
 
@@ -207,6 +208,61 @@ def test_a_viewer_sees_the_rules_but_no_form(browser, tmp_path):  # noqa: F811
         assert _said(form, "status").startswith(f"Saved: the rules of {MODEL}")
         audit = [ln for ln in s.log().splitlines() if "ok_threshold" in ln and "qe-anna" in ln]
         assert audit, s.log()[-3000:]
+    finally:
+        browser.delete_all_cookies()
+        s.stop()
+
+
+_FETCH = """
+const [method, url, body, token, done] = arguments;
+const headers = {"Content-Type": "application/json", "Accept": "application/json"};
+if (token !== null) headers["X-CSRF-Token"] = token;
+fetch(url, {method: method, headers: headers, body: body, credentials: "same-origin"})
+  .then(async r => done([r.status, await r.text()]), e => done([0, String(e)]));
+"""
+
+
+def _fetch(driver, method: str, url: str, body: str | None = None,
+           token: str | None = None) -> tuple[int, str]:
+    """A request the page itself sends (its cookies, its origin), as the console's scripts do."""
+    status, text = driver.execute_async_script(_FETCH, method, url, body, token)
+    return status, text
+
+
+def test_a_change_needs_the_sessions_token_and_signing_out_ends_the_session(
+        browser, tmp_path):  # noqa: F811
+    make_tiny_model(tmp_path / "repo" / MODEL, TOML)
+    add_users(tmp_path / "data")
+    s = start_server(tmp_path / "repo", tmp_path, "--host", "0.0.0.0", grpc=False,
+                     env={"XDG_DATA_HOME": str(tmp_path / "data")})
+    change = '{"ok_threshold": 0.3}'
+    url = f"/v1/models/{MODEL}/verdict"
+    try:
+        _sign_in(browser, s, "qe-anna")  # quality: may change the rules
+        assert "Signed in as qe-anna (quality)" in _text(browser)
+        assert _axe_violations(browser) == []
+        status, text = _fetch(browser, "GET", "/ui/session")
+        token = json.loads(text)["csrf_token"]
+        for wrong in (None, "not-the-token", token[:-1] + ("0" if token[-1] != "0" else "1")):
+            status, text = _fetch(browser, "PUT", url, change, wrong)
+            assert status == 403 and "CSRF" in text, (wrong, status, text)
+        cookies = {c["name"]: c["value"] for c in browser.get_cookies()}  # HttpOnly ones too
+        # the sign-out button, with the keyboard
+        browser.find_element(By.TAG_NAME, "body").click()
+        _tab_to(browser, browser.find_element(By.ID, "sign-out"))
+        _press(browser, Keys.ENTER)
+        WebDriverWait(browser, 30).until(lambda d: d.current_url.endswith("/ui/login"))
+        assert not browser.get_cookies()  # the cookie is cleared
+        # and the session is over on the server: its old cookie and token change nothing, and
+        # open no page
+        with httpx.Client(base_url=s.url, cookies=cookies, timeout=10,
+                          headers={"X-CSRF-Token": token}) as old:
+            r = old.put(url, content=change, headers={"Content-Type": "application/json"})
+            assert r.status_code == 401, r.text
+            assert old.get("/ui/session").status_code == 401
+            assert old.get("/ui/models").status_code == 401
+        rule = httpx.get(f"{s.url}{url}", timeout=10).json()
+        assert "0.3" not in json.dumps(rule), rule
     finally:
         browser.delete_all_cookies()
         s.stop()

@@ -84,7 +84,7 @@ def make_router(settings: ServerSettings, guard_store: JobStore | None = None,
                **data: Any) -> HTMLResponse:
         pages = [(p, key) for p, key in PAGES if _may(request, "GET", p)]
         page = env.get_template(name).render(
-            s=STRINGS, pages=pages, here=path, zone=zone_name,
+            s=STRINGS, pages=pages, here=path, zone=zone_name, user=session_of(request),
             now=datetime.now(zone).strftime("%Y-%m-%d %H:%M:%S"),
             script_strings=script_strings(), **data)
         return HTMLResponse(page, status_code=status_code, headers=HEADERS)

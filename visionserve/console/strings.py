@@ -16,6 +16,8 @@ STRINGS: dict[str, str] = {
     "nav_system": "System",
     "nav_audit": "Audit log",
     "skip_to_content": "Skip to content",
+    "signed_in_as": "Signed in as {user} ({role})",
+    "sign_out": "Sign out",
     "times_in": "Times in {zone}.",
     "rendered_at": "Shown at {time}.",
     "reload": "Reload",

@@ -102,4 +102,29 @@
   for (const button of document.querySelectorAll("button[data-action]")) {
     button.addEventListener("click", () => act(button));
   }
+
+  // signing out ends the session on the server (POST /ui/logout, a change: with the CSRF
+  // token), then shows the sign-in form
+  const signOut = document.getElementById("sign-out");
+  if (signOut) {
+    signOut.addEventListener("click", async () => {
+      const headers = {"Accept": "application/json"};
+      const token = await csrfToken();
+      if (token) headers["X-CSRF-Token"] = token;
+      try {
+        const r = await fetch("/ui/logout", {method: "POST", headers: headers,
+                                             credentials: "same-origin"});
+        if (!r.ok) {
+          let error = r.statusText;
+          try { error = (await r.json()).error || error; } catch (e) { /* the status says it */ }
+          alert.textContent = fill(strings.refused, {error: error, status: r.status});
+          return;
+        }
+      } catch (e) {
+        alert.textContent = fill(strings.network_error, {error: e.message});
+        return;
+      }
+      window.location.assign("/ui/login");
+    });
+  }
 })();

@@ -199,7 +199,8 @@ async def test_a_store_that_refuses_is_counted_and_its_records_written_once_it_w
         assert rec.fault is not None
         broken["on"] = False
         wait_for(lambda: len(store.history("P-1")) == 3, 10, "the held batch written")
-        assert metric("visionserve_records_store_fault") == 0 and rec.fault is None
+        wait_for(lambda: metric("visionserve_records_store_fault") == 0 and rec.fault is None,
+                 what="the fault cleared")
     finally:
         await asyncio.to_thread(rec.close)
 

@@ -321,7 +321,8 @@ class Recorder:
 
     def _failed(self, exc: StoreFault) -> None:
         now = time.monotonic()
-        if self.fault is None:
+        first, self.fault = self.fault is None, exc  # the fault before its gauge: readers see both
+        if first:
             self._fault_since = self._fault_logged = now
             metrics.STORE_FAULT.set(1)
             log.error("records: %s. Inference goes on; the batch is retried for up to %.0f s, "
@@ -332,15 +333,14 @@ class Recorder:
             self._fault_logged = now
             log.error("records: the store still cannot be written, for %.0f s now (%s); %d "
                       "records queued", now - self._fault_since, exc.cause, self._queue.qsize())
-        self.fault = exc
 
     def _recovered(self) -> None:
         if self.fault is None:
             return
         log.warning("records: the store works again after %.1f s (%s)",
                     time.monotonic() - self._fault_since, self.fault.cause)
-        self.fault = None
-        metrics.STORE_FAULT.set(0)
+        metrics.STORE_FAULT.set(0)  # the gauge before the fault: a reader that sees no fault
+        self.fault = None           # sees the gauge at 0
 
     def _backoff(self) -> float:
         held = time.monotonic() - self._fault_since

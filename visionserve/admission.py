@@ -24,6 +24,7 @@ from .served import Served
 
 MAX_DEADLINE_MS = 3_600_000.0
 
+
 @dataclass
 class Gate:
     """Whether the engine admits frames: once started, and until it drains."""

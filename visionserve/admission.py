@@ -24,10 +24,6 @@ from .served import Served
 
 MAX_DEADLINE_MS = 3_600_000.0
 
-#: where a request's frames come from, as the front ends say it: (part id, camera id, station
-#: id), each None when not sent
-Origin = tuple
-
 
 @dataclass
 class Gate:
@@ -38,11 +34,12 @@ class Gate:
 
 
 class ResultTap(Protocol):
-    """What hears every frame's final answer (``Engine.tap``); called on the engine's loop."""
+    """What hears every frame's final answer (``Engine.tap``); called on the engine's loop.
+    ``origin``: a :class:`~visionserve.dataplane.Origin`, or a plain tuple of its first fields."""
 
-    def watch(self, served, pending: Sequence, origin: Origin | None) -> None: ...
+    def watch(self, served, pending: Sequence, origin: tuple | None) -> None: ...
 
-    def refused(self, served, count: int, origin: Origin | None,
+    def refused(self, served, count: int, origin: tuple | None,
                 exc: VisionServeError) -> None: ...
 
 
@@ -52,11 +49,11 @@ class _Tee:
     def __init__(self, taps: tuple[ResultTap, ...]) -> None:
         self.taps = taps
 
-    def watch(self, served, pending: Sequence, origin: Origin | None) -> None:
+    def watch(self, served, pending: Sequence, origin: tuple | None) -> None:
         for t in self.taps:
             t.watch(served, pending, origin)
 
-    def refused(self, served, count: int, origin: Origin | None,
+    def refused(self, served, count: int, origin: tuple | None,
                 exc: VisionServeError) -> None:
         for t in self.taps:
             t.refused(served, count, origin, exc)
@@ -137,8 +134,7 @@ class Admission:
     def admit(self, served: Served, frames: list[Frame], deadline_ms: float | None,
               priority: int | None, arrival: float, origin: tuple | None = None) -> list:
         """``_admit``, and each frame's final answer to the taps when any listen (refused frames
-        too: the PLC must hear "no decision"). ``origin``: (part id, camera id, station id), each
-        optional (``Origin``)."""
+        too: the PLC must hear "no decision"). ``origin``: where they come from (``Origin``)."""
         if self.results is None:
             return self._admit(served, frames, deadline_ms, priority, arrival)
         try:

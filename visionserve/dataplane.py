@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from .errors import Conflict, NotFound, Unavailable, VisionServeError
 from .recipes import Assignments, Recipe
@@ -28,6 +28,20 @@ if TYPE_CHECKING:
     from .imaging import Frame
     from .livefeed import LiveFeed
     from .tasks import Task
+
+
+class Origin(NamedTuple):
+    """Where a request's frames come from, for the taps of every answer (the PLC result bus, the
+    records, the live feed): what the front ends and the cameras say of them, each None when not
+    known. A tap may also be given a plain, shorter tuple (the fields in this order)."""
+
+    part_id: str | None = None
+    camera: str | None = None  #: the camera's name (``X-Camera-Id``, ``[camera.NAME]``)
+    station: str | None = None
+    recipe: str | None = None  #: the recipe the route decided under
+    #: the camera's timestamp of the frame (seconds, its clock as the source reports it): set by
+    #: the server's own cameras, None for pushed frames
+    camera_time: float | None = None
 
 
 @dataclass
@@ -133,14 +147,14 @@ class DataPlane(Protocol):
 
     def precheck(self, name: str, version: str | int | None, n: int, *,
                  deadline_ms: float | None, priority: int | None, arrival: float,
-                 origin: tuple | None = None) -> None:
+                 origin: Origin | None = None) -> None:
         """Raise now what admitting ``n`` frames would raise (503 overloaded, draining, bad
         deadline or priority), from a request's head, before its body is read."""
         ...
 
     async def infer(self, name: str, version: str | int | None, frames: list[Frame], *,
                     deadline_ms: float | None = None, priority: int | None = None,
-                    arrival: float | None = None, origin: tuple | None = None
+                    arrival: float | None = None, origin: Origin | None = None
                     ) -> tuple[ServedModel, list[FrameResult]]:
         """Answers for ``frames`` in order; a VisionServeError for the whole request."""
         ...

@@ -21,6 +21,7 @@ import numpy as np
 
 from . import __version__, imaging
 from .backends.base import backend_class
+from .dataplane import Origin
 from .errors import InvalidInput
 from .imaging import Frame
 from .tasks import VERDICT, OipOutput
@@ -172,16 +173,16 @@ def answer_parameters(route: Route) -> dict[str, str]:
 
 
 def origin(params: dict[str, Any] | None, request_id: str | None,
-           route: Route | None = None) -> tuple[str | None, ...]:
-    """(part id, camera id, station id, recipe) for the PLC result bus and the part's record:
+           route: Route | None = None) -> Origin:
+    """Part id, camera id, station id and recipe for the PLC result bus and the part's record:
     parameters ``part_id`` (else the request id), ``camera_id`` and ``station_id`` (the station
     the route found, else the parameter), what the inspect API's X-Part-Id, X-Camera-Id and
     X-Station-Id headers carry; the recipe the route decided under."""
     params = params or {}
     part = _text(params.get("part_id")) or request_id or None
     station = (route.station if route is not None else None) or _text(params.get("station_id"))
-    return (part, _text(params.get("camera_id")), station,
-            route.recipe if route is not None else None)
+    return Origin(part, _text(params.get("camera_id")), station,
+                  route.recipe if route is not None else None)
 
 
 def _text(value: Any) -> str | None:

@@ -278,3 +278,51 @@ def test_a_half_written_file_is_no_frame_on_a_real_server(line, tmp_path):
         assert r.status_code == 200 and r.json()["verdict"] == "OK", r.text
     finally:
         server.stop()
+
+
+def test_the_record_keeps_the_camera_time_and_a_raw_capture_is_the_frame_s_pixels(bright_repo,
+                                                                                   tmp_path):
+    """The camera's timestamp of a triggered frame (a folder's: the file's modification time)
+    in the part's record, none for a pushed frame; a raw frame captured as a PNG of exactly its
+    pixels. With a front-end process: the origin crosses to the engine."""
+    drop, data = tmp_path / "drop", tmp_path / "data"
+    drop.mkdir()
+    server = start_server(bright_repo, tmp_path, "--camera", f"cam1=folder:{drop}", "--records",
+                          "--records-dir", str(data), "--capture", "all", "--frontends", "1",
+                          grpc=False)
+
+    def record(part: str) -> dict:
+        return wait_for(lambda: (h := httpx.get(f"{server.url}/v1/parts/{part}", timeout=10))
+                        .status_code == 200 and h.json()["records"][0], 20, f"{part}'s record")
+
+    try:
+        stamp = 1796375551.25  # what the camera's file says: exactly representable
+        (drop / "frame-1.jpg").write_bytes(WHITE)
+        os.utime(drop / "frame-1.jpg", (stamp, stamp))
+        r = _trigger(server, "cam1", "P-1")
+        assert r.status_code == 200 and r.json()["camera_time"] == stamp, r.text
+        triggered = record("P-1")
+        assert (triggered["camera"], triggered["camera_time"]) == ("cam1", stamp)
+        listed = httpx.get(f"{server.url}/v1/records", params={"part_id": "P-1"}, timeout=10)
+        assert listed.json()["records"][0]["camera_time"] == stamp
+        page = httpx.get(f"{server.url}/ui/parts/P-1", timeout=10)  # the console's part page
+        assert page.status_code == 200 and "<dt>Camera time</dt><dd>1796375551.250000 s" in \
+            page.text
+        # a raw push: no camera time; its capture decodes to exactly its pixels, red as red
+        px = np.random.default_rng(7).integers(0, 256, (45, 61, 3), dtype=np.uint8)
+        px[0, 0] = (255, 0, 0)
+        r = httpx.post(f"{server.url}/v1/models/bright/inspect", content=px.tobytes(), timeout=30,
+                       headers={"Content-Type": "application/octet-stream", "X-Part-Id": "P-2",
+                                "X-Image-Shape": "45x61x3"})
+        assert r.status_code == 200, r.text
+        pushed = wait_for(lambda: (p := record("P-2"))["image"] and p, 20, "the capture")
+        assert pushed["camera_time"] is None and pushed["image"].endswith(".png")
+        stored = (data / "captures" / pushed["image"]).read_bytes()
+        bgr = cv2.imdecode(np.frombuffer(stored, np.uint8), cv2.IMREAD_UNCHANGED)
+        assert np.array_equal(bgr[:, :, ::-1], px) and tuple(bgr[0, 0]) == (0, 0, 255)
+        image = httpx.get(f"{server.url}/v1/records", params={"part_id": "P-2"}, timeout=10)
+        rid = image.json()["records"][0]["id"]
+        served = httpx.get(f"{server.url}/v1/records/{rid}/image", timeout=10)
+        assert served.headers["content-type"] == "image/png" and served.content == stored
+    finally:
+        server.stop()

@@ -217,6 +217,25 @@ def test_postgres_store_lists_by_filter_a_page_at_a_time(postgres_url):
     store.close()
 
 
+def test_a_postgres_table_of_an_earlier_version_gains_the_camera_time(postgres_url):
+    import psycopg
+
+    def record(part: str, camera_time: float | None = None) -> Record:
+        return Record(time.time(), part, "st", "cam", "tiny", "1", None, "OK", "ok", 0.9, None,
+                      {}, part, camera_time=camera_time)
+
+    store = PostgresStore(postgres_url)
+    store.write([record("CT-0")])
+    store.close()
+    with psycopg.connect(postgres_url, autocommit=True) as c:  # the table as it was before
+        c.execute("ALTER TABLE visionserve_records DROP COLUMN camera_time")
+    store = PostgresStore(postgres_url)
+    assert store.history("CT-0")[0].camera_time is None  # read first: the table gains it
+    store.write([record("CT-1", 1796375551.125)])
+    assert store.history("CT-1")[0].camera_time == 1796375551.125
+    store.close()
+
+
 # --- S3 ------------------------------------------------------------------------------------------
 
 def _moto_exe() -> Path:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import dataclasses
+import io
 import json
 import os
 import random
@@ -22,13 +23,14 @@ from conftest import wait_for
 from prometheus_client import REGISTRY
 
 from visionserve.config import ModelConfig
+from visionserve.dataplane import Origin
 from visionserve.errors import DeadlineExceeded, Unavailable
 from visionserve.execution.results import FrameResult
 from visionserve.imaging import Frame
 from visionserve.logs import request_id
 from visionserve.records import cli
-from visionserve.records.capture import FolderTarget, Policy, image_key
-from visionserve.records.record import Record, parse_time
+from visionserve.records.capture import FolderTarget, Policy, image_bytes, image_key
+from visionserve.records.record import COLUMNS, Record, parse_time
 from visionserve.records.store import SqliteStore, StoreFault
 from visionserve.records.writer import Recorder
 from visionserve.tasks.classification import Classification, Classified
@@ -114,6 +116,36 @@ def test_a_full_database_is_a_store_fault_that_says_so(tmp_path):
     assert [r.time for r in store.history("P-1")] == [3.0, 1.0]
 
 
+def _old_file(path: Path) -> None:
+    """A records file as a version before ``camera_time`` made it, with one record."""
+    import sqlite3
+
+    old = [c for c in COLUMNS if c != "camera_time"]
+    c = sqlite3.connect(path)
+    c.execute(f"CREATE TABLE records (id INTEGER PRIMARY KEY, {', '.join(old)})")
+    c.execute(f"INSERT INTO records ({', '.join(old)}) VALUES ({', '.join('?' * len(old))})",
+              _record(1.0, part="OLD").row()[:len(old)])
+    c.commit()
+    c.close()
+
+
+@pytest.mark.parametrize("first", ["read", "write"])
+def test_the_camera_time_round_trips_and_an_old_file_gains_its_column(tmp_path, first):
+    path = tmp_path / "r.sqlite"
+    _old_file(path)
+    store = SqliteStore(path)
+    if first == "read":  # an export of an old file before any server opened it
+        assert store.history("OLD")[0].camera_time is None
+    store.write([_record(2.0, part="NEW", camera_time=1796375551.125)])
+    (old,) = store.history("OLD")
+    assert old == _record(1.0, part="OLD") and old.camera_time is None
+    (new,) = store.history("NEW")
+    assert new.camera_time == 1796375551.125
+    assert new.to_dict()["camera_time"] == 1796375551.125  # the API's JSON
+    assert SqliteStore(path).history("NEW") == [new]  # a file that has it is left as it is
+    store.close()
+
+
 def test_a_database_deleted_under_the_writer_is_made_anew_not_written_into_the_void(tmp_path):
     path = tmp_path / "r.sqlite"
     store = SqliteStore(path)
@@ -158,6 +190,28 @@ async def test_every_answer_becomes_a_record_with_its_origin_result_and_request_
     assert by_index[3].verdict == "ERROR" and by_index[3].error.startswith("cancelled")
     refused = store.history("P-43")[0]
     assert refused.verdict == "ERROR" and refused.error == "unavailable: queue full"
+
+
+async def test_the_camera_time_of_the_origin_goes_into_the_record(tmp_path):
+    store = SqliteStore(tmp_path / "r.sqlite")
+    rec = Recorder(store, max_age_s=1e9, max_bytes=1 << 30)
+    rec.start()
+    try:
+        triggered, pushed = _pending(1), _pending(1)
+        rec.watch(SERVED, triggered, Origin("P-1", "cam1", "st-1", "rec-a", 1796375551.5))
+        rec.watch(SERVED, pushed, ("P-2", "cam2"))  # a plain, shorter tuple: no camera time
+        rec.refused(SERVED, 1, Origin("P-3", "cam1", camera_time=12.25), Unavailable("full"))
+        for item in triggered + pushed:
+            item.future.set_result(_result("OK", (0.95, 0.03, 0.02)))
+        await asyncio.sleep(0)
+        wait_for(lambda: len(list(store.select())) == 3, what="three records")
+    finally:
+        await asyncio.to_thread(rec.close)
+    (r1,), (r2,), (r3,) = (store.history(p) for p in ("P-1", "P-2", "P-3"))
+    assert (r1.camera, r1.station, r1.recipe, r1.camera_time) == \
+        ("cam1", "st-1", "rec-a", 1796375551.5)
+    assert (r2.camera, r2.station, r2.camera_time) == ("cam2", None, None)
+    assert r3.verdict == "ERROR" and r3.camera_time == 12.25
 
 
 async def test_a_full_queue_drops_and_counts_and_the_loop_never_waits(tmp_path):
@@ -359,12 +413,39 @@ async def test_captured_frames_are_the_bytes_received_with_their_record_beside(t
     assert records["NG"].image == side["image"] and records["OK"].image is None
 
 
+def _pixels(h: int, w: int, c: int) -> np.ndarray:
+    px = np.random.default_rng(c).integers(0, 256, (h, w, c), dtype=np.uint8)
+    px[0, 0] = (255, 0, 0, 255)[:c]  # red in RGB(A): the channel order shows
+    return px
+
+
+@pytest.mark.parametrize("channels", [1, 3, 4])
+def test_a_raw_frame_is_captured_as_a_png_of_exactly_its_pixels(channels):
+    cv2 = pytest.importorskip("cv2")
+    image = pytest.importorskip("PIL.Image")
+    px = _pixels(37, 53, channels)  # odd sizes: no row padding hides
+    data = image_bytes("raw", px)
+    assert data.startswith(b"\x89PNG\r\n\x1a\n")
+    # another decoder (Pillow gives RGB(A) as stored): the very pixels, the channels in order
+    with image.open(io.BytesIO(data)) as im:
+        assert im.mode == {1: "L", 3: "RGB", 4: "RGBA"}[channels]
+        assert np.array_equal(np.asarray(im).reshape(px.shape), px)
+    # OpenCV reads it as BGR(A): red is red
+    bgr = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
+    if channels > 1:
+        assert tuple(bgr[0, 0, :3]) == (0, 0, 255)
+        assert np.array_equal(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB if channels == 3
+                                           else cv2.COLOR_BGRA2RGBA), px)
+    else:
+        assert np.array_equal(bgr, px[:, :, 0])
+
+
 def test_image_keys_are_unique_per_answer_even_when_ids_repeat():
     r = _record(0.0, part="A-1")
     keys = {image_key(r, "jpeg") for _ in range(1000)}  # a retry: same part, same request id
     assert len(keys) == 1000
     assert all(re.fullmatch(r"1970-01-01/A-1_rid\.[0-9a-f]{12}\.jpg", k) for k in keys)
-    assert re.fullmatch(r"1970-01-01/rid-2\.[0-9a-f]{12}\.npy",
+    assert re.fullmatch(r"1970-01-01/rid-2\.[0-9a-f]{12}\.png",
                         image_key(dataclasses.replace(r, part_id=None, frame_index=2), "raw"))
 
 
@@ -376,8 +457,8 @@ def test_export_writes_the_records_of_the_range(tmp_path, fmt):
         pytest.importorskip("pyarrow")
     store = SqliteStore(tmp_path / "records.sqlite")
     t0 = parse_time("2026-12-01T06:00:00Z")
-    store.write([_record(t0 + 3600 * i, part=f"P-{i}", verdict="NG" if i % 3 else "OK")
-                 for i in range(10)])
+    store.write([_record(t0 + 3600 * i, part=f"P-{i}", verdict="NG" if i % 3 else "OK",
+                         camera_time=t0 + i + 0.5 if i % 2 else None) for i in range(10)])
     out = tmp_path / f"out.{fmt}"
     args = Namespace(records_url=None, records_dir=str(tmp_path), action="export",
                      since="2026-12-01T08:00Z", until="2026-12-01T12:00Z", format=fmt,
@@ -395,5 +476,9 @@ def test_export_writes_the_records_of_the_range(tmp_path, fmt):
         times = [r["time"].strftime("%Y-%m-%dT%H:%M:%S.000Z") for r in rows]
     assert [r["part_id"] for r in rows] == ["P-2", "P-3", "P-4", "P-5"]
     assert times[0] == "2026-12-01T08:00:00.000Z"
+    # the camera's time, where the frame had one (CSV: text, empty for none)
+    assert [r["camera_time"] for r in rows] == \
+        ([None, t0 + 3.5, None, t0 + 5.5] if fmt == "parquet" else ["", str(t0 + 3.5), "",
+                                                                    str(t0 + 5.5)])
     bad = Namespace(**{**vars(args), "since": "yesterday"})
     assert cli.run(bad) == 2

@@ -9,10 +9,11 @@ touches a source.
 HTTP route (``POST /v1/cameras/{name}/trigger``, ``/v1/stations/{s}/trigger``) and, later, the
 PLC. It grabs from each camera of the trigger at once, turns each grab into a raw frame
 (:func:`to_frame`) and submits it through the data plane as an inspect request does (no JPEG
-round trip), with the part id and the camera's name as its origin: the part's record, the live
-feed and the PLC result path get them. A camera that gives no frame is a fault: its answer says
-why, the PLC hears "no decision", and it is counted; never an OK without a frame. A part seen by
-several cameras is NG when any camera's verdict is, and no decision when any camera gave none.
+round trip), with the part id, the camera's name and the camera's timestamp of the frame as its
+origin (:class:`~visionserve.dataplane.Origin`): the part's record, the live feed and the PLC
+result path get them. A camera that gives no frame is a fault: its answer says why, the PLC hears
+"no decision", and it is counted; never an OK without a frame. A part seen by several cameras is
+NG when any camera's verdict is, and no decision when any camera gave none.
 
 Free-running cameras (``trigger = "free"``, ``rate_hz``) and hardware-triggered ones (the frame's
 arrival is the trigger) are grabbed by their thread without a call, each frame inspected with a
@@ -41,7 +42,7 @@ from typing import Any, Protocol
 
 from .. import imaging
 from ..config import ServerSettings
-from ..dataplane import Cameras, DataPlane, Route, inspect_answer
+from ..dataplane import Cameras, DataPlane, Origin, Route, inspect_answer
 from ..errors import (
     ConfigError,
     Conflict,
@@ -483,7 +484,7 @@ class CameraService:
     async def _inspect(self, camera: Camera, route: Route, part_id: str | None,
                        grab: asyncio.Future) -> tuple[int, dict]:
         """One camera's answer to a trigger: (HTTP status, its inspect JSON or its fault)."""
-        origin = (part_id, camera.name, route.station, route.recipe)
+        origin = Origin(part_id, camera.name, route.station, route.recipe)
         base = {"part_id": part_id, "camera_id": camera.name, "model": route.model,
                 **({} if route.station is None
                    else {"station": route.station, "recipe": route.recipe})}
@@ -501,6 +502,7 @@ class CameraService:
         camera_fields = {k: v for k, v in (("frame_id", shot.grabbed.frame_id),
                                            ("camera_time", shot.grabbed.camera_time))
                          if v is not None}
+        origin = origin._replace(camera_time=shot.grabbed.camera_time)  # into the record
         try:
             served, (r,) = await self.plane.infer(route.model, route.version or None,
                                                   [shot.frame], arrival=shot.got, origin=origin)

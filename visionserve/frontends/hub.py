@@ -6,8 +6,8 @@ Messages (tuples) a front end sends:
   ``frames`` are ``(kind, width, height, channels, shape, offset, length, inline)`` with the
   bytes in the arena at ``offset`` (or, when the arena was full, ``inline``); ``arrival`` is
   ``time.monotonic()``, which is one clock for all processes of a machine; ``request_id`` is the
-  client's (for log lines); ``origin`` is (part id, camera id, station id, recipe) for the PLC
-  result bus and the records, or None.
+  client's (for log lines); ``origin`` (a :class:`~visionserve.dataplane.Origin`) is where the
+  frames come from, for the PLC result bus and the records, or None.
   ``("cancel", rid)``: the client went away; ``("cancel", rid, kind)``: the front end answered the
   request itself (``kind`` "deadline": its own deadline timer, "unavailable": this process was
   silent), and the engine counts that answer unless it had answered first.

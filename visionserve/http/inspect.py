@@ -16,7 +16,7 @@ from fastapi.responses import Response
 from starlette.datastructures import Headers
 
 from .. import imaging
-from ..dataplane import inspect_answer
+from ..dataplane import Origin, inspect_answer
 from ..errors import DeadlineExceeded, InvalidInput, VisionServeError
 from ..execution.results import FrameResult
 from ..tasks import Task, annotate
@@ -136,10 +136,10 @@ def read_head(headers: Headers, engine, settings, model_name: str | None,
 
 
 def origin(part_id: str | None, camera_id: str | None, station: str | None, recipe: str | None,
-           headers: Headers) -> tuple[str | None, ...]:
-    """(part id, camera id, station id, recipe) for the PLC result bus and the part's record: the
+           headers: Headers) -> Origin:
+    """Part id, camera id, station id and recipe for the PLC result bus and the part's record: the
     station the route found, else the X-Station-Id header."""
-    return part_id, camera_id, station or headers.get("x-station-id") or None, recipe
+    return Origin(part_id, camera_id, station or headers.get("x-station-id") or None, recipe)
 
 
 def head_error_response(exc: VisionServeError, engine, headers: Headers,

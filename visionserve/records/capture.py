@@ -1,10 +1,11 @@
 """Image capture for retraining: which frames (:class:`Policy`), and where they go (a folder with
 a quota, :class:`FolderTarget`, or an S3-compatible bucket, :class:`S3Target`).
 
-An image is kept as the camera sent it (the encoded bytes, no re-encode; raw pixels as a ``.npy``
-file, which keeps their shape), at ``<date>/<part id>_<request id>.<uid>.<ext>`` (``uid``: random,
-one per answer, so a retried request id never overwrites an earlier frame), with its record
-beside it as ``<same name>.json``. The folder's quota deletes only names of that form.
+An image is kept as the camera sent it (the encoded bytes, no re-encode; raw pixels, a camera's
+or an ``X-Image-Shape`` push, as a lossless PNG of exactly those pixels: grey, RGB or RGBA), at
+``<date>/<part id>_<request id>.<uid>.<ext>`` (``uid``: random, one per answer, so a retried
+request id never overwrites an earlier frame), with its record beside it as ``<same name>.json``.
+The folder's quota deletes only names of that form.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import numpy as np
+
+from .. import imaging
 from ..config import parse_bytes
 from ..errors import ConfigError
 from ..extras import require
@@ -32,12 +36,15 @@ from .record import Record
 log = logging.getLogger(__name__)
 
 POLICIES = ("none", "ng", "uncertain", "sample", "all")
-EXTENSIONS = {"jpeg": "jpg", "png": "png", "bmp": "bmp", "raw": "npy"}
+EXTENSIONS = {"jpeg": "jpg", "png": "png", "bmp": "bmp", "raw": "png"}
+#: zlib level of a raw frame's PNG: fast (the capture thread keeps up with the line), still lossless
+PNG_COMPRESSION = 1
 #: a quota pass deletes down to this share of the quota, so it does not run for every image
 QUOTA_LOW_WATER = 0.9
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 #: what the server writes in a capture folder (and so all that its quota may delete): date
-#: folders holding ``<name>.<12 hex digits>.<ext>`` and its ``.json`` sidecar
+#: folders holding ``<name>.<12 hex digits>.<ext>`` and its ``.json`` sidecar (``.npy``: raw
+#: frames as earlier versions kept them)
 _OWN_DAY = re.compile(r"\d{4}-\d{2}-\d{2}")
 _OWN_FILE = re.compile(r"[A-Za-z0-9._-]+\.[0-9a-f]{12}\.(?:jpg|png|bmp|npy)(?:\.json)?")
 #: an image's key as a record names it (no sidecar): what the image route reads, nothing else
@@ -100,14 +107,20 @@ def _safe(text: str) -> str:
 
 
 def image_bytes(kind: str, data: Any) -> bytes:
-    """What is written: the encoded file as received, or raw pixels as ``.npy``."""
+    """What is written: the encoded file as received, or raw pixels (uint8 ``HxWxC``: grey, RGB
+    or RGBA) as a PNG that decodes to exactly them (OpenCV writes BGR: the channels are swapped
+    for it). Runs in the capture thread."""
     if kind != "raw":
         return bytes(data)
-    import numpy as np
-
-    buf = io.BytesIO()
-    np.save(buf, np.asarray(data), allow_pickle=False)
-    return buf.getvalue()
+    cv2 = imaging._cv2()
+    px = np.asarray(data)
+    channels = px.shape[2] if px.ndim == 3 else 1
+    if channels in (3, 4):
+        px = cv2.cvtColor(px, cv2.COLOR_RGB2BGR if channels == 3 else cv2.COLOR_RGBA2BGRA)
+    ok, buf = cv2.imencode(".png", px, [cv2.IMWRITE_PNG_COMPRESSION, PNG_COMPRESSION])
+    if not ok:
+        raise ValueError(f"a raw frame of shape {px.shape} cannot be written as PNG")
+    return buf.tobytes()
 
 
 def sidecar(record: Record, drawing: dict[str, Any] | None = None) -> bytes:

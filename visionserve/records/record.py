@@ -32,12 +32,16 @@ class Record:
     frame_index: int = 0  #: the frame's place in its request
     error: str | None = None  #: why there is no decision: "<kind>: <message>"
     image: str | None = None  #: where the frame was captured (folder-relative path or s3:// URL)
+    #: the camera's timestamp of the frame (seconds, the camera's clock as its source reports it:
+    #: a GigE Vision camera's own, a folder file's modification time); None for pushed frames
+    camera_time: float | None = None
 
     def row(self) -> tuple:
         """The values in COLUMNS order, JSON columns as text."""
         return (self.time, self.part_id, self.station, self.camera, self.model, self.version,
                 self.recipe, self.verdict, self.label, self.score, _dumps(self.result),
-                _dumps(self.timings), self.request_id, self.frame_index, self.error, self.image)
+                _dumps(self.timings), self.request_id, self.frame_index, self.error, self.image,
+                self.camera_time)
 
     @classmethod
     def from_row(cls, row: Any) -> Record:

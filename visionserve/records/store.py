@@ -190,13 +190,20 @@ _TYPES = {
     "score": ("REAL", "DOUBLE PRECISION"),
     "result": ("TEXT", "JSONB"), "timings": ("TEXT", "JSONB"),  # JSON
     "frame_index": ("INTEGER NOT NULL DEFAULT 0", "INTEGER NOT NULL DEFAULT 0"),
+    "camera_time": ("REAL", "DOUBLE PRECISION"),  # the camera's clock, seconds
 }
+#: columns newer than the table's first form: a table made before them gains them when the store
+#: opens it (each nullable, so the records already there read None)
+_ADDED = ("camera_time",)
+
+
+def _type(column: str, dialect: int) -> str:
+    return _TYPES.get(column, ("TEXT", "TEXT"))[dialect]
 
 
 def _schema(table: str, dialect: int, key: str) -> str:
     """The table and its indexes (part id and time) in SQLite (0) or PostgreSQL (1)."""
-    cols = ",\n    ".join([f"id {key}"] + [f"{c} {_TYPES.get(c, ('TEXT', 'TEXT'))[dialect]}"
-                                            for c in COLUMNS])
+    cols = ",\n    ".join([f"id {key}"] + [f"{c} {_type(c, dialect)}" for c in COLUMNS])
     return (f"CREATE TABLE IF NOT EXISTS {table} (\n    {cols}\n);\n"
             f"CREATE INDEX IF NOT EXISTS {table}_part ON {table} (part_id, time);\n"
             f"CREATE INDEX IF NOT EXISTS {table}_time ON {table} (time);\n"
@@ -231,6 +238,27 @@ class SqliteStore(RecordStore):
         self._conn: sqlite3.Connection | None = None
         self._inode: tuple[int, int] | None = None
 
+    def _open(self) -> sqlite3.Connection:
+        """A writing connection to the file, its table made (or brought up to the columns of
+        this version: ``_ADDED``). Raises sqlite3.Error as SQLite does."""
+        c = open_sqlite(str(self.path), self._timeout)
+        try:
+            c.execute("PRAGMA auto_vacuum=INCREMENTAL")  # only takes on a new file
+            c.execute("PRAGMA journal_mode=WAL")
+            c.executescript(_SQLITE_SCHEMA)
+            have = {r[1] for r in c.execute("PRAGMA table_info(records)")}
+            for column in _ADDED:
+                if column not in have:
+                    try:
+                        c.execute(f"ALTER TABLE records ADD COLUMN {column} {_type(column, 0)}")
+                    except sqlite3.OperationalError as exc:  # another process added it first
+                        if "duplicate column" not in str(exc):
+                            raise
+        except BaseException:
+            c.close()
+            raise
+        return c
+
     # -- the writer's connection ------------------------------------------------------------------
     def _writer(self) -> sqlite3.Connection:
         """The writer's connection, (re)opened when there is none or when the file it has open
@@ -252,14 +280,7 @@ class SqliteStore(RecordStore):
             except OSError as exc:
                 raise StoreFault(self.where, exc) from exc
         try:
-            c = open_sqlite(str(self.path), self._timeout)
-            try:
-                c.execute("PRAGMA auto_vacuum=INCREMENTAL")  # only takes on a new file
-                c.execute("PRAGMA journal_mode=WAL")
-                c.executescript(_SQLITE_SCHEMA)
-            except BaseException:
-                c.close()
-                raise
+            c = self._open()
         except sqlite3.Error as exc:
             if not sqlite_fault(exc):
                 raise
@@ -318,7 +339,7 @@ class SqliteStore(RecordStore):
         self._tx(lambda c: c.executemany(_INSERT, [r.row() for r in records]))
 
     # -- reads: a connection each -----------------------------------------------------------------
-    def _read(self, sql: str, args: tuple) -> list[sqlite3.Row]:
+    def _read(self, sql: str, args: tuple, upgraded: bool = False) -> list[sqlite3.Row]:
         if not self.path.exists():  # sqlite3 would make an empty file: nothing recorded yet
             return []
         try:
@@ -331,9 +352,24 @@ class SqliteStore(RecordStore):
         except sqlite3.Error as exc:
             if "no such table" in str(exc):  # the writer is making the file: nothing recorded
                 return []
+            if "no such column" in str(exc) and not upgraded:
+                # a file of an earlier version no writer has opened yet (an export of old
+                # records): it gains the new columns, then is read
+                self._upgrade()
+                return self._read(sql, args, upgraded=True)
             if not sqlite_fault(exc):
                 raise
             raise StoreFault(self.where, exc) from exc
+
+    def _upgrade(self) -> None:
+        """Bring the file's table up to this version's columns (a connection of its own: the
+        writer's belongs to the writer thread)."""
+        try:
+            self._open().close()
+        except sqlite3.Error as exc:
+            if not sqlite_fault(exc):
+                raise
+            raise StoreFault(self.where, f"cannot add this version's columns ({exc})") from exc
 
     def history(self, part_id: str, limit: int = 100) -> list[Record]:
         rows = self._read(f"{_SELECT} WHERE part_id = ? ORDER BY time DESC, id DESC LIMIT ?",
@@ -420,7 +456,8 @@ class SqliteStore(RecordStore):
 # --- PostgreSQL ----------------------------------------------------------------------------------
 
 _PG_TABLE = "visionserve_records"
-_PG_SCHEMA = _schema(_PG_TABLE, 1, "BIGSERIAL PRIMARY KEY")
+_PG_SCHEMA = _schema(_PG_TABLE, 1, "BIGSERIAL PRIMARY KEY") + "".join(
+    f"ALTER TABLE {_PG_TABLE} ADD COLUMN IF NOT EXISTS {c} {_type(c, 1)};\n" for c in _ADDED)
 _PG_COLUMNS = ", ".join("extract(epoch from time)::float8 AS time" if c == "time" else c
                         for c in COLUMNS)
 _PG_INSERT = (f"INSERT INTO {_PG_TABLE} ({', '.join(COLUMNS)}) VALUES "
@@ -448,15 +485,19 @@ class PostgresStore(RecordStore):
 
     def _writer(self):
         if self._conn is None or self._conn.closed:
-            c = self._connect()
-            try:
-                with c.transaction():
-                    c.execute(_PG_SCHEMA)
-            except self.psycopg.Error as exc:
-                c.close()
-                raise StoreFault(self.where, _first_line(exc)) from exc
-            self._conn = c
+            self._conn = self._schema()
         return self._conn
+
+    def _schema(self):
+        """A connection, the table made (or brought up to this version's columns)."""
+        c = self._connect()
+        try:
+            with c.transaction():
+                c.execute(_PG_SCHEMA)
+        except self.psycopg.Error as exc:
+            c.close()
+            raise StoreFault(self.where, _first_line(exc)) from exc
+        return c
 
     def close(self) -> None:
         if self._conn is not None:
@@ -479,7 +520,7 @@ class PostgresStore(RecordStore):
 
         self._tx(run)
 
-    def _read(self, sql: str, args: tuple) -> list:
+    def _read(self, sql: str, args: tuple, upgraded: bool = False) -> list:
         from psycopg.rows import dict_row
 
         c = self._connect()
@@ -488,6 +529,13 @@ class PostgresStore(RecordStore):
                 return cur.execute(sql, args).fetchall()
         except self.psycopg.errors.UndefinedTable:
             return []  # nothing recorded yet
+        except self.psycopg.errors.UndefinedColumn as exc:
+            if upgraded:
+                raise StoreFault(self.where, _first_line(exc)) from exc
+            # a table of an earlier version no writer has opened yet: it gains the new columns
+            c.close()
+            self._schema().close()
+            return self._read(sql, args, upgraded=True)
         except self.psycopg.Error as exc:
             raise StoreFault(self.where, _first_line(exc)) from exc
         finally:

@@ -41,6 +41,7 @@ from functools import partial
 from typing import Any
 
 from .. import imaging
+from ..dataplane import Origin
 from ..logs import current_request_id
 from . import metrics
 from .capture import FolderTarget, NoRoom, Policy, S3Target, image_bytes, image_key, sidecar
@@ -70,6 +71,7 @@ IDLE_S = 1.0
 
 #: put into the queues at close: wakes a thread that waits on them
 _WAKE = object()
+_NO_ORIGIN = Origin()
 
 
 class Recorder:
@@ -268,8 +270,7 @@ class Recorder:
 
     def _record(self, item: tuple) -> Record | None:
         wall, served, origin, rid, index, r, exc, total_s, frame = item
-        part, camera, station, recipe = (tuple(origin) + (None,) * 4)[:4] if origin \
-            else (None,) * 4
+        part, camera, station, recipe, camera_time = Origin(*origin) if origin else _NO_ORIGIN
         try:
             if r is not None:
                 task = served.task
@@ -280,7 +281,7 @@ class Recorder:
                     task.inspect_fields(r.result),
                     {"queue_ms": round(r.queue_ms, 3), "compute_ms": round(r.compute_ms, 3),
                      "total_ms": round(total_s * 1000, 3), "batch_size": r.batch_size},
-                    rid, index)
+                    rid, index, camera_time=camera_time)
             else:
                 kind = getattr(exc, "kind", "internal") if exc is not None else "cancelled"
                 message = (getattr(exc, "message", "") or "internal server error") \
@@ -288,7 +289,8 @@ class Recorder:
                 record = Record(
                     wall, part, station, camera, served.name, str(served.version), recipe,
                     "LATE" if kind == "deadline" else "ERROR", None, None, None,
-                    {"total_ms": round(total_s * 1000, 3)}, rid, index, f"{kind}: {message}")
+                    {"total_ms": round(total_s * 1000, 3)}, rid, index, f"{kind}: {message}",
+                    camera_time=camera_time)
         except Exception:
             log.exception("records: a record of model %s could not be made", served.name)
             self._lose(1, "error")

@@ -34,11 +34,12 @@ class RtspServer:
     """The test camera at :attr:`url` (``rtsp://127.0.0.1:PORT/test``), the same port across
     restarts."""
 
-    def __init__(self, log_dir: Path, user: str | None = None,
-                 password: str | None = None) -> None:
+    def __init__(self, log_dir: Path, user: str | None = None, password: str | None = None,
+                 digest: bool = False) -> None:
         self.port = free_port()
         self.url = f"rtsp://127.0.0.1:{self.port}/test"
         self.auth = [] if user is None else ["--user", user, "--password", password or ""]
+        self.auth += ["--digest"] if digest else []
         self.log_path = log_dir / f"rtsp-server-{self.port}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 

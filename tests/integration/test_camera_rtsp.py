@@ -8,7 +8,9 @@ credentials from the environment, ``POST /v1/cameras/{name}/trigger``."""
 
 from __future__ import annotations
 
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -71,6 +73,16 @@ def test_open_and_grab_gives_the_stream_s_frames(camera, opened):
     assert stats["drops"] == 0 and stats["reconnects"] == 0
 
 
+def test_tcp_and_udp_cameras_open_at_once_and_the_environment_is_left_as_it_was(opened,
+                                                                                monkeypatch):
+    monkeypatch.delenv("OPENCV_FFMPEG_CAPTURE_OPTIONS", raising=False)
+    with ThreadPoolExecutor(4) as pool:
+        sources = list(pool.map(lambda t: opened(transport=t), ["tcp", "udp", "tcp", "udp"]))
+    for source in sources:
+        assert source.grab(2.0).pixels.shape == (480, 640, 3)
+    assert "OPENCV_FFMPEG_CAPTURE_OPTIONS" not in os.environ
+
+
 def test_a_grab_after_a_pause_returns_a_frame_made_after_it(opened):
     source = opened()
     source.grab(2.0)
@@ -91,7 +103,21 @@ def test_free_running_never_hands_out_a_frame_twice(opened):
     assert stamps == sorted(stamps) and len(set(stamps)) == len(stamps), stamps
 
 
-def test_credentials_are_needed_and_a_wrong_password_is_a_clear_fault(camera):
+@pytest.mark.parametrize("digest", [False, True], ids=["basic", "digest"])
+def test_credentials_are_needed_and_a_wrong_password_is_a_clear_fault(tmp_path, digest):
+    camera = RtspServer(tmp_path, USER, PASSWORD, digest=digest)
+    try:
+        camera.start()
+        _refused(camera)
+        source = open_source("cam1", camera.url, {"user": USER, "password": PASSWORD})
+        source.open()
+        assert source.grab(2.0).pixels.shape == (480, 640, 3)
+        source.close()
+    finally:
+        camera.close()
+
+
+def _refused(camera: RtspServer) -> None:
     for settings, words in [({}, "asks for a user and password"),
                             ({"user": USER, "password": "wrong"},
                              "refused the user or password")]:

@@ -8,7 +8,8 @@ Each frame (640x480, I420) carries the server's wall-clock time when it was made
 milliseconds, as a bar code of :data:`BITS` white (1) or black (0) blocks along its top
 (:func:`stamp_of` reads it back), and a grey square that moves with every frame below it; it is
 time-stamped by the pipeline's clock as it is pushed, so frames leave at the rate they are made
-(``--fps``). With ``--user``/``--password`` the server asks for them (HTTP Basic). It prints
+(``--fps``). With ``--user``/``--password`` the server asks for them (HTTP Basic, or Digest with
+``--digest``). It prints
 ``ready`` once it listens, and serves until killed.
 """
 
@@ -59,6 +60,7 @@ def main() -> int:
     ap.add_argument("--check", action="store_true", help="only check that it can serve here")
     ap.add_argument("--user")
     ap.add_argument("--password")
+    ap.add_argument("--digest", action="store_true", help="Digest authentication, not Basic")
     ap.add_argument("--fps", type=int, default=30)
     args = ap.parse_args()
 
@@ -66,8 +68,9 @@ def main() -> int:
         import gi
 
         gi.require_version("Gst", "1.0")
+        gi.require_version("GstRtsp", "1.0")
         gi.require_version("GstRtspServer", "1.0")
-        from gi.repository import GLib, Gst, GstRtspServer
+        from gi.repository import GLib, Gst, GstRtsp, GstRtspServer
     except (ImportError, ValueError) as exc:
         print(f"GStreamer's RTSP server bindings are missing ({exc})", file=sys.stderr)
         return 1
@@ -103,7 +106,12 @@ def main() -> int:
         auth = GstRtspServer.RTSPAuth()
         token = GstRtspServer.RTSPToken()
         token.set_string(GstRtspServer.RTSP_TOKEN_MEDIA_FACTORY_ROLE, "camera-user")
-        auth.add_basic(GstRtspServer.RTSPAuth.make_basic(args.user, args.password or ""), token)
+        if args.digest:
+            auth.add_digest(args.user, args.password or "", token)
+            auth.set_supported_methods(GstRtsp.RTSPAuthMethod.DIGEST)
+        else:
+            auth.add_basic(GstRtspServer.RTSPAuth.make_basic(args.user, args.password or ""),
+                           token)
         server.set_auth(auth)
         role = Gst.Structure.from_string("camera-user, media.factory.access=(boolean)true, "
                                          "media.factory.construct=(boolean)true")[0]

@@ -34,14 +34,18 @@ wanted it is no drop: nobody waited for it.
 from __future__ import annotations
 
 import atexit
+import base64
+import contextlib
+import hashlib
 import logging
 import os
 import re
+import secrets
 import socket
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
@@ -59,10 +63,45 @@ KNOWN_SETTINGS = ("transport", "open_timeout_s", "read_timeout_s")
 #: How long ``close`` waits for the reader thread.
 CLOSE_WAIT_S = 0.5
 DEFAULT_PORT = 554
-#: OpenCV reads FFmpeg's options from this variable when a capture opens: one process-wide
-#: environment, so opens that set it take turns
+#: OpenCV reads FFmpeg's options from this variable when a capture opens
 _OPTIONS_ENV = "OPENCV_FFMPEG_CAPTURE_OPTIONS"
-_OPEN_LOCK = threading.Lock()
+
+
+class _OptionsGate:
+    """The environment is one per process: captures that open with the same FFmpeg options
+    (every camera of one transport) open at once; one with other options waits until those
+    are open (an open may take ``open_timeout_s``)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._options: str | None = None
+        self._before: str | None = None  # the variable as it was before the opens
+        self._opening = 0
+
+    @contextlib.contextmanager
+    def use(self, options: str) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: self._opening == 0 or self._options == options)
+            if self._opening == 0:
+                self._options = options
+                self._before = os.environ.get(_OPTIONS_ENV)
+                os.environ[_OPTIONS_ENV] = options
+            self._opening += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._opening -= 1
+                if self._opening == 0:
+                    if self._before is None:
+                        os.environ.pop(_OPTIONS_ENV, None)
+                    else:
+                        os.environ[_OPTIONS_ENV] = self._before
+                    self._options = None
+                    self._cond.notify_all()
+
+
+_GATE = _OptionsGate()
 
 
 @dataclass(frozen=True)
@@ -276,16 +315,8 @@ class RtspSource:
         options = f"rtsp_transport;{s.transport}|fflags;nobuffer|flags;low_delay"
         params = [cv2.CAP_PROP_OPEN_TIMEOUT_MSEC, int(s.open_timeout_s * 1000),
                   cv2.CAP_PROP_READ_TIMEOUT_MSEC, int(s.read_timeout_s * 1000)]
-        with _OPEN_LOCK:
-            before = os.environ.get(_OPTIONS_ENV)
-            os.environ[_OPTIONS_ENV] = options
-            try:
-                capture = cv2.VideoCapture(self._url(), cv2.CAP_FFMPEG, params)
-            finally:
-                if before is None:
-                    del os.environ[_OPTIONS_ENV]
-                else:
-                    os.environ[_OPTIONS_ENV] = before
+        with _GATE.use(options):
+            capture = cv2.VideoCapture(self._url(), cv2.CAP_FFMPEG, params)
         if not capture.isOpened():
             capture.release()
             raise self._why_not_opened()
@@ -304,32 +335,39 @@ class RtspSource:
             reader.stop()
 
     def _why_not_opened(self) -> CameraFault:
-        """Why the stream did not open, as a fault: asked of the camera with a DESCRIBE
-        without credentials (which tells a wrong password from a missing stream)."""
-        where = f"{self.describe()}"
-        status = describe_status(self.host, self.port, urlunsplit(self._parts),
-                                 min(self.settings.open_timeout_s, 2.0))
-        if isinstance(status, OSError):
-            if isinstance(status, ConnectionRefusedError):
+        """Why the stream did not open, as a fault: asked of the camera with a DESCRIBE, first
+        without credentials, then (when it asks for them) with the ones configured."""
+        where, url, s = self.describe(), urlunsplit(self._parts), self.settings
+        wait = min(s.open_timeout_s, 2.0)
+        answer = describe(self.host, self.port, url, wait)
+        if isinstance(answer, OSError):
+            if isinstance(answer, ConnectionRefusedError):
                 return CameraFault(f"{where}: nothing listens at {self.host}:{self.port} "
                                    "(camera off, wrong address or port)", "not_found")
             return CameraFault(f"{where}: {self.host}:{self.port} does not answer "
-                               f"({status.strerror or type(status).__name__})", "not_found")
-        if status == 401:
-            if self.settings.user is None:
+                               f"({answer.strerror or type(answer).__name__})", "not_found")
+        if answer is not None and answer.status == 401:
+            if s.user is None:
                 return CameraFault(f"{where}: the camera asks for a user and password; give "
                                    "them in --camera-credentials or VISIONSERVE_CAMERA_<NAME>_"
                                    "USER/_PASSWORD (docs/cameras.md)", "config")
-            return CameraFault(f"{where}: the camera refused the user or password configured "
-                               "for it (401 Unauthorized)", "config")
-        if status == 404:
+            header = authorization(answer.challenge, s.user, s.password or "", url)
+            answer = describe(self.host, self.port, url, wait, header) if header else None
+            if isinstance(answer, OSError):
+                return CameraFault(f"{where}: the camera closed the connection: {answer}",
+                                   "disconnected")
+            if answer is not None and answer.status == 401:
+                return CameraFault(f"{where}: the camera refused the user or password "
+                                   "configured for it (401 Unauthorized)", "config")
+        if answer is not None and answer.status == 404:
             return CameraFault(f"{where}: the camera has no stream at that path (404)",
                                "not_found")
-        if status is not None and status != 200:
-            return CameraFault(f"{where}: the camera answered RTSP status {status}", "error")
+        if answer is not None and answer.status != 200:
+            return CameraFault(f"{where}: the camera answered RTSP status {answer.status}",
+                               "error")
         return CameraFault(f"{where}: the stream could not be opened within "
-                           f"{self.settings.open_timeout_s:g} s (no video track, or a codec "
-                           "FFmpeg cannot decode)", "error")
+                           f"{s.open_timeout_s:g} s (no video track, or a codec FFmpeg cannot "
+                           "decode)", "error")
 
     # --- grab -------------------------------------------------------------------------------
 
@@ -348,21 +386,75 @@ class RtspSource:
 
 
 _STATUS = re.compile(rb"^RTSP/\d\.\d (\d{3})")
+_CHALLENGE = re.compile(rb"^WWW-Authenticate:[ \t]*(.+?)\r?$", re.IGNORECASE | re.MULTILINE)
+_PARAM = re.compile(r'(\w+)=(?:"([^"]*)"|([^\s,]+))')
 
 
-def describe_status(host: str, port: int, url: str, timeout_s: float) -> int | OSError | None:
-    """The status of an RTSP DESCRIBE of ``url`` (no credentials); the OSError when the camera
-    cannot be reached; None when it answers something else than RTSP."""
-    request = (f"DESCRIBE {url} RTSP/1.0\r\nCSeq: 1\r\nAccept: application/sdp\r\n"
+@dataclass(frozen=True)
+class Answer:
+    """A camera's answer to DESCRIBE: its status, and its first authentication challenge."""
+
+    status: int
+    challenge: str | None
+
+
+def describe(host: str, port: int, url: str, timeout_s: float,
+             auth: str | None = None) -> Answer | OSError | None:
+    """The camera's answer to an RTSP DESCRIBE of ``url`` (with the ``Authorization`` header
+    ``auth``); the OSError when it cannot be reached; None when it answers something else than
+    RTSP."""
+    header = f"Authorization: {auth}\r\n" if auth else ""
+    request = (f"DESCRIBE {url} RTSP/1.0\r\nCSeq: 1\r\nAccept: application/sdp\r\n{header}"
                "User-Agent: visionserve\r\n\r\n").encode()
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
             sock.sendall(request)
-            answer = sock.recv(256)
+            head = b""
+            while b"\r\n\r\n" not in head and len(head) < 8192:
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                head += chunk
     except OSError as exc:
         return exc
-    match = _STATUS.match(answer)
-    return int(match.group(1)) if match else None
+    status = _STATUS.match(head)
+    if status is None:
+        return None
+    challenge = _CHALLENGE.search(head.split(b"\r\n\r\n", 1)[0])
+    return Answer(int(status.group(1)),
+                  challenge.group(1).decode("latin-1").strip() if challenge else None)
+
+
+def authorization(challenge: str | None, user: str, password: str, url: str) -> str | None:
+    """The ``Authorization`` header that answers a camera's Basic or Digest (MD5) challenge to
+    DESCRIBE ``url``; None for a challenge of another kind."""
+    if challenge is None:
+        return None
+    scheme, _, rest = challenge.partition(" ")
+    if scheme.lower() == "basic":
+        return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+    if scheme.lower() != "digest":
+        return None
+    params = {m.group(1).lower(): m.group(2) if m.group(2) is not None else m.group(3)
+              for m in _PARAM.finditer(rest)}
+    if params.get("algorithm", "MD5").upper() != "MD5" or "nonce" not in params:
+        return None
+    realm, nonce = params.get("realm", ""), params["nonce"]
+
+    def md5(text: str) -> str:
+        return hashlib.md5(text.encode(), usedforsecurity=False).hexdigest()
+
+    ha1, ha2 = md5(f"{user}:{realm}:{password}"), md5(f"DESCRIBE:{url}")
+    header = f'Digest username="{user}", realm="{realm}", nonce="{nonce}", uri="{url}"'
+    if "auth" in params.get("qop", "").replace(" ", "").split(","):
+        cnonce = secrets.token_hex(8)
+        response = md5(f"{ha1}:{nonce}:00000001:{cnonce}:auth:{ha2}")
+        header += f', qop=auth, nc=00000001, cnonce="{cnonce}"'
+    else:
+        response = md5(f"{ha1}:{nonce}:{ha2}")
+    if "opaque" in params:
+        header += f', opaque="{params["opaque"]}"'
+    return header + f', response="{response}"'
 
 
 def _open(name: str, uri: str, settings: Mapping[str, Any]) -> RtspSource:

@@ -60,11 +60,14 @@ def opened(camera):
 def test_open_and_grab_gives_the_stream_s_frames(camera, opened):
     source = opened()
     assert isinstance(source, Source) and source.describe() == camera.url
+    asked = time.time()
     frame = source.grab(2.0)
     assert frame.pixel_format == "BGR8" and frame.pixels.shape == (480, 640, 3)
     rgb = pixels.to_rgb8(frame.pixels, frame.pixel_format)
     assert rgb.shape == (480, 640, 3) and rgb.dtype == np.uint8
-    assert abs(time.time() - stamp_of(rgb)) < 1.0, "the bar code reads as the server's clock"
+    # the bar code reads as the server's clock, and the first frame is no leftover of the
+    # packets FFmpeg read to learn the stream while it opened
+    assert asked - 0.25 < stamp_of(rgb) < time.time()
     second = source.grab(2.0)
     assert not np.array_equal(frame.pixels, second.pixels), "the square moves every frame"
     assert stamp_of(second.pixels) > stamp_of(frame.pixels)
@@ -233,6 +236,11 @@ def test_a_server_inspects_the_stream_with_credentials_from_the_environment(came
         wait_for(lambda: httpx.post(f"{server.url}/v1/cameras/cam1/trigger",
                                     headers={"X-Part-Id": "B-1"}, timeout=30).status_code == 200,
                  20, "a verdict after the camera's return")
+        camera.pause()  # a stream stalled at shutdown: the server still ends cleanly
+        try:
+            assert server.stop() == 0
+        finally:
+            camera.resume()
         assert PASSWORD not in server.log_path.read_text()
     finally:
         server.stop()

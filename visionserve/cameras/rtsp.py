@@ -18,7 +18,8 @@ trigger input: ``trigger = "hardware"`` is a ConfigError.
 
 Faults: a camera that does not answer, refuses the stream or the credentials is a CameraFault
 at ``open`` within ``open_timeout_s`` (what went wrong is asked of the camera itself with a
-plain RTSP DESCRIBE: nothing listens, no such stream, wrong user or password); a stream that
+plain RTSP DESCRIBE, without and with the credentials, Basic or Digest: nothing listens, no such
+stream, no or a wrong user or password); a stream that
 ends or delivers nothing for ``read_timeout_s`` ends the reader, and every grab from then on is
 a ``disconnected`` fault (the camera service closes and reopens the source); a grab that gets no
 frame within its timeout is a ``timeout`` fault. ``close`` tells the reader to stop and waits for
@@ -65,6 +66,9 @@ CLOSE_WAIT_S = 0.5
 DEFAULT_PORT = 554
 #: OpenCV reads FFmpeg's options from this variable when a capture opens
 _OPTIONS_ENV = "OPENCV_FFMPEG_CAPTURE_OPTIONS"
+
+
+_STALLED = "no frame for {:g} s (the stream stalled, or the camera went away)"
 
 
 class _OptionsGate:
@@ -179,15 +183,15 @@ class _Reader:
         try:
             while not self.stopping:
                 began = time.monotonic()
-                if not self.capture.grab():
-                    self.lose("the stream ended")
-                    return
+                ok = self.capture.grab()
                 arrived = time.monotonic()
                 if arrived - began >= self.read_timeout_s:
-                    # FFmpeg's read timed out, and OpenCV drained the decoder: a frame from
-                    # before the stall, never one to hand out
-                    self.lose(f"no frame for {self.read_timeout_s:g} s (the stream stalled, "
-                              "or the camera went away)")
+                    # FFmpeg's read timed out; a frame it gives then is OpenCV's drain of the
+                    # decoder, from before the stall: never one to hand out
+                    self.lose(_STALLED.format(self.read_timeout_s))
+                    return
+                if not ok:
+                    self.lose("the stream ended")
                     return
                 self.counts["decoded"] += 1
                 with self.cond:
@@ -208,11 +212,13 @@ class _Reader:
             self.capture.release()
 
     def lose(self, why: str) -> None:
-        """The stream is gone (counted once), and the thread ends."""
+        """The stream is gone (counted once, unless it was being closed), and the thread
+        ends."""
         with self.cond:
-            if self.lost is None and not self.stopping:
+            if self.lost is None:
                 self.lost = why
-                self.counts["drops"] += 1
+                if not self.stopping:
+                    self.counts["drops"] += 1
             self.stopping = True
             self.cond.notify_all()
 
@@ -235,8 +241,7 @@ class _Reader:
                     now = time.monotonic()
                     stalled_at = self.last_arrival + self.read_timeout_s
                     if now >= stalled_at:
-                        self.lose(f"no frame for {self.read_timeout_s:g} s (the stream stalled, "
-                                  "or the camera went away)")
+                        self.lose(_STALLED.format(self.read_timeout_s))
                         continue
                     if now >= deadline:
                         return None
@@ -253,8 +258,8 @@ class _Reader:
             _ENDING.add(self)
 
 
-#: readers told to stop but still in a read: the process waits for them at exit (a thread
-#: still in FFmpeg's code when the interpreter ends aborts the process)
+#: readers told to stop but still in a read: the process waits for them at exit (a thread that
+#: comes back from FFmpeg's code while the interpreter ends can abort the process)
 _ENDING: weakref.WeakSet[_Reader] = weakref.WeakSet()
 
 

@@ -244,3 +244,29 @@ def test_a_server_inspects_the_stream_with_credentials_from_the_environment(came
         assert PASSWORD not in server.log_path.read_text()
     finally:
         server.stop()
+
+
+def test_a_free_running_camera_of_the_recipes_file_with_a_credentials_file(camera, tiny_repo,
+                                                                          tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    os.symlink(tiny_repo / "tiny", repo / "tiny")
+    (repo / "recipes.toml").write_text(f'[camera.door]\nsource = "{camera.url}"\nmodel = "tiny"\n'
+                                       'trigger = "free"\nrate_hz = 5\n')
+    secrets = tmp_path / "cameras.toml"
+    secrets.write_text(f'[door]\nuser = "{USER}"\npassword = "{PASSWORD}"\n')
+    secrets.chmod(0o600)
+    server = start_server(repo, tmp_path, "--camera-credentials", str(secrets), grpc=False)
+    try:
+        def door() -> dict:
+            return httpx.get(f"{server.url}/v1/cameras", timeout=10).json()["cameras"][0]
+
+        wait_for(lambda: door()["frames"] >= 5, 20, "free-running frames inspected")
+        listed = door()
+        assert listed["state"] == "up" and listed["trigger"] == "free"
+        stats = listed["source_stats"]
+        # 5 of the stream's 30 frames a second are taken: the others are decoded only
+        assert stats["frames"] < stats["decoded"] / 2, stats
+        assert stats["drops"] == 0, stats
+    finally:
+        server.stop()

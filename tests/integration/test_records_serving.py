@@ -350,11 +350,11 @@ def _send_all(server, frames: list[tuple[str, bytes]], parallel: int = 8) -> lis
 
 def test_a_full_disk_keeps_the_records_before_the_images_and_no_loss_is_silent(
         request, server_factory, tiny_repo, tmp_path):
-    """--records --capture all on a 3 MiB file system, 700 frames of ~20 KB: the images fill it,
+    """--records --capture all on a 6 MiB file system, 700 frames of ~20 KB: the images fill it,
     the server deletes its own oldest images and every record is written; then a burst and
     SIGTERM at once: the records in SQLite plus the losses the server counted and logged are
     every answered frame."""
-    disk = mount_disk(request, tmp_path, "full", "3m")
+    disk = mount_disk(request, tmp_path, "full", "6m")
     server = server_factory(tiny_repo, "--records", "--records-dir", str(disk.dir),
                             "--capture", "all", "--frontends", "0", grpc=False)
     frame = _noise_jpeg(0, 128)

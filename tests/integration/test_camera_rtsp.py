@@ -61,14 +61,14 @@ def test_open_and_grab_gives_the_stream_s_frames(camera, opened):
     source = opened()
     assert isinstance(source, Source) and source.describe() == camera.url
     asked = time.time()
-    frame = source.grab(2.0)
+    frame = source.grab(5.0)
     assert frame.pixel_format == "BGR8" and frame.pixels.shape == (480, 640, 3)
     rgb = pixels.to_rgb8(frame.pixels, frame.pixel_format)
     assert rgb.shape == (480, 640, 3) and rgb.dtype == np.uint8
     # the bar code reads as the server's clock, and the first frame is no leftover of the
     # packets FFmpeg read to learn the stream while it opened
     assert asked - 0.25 < stamp_of(rgb) < time.time()
-    second = source.grab(2.0)
+    second = source.grab(5.0)
     assert not np.array_equal(frame.pixels, second.pixels), "the square moves every frame"
     assert stamp_of(second.pixels) > stamp_of(frame.pixels)
     stats = source.stats()
@@ -82,17 +82,17 @@ def test_tcp_and_udp_cameras_open_at_once_and_the_environment_is_left_as_it_was(
     with ThreadPoolExecutor(4) as pool:
         sources = list(pool.map(lambda t: opened(transport=t), ["tcp", "udp", "tcp", "udp"]))
     for source in sources:
-        assert source.grab(2.0).pixels.shape == (480, 640, 3)
+        assert source.grab(5.0).pixels.shape == (480, 640, 3)
     assert "OPENCV_FFMPEG_CAPTURE_OPTIONS" not in os.environ
 
 
 def test_a_grab_after_a_pause_returns_a_frame_made_after_it(opened):
     source = opened()
-    source.grab(2.0)
+    source.grab(5.0)
     for pause in (0.5, 1.5):
         time.sleep(pause)  # the stream goes on meanwhile: its frames are not kept for later
         asked = time.time()
-        frame = source.grab(2.0)
+        frame = source.grab(5.0)
         made = stamp_of(frame.pixels)
         # made after the call, but for the time the server takes to encode and send (tens of
         # ms): a frame buffered from before the pause would be `pause` seconds older
@@ -114,7 +114,7 @@ def test_credentials_are_needed_and_a_wrong_password_is_a_clear_fault(tmp_path, 
         _refused(camera)
         source = open_source("cam1", camera.url, {"user": USER, "password": PASSWORD})
         source.open()
-        assert source.grab(2.0).pixels.shape == (480, 640, 3)
+        assert source.grab(5.0).pixels.shape == (480, 640, 3)
         source.close()
     finally:
         camera.close()
@@ -155,8 +155,16 @@ def test_a_camera_that_is_not_there_or_has_no_such_stream(camera):
 def test_a_killed_server_is_a_fault_within_the_timeout_and_frames_come_after_its_restart(
         camera, opened):
     source = opened(read_timeout_s=1.0)
-    source.grab(2.0)
+    source.grab(5.0)
     camera.kill()
+    # frames already on their way when the server died (in the socket, in the decoder) may
+    # still come, for a moment on a busy machine; after them, never a frame
+    drained = time.monotonic() + 2.0
+    while time.monotonic() < drained:
+        try:
+            source.grab(0.5)
+        except CameraFault:
+            break
     for _ in range(3):  # no hang, and never a frame
         start = time.monotonic()
         with pytest.raises(CameraFault) as fault:
@@ -170,13 +178,13 @@ def test_a_killed_server_is_a_fault_within_the_timeout_and_frames_come_after_its
     assert time.monotonic() - start < 0.7
     camera.start()
     source.open()  # the camera service reopens a disconnected source
-    assert source.grab(2.0).pixels.shape == (480, 640, 3)
+    assert source.grab(5.0).pixels.shape == (480, 640, 3)
     assert source.stats()["reconnects"] == 1
 
 
 def test_a_stream_that_stalls_is_a_timeout_then_disconnected_and_close_is_prompt(camera, opened):
     source = opened(read_timeout_s=1.0)
-    source.grab(2.0)
+    source.grab(5.0)
     camera.pause()
     try:
         start = time.monotonic()

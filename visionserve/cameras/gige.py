@@ -51,7 +51,7 @@ from typing import Any, TypeVar
 from ..errors import ConfigError
 from ..extras import install_hint
 from .pixels import from_buffer, get_format
-from .source import COMMON_SETTINGS, CameraFault, Grabbed, register
+from .source import CameraFault, Grabbed, own_settings, register
 
 log = logging.getLogger(__name__)
 
@@ -121,11 +121,7 @@ class GigeSettings:
 
     @classmethod
     def of(cls, name: str, settings: Mapping[str, Any]) -> GigeSettings:
-        own = {k: v for k, v in settings.items() if k not in COMMON_SETTINGS}
-        unknown = sorted(set(own) - set(KNOWN_SETTINGS))
-        if unknown:
-            raise ConfigError(f"camera {name}: unknown gige setting(s) {', '.join(unknown)}; "
-                              f"known: {', '.join(KNOWN_SETTINGS)}")
+        own = own_settings(name, "gige", settings, KNOWN_SETTINGS)
         try:
             roi = own.get("roi")
             out = cls(

@@ -55,7 +55,7 @@ import cv2
 import numpy as np
 
 from ..errors import ConfigError
-from .source import COMMON_SETTINGS, CameraFault, Grabbed, redact, register
+from .source import CameraFault, Grabbed, own_settings, redact, register
 
 log = logging.getLogger(__name__)
 
@@ -121,11 +121,7 @@ class RtspSettings:
 
     @classmethod
     def of(cls, name: str, settings: Mapping[str, Any]) -> RtspSettings:
-        own = {k: v for k, v in settings.items() if k not in COMMON_SETTINGS}
-        unknown = sorted(set(own) - set(KNOWN_SETTINGS))
-        if unknown:
-            raise ConfigError(f"camera {name}: unknown rtsp setting(s) {', '.join(unknown)}; "
-                              f"known: {', '.join(KNOWN_SETTINGS)}")
+        own = own_settings(name, "rtsp", settings, KNOWN_SETTINGS)
         try:
             out = cls(trigger=str(settings.get("trigger") or "software"),
                       transport=str(own.get("transport", "tcp")),

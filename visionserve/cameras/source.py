@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 import re
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import urlsplit, urlunsplit
@@ -115,6 +115,18 @@ Opener = Callable[[str, str, Mapping[str, Any]], Source]
 _OPENERS: dict[str, Opener] = {}
 _LOCK = threading.Lock()
 _SCHEME = re.compile(r"^([a-z][a-z0-9]*)(?::|$)")
+
+
+def own_settings(name: str, scheme: str, settings: Mapping[str, Any],
+                 known: Sequence[str]) -> dict[str, Any]:
+    """A source's own settings (``settings`` less :data:`COMMON_SETTINGS`); ConfigError naming
+    any that ``known`` lacks."""
+    own = {k: v for k, v in settings.items() if k not in COMMON_SETTINGS}
+    unknown = sorted(set(own) - set(known))
+    if unknown:
+        raise ConfigError(f"camera {name}: unknown {scheme} setting(s) {', '.join(unknown)}; "
+                          f"known: {', '.join(known)}")
+    return own
 
 
 def register(scheme: str, opener: Opener) -> None:

@@ -330,3 +330,26 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker("gpu_alone") is not None:
                 item.add_marker(alone)
+
+
+#: the console's browser tests drive these (Debian's chromium and chromium-driver)
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's headless Chromium through its chromedriver, for the console's browser tests
+    (tests/browser; they skip where either is absent, browserkit.MARKS)."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--window-size=1280,1000", "--force-prefers-reduced-motion"):
+        options.add_argument(arg)
+    # the driver's path given: Selenium never runs selenium-manager, nothing is downloaded
+    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()

@@ -7,17 +7,16 @@ viewer's navigation has no Audit log. axe-core finds no WCAG 2.1 A/AA violation.
 from __future__ import annotations
 
 import pytest
+from browserkit import (
+    MARKS,
+    axe_violations,
+    page_text,
+    press,
+    screenshot,
+    tab_to,
+)
 from conftest import make_tiny_model, start_server
 
-from tests.browser.test_console_in_browser import (
-    _axe_violations,
-    _press,
-    _screenshot,
-    _tab_to,
-    _text,
-    browser,  # noqa: F401 - the fixture
-)
-from tests.browser.test_console_in_browser import pytestmark as BROWSER_MARKS
 from tests.browser.test_console_verdict import MODEL, TOML, _form, _said, _sign_in, _type_into
 from tests.integration.test_console_users import add_users
 
@@ -28,7 +27,7 @@ try:
 except ImportError:  # skipped with the reason (pytestmark)
     pass
 
-pytestmark = BROWSER_MARKS  # browser, slow, and skipped (with the reason) without Chromium
+pytestmark = MARKS  # browser, slow, and skipped (with the reason) without Chromium
 
 ZONE = "Europe/Berlin"
 
@@ -48,39 +47,39 @@ def _rows(driver) -> list[str]:
     return [r.text for r in driver.find_elements(By.CSS_SELECTOR, "table.audit tbody tr")]
 
 
-def test_a_verdict_change_shows_on_the_audit_page_under_its_user(browser, server):  # noqa: F811
+def test_a_verdict_change_shows_on_the_audit_page_under_its_user(browser, server):
     _sign_in(browser, server, "qe-anna")  # quality: on the Models page
     form = _form(browser)
     _type_into(browser, form.find_element(By.CSS_SELECTOR, "input[data-field=ok_threshold]"),
                "0.25")
-    _tab_to(browser, form.find_element(By.CSS_SELECTOR, "button[data-verdict=preview]"))
-    _press(browser, Keys.ENTER)
+    tab_to(browser, form.find_element(By.CSS_SELECTOR, "button[data-verdict=preview]"))
+    press(browser, Keys.ENTER)
     WebDriverWait(browser, 30).until(lambda d: form.find_elements(By.CLASS_NAME, "preview-count"))
-    _tab_to(browser, form.find_element(By.CSS_SELECTOR, "button[data-verdict=save]"), 4)
-    _press(browser, Keys.ENTER)
+    tab_to(browser, form.find_element(By.CSS_SELECTOR, "button[data-verdict=save]"), 4)
+    press(browser, Keys.ENTER)
     assert _said(form, "status").startswith(f"Saved: the rules of {MODEL}")
 
     # the navigation leads there, by keyboard
     browser.find_element(By.TAG_NAME, "body").click()
-    _tab_to(browser, browser.find_element(By.LINK_TEXT, "Audit log"))
-    _press(browser, Keys.ENTER)
+    tab_to(browser, browser.find_element(By.LINK_TEXT, "Audit log"))
+    press(browser, Keys.ENTER)
     WebDriverWait(browser, 30).until(lambda d: d.current_url.endswith("/ui/audit"))
-    assert f"Time ({ZONE})" in _text(browser)
+    assert f"Time ({ZONE})" in page_text(browser)
     newest = _rows(browser)[0]
     assert "qe-anna" in newest and "Verdict rules changed" in newest, newest
     assert f"model {MODEL}" in newest and "ok_threshold: 0.0 → 0.25" in newest, newest
 
     # filter by user with the keyboard: type the name, Enter sends the form
     user = browser.find_element(By.ID, "audit-user")
-    _tab_to(browser, user)
-    _press(browser, "qe-anna", Keys.ENTER)
+    tab_to(browser, user)
+    press(browser, "qe-anna", Keys.ENTER)
     WebDriverWait(browser, 30).until(lambda d: "user=qe-anna" in d.current_url)
     rows = _rows(browser)
     assert rows and all("qe-anna" in r for r in rows), rows
     assert any("Signed in" in r for r in rows) and any("Verdict rules changed" in r for r in rows)
     assert not any("User added" in r for r in rows)  # those were by the OS user
-    _screenshot(browser, "audit")
-    assert _axe_violations(browser) == []
+    screenshot(browser, "audit")
+    assert axe_violations(browser) == []
 
     _sign_in(browser, server, "otto")  # a viewer: no Audit log in the navigation
     assert browser.find_elements(By.LINK_TEXT, "Audit log") == []

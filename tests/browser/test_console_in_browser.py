@@ -9,140 +9,40 @@ go to ``build/console-screenshots/``."""
 
 from __future__ import annotations
 
-import os
-import shutil
-from pathlib import Path
-
 import httpx
 import pytest
-from conftest import REPO, start_server
+from browserkit import (
+    MARKS,
+    ZONE,
+    axe_violations,
+    open_page,
+    page_text,
+    press,
+    screenshot,
+    shipped_repo,
+    tab_to,
+)
+from conftest import start_server
 
 try:
-    from selenium import webdriver
     from selenium.common.exceptions import WebDriverException
-    from selenium.webdriver.chrome.service import Service
-    from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import WebDriverWait
-except ImportError:  # the test extra not installed: skipped, with the reason
-    webdriver = None
+except ImportError:  # skipped with the reason (MARKS)
+    pass
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow]
-
-CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
-AXE = Path(__file__).parent / "vendor" / "axe-core" / "axe.min.js"
-SCREENSHOTS = REPO / "build" / "console-screenshots"
-SHIPPED = ("defect-classifier", "defect-detector", "surface-anomaly")
-#: the stations of the test's recipes file (the repository ships none)
-RECIPES = """\
-[recipe.housing-black]
-description = "Housing, black ABS"
-model = "defect-classifier"
-version = 1
-verdict = { ok_threshold = 0.5 }
-
-[recipe.housing-white]
-description = "Housing, white ABS"
-model = "defect-classifier"
-verdict = { ok_threshold = 0.7 }
-
-[station.line1-st3]
-recipe = "housing-black"
-cameras = ["cam-7"]
-
-[station.line1-st4]
-"""
-ZONE = "Europe/Berlin"
-
-
-def _missing() -> str | None:
-    """Why the browser tests cannot run here, or None."""
-    for path in (CHROMIUM, CHROMEDRIVER):
-        if not os.access(path, os.X_OK):
-            return f"{path} is absent (apt-get install chromium chromium-driver)"
-    if webdriver is None:
-        return "selenium is not installed (the test extra)"
-    return None
-
-
-pytestmark.append(pytest.mark.skipif(_missing() is not None, reason=_missing() or ""))
-
-
-def _repo(root: Path, models: tuple[str, ...] = SHIPPED, recipes: bool = True) -> Path:
-    for name in models:
-        shutil.copytree(REPO / "models" / name, root / name)
-    if recipes:
-        (root / "recipes.toml").write_text(RECIPES)
-    for path in [root, *root.rglob("*")]:  # the server refuses a repository others can write
-        path.chmod(path.stat().st_mode & 0o755)
-    return root
+pytestmark = MARKS
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """The shipped models and a recipes file, loads and unloads allowed."""
     tmp = tmp_path_factory.mktemp("console")
-    s = start_server(_repo(tmp / "repo"), tmp, "--model-control-mode", "explicit",
+    s = start_server(shipped_repo(tmp / "repo"), tmp, "--model-control-mode", "explicit",
                      "--time-zone", ZONE, grpc=False)
     yield s
     s.stop()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1280,1000", "--force-prefers-reduced-motion"):
-        options.add_argument(arg)
-    # the driver's path given: Selenium never runs selenium-manager, nothing is downloaded
-    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
-    driver.set_page_load_timeout(60)
-    yield driver
-    driver.quit()
-
-
-def _open(browser, server, path: str) -> None:
-    browser.get(server.url + path)
-    WebDriverWait(browser, 30).until(lambda d: d.find_element(By.TAG_NAME, "h1"))
-
-
-def _screenshot(browser, name: str) -> None:
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    height = browser.execute_script("return document.documentElement.scrollHeight")
-    browser.set_window_size(1280, max(1000, min(int(height) + 200, 6000)))  # + the window frame
-    browser.save_screenshot(str(SCREENSHOTS / f"{name}.png"))
-    browser.set_window_size(1280, 1000)
-
-
-def _axe_violations(browser) -> list[dict]:
-    browser.execute_script(AXE.read_text(encoding="utf-8"))
-    result = browser.execute_async_script(
-        "const done = arguments[arguments.length - 1];"
-        "axe.run(document, {runOnly: {type: 'tag', values: "
-        "['wcag2a', 'wcag2aa', 'wcag21a', 'wcag21aa']}})"
-        ".then(r => done(r.violations.map(v => ({id: v.id, help: v.help, "
-        "nodes: v.nodes.map(n => n.target.join(' '))}))))"
-        ".catch(e => done([{id: 'axe failed', help: String(e), nodes: []}]));")
-    return result
-
-
-def _text(browser) -> str:
-    return browser.find_element(By.TAG_NAME, "body").text
-
-
-def _tab_to(browser, element, limit: int = 200) -> None:
-    """Press Tab until ``element`` has the focus (it is reachable with the keyboard)."""
-    for _ in range(limit):
-        if browser.switch_to.active_element == element:
-            return
-        ActionChains(browser).send_keys(Keys.TAB).perform()
-    raise AssertionError(f"{element.text or element.tag_name!r} is not reachable with Tab")
-
-
-def _press(browser, *keys: str) -> None:
-    ActionChains(browser).send_keys(*keys).perform()
 
 
 def _confirm_with_keyboard(browser, accept: bool = True) -> str:
@@ -151,8 +51,8 @@ def _confirm_with_keyboard(browser, accept: bool = True) -> str:
     WebDriverWait(browser, 10).until(lambda d: dialog.get_attribute("open") is not None)
     text = browser.find_element(By.ID, "confirm-text").text
     button = browser.find_element(By.ID, "confirm-ok" if accept else "confirm-cancel")
-    _tab_to(browser, button, limit=4)  # the dialog keeps the focus inside it
-    _press(browser, Keys.ENTER)
+    tab_to(browser, button, limit=4)  # the dialog keeps the focus inside it
+    press(browser, Keys.ENTER)
     # the page reloads after a success: an element looked up as it goes is stale, or its node
     # no longer in the document (Chromium's inspector error), until the new page is there
     WebDriverWait(browser, 10, ignored_exceptions=(WebDriverException,)).until(
@@ -169,8 +69,8 @@ def _act_with_keyboard(browser, label: str) -> str:
     """Tab to the button named ``label``, Enter, and confirm in the dialog; its text."""
     button = browser.find_element(By.XPATH, f"//button[normalize-space()='{label}']")
     browser.find_element(By.TAG_NAME, "body").click()  # the focus starts at the page
-    _tab_to(browser, button)
-    _press(browser, Keys.ENTER)
+    tab_to(browser, button)
+    press(browser, Keys.ENTER)
     return _confirm_with_keyboard(browser)
 
 
@@ -201,15 +101,15 @@ def _said(browser) -> str:
                     "The guard is off on this server", "No PLC server runs on this server"]),
 ])
 def test_each_page_shows_the_servers_data_and_passes_axe(browser, server, path, shows):
-    _open(browser, server, path)
-    text = _text(browser)
+    open_page(browser, server, path)
+    text = page_text(browser)
     for words in shows:
         assert words in text, (words, text)
     assert f"Times in {ZONE}." in text
     nav = browser.find_element(By.CSS_SELECTOR, "nav a[aria-current='page']")
     assert nav.get_attribute("href").endswith(path)
-    _screenshot(browser, path.rsplit("/", 1)[-1])
-    assert _axe_violations(browser) == []
+    screenshot(browser, path.rsplit("/", 1)[-1])
+    assert axe_violations(browser) == []
     # no request left the server: every style sheet and script is its own
     for url in browser.execute_script(
             "return performance.getEntriesByType('resource').map(e => e.name)"):
@@ -217,18 +117,18 @@ def test_each_page_shows_the_servers_data_and_passes_axe(browser, server, path, 
 
 
 def test_the_console_home_leads_to_the_first_page(browser, server):
-    _open(browser, server, "/ui")
+    open_page(browser, server, "/ui")
     assert browser.current_url == server.url + "/ui/live"
 
 
 def test_unload_and_load_with_the_confirmation_and_the_keyboard(browser, server):
-    _open(browser, server, "/ui/models")
+    open_page(browser, server, "/ui/models")
     # cancelled: nothing happens
     button = browser.find_element(By.XPATH,
                                   "//button[normalize-space()='Unload defect-classifier']")
     browser.find_element(By.TAG_NAME, "body").click()
-    _tab_to(browser, button)
-    _press(browser, Keys.ENTER)
+    tab_to(browser, button)
+    press(browser, Keys.ENTER)
     text = _confirm_with_keyboard(browser, accept=False)
     assert "Unload every version of model defect-classifier?" in text
     assert _model_state(server, "defect-classifier") == "READY"
@@ -238,20 +138,20 @@ def test_unload_and_load_with_the_confirmation_and_the_keyboard(browser, server)
     assert _said(browser) == "Done: model defect-classifier unloaded."
     assert _model_state(server, "defect-classifier") == "UNAVAILABLE"
     assert "UNAVAILABLE" in browser.find_element(By.XPATH, "//section[h2='defect-classifier']").text
-    _screenshot(browser, "models-unloaded")
-    assert _axe_violations(browser) == []
+    screenshot(browser, "models-unloaded")
+    assert axe_violations(browser) == []
     _act_with_keyboard(browser, "Load defect-classifier")
     assert _said(browser) == "Done: model defect-classifier loaded."
     assert _model_state(server, "defect-classifier") == "READY"
 
 
 def test_switch_a_stations_recipe_with_the_keyboard(browser, server):
-    _open(browser, server, "/ui/stations")
+    open_page(browser, server, "/ui/stations")
     select = browser.find_element(By.ID, "recipe-1")
     assert select.get_attribute("value") == "housing-black"
     browser.find_element(By.TAG_NAME, "body").click()
-    _tab_to(browser, select)
-    _press(browser, Keys.ARROW_DOWN)  # the next recipe: housing-white
+    tab_to(browser, select)
+    press(browser, Keys.ARROW_DOWN)  # the next recipe: housing-white
     assert select.get_attribute("value") == "housing-white"
     text = _act_with_keyboard(browser, "Switch line1-st3")
     assert "Make station line1-st3 run recipe housing-white?" in text
@@ -268,38 +168,40 @@ def test_switch_a_stations_recipe_with_the_keyboard(browser, server):
                            "'housing-white'") and said.endswith("(HTTP 409)"), said
     select = browser.find_element(By.ID, "recipe-2")
     browser.find_element(By.TAG_NAME, "body").click()
-    _tab_to(browser, select)
-    _press(browser, Keys.ARROW_DOWN)
+    tab_to(browser, select)
+    press(browser, Keys.ARROW_DOWN)
     assert select.get_attribute("value") == "housing-white"
     _act_with_keyboard(browser, "Switch line1-st4")
     assert _said(browser) == "Done: station line1-st4 runs recipe housing-white."
-    _screenshot(browser, "stations-switched")
+    screenshot(browser, "stations-switched")
 
 
 def test_model_control_none_shows_the_servers_refusal(browser, tmp_path):
-    s = start_server(_repo(tmp_path / "repo", ("defect-classifier",), recipes=False), tmp_path,
+    s = start_server(shipped_repo(tmp_path / "repo", ("defect-classifier",), recipes=False),
+                     tmp_path,
                      "--model-control-mode", "none", grpc=False)
     try:
         said = httpx.post(s.url + "/v2/repository/models/defect-classifier/unload", json={},
                           timeout=30)
         assert 400 <= said.status_code < 500
-        _open(browser, s, "/ui/models")
-        assert "Loading and unloading are turned off on this server" in _text(browser)
+        open_page(browser, s, "/ui/models")
+        assert "Loading and unloading are turned off on this server" in page_text(browser)
         _act_with_keyboard(browser, "Unload defect-classifier")
         alert = _said(browser)
         assert alert == (f"alert: The server refused: {said.json()['error']} "
                          f"(HTTP {said.status_code})"), alert
         assert browser.find_element(By.ID, "status").text == ""
         assert _model_state(s, "defect-classifier") == "READY"
-        _screenshot(browser, "models-control-none")
-        assert _axe_violations(browser) == []
+        screenshot(browser, "models-control-none")
+        assert axe_violations(browser) == []
     finally:
         s.stop()
 
 
 
 def test_system_page_lists_the_guards_jobs(browser, tmp_path):
-    s = start_server(_repo(tmp_path / "repo", ("defect-classifier",), recipes=False), tmp_path,
+    s = start_server(shipped_repo(tmp_path / "repo", ("defect-classifier",), recipes=False),
+                     tmp_path,
                      "--guard", "--guard-db", str(tmp_path / "guard.sqlite"),
                      "--time-zone", "America/Chicago", grpc=False)
     try:
@@ -307,19 +209,19 @@ def test_system_page_lists_the_guards_jobs(browser, tmp_path):
             "name": "retrain-housing", "command": ["sleep", "60"], "gpu_mem": "1GiB"})
         assert job.status_code == 201, job.text
         job_id = job.json()["id"]
-        _open(browser, s, "/ui/system")
+        open_page(browser, s, "/ui/system")
         row = browser.find_element(By.XPATH, "//tr[td='retrain-housing']")
         cells = [c.text for c in row.find_elements(By.TAG_NAME, "td")]
         assert cells[0] == str(job_id) and cells[2] in ("queued", "running"), cells
         assert cells[3] == "1.0 GiB"
-        assert "Times in America/Chicago." in _text(browser)
+        assert "Times in America/Chicago." in page_text(browser)
         from datetime import datetime
         from zoneinfo import ZoneInfo
 
         submitted = datetime.fromtimestamp(job.json()["submitted_at"], ZoneInfo("America/Chicago"))
         assert cells[5] == submitted.strftime("%Y-%m-%d %H:%M:%S")
-        _screenshot(browser, "system-guard")
-        assert _axe_violations(browser) == []
+        screenshot(browser, "system-guard")
+        assert axe_violations(browser) == []
         httpx.post(f"{s.url}/v1/guard/jobs/{job_id}/cancel", timeout=30)
     finally:
         s.stop()

@@ -16,18 +16,17 @@ from zoneinfo import ZoneInfo
 
 import httpx
 import pytest
+from browserkit import (
+    MARKS,
+    axe_violations,
+    open_page,
+    page_text,
+    press,
+    screenshot,
+    tab_to,
+)
 from conftest import TINY_TOML, make_tiny_model, start_server
 
-from tests.browser.test_console_in_browser import (
-    _axe_violations,
-    _open,
-    _press,
-    _screenshot,
-    _tab_to,
-    _text,
-    browser,  # noqa: F401 - the fixture
-)
-from tests.browser.test_console_in_browser import pytestmark as BROWSER_MARKS
 from tests.integration.test_console_users import PASSWORD, add_users
 
 try:
@@ -37,7 +36,7 @@ try:
 except ImportError:  # skipped with the reason (pytestmark)
     pass
 
-pytestmark = BROWSER_MARKS  # browser, slow, and skipped (with the reason) without Chromium
+pytestmark = MARKS  # browser, slow, and skipped (with the reason) without Chromium
 
 ZONE = "America/Chicago"
 #: every frame OK to begin with: each label is a good one, any score will do
@@ -68,9 +67,9 @@ def _form(driver):
 def _type_into(driver, element, text: str) -> None:
     """Tab to ``element``, select what it holds and type ``text`` (the keyboard only)."""
     driver.find_element(By.TAG_NAME, "body").click()
-    _tab_to(driver, element)
-    _press(driver, Keys.CONTROL, "a")
-    _press(driver, Keys.NULL, text)
+    tab_to(driver, element)
+    press(driver, Keys.CONTROL, "a")
+    press(driver, Keys.NULL, text)
 
 
 def _said(form, which: str) -> str:
@@ -89,7 +88,7 @@ def server(tmp_path_factory):
     s.stop()
 
 
-def test_a_threshold_change_is_previewed_then_saved_with_the_keyboard(browser, server):  # noqa: F811
+def test_a_threshold_change_is_previewed_then_saved_with_the_keyboard(browser, server):
     images = _images(12)
     scores = {f"A-{i}": _inspect(server, png, f"A-{i}")["score"] for i, png in enumerate(images)}
     ranked = sorted(scores.values())
@@ -108,7 +107,7 @@ def test_a_threshold_change_is_previewed_then_saved_with_the_keyboard(browser, s
     expected = {p for p, (old, s) in kept.items() if old != ("OK" if s >= threshold else "NG")}
     assert 0 < len(expected) < 24
 
-    _open(browser, server, "/ui/models")
+    open_page(browser, server, "/ui/models")
     form = _form(browser)
     field = form.find_element(By.CSS_SELECTOR, "input[data-field=ok_threshold]")
     assert float(field.get_attribute("value")) == pytest.approx(low)
@@ -121,8 +120,8 @@ def test_a_threshold_change_is_previewed_then_saved_with_the_keyboard(browser, s
 
     # a value the server refuses: its message, as it said it; Save stays off
     _type_into(browser, field, "1.5")
-    _tab_to(browser, preview)
-    _press(browser, Keys.ENTER)
+    tab_to(browser, preview)
+    press(browser, Keys.ENTER)
     said = _said(form, "alert")
     assert said.startswith("The server refused: [verdict] not changed:") and "ok_threshold" in \
         said and said.endswith("(HTTP 400)"), said
@@ -130,8 +129,8 @@ def test_a_threshold_change_is_previewed_then_saved_with_the_keyboard(browser, s
 
     # the preview: the count and the frames are the server's
     _type_into(browser, field, str(threshold))
-    _tab_to(browser, preview)
-    _press(browser, Keys.ENTER)
+    tab_to(browser, preview)
+    press(browser, Keys.ENTER)
     count = WebDriverWait(browser, 30).until(
         lambda d: form.find_elements(By.CLASS_NAME, "preview-count"))[0].text
     assert count == f"{len(expected)} of the last 24 frames would change verdict."
@@ -147,13 +146,13 @@ def test_a_threshold_change_is_previewed_then_saved_with_the_keyboard(browser, s
             for f in api["frames_changed"]] == [[c[0], c[2], c[3]] for c in cells]
     rule = httpx.get(f"{server.url}/v1/models/{MODEL}/verdict", timeout=10).json()["verdict"]
     assert rule["ok_threshold"] == pytest.approx(low)  # a preview changes nothing
-    _screenshot(browser, "models-verdict-preview")
-    assert _axe_violations(browser) == []
+    screenshot(browser, "models-verdict-preview")
+    assert axe_violations(browser) == []
 
     # Save, with the keyboard; the rule in force and the next frame follow
     assert save.is_enabled()
-    _tab_to(browser, save, limit=4)
-    _press(browser, Keys.ENTER)
+    tab_to(browser, save, limit=4)
+    press(browser, Keys.ENTER)
     said = _said(form, "status")
     assert said.startswith(f"Saved: the rules of {MODEL} now in force are ") and \
         f"ok_threshold = {threshold}" in said, said
@@ -182,29 +181,29 @@ def _sign_in(driver, server, user: str) -> None:
     WebDriverWait(driver, 30).until(lambda d: d.find_element(By.TAG_NAME, "h1"))
 
 
-def test_a_viewer_sees_the_rules_but_no_form(browser, tmp_path):  # noqa: F811
+def test_a_viewer_sees_the_rules_but_no_form(browser, tmp_path):
     make_tiny_model(tmp_path / "repo" / MODEL, TOML)
     add_users(tmp_path / "data")
     s = start_server(tmp_path / "repo", tmp_path, "--host", "0.0.0.0", grpc=False,
                      env={"XDG_DATA_HOME": str(tmp_path / "data")})
     try:
         _sign_in(browser, s, "otto")  # a viewer
-        text = _text(browser)
+        text = page_text(browser)
         assert "ok_threshold" in text and "Your role may read these rules but not change" in text
         assert browser.find_elements(By.CSS_SELECTOR, "form.verdict-form") == []
-        _screenshot(browser, "models-verdict-viewer")
-        assert _axe_violations(browser) == []
+        screenshot(browser, "models-verdict-viewer")
+        assert axe_violations(browser) == []
         _sign_in(browser, s, "qe-anna")  # quality
         form = _form(browser)
         field = form.find_element(By.CSS_SELECTOR, "input[data-field=ok_threshold]")
         _type_into(browser, field, "0.25")
-        _tab_to(browser, form.find_element(By.CSS_SELECTOR, "button[data-verdict=preview]"))
-        _press(browser, Keys.ENTER)
+        tab_to(browser, form.find_element(By.CSS_SELECTOR, "button[data-verdict=preview]"))
+        press(browser, Keys.ENTER)
         count = WebDriverWait(browser, 30).until(
             lambda d: form.find_elements(By.CLASS_NAME, "preview-count"))[0].text
         assert count == "0 of the last 0 frames would change verdict."
-        _tab_to(browser, form.find_element(By.CSS_SELECTOR, "button[data-verdict=save]"), 4)
-        _press(browser, Keys.ENTER)
+        tab_to(browser, form.find_element(By.CSS_SELECTOR, "button[data-verdict=save]"), 4)
+        press(browser, Keys.ENTER)
         assert _said(form, "status").startswith(f"Saved: the rules of {MODEL}")
         audit = [ln for ln in s.log().splitlines() if "ok_threshold" in ln and "qe-anna" in ln]
         assert audit, s.log()[-3000:]
@@ -230,7 +229,7 @@ def _fetch(driver, method: str, url: str, body: str | None = None,
 
 
 def test_a_change_needs_the_sessions_token_and_signing_out_ends_the_session(
-        browser, tmp_path):  # noqa: F811
+        browser, tmp_path):
     make_tiny_model(tmp_path / "repo" / MODEL, TOML)
     add_users(tmp_path / "data")
     s = start_server(tmp_path / "repo", tmp_path, "--host", "0.0.0.0", grpc=False,
@@ -239,8 +238,8 @@ def test_a_change_needs_the_sessions_token_and_signing_out_ends_the_session(
     url = f"/v1/models/{MODEL}/verdict"
     try:
         _sign_in(browser, s, "qe-anna")  # quality: may change the rules
-        assert "Signed in as qe-anna (quality)" in _text(browser)
-        assert _axe_violations(browser) == []
+        assert "Signed in as qe-anna (quality)" in page_text(browser)
+        assert axe_violations(browser) == []
         status, text = _fetch(browser, "GET", "/ui/session")
         token = json.loads(text)["csrf_token"]
         for wrong in (None, "not-the-token", token[:-1] + ("0" if token[-1] != "0" else "1")):
@@ -249,8 +248,8 @@ def test_a_change_needs_the_sessions_token_and_signing_out_ends_the_session(
         cookies = {c["name"]: c["value"] for c in browser.get_cookies()}  # HttpOnly ones too
         # the sign-out button, with the keyboard
         browser.find_element(By.TAG_NAME, "body").click()
-        _tab_to(browser, browser.find_element(By.ID, "sign-out"))
-        _press(browser, Keys.ENTER)
+        tab_to(browser, browser.find_element(By.ID, "sign-out"))
+        press(browser, Keys.ENTER)
         WebDriverWait(browser, 30).until(lambda d: d.current_url.endswith("/ui/login"))
         assert not browser.get_cookies()  # the cookie is cleared
         # and the session is over on the server: its old cookie and token change nothing, and

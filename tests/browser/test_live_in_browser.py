@@ -16,19 +16,18 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from conftest import start_server
-from test_console_in_browser import (
+from browserkit import (
+    MARKS,
     ZONE,
-    _axe_violations,
-    _open,
-    _press,
-    _repo,
-    _screenshot,
-    _tab_to,
-    _text,
-    browser,
-    pytestmark,  # the browser marks and the skip where Chromium is absent
+    axe_violations,
+    open_page,
+    page_text,
+    press,
+    screenshot,
+    shipped_repo,
+    tab_to,
 )
+from conftest import start_server
 
 from visionserve_tools import synthetic
 
@@ -39,7 +38,7 @@ try:
 except ImportError:  # skipped by the marks below, with the reason
     pass
 
-__all__ = ["browser", "pytestmark"]  # the browser fixture and marks of the other pages' tests
+pytestmark = MARKS
 
 MODEL = "defect-classifier"
 INSPECT = f"/v1/models/{MODEL}/inspect"
@@ -49,7 +48,7 @@ FRAMES = {label: synthetic.encode(synthetic.generate(label, seed=3)) for label i
 @pytest.fixture(scope="module", params=["0", "2"], ids=["serving-process", "frontends-2"])
 def line(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("live")
-    s = start_server(_repo(tmp / "repo", (MODEL,)), tmp, "--frontends", request.param,
+    s = start_server(shipped_repo(tmp / "repo", (MODEL,)), tmp, "--frontends", request.param,
                      "--time-zone", ZONE, grpc=False)
     yield s
     s.stop()
@@ -71,7 +70,7 @@ def _rows(browser) -> list[list[str]]:
 
 
 def _live(browser, server, query: str = "") -> None:
-    _open(browser, server, "/ui/live" + query)
+    open_page(browser, server, "/ui/live" + query)
     WebDriverWait(browser, 30).until(
         lambda d: d.find_element(By.ID, "live-state").text.startswith("Live:"))
 
@@ -117,10 +116,10 @@ def test_each_part_shows_within_a_second_and_the_counts_add_up(browser, line):
         title.get_attribute("textContent")
     assert browser.find_elements(By.CSS_SELECTOR, "[data-part=counts] svg rect")
     assert browser.find_elements(By.CSS_SELECTOR, "[data-part=latency] svg line.takt")
-    assert "takt 200 ms." in _text(browser)
-    assert f"Times in {ZONE}." in _text(browser)
-    _screenshot(browser, f"live-{line.args[line.args.index('--frontends') + 1]}")
-    assert _axe_violations(browser) == []
+    assert "takt 200 ms." in page_text(browser)
+    assert f"Times in {ZONE}." in page_text(browser)
+    screenshot(browser, f"live-{line.args[line.args.index('--frontends') + 1]}")
+    assert axe_violations(browser) == []
 
 
 class Cutter:
@@ -194,12 +193,12 @@ def test_the_filter_by_station_with_the_keyboard(browser, line):
     _live(browser, line)
     select = browser.find_element(By.ID, "live-station")
     browser.find_element(By.TAG_NAME, "body").click()
-    _tab_to(browser, browser.find_element(By.ID, "live-model"))
-    _tab_to(browser, select, limit=3)
-    _press(browser, Keys.ARROW_DOWN)  # the first station: line1-st3
+    tab_to(browser, browser.find_element(By.ID, "live-model"))
+    tab_to(browser, select, limit=3)
+    press(browser, Keys.ARROW_DOWN)  # the first station: line1-st3
     assert select.get_attribute("value") == "line1-st3"
-    _tab_to(browser, browser.find_element(By.CSS_SELECTOR, ".filter button"), limit=3)
-    _press(browser, Keys.ENTER)
+    tab_to(browser, browser.find_element(By.CSS_SELECTOR, ".filter button"), limit=3)
+    press(browser, Keys.ENTER)
     WebDriverWait(browser, 30).until(lambda d: "station=line1-st3" in d.current_url)
     WebDriverWait(browser, 30).until(
         lambda d: d.find_element(By.ID, "live-state").text.startswith("Live:"))
@@ -210,7 +209,7 @@ def test_the_filter_by_station_with_the_keyboard(browser, line):
     stations = {r[2] for r in _rows(browser)}
     assert stations == {"line1-st3"}, stations
     assert not any("F-other" in r for r in _rows(browser))
-    assert _axe_violations(browser) == []
+    assert axe_violations(browser) == []
 
 
 def test_an_unknown_model_or_station_is_a_clear_404(line):

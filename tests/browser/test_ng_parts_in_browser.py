@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import start_server, wait_for
-from test_console_in_browser import (
+from browserkit import (
+    MARKS,
     ZONE,
-    _axe_violations,
-    _open,
-    _press,
-    _repo,
-    _screenshot,
-    _tab_to,
-    _text,
-    browser,
-    pytestmark,  # the browser marks and the skip where Chromium is absent
+    axe_violations,
+    open_page,
+    page_text,
+    press,
+    screenshot,
+    shipped_repo,
+    tab_to,
 )
+from conftest import start_server, wait_for
 
 from visionserve_tools import synthetic
 
@@ -32,7 +31,7 @@ try:
 except ImportError:  # skipped by the marks below, with the reason
     pass
 
-__all__ = ["browser", "pytestmark"]
+pytestmark = MARKS
 
 MODEL = "defect-detector"
 #: part id -> the defect its frame shows (each one the shipped detector finds: NG)
@@ -42,7 +41,7 @@ PARTS = {"NG-101": "scratch", "NG-102": "crack", "NG-103": "scratch"}
 @pytest.fixture(scope="module")
 def line(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ngparts")
-    s = start_server(_repo(tmp / "repo", (MODEL,), recipes=False), tmp, "--records",
+    s = start_server(shipped_repo(tmp / "repo", (MODEL,), recipes=False), tmp, "--records",
                      "--records-dir", str(tmp / "data"), "--capture", "ng", "--time-zone", ZONE,
                      grpc=False)
     for seed, (part, label) in enumerate(PARTS.items()):
@@ -72,7 +71,7 @@ def _cards(browser) -> list[str]:
 
 
 def test_the_gallery_shows_each_ng_frame_with_its_boxes_and_filters_by_part(browser, line):
-    _open(browser, line, "/ui/parts")
+    open_page(browser, line, "/ui/parts")
     assert _cards(browser) == list(reversed(PARTS))  # newest first
     images = _loaded_images(browser)
     assert len(images) == len(PARTS)
@@ -85,17 +84,17 @@ def test_the_gallery_shows_each_ng_frame_with_its_boxes_and_filters_by_part(brow
     marks = browser.execute_script(
         "return performance.getEntriesByName('visionserve:first-data', 'mark').length")
     assert marks == 1
-    text = _text(browser)
+    text = page_text(browser)
     assert f"Times in {ZONE}." in text and f"{MODEL}:1" in text and "crack" in text
     nav = browser.find_element(By.CSS_SELECTOR, "nav a[aria-current='page']")
     assert nav.get_attribute("href").endswith("/ui/parts")
-    _screenshot(browser, "parts")
-    assert _axe_violations(browser) == []
+    screenshot(browser, "parts")
+    assert axe_violations(browser) == []
     # the filter, with the keyboard: Tab to the part id, type it, Enter submits the form
     field = browser.find_element(By.ID, "parts-part")
     browser.find_element(By.TAG_NAME, "body").click()
-    _tab_to(browser, field)
-    _press(browser, "NG-102", Keys.ENTER)
+    tab_to(browser, field)
+    press(browser, "NG-102", Keys.ENTER)
     WebDriverWait(browser, 30).until(lambda d: "part_id=NG-102" in d.current_url)
     assert _cards(browser) == ["NG-102"]
     assert browser.find_element(By.ID, "parts-part").get_attribute("value") == "NG-102"
@@ -103,15 +102,15 @@ def test_the_gallery_shows_each_ng_frame_with_its_boxes_and_filters_by_part(brow
 
 
 def test_the_parts_page_shows_its_record_and_image(browser, line):
-    _open(browser, line, "/ui/parts?part_id=NG-101")
+    open_page(browser, line, "/ui/parts?part_id=NG-101")
     link = browser.find_element(By.LINK_TEXT, "NG-101")
     browser.find_element(By.TAG_NAME, "body").click()
-    _tab_to(browser, link)
-    _press(browser, Keys.ENTER)
+    tab_to(browser, link)
+    press(browser, Keys.ENTER)
     WebDriverWait(browser, 30).until(lambda d: d.current_url.endswith("/ui/parts/NG-101"))
     assert browser.find_element(By.TAG_NAME, "h1").text == "Part NG-101"
     record = httpx.get(f"{line.url}/v1/parts/NG-101", timeout=10).json()["records"][0]
-    text = _text(browser)
+    text = page_text(browser)
     for words in (MODEL, record["request_id"], "NG", "batch of 1", "scratch"):
         assert words in text, (words, text)
     images = _loaded_images(browser)
@@ -119,13 +118,13 @@ def test_the_parts_page_shows_its_record_and_image(browser, line):
     marks = browser.execute_script(
         "return performance.getEntriesByName('visionserve:first-data', 'mark').length")
     assert marks == 1
-    _screenshot(browser, "part")
-    assert _axe_violations(browser) == []
+    screenshot(browser, "part")
+    assert axe_violations(browser) == []
 
 
 def test_the_line_live_page_shows_the_last_ng_parts_picture(browser, line):
     """(last in this file: it adds an NG record the gallery tests above do not expect)"""
-    _open(browser, line, "/ui/live")
+    open_page(browser, line, "/ui/live")
     caption = (By.ID, "last-ng-caption")
     WebDriverWait(browser, 10).until(lambda d: "NG-103" in d.find_element(*caption).text)
     r = httpx.post(f"{line.url}/v1/models/{MODEL}/inspect", timeout=60,
@@ -145,5 +144,5 @@ def test_the_line_live_page_shows_the_last_ng_parts_picture(browser, line):
         .endswith("/ui/parts/NG-LIVE-1")
     totals = (By.CSS_SELECTOR, "[data-summary] [data-part=totals]")  # read every 3 s
     WebDriverWait(browser, 10).until(lambda d: "NG 1" in d.find_element(*totals).text)
-    _screenshot(browser, "live-last-ng")
-    assert _axe_violations(browser) == []
+    screenshot(browser, "live-last-ng")
+    assert axe_violations(browser) == []

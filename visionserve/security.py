@@ -64,7 +64,8 @@ STATIC = "static"
 
 @dataclass(frozen=True)
 class Route:
-    """Requests of ``methods`` (space-separated) to ``path`` (``{name}``: one path segment) are
+    """Requests of ``methods`` (space-separated) to ``path`` (``{name}``: one path segment;
+    ``{name:path}``: the rest of the path, slashes included, as FastAPI's ``:path``) are
     of class ``access``. A protected route opens to a console session whose role covers
     ``role``; ``form``: its body may be form-encoded (exempt from the JSON-only rule, 415)."""
 
@@ -116,7 +117,7 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/guard/jobs/{id}/cancel", ADMIN),
     Route("GET", "/v1/guard/jobs/{id}/logs", ADMIN, VIEWER),  # a command's output
     Route("GET", "/v1/guard/health", ADMIN, VIEWER),
-    Route("GET", "/v1/parts/{id}", ADMIN, VIEWER),  # records and image names
+    Route("GET", "/v1/parts/{id:path}", ADMIN, VIEWER),  # records and image names
     Route("GET", "/v1/records", ADMIN, VIEWER),  # the same, filtered
     Route("GET", "/v1/records/{id}/image", ADMIN, VIEWER),  # a record's captured image
     Route("GET", "/v1/records/{id}/overlay", ADMIN, VIEWER),  # the same, the answer drawn
@@ -135,7 +136,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/ui", ADMIN, VIEWER),
     Route("GET", "/ui/live", ADMIN, VIEWER),
     Route("GET", "/ui/parts", ADMIN, VIEWER),
-    Route("GET", "/ui/parts/{part}", ADMIN, VIEWER),
+    Route("GET", "/ui/parts/{part:path}", ADMIN, VIEWER),  # a part id may hold "/"
     Route("GET", "/ui/models", ADMIN, VIEWER),
     Route("GET", "/ui/stations", ADMIN, VIEWER),
     Route("GET", "/ui/system", ADMIN, VIEWER),
@@ -160,7 +161,8 @@ _PATTERNS: dict[str, re.Pattern] = {}
 
 def _pattern(path: str) -> re.Pattern:
     if path not in _PATTERNS:
-        _PATTERNS[path] = re.compile("^" + re.sub(r"\\\{\w+\\\}", "[^/]+", re.escape(path)) + "$")
+        pattern = re.sub(r"\\\{\w+:path\\\}", ".+", re.escape(path))
+        _PATTERNS[path] = re.compile("^" + re.sub(r"\\\{\w+\\\}", "[^/]+", pattern) + "$")
     return _PATTERNS[path]
 
 

@@ -223,6 +223,20 @@ def test_a_parts_page_shows_its_every_answer(server):
     assert missing.status_code == 404 and "No record of part NOPE-9" in missing.text
 
 
+def test_a_part_id_with_slashes_has_its_page_and_its_history(server):
+    """Part ids such as ``2026/12/D-7`` (a date path) link from the gallery to their page, and
+    the API's history answers them too."""
+    part = "2026/12/D-7"
+    inspect(server, DETECTOR, part, "scratch", seed=7)
+    wait_for(lambda: listing(server, part_id=part)["count"] == 1, 20, "the record")
+    gallery = get(server, "/ui/parts", part_id=part).text
+    (href,) = re.findall(r'<a href="(/ui/parts/[^"]+)">', gallery)
+    page = httpx.get(f"{server.url}{href}", timeout=30)  # the link as the browser follows it
+    assert page.status_code == 200 and f"Part {part}" in page.text
+    history = get(server, f"/v1/parts/{part}")
+    assert history.status_code == 200 and history.json()["records"][0]["part_id"] == part
+
+
 def test_without_records_the_pages_say_so(tmp_path):
     s = start_server(shipped_repo(tmp_path / "repo", (DETECTOR,)), tmp_path, grpc=False)
     try:

@@ -25,6 +25,7 @@ from visionserve.security import (
     route_of,
     with_admin_token,
 )
+from visionserve.users.store import VIEWER
 
 
 @pytest.mark.parametrize("host, local", [
@@ -84,6 +85,16 @@ def test_every_route_of_the_app_is_in_the_table():
 ])
 def test_classify(method, path, kind):
     assert classify(method, path) == kind
+
+
+def test_a_part_id_may_hold_slashes_and_stays_a_viewers_page():
+    """``{name:path}`` takes the rest of the path: a part id such as ``2026/12/A-1`` is still
+    the part's page (open to viewers), and nothing past another route's own segment is."""
+    for path in ("/ui/parts/2026/12/A-1", "/v1/parts/2026/12/A-1"):
+        route = route_of("GET", path)
+        assert route is not None and route.role == VIEWER, path
+    assert route_of("GET", "/ui/parts/") is None  # no part id: no route
+    assert classify("GET", "/v1/records/7/8/image") == ADMIN  # one segment only there
 
 
 def test_the_audit_trail_opens_to_quality_and_admin():

@@ -121,7 +121,7 @@ def make_router(settings: ServerSettings, guard_store: JobStore | None = None,
                       paged=bool(before),
                       gallery=shown or parts.Gallery(filters, [], None), thumb=parts.THUMB_SIDE)
 
-    @router.get("/ui/parts/{part_id}")
+    @router.get("/ui/parts/{part_id:path}")
     async def part(request: Request, part_id: str) -> HTMLResponse:
         answers, error, status = await _read_records(records, parts.read_part, part_id)
         if error is None and not answers:

@@ -130,7 +130,7 @@ def make_router(store: RecordStore, images: ImageSource | None = None) -> APIRou
                 None, description=f"a thumbnail's longer side, {THUMB_MIN}..{THUMB_MAX}")):
             return await answer(record_id, size, True)
 
-    @router.get("/v1/parts/{part_id}", summary="A part's traceability records, newest first")
+    @router.get("/v1/parts/{part_id:path}", summary="A part's traceability records, newest first")
     async def part_history(part_id: str, limit: int = Query(100, ge=1, le=MAX_HISTORY)):
         try:
             records = await run_in_threadpool(store.history, part_id, limit)

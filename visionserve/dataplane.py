@@ -42,6 +42,8 @@ class Origin(NamedTuple):
     #: the camera's timestamp of the frame (seconds, its clock as the source reports it): set by
     #: the server's own cameras, None for pushed frames
     camera_time: float | None = None
+    #: the camera's own id of the frame (a GigE Vision block id), where the source gives one
+    camera_frame: int | None = None
 
 
 @dataclass

@@ -247,7 +247,7 @@ def _trigger(server, part: str) -> httpx.Response:
 def test_a_server_inspects_the_simulator_s_frames_and_rides_out_its_restart(sim, tiny_repo,
                                                                            tmp_path):
     server = start_server(tiny_repo, tmp_path, "--camera", f"cam1=gige://{sim.serial}",
-                          grpc=False)
+                          "--records", "--records-dir", str(tmp_path / "records"), grpc=False)
     try:
         wait_for(lambda: httpx.get(f"{server.url}/v1/cameras", timeout=10).json()["cameras"][0]
                  ["state"] == "up", 15, "cam1 up")
@@ -261,6 +261,11 @@ def test_a_server_inspects_the_simulator_s_frames_and_rides_out_its_restart(sim,
         assert first["verdict"] in ("OK", "NG") and first["camera_id"] == "cam1"
         assert first["part_id"] == verdicts[0].request.headers["X-Part-Id"]
         assert first["model"] == "tiny" and first["camera_time"] > 0
+        # the part's record keeps the camera's frame id (a gap in them is a frame lost)
+        part = first["part_id"]
+        kept = wait_for(lambda: (h := httpx.get(f"{server.url}/v1/parts/{part}", timeout=10))
+                        .status_code == 200 and h.json()["records"][0], 20, f"{part}'s record")
+        assert kept["camera_frame"] == first["frame_id"] > 0
         sim.kill()
         for i in range(3):  # gone: fault answers, at most the grab's timeout later, never OK
             start = time.monotonic()

@@ -117,10 +117,11 @@ def test_a_full_database_is_a_store_fault_that_says_so(tmp_path):
 
 
 def _old_file(path: Path) -> None:
-    """A records file as a version before ``camera_time`` made it, with one record."""
+    """A records file as a version before ``camera_time`` and ``camera_frame`` made it, with
+    one record."""
     import sqlite3
 
-    old = [c for c in COLUMNS if c != "camera_time"]
+    old = [c for c in COLUMNS if c not in ("camera_time", "camera_frame")]
     c = sqlite3.connect(path)
     c.execute(f"CREATE TABLE records (id INTEGER PRIMARY KEY, {', '.join(old)})")
     c.execute(f"INSERT INTO records ({', '.join(old)}) VALUES ({', '.join('?' * len(old))})",
@@ -130,18 +131,19 @@ def _old_file(path: Path) -> None:
 
 
 @pytest.mark.parametrize("first", ["read", "write"])
-def test_the_camera_time_round_trips_and_an_old_file_gains_its_column(tmp_path, first):
+def test_the_camera_fields_round_trip_and_an_old_file_gains_their_columns(tmp_path, first):
     path = tmp_path / "r.sqlite"
     _old_file(path)
     store = SqliteStore(path)
     if first == "read":  # an export of an old file before any server opened it
         assert store.history("OLD")[0].camera_time is None
-    store.write([_record(2.0, part="NEW", camera_time=1796375551.125)])
+    store.write([_record(2.0, part="NEW", camera_time=1796375551.125, camera_frame=2**40 + 7)])
     (old,) = store.history("OLD")
-    assert old == _record(1.0, part="OLD") and old.camera_time is None
+    assert old == _record(1.0, part="OLD") and old.camera_time is old.camera_frame is None
     (new,) = store.history("NEW")
-    assert new.camera_time == 1796375551.125
+    assert (new.camera_time, new.camera_frame) == (1796375551.125, 2**40 + 7)
     assert new.to_dict()["camera_time"] == 1796375551.125  # the API's JSON
+    assert new.to_dict()["camera_frame"] == 2**40 + 7
     assert SqliteStore(path).history("NEW") == [new]  # a file that has it is left as it is
     store.close()
 

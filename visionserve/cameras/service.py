@@ -502,7 +502,8 @@ class CameraService:
         camera_fields = {k: v for k, v in (("frame_id", shot.grabbed.frame_id),
                                            ("camera_time", shot.grabbed.camera_time))
                          if v is not None}
-        origin = origin._replace(camera_time=shot.grabbed.camera_time)  # into the record
+        origin = origin._replace(camera_time=shot.grabbed.camera_time,  # into the record
+                                 camera_frame=shot.grabbed.frame_id)
         try:
             served, (r,) = await self.plane.infer(route.model, route.version or None,
                                                   [shot.frame], arrival=shot.got, origin=origin)

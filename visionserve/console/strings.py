@@ -131,6 +131,7 @@ STRINGS: dict[str, str] = {
     "part_recipe": "Recipe",
     "part_camera": "Camera",
     "part_camera_time": "Camera time",
+    "part_camera_frame": "Camera frame id",
     "part_camera_time_value": "{t:.6f} s (the camera's clock)",
     "part_request": "Request id",
     "part_frame": "Frame in the request",

@@ -105,7 +105,8 @@ def write_parquet(records: Iterable[Record], out: Path) -> int:
     pa = require("pyarrow", "records export to Parquet")
     pq = require("pyarrow.parquet", "records export to Parquet")
     types = {"time": pa.timestamp("ms", tz="UTC"), "score": pa.float64(),
-             "frame_index": pa.int32(), "camera_time": pa.float64()}
+             "frame_index": pa.int32(), "camera_time": pa.float64(),
+             "camera_frame": pa.int64()}
     schema = pa.schema([(c, types.get(c, pa.string())) for c in COLUMNS])
     n = 0
     tmp = out.with_name(f".{out.name}.tmp")

@@ -35,13 +35,16 @@ class Record:
     #: the camera's timestamp of the frame (seconds, the camera's clock as its source reports it:
     #: a GigE Vision camera's own, a folder file's modification time); None for pushed frames
     camera_time: float | None = None
+    #: the camera's own id of the frame (a GigE Vision camera's block id; counts up per frame it
+    #: sends, so a gap is a frame lost on the way); None for pushed frames and where it gives none
+    camera_frame: int | None = None
 
     def row(self) -> tuple:
         """The values in COLUMNS order, JSON columns as text."""
         return (self.time, self.part_id, self.station, self.camera, self.model, self.version,
                 self.recipe, self.verdict, self.label, self.score, _dumps(self.result),
                 _dumps(self.timings), self.request_id, self.frame_index, self.error, self.image,
-                self.camera_time)
+                self.camera_time, self.camera_frame)
 
     @classmethod
     def from_row(cls, row: Any) -> Record:

@@ -191,10 +191,11 @@ _TYPES = {
     "result": ("TEXT", "JSONB"), "timings": ("TEXT", "JSONB"),  # JSON
     "frame_index": ("INTEGER NOT NULL DEFAULT 0", "INTEGER NOT NULL DEFAULT 0"),
     "camera_time": ("REAL", "DOUBLE PRECISION"),  # the camera's clock, seconds
+    "camera_frame": ("INTEGER", "BIGINT"),  # the camera's frame id
 }
 #: columns newer than the table's first form: a table made before them gains them when the store
 #: opens it (each nullable, so the records already there read None)
-_ADDED = ("camera_time",)
+_ADDED = ("camera_time", "camera_frame")
 
 
 def _type(column: str, dialect: int) -> str:

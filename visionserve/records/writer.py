@@ -270,7 +270,9 @@ class Recorder:
 
     def _record(self, item: tuple) -> Record | None:
         wall, served, origin, rid, index, r, exc, total_s, frame = item
-        part, camera, station, recipe, camera_time = Origin(*origin) if origin else _NO_ORIGIN
+        o = Origin(*origin) if origin else _NO_ORIGIN
+        part, camera, station, recipe = o.part_id, o.camera, o.station, o.recipe
+        camera_fields = {"camera_time": o.camera_time, "camera_frame": o.camera_frame}
         try:
             if r is not None:
                 task = served.task
@@ -281,7 +283,7 @@ class Recorder:
                     task.inspect_fields(r.result),
                     {"queue_ms": round(r.queue_ms, 3), "compute_ms": round(r.compute_ms, 3),
                      "total_ms": round(total_s * 1000, 3), "batch_size": r.batch_size},
-                    rid, index, camera_time=camera_time)
+                    rid, index, **camera_fields)
             else:
                 kind = getattr(exc, "kind", "internal") if exc is not None else "cancelled"
                 message = (getattr(exc, "message", "") or "internal server error") \
@@ -290,7 +292,7 @@ class Recorder:
                     wall, part, station, camera, served.name, str(served.version), recipe,
                     "LATE" if kind == "deadline" else "ERROR", None, None, None,
                     {"total_ms": round(total_s * 1000, 3)}, rid, index, f"{kind}: {message}",
-                    camera_time=camera_time)
+                    **camera_fields)
         except Exception:
             log.exception("records: a record of model %s could not be made", served.name)
             self._lose(1, "error")

@@ -145,7 +145,7 @@ def test_every_format_from_its_buffer_against_opencv(name, h, w):
     elif fmt.layout == "bgr":
         np.testing.assert_array_equal(out, cv2.cvtColor(samples, cv2.COLOR_BGR2RGB))
     else:
-        code = getattr(cv2, f"COLOR_Bayer{pixels.OPENCV_BAYER[fmt.pattern]}2RGB")
+        code = getattr(cv2, f"COLOR_Bayer{imaging.OPENCV_BAYER[fmt.pattern]}2RGB")
         ref = cv2.cvtColor(samples, code)
         if fmt.bits == 8:
             np.testing.assert_array_equal(out, ref)
@@ -333,7 +333,7 @@ def _opencv_reference(samples: np.ndarray, name: str, max_value: int | None = No
     demosaiced by OpenCV's own call, then an RGB raw frame."""
     fmt = PIXEL_FORMATS[name]
     px = samples if fmt.bits == 8 else _reference_scale(samples, max_value or fmt.max_value)
-    code = getattr(cv2, f"COLOR_Bayer{pixels.OPENCV_BAYER[fmt.pattern]}2RGB")
+    code = getattr(cv2, f"COLOR_Bayer{imaging.OPENCV_BAYER[fmt.pattern]}2RGB")
     rgb = cv2.cvtColor(px, code)
     return imaging.raw_frame(rgb, rgb.shape)
 

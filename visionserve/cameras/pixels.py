@@ -29,8 +29,8 @@ The rules, one for both paths (docs/cameras.md, "Pixel formats"):
   and last row and column, which lack neighbours on one side, repeat the row or column next to
   them. GenICam names a pattern by its first row's first two pixels (BayerRG: R G / G B);
   OpenCV names it by the second row's second and third, so GenICam's BayerRG is OpenCV's
-  BayerBG (:data:`~visionserve.imaging.OPENCV_BAYER`). Scaling before demosaicing makes the two paths agree bit
-  for bit, and demosaics 8-bit samples (the fast case of OpenCV's code).
+  BayerBG (:data:`~visionserve.imaging.OPENCV_BAYER`). Scaling before demosaicing makes the two
+  paths agree bit for bit, and demosaics 8-bit samples (the fast case of OpenCV's code).
 * Frames of any size are taken, odd widths and heights included (the pattern's phase is fixed
   by the top-left pixel); a Bayer frame must be at least 3x3, the smallest with an interior.
 """
@@ -44,7 +44,7 @@ import numpy as np
 
 from .. import imaging
 from ..gpu.demosaic import demosaic_bilinear
-from ..imaging import MIN_BAYER_SIDE, OPENCV_BAYER, Frame
+from ..imaging import MIN_BAYER_SIDE, Frame
 from .source import CameraFault
 
 Layout = Literal["mono", "bayer", "rgb", "bgr"]

@@ -24,8 +24,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import numpy as np
-
 from .. import imaging
 from ..config import parse_bytes
 from ..errors import ConfigError

@@ -5,10 +5,18 @@ only read headers (a few bytes), so a hostile file (a PNG declaring 40000x40000 
 truncated JPEG, random bytes) is refused before it costs a decode, and the event loop never
 decodes. Decoding and resizing run in the runner thread (:func:`decode`, :func:`preprocess`);
 OpenCV releases the GIL there.
+
+A camera's Bayer frame is a raw frame of one channel, its 8-bit mosaic, with its pattern
+(:attr:`Frame.bayer`): a third of the bytes of its RGB pixels as it crosses to the runner, to a
+batch worker process or to the GPU. It is demosaiced where the frame is prepared: here by
+OpenCV (:func:`demosaic`), on the GPU path by torch on the device (``gpu/demosaic.py``), the
+two equal bit for bit. Whatever shows or keeps the frame (the records' capture) takes
+:func:`raw_pixels`, the demosaiced RGB the model saw.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import struct
 from dataclasses import dataclass
@@ -46,15 +54,28 @@ MAX_ASPECT_RATIO = 64
 MAX_RESIZE_FACTOR = 64
 
 
+#: Bayer patterns by GenICam's name: the colours of the top-left 2x2's first row (RG: R G / G B)
+BAYER_PATTERNS = ("RG", "GB", "GR", "BG")
+#: GenICam's Bayer pattern -> OpenCV's name of the same mosaic (for ``COLOR_Bayer<name>2RGB``):
+#: OpenCV names a mosaic by its second row's second and third pixels
+OPENCV_BAYER = {"RG": "BG", "GB": "GR", "GR": "GB", "BG": "RG"}
+#: The smallest Bayer frame: demosaicing needs an interior pixel with all its neighbours.
+MIN_BAYER_SIDE = 3
+
+
 @dataclass(frozen=True, slots=True)
 class Frame:
-    """One image as received: encoded bytes, or raw uint8 pixels ``HxWxC`` (RGB, or grey if C=1)."""
+    """One image as received: encoded bytes, or raw uint8 pixels ``HxWxC`` (RGB, or grey if C=1;
+    with ``bayer`` set, C=1 is a Bayer mosaic of that GenICam pattern, demosaiced where the frame
+    is prepared: :func:`raw_pixels`)."""
 
     kind: Kind
     data: bytes | np.ndarray
     width: int
     height: int
     channels: int = 3
+    #: a raw Bayer mosaic's pattern (one of :data:`BAYER_PATTERNS`); None for any other frame
+    bayer: str | None = None
 
 
 def owned(frame: Frame) -> Frame:
@@ -67,7 +88,7 @@ def owned(frame: Frame) -> Frame:
     if isinstance(root, (bytes, np.ndarray)):  # immutable bytes, or an array of its own
         return frame
     data = np.array(frame.data) if frame.kind == "raw" else bytes(frame.data)
-    return Frame(frame.kind, data, frame.width, frame.height, frame.channels)
+    return dataclasses.replace(frame, data=data)
 
 
 def sniff(data: bytes) -> Kind | None:
@@ -132,14 +153,23 @@ def parse_shape(text: str | None) -> tuple[int, int, int]:
 
 
 def raw_frame(pixels: bytes | np.ndarray, shape: tuple[int, int, int], *,
-              max_pixels: int = DEFAULT_MAX_PIXELS) -> Frame:
-    """Raw uint8 pixels, row-major ``HxWxC``, channels RGB (C=3), RGBA (C=4) or grey (C=1)."""
+              max_pixels: int = DEFAULT_MAX_PIXELS, bayer: str | None = None) -> Frame:
+    """Raw uint8 pixels, row-major ``HxWxC``, channels RGB (C=3), RGBA (C=4) or grey (C=1);
+    with ``bayer`` (a pattern of :data:`BAYER_PATTERNS`), C=1 is a Bayer mosaic of at least
+    :data:`MIN_BAYER_SIDE` pixels a side."""
     h, w, c = shape
     if h <= 0 or w <= 0:
         raise InvalidInput(f"raw frame shape {h}x{w}x{c} is empty")
     if c not in (1, 3, 4):
         raise InvalidInput(f"raw frame has {c} channels; 1 (grey), 3 (RGB) or 4 (RGBA) are "
                            "accepted")
+    if bayer is not None:
+        if bayer not in BAYER_PATTERNS or c != 1:
+            raise InvalidInput(f"a Bayer mosaic is one channel of pattern "
+                               f"{', '.join(BAYER_PATTERNS)}; got {c} of pattern {bayer!r}")
+        if min(h, w) < MIN_BAYER_SIDE:
+            raise InvalidInput(f"a {w}x{h} Bayer mosaic is too small to demosaic: at least "
+                               f"{MIN_BAYER_SIDE}x{MIN_BAYER_SIDE} pixels")
     if h * w > max_pixels:
         raise PayloadTooLarge(f"raw frame of {w}x{h} = {w * h} pixels is over the limit of "
                               f"{max_pixels}")
@@ -154,7 +184,7 @@ def raw_frame(pixels: bytes | np.ndarray, shape: tuple[int, int, int], *,
     if arr.size != size:
         raise InvalidInput(
             f"raw frame holds {arr.size} bytes but its shape {h}x{w}x{c} needs {size}")
-    return Frame("raw", arr.reshape(h, w, c), w, h, c)
+    return Frame("raw", arr.reshape(h, w, c), w, h, c, bayer)
 
 
 def check_aspect(kind: str, width: int, height: int) -> None:
@@ -235,8 +265,7 @@ def decode(frame: Frame, channels: int, scale: int = 1) -> np.ndarray:
     header declares (``frame.width`` x ``frame.height``) and answers are in those pixels."""
     cv2 = _cv2()
     if frame.kind == "raw":
-        px = frame.data
-        assert isinstance(px, np.ndarray)
+        px = raw_pixels(frame)
         if channels == 1:
             if px.shape[2] == 1:
                 return px[:, :, 0]
@@ -255,6 +284,26 @@ def decode(frame: Frame, channels: int, scale: int = 1) -> np.ndarray:
     if img is None:
         raise InvalidInput(f"cannot decode {frame.kind.upper()}: the file is corrupt or truncated")
     return img
+
+
+def raw_pixels(frame: Frame) -> np.ndarray:
+    """A raw frame's pixels, ``HxWxC`` uint8: grey, RGB or RGBA as they came, a Bayer mosaic
+    demosaiced to RGB (:func:`demosaic`): what the model sees of it, and what is shown or
+    kept of it."""
+    px = frame.data
+    assert isinstance(px, np.ndarray)
+    if frame.bayer is not None:
+        return demosaic(px.reshape(frame.height, frame.width), frame.bayer)
+    return px
+
+
+def demosaic(mosaic: np.ndarray, pattern: str) -> np.ndarray:
+    """A uint8 ``HxW`` Bayer mosaic of GenICam ``pattern`` -> ``HxWx3`` uint8 RGB, by OpenCV's
+    bilinear ``COLOR_Bayer*2RGB`` (docs/cameras.md, "Pixel formats"; the GPU path's
+    ``gpu/demosaic.py`` gives the same pixels)."""
+    cv2 = _cv2()
+    code = getattr(cv2, f"COLOR_Bayer{OPENCV_BAYER[pattern]}2RGB")
+    return cv2.cvtColor(np.ascontiguousarray(mosaic), code)
 
 
 def jpeg_scale(frame: Frame, spec: InputSpec) -> int:

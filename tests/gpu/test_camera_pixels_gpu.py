@@ -57,3 +57,39 @@ def test_16_bit_samples_scaled_on_the_device_as_uint16_or_a_signed_view():
     np.testing.assert_array_equal(_on_cuda(samples, "Mono16", max_value=4095), want)
     np.testing.assert_array_equal(_on_cuda(samples.view(np.int16), "Mono16", max_value=4095),
                                   want)
+
+
+@pytest.mark.parametrize("channels", [3, 1])
+def test_a_bayer_mosaic_is_demosaiced_by_the_cuda_preprocessor_as_by_the_cpu_path(channels):
+    """A camera's Bayer frame reaches the GPU as its 8-bit mosaic (through the pinned staging
+    pool) and is demosaiced there: the model's input is the tensor the GPU path makes of the
+    RGB frame OpenCV demosaics, exactly, and the CPU path's within the raw frames' bounds of
+    tests/gpu/test_gpu_path.py."""
+    from visionserve import imaging
+    from visionserve.cameras.pixels import to_frame
+    from visionserve.config import InputSpec
+    from visionserve.gpu.memory import PinnedPool
+    from visionserve.gpu.preprocess import TorchPreprocessor
+
+    grey = {"channels": 1, "color_order": "GRAY", "mean": [0.5], "std": [0.25]}
+    spec = InputSpec(width=224, height=224, **(grey if channels == 1 else {}))
+    prep = TorchPreprocessor(spec, device="cuda:0", dtype=torch.float32, max_batch=8,
+                             stream=torch.cuda.Stream(), pool=PinnedPool(2, 4 << 20),
+                             one_call=False)
+    rng = np.random.default_rng(channels)
+    frames, refs = [], []
+    for k, (name, (h, w)) in enumerate(zip(["BayerRG8", "BayerGB12", "BayerGR16", "BayerBG8"] * 2,
+                                           [(480, 640), (1200, 1920), (5, 7), (1080, 1920)] * 2)):
+        fmt = PIXEL_FORMATS[name]
+        samples = rng.integers(0, fmt.max_value + 1, (h, w)).astype(fmt.dtype)
+        frames.append(to_frame(samples, name))
+        rgb = to_rgb8(samples, name)
+        refs.append(imaging.raw_frame(rgb, rgb.shape))
+    got, good, bad = prep.prepare(frames, 8)
+    want, want_good, _ = prep.prepare(refs, 8)
+    torch.cuda.synchronize()
+    assert got.is_cuda and good == want_good == list(range(8)) and not bad
+    assert torch.equal(got, want)
+    cpu, _, _ = imaging.prepare_batch(frames, spec, 8)
+    levels = np.abs(got.cpu().numpy() - cpu) * np.asarray(spec.std).reshape(1, -1, 1, 1) * 255
+    assert levels.mean() < 1.0 and np.percentile(levels, 99.9) < 8

@@ -289,3 +289,49 @@ def test_a_server_inspects_the_simulator_s_frames_and_rides_out_its_restart(sim,
             assert f'visionserve_camera_source_{counter}_total{{camera="cam1"}}' in scraped
     finally:
         server.stop()
+
+
+def test_a_bayer_camera_s_verdicts_are_those_of_its_demosaiced_frame(sim, tiny_repo, tmp_path):
+    """A BayerRG8 camera's frames travel as their mosaic and are demosaiced where the model's
+    input is prepared: each answer is the answer to the RGB frame OpenCV demosaics, which is
+    what the records keep (an RGB PNG, never the mosaic): sent back as an inspect request, the
+    captured frame gets the camera's verdict and scores."""
+    import cv2
+
+    token = "bayer-test-token"
+    auth = {"Authorization": f"Bearer {token}"}
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    os.symlink(tiny_repo / "tiny", repo / "tiny")
+    (repo / "recipes.toml").write_text(
+        f'[camera.cam1]\nsource = "gige://{sim.serial}"\nmodel = "tiny"\n'
+        'settings = { pixel_format = "BayerRG8", roi = [0, 0, 320, 240] }\n')
+    data = tmp_path / "data"
+    server = start_server(repo, tmp_path, "--records", "--records-dir", str(data), "--capture",
+                          "all", "--auth-token", token, grpc=False)
+    try:
+        wait_for(lambda: httpx.get(f"{server.url}/v1/cameras", timeout=10, headers=auth).json()
+                 ["cameras"][0]["state"] == "up", 15, "cam1 up")
+        answers = {}
+        for i in range(6):
+            r = httpx.post(f"{server.url}/v1/cameras/cam1/trigger", timeout=30,
+                           headers={"X-Part-Id": f"B-{i}", **auth})
+            if r.status_code == 200:
+                answers[f"B-{i}"] = r.json()
+        assert len(answers) >= 3, "most frames arrive whole"
+        for part, answer in answers.items():
+            record = wait_for(lambda p=part: (h := httpx.get(
+                f"{server.url}/v1/parts/{p}", timeout=10, headers=auth)).status_code == 200
+                and h.json()["records"][0].get("image") and h.json()["records"][0], 20,
+                f"{part}'s captured image")
+            png = (data / "captures" / record["image"]).read_bytes()
+            captured = cv2.imdecode(np.frombuffer(png, np.uint8), cv2.IMREAD_UNCHANGED)
+            assert captured.shape == (240, 320, 3), "the demosaiced RGB, not the mosaic"
+            again = httpx.post(f"{server.url}/v1/models/tiny/inspect", content=png, timeout=30,
+                               headers={"Content-Type": "image/png", **auth})
+            assert again.status_code == 200, again.text
+            assert again.json()["verdict"] == answer["verdict"]
+            assert again.json()["label"] == answer["label"]
+            assert again.json()["scores"] == pytest.approx(answer["scores"], abs=1e-5)
+    finally:
+        server.stop()

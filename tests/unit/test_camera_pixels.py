@@ -145,7 +145,7 @@ def test_every_format_from_its_buffer_against_opencv(name, h, w):
     elif fmt.layout == "bgr":
         np.testing.assert_array_equal(out, cv2.cvtColor(samples, cv2.COLOR_BGR2RGB))
     else:
-        code = getattr(cv2, f"COLOR_Bayer{pixels.OPENCV_BAYER[fmt.pattern]}2RGB")
+        code = getattr(cv2, f"COLOR_Bayer{imaging.OPENCV_BAYER[fmt.pattern]}2RGB")
         ref = cv2.cvtColor(samples, code)
         if fmt.bits == 8:
             np.testing.assert_array_equal(out, ref)
@@ -298,8 +298,114 @@ def test_to_frame_gives_the_raw_frame_the_data_plane_takes():
 
     rgb = _quadrants(48, 64)
     frame = to_frame(mosaic(rgb, "BG"), "BayerBG8")
-    assert frame.channels == 3
+    assert (frame.channels, frame.bayer) == (1, "BG")
     bgr = imaging.decode(frame, 3)  # the raw path's decoded image is BGR
     assert (bgr[4, 4] == COLOURS[0][::-1]).all()
     with pytest.raises(imaging.PayloadTooLarge):
         to_frame(mono, "Mono12", max_pixels=1000)
+    with pytest.raises(imaging.PayloadTooLarge):
+        to_frame(mosaic(rgb, "BG"), "BayerBG8", max_pixels=48 * 64 - 1)
+    assert to_frame(mosaic(rgb, "BG"), "BayerBG8", max_pixels=48 * 64).width == 64
+
+
+BAYER_FORMATS = sorted(n for n, f in PIXEL_FORMATS.items() if f.layout == "bayer")
+
+
+@pytest.mark.parametrize("name", BAYER_FORMATS)
+def test_a_bayer_frame_is_its_8_bit_mosaic_with_its_pattern(name):
+    """A third of the RGB bytes: one scaled sample a pixel, the pattern beside it."""
+    fmt = PIXEL_FORMATS[name]
+    samples = _samples(fmt, 31, 47, seed=3)
+    if fmt.packing != "none":
+        samples = from_buffer(pack12(samples, fmt.packing), name, 47, 31)
+    frame = to_frame(samples, name)
+    assert (frame.kind, frame.width, frame.height, frame.channels, frame.bayer) == \
+        ("raw", 47, 31, 1, fmt.pattern)
+    assert isinstance(frame.data, np.ndarray) and frame.data.shape == (31, 47, 1)
+    assert frame.data.dtype == np.uint8 and frame.data.nbytes == 31 * 47
+    np.testing.assert_array_equal(frame.data[..., 0], pixels.to_8bit(samples, fmt))
+    np.testing.assert_array_equal(imaging.raw_pixels(frame), to_rgb8(samples, name))
+
+
+def _opencv_reference(samples: np.ndarray, name: str, max_value: int | None = None
+                      ) -> imaging.Frame:
+    """The raw frame a Bayer camera's frame was before it travelled as its mosaic: scaled,
+    demosaiced by OpenCV's own call, then an RGB raw frame."""
+    fmt = PIXEL_FORMATS[name]
+    px = samples if fmt.bits == 8 else _reference_scale(samples, max_value or fmt.max_value)
+    code = getattr(cv2, f"COLOR_Bayer{imaging.OPENCV_BAYER[fmt.pattern]}2RGB")
+    rgb = cv2.cvtColor(px, code)
+    return imaging.raw_frame(rgb, rgb.shape)
+
+
+def _specs() -> list[InputSpec]:
+    base = {"width": 40, "height": 32, "scale": 1.0}
+    return [InputSpec(**base), InputSpec(**base, color_order="BGR", resize="letterbox"),
+            InputSpec(**base, channels=1, color_order="GRAY", mean=[0], std=[1],
+                      resize="center_crop"),
+            InputSpec(**base, interpolation="linear", mean=[0.2, 0.4, 0.1], std=[2, 3, 4])]
+
+
+@pytest.mark.parametrize("name", ["BayerRG8", "BayerGB8", "BayerGR8", "BayerBG8",
+                                  "BayerRG12", "BayerGB16", "BayerBG12p"])
+@pytest.mark.parametrize("h,w", [(3, 3), (37, 53), (96, 128)])
+def test_a_bayer_mosaic_through_the_cpu_path_gives_the_pixels_of_opencvs_demosaic(name, h, w):
+    """The CPU path demosaics where it prepares the frame: its tensor is, bit for bit, the one
+    of the RGB frame OpenCV's demosaic makes of the camera's frame, for every model input."""
+    fmt = PIXEL_FORMATS[name]
+    samples = _samples(fmt, h, w, seed=h + w)
+    frame, ref = to_frame(samples, name), _opencv_reference(samples, name)
+    for channels in (1, 3):
+        np.testing.assert_array_equal(imaging.decode(frame, channels),
+                                      imaging.decode(ref, channels))
+    for spec in _specs():
+        got, good, bad = imaging.prepare_batch([frame, ref, frame], spec, 4)
+        assert good == [0, 1, 2] and not bad
+        np.testing.assert_array_equal(got[0], got[1])
+        np.testing.assert_array_equal(got[2], got[1])
+
+
+def test_a_mosaic_scaled_by_the_models_raw_max_value_before_it_travels():
+    samples = _samples(PIXEL_FORMATS["BayerRG16"], 24, 32, seed=5) >> 4  # 12 bits in 16
+    frame = to_frame(samples, "BayerRG16", max_value=4095)
+    ref = _opencv_reference(samples, "BayerRG16", max_value=4095)
+    np.testing.assert_array_equal(imaging.raw_pixels(frame), ref.data)
+
+
+def test_a_bayer_frame_keeps_its_pattern_where_it_is_copied_and_is_checked_when_made():
+    samples = np.frombuffer(bytearray(_samples(PIXEL_FORMATS["BayerGB8"], 8, 8).tobytes()),
+                            np.uint8).reshape(8, 8)  # memory something else owns
+    frame = to_frame(samples, "BayerGB8")
+    kept = imaging.owned(frame)
+    assert kept.bayer == "GB" and kept.data is not frame.data
+    np.testing.assert_array_equal(imaging.raw_pixels(kept), imaging.raw_pixels(frame))
+    with pytest.raises(imaging.InvalidInput, match="pattern"):
+        imaging.raw_frame(np.zeros((8, 8, 1), np.uint8), (8, 8, 1), bayer="RB")
+    with pytest.raises(imaging.InvalidInput, match="one channel"):
+        imaging.raw_frame(np.zeros((8, 8, 3), np.uint8), (8, 8, 3), bayer="RG")
+    with pytest.raises(imaging.InvalidInput, match="too small"):
+        imaging.raw_frame(np.zeros((2, 8, 1), np.uint8), (2, 8, 1), bayer="RG")
+
+
+@pytest.mark.parametrize("spec", _specs(), ids=["rgb", "bgr-letterbox", "grey-crop", "linear"])
+def test_the_gpu_preprocessor_demosaics_the_mosaic_as_the_cpu_path(spec):
+    """On the GPU path the mosaic is what is uploaded; demosaiced on the device it gives the
+    tensor of the RGB frame, exactly, and the CPU path's within the resize's documented level."""
+    from visionserve.gpu.preprocess import TorchPreprocessor
+
+    pre = TorchPreprocessor(spec, device="cpu", dtype=torch.float32, max_batch=4,
+                            one_call=False)
+    frames, refs = [], []
+    for k, (name, (h, w)) in enumerate(zip(["BayerRG8", "BayerGB12", "BayerGR8", "BayerBG16"],
+                                           [(48, 64), (37, 53), (48, 64), (96, 128)])):
+        samples = _samples(PIXEL_FORMATS[name], h, w, seed=k)
+        frames.append(to_frame(samples, name))
+        refs.append(_opencv_reference(samples, name))
+    got, good, bad = pre.prepare(frames, 4)
+    want, want_good, _ = pre.prepare(refs, 4)
+    assert good == want_good == [0, 1, 2, 3] and not bad
+    assert pre.counts["raw"] == 8
+    assert torch.equal(got, want)
+    cpu, _, _ = imaging.prepare_batch(frames, spec, 4)
+    std = np.asarray(spec.std, np.float32).reshape(1, -1, 1, 1)
+    np.testing.assert_allclose(got.numpy() * std, cpu * std, atol=1.0 + 1e-4)

@@ -197,8 +197,8 @@ def test_frames_from_what_cameras_send():
     assert deep.data.max() == 255 and deep.channels == 1
     half = to_frame(Grabbed(np.full((4, 4), 2048, np.uint16), "Mono16"), max_value=4096)
     assert int(half.data[0, 0, 0]) == 128  # the model's raw_max_value, not the format's
-    rgb = to_frame(Grabbed(np.zeros((4, 6), np.uint8), "BayerRG8"))
-    assert (rgb.width, rgb.height, rgb.channels) == (6, 4, 3)
+    bayer = to_frame(Grabbed(np.zeros((4, 6), np.uint8), "BayerRG8"))  # the mosaic travels
+    assert (bayer.width, bayer.height, bayer.channels, bayer.bayer) == (6, 4, 1, "RG")
     with pytest.raises(CameraFault, match="not supported") as fault:
         to_frame(Grabbed(np.zeros((4, 4), np.uint16), "YUV422_8"))
     assert fault.value.reason == "config"

@@ -96,6 +96,30 @@ def test_the_worker_prepares_what_the_serving_process_would(pp):
     assert pp.counts["remote_batches"] >= 1 and pp.failure is None
 
 
+def test_a_bayer_mosaic_crosses_to_the_worker_with_its_pattern(pp):
+    """A camera's Bayer frame goes to the worker as its mosaic (a third of the RGB bytes) and
+    its pattern, demosaiced there: the tensor of the RGB frame the serving process would make."""
+    from visionserve.cameras.pixels import mosaic, to_frame, to_rgb8
+
+    frames, rgbs = [], []
+    for k, pattern in enumerate(("RG", "GB", "GR", "BG")):
+        samples = mosaic(np.random.default_rng(k).integers(0, 255, (24 + k, 33, 3), np.uint8),
+                         pattern)
+        frames.append(to_frame(samples, f"Bayer{pattern}8"))
+        rgb = to_rgb8(samples, f"Bayer{pattern}8")
+        rgbs.append(imaging.raw_frame(rgb, rgb.shape))
+    ref, ref_good, _ = pp.fallback.prepare(rgbs, 4)
+    t, good, bad = pp.prepare(frames, 4)
+    try:
+        assert good == ref_good == [0, 1, 2, 3] and not bad
+        assert torch.equal(t, ref)
+        assert t.data_ptr() in {s.data_ptr() for s in pp.workers[0].slots}  # the worker's
+    finally:
+        pp.release(t)
+    desc, data = protocol._frame_buffer(frames[1])
+    assert desc[4] == "GB" and data.nbytes == 25 * 33
+
+
 def test_a_slot_is_not_written_again_until_the_compute_thread_gives_it_back(pp):
     frames = [jpeg(i) for i in range(4)]
     held = [pp.prepare(frames, 4)[0] for _ in range(protocol.SLOTS)]

@@ -426,7 +426,7 @@ def test_a_raw_frame_is_captured_as_a_png_of_exactly_its_pixels(channels):
     cv2 = pytest.importorskip("cv2")
     image = pytest.importorskip("PIL.Image")
     px = _pixels(37, 53, channels)  # odd sizes: no row padding hides
-    data = image_bytes("raw", px)
+    data = image_bytes(Frame("raw", px, 53, 37, channels))
     assert data.startswith(b"\x89PNG\r\n\x1a\n")
     # another decoder (Pillow gives RGB(A) as stored): the very pixels, the channels in order
     with image.open(io.BytesIO(data)) as im:
@@ -440,6 +440,22 @@ def test_a_raw_frame_is_captured_as_a_png_of_exactly_its_pixels(channels):
                                            else cv2.COLOR_BGRA2RGBA), px)
     else:
         assert np.array_equal(bgr, px[:, :, 0])
+
+
+def test_a_bayer_frame_is_captured_as_the_rgb_png_the_model_saw():
+    """A camera's Bayer frame travels as its mosaic; its capture is the demosaiced RGB, never
+    the mosaic: OpenCV's demosaic of it, as the CPU path prepares it for the model."""
+    cv2 = pytest.importorskip("cv2")
+    from visionserve.cameras.pixels import mosaic, to_frame, to_rgb8
+
+    rgb = _pixels(37, 53, 3)
+    samples = mosaic(rgb, "GR")
+    frame = to_frame(samples, "BayerGR8")
+    assert frame.bayer == "GR" and frame.channels == 1
+    data = image_bytes(frame)
+    bgr = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
+    assert bgr.shape == (37, 53, 3)
+    assert np.array_equal(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB), to_rgb8(samples, "BayerGR8"))
 
 
 def test_image_keys_are_unique_per_answer_even_when_ids_repeat():

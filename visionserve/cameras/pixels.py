@@ -6,8 +6,13 @@ buffer is a frame that lost packets, a fault, never a verdict); :func:`to_rgb8` 
 into what :func:`visionserve.imaging.raw_frame` takes, on the CPU: ``HxWx3`` uint8 in RGB order
 for colour formats, ``HxWx1`` uint8 grey for mono formats (the raw path takes grey as it is, so
 a grey model gets it without a conversion and a colour model gets it expanded, as for any grey
-frame). :func:`to_rgb8_device` does the same with torch on the tensor's device (a GPU), for a
-camera whose frames go to a model that runs there.
+frame). :func:`to_rgb8_device` does the same with torch on the tensor's device (a GPU).
+:func:`to_frame` makes the raw frame a camera source hands to the data plane: for a Bayer
+format that is the 8-bit mosaic with its pattern (:attr:`visionserve.imaging.Frame.bayer`, a
+third of the RGB bytes), demosaiced where the frame is prepared for the model: by OpenCV on the
+CPU path (:func:`visionserve.imaging.demosaic`, as :func:`to_rgb8`), by torch on the device on
+the GPU path (:func:`visionserve.gpu.demosaic.demosaic_bilinear`), so the mosaic is what
+crosses to a batch worker process and to the GPU.
 
 The rules, one for both paths (docs/cameras.md, "Pixel formats"):
 
@@ -24,8 +29,8 @@ The rules, one for both paths (docs/cameras.md, "Pixel formats"):
   and last row and column, which lack neighbours on one side, repeat the row or column next to
   them. GenICam names a pattern by its first row's first two pixels (BayerRG: R G / G B);
   OpenCV names it by the second row's second and third, so GenICam's BayerRG is OpenCV's
-  BayerBG (:data:`OPENCV_BAYER`). Scaling before demosaicing makes the two paths agree bit
-  for bit, and demosaics 8-bit samples (the fast case of OpenCV's code).
+  BayerBG (:data:`~visionserve.imaging.OPENCV_BAYER`). Scaling before demosaicing makes the two
+  paths agree bit for bit, and demosaics 8-bit samples (the fast case of OpenCV's code).
 * Frames of any size are taken, odd widths and heights included (the pattern's phase is fixed
   by the top-left pixel); a Bayer frame must be at least 3x3, the smallest with an interior.
 """
@@ -33,14 +38,14 @@ The rules, one for both paths (docs/cameras.md, "Pixel formats"):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 
+from .. import imaging
+from ..gpu.demosaic import demosaic_bilinear
+from ..imaging import MIN_BAYER_SIDE, Frame
 from .source import CameraFault
-
-if TYPE_CHECKING:
-    from ..imaging import Frame
 
 Layout = Literal["mono", "bayer", "rgb", "bgr"]
 #: how the samples lie in the buffer: one per byte or per little-endian 16-bit word ("none");
@@ -48,9 +53,6 @@ Layout = Literal["mono", "bayer", "rgb", "bgr"]
 #: in a byte of its own, the two low nibbles shared in the middle byte); PFNC's LSB-first bit
 #: stream (``Mono12p``). Packed frames are one stream over the whole frame, no line padding.
 Packing = Literal["none", "gvsp12", "pfnc12"]
-
-#: The smallest Bayer frame: demosaicing needs an interior pixel with all its neighbours.
-MIN_BAYER_SIDE = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +95,7 @@ def _formats() -> dict[str, PixelFormat]:
            PixelFormat("Mono12Packed", 12, "mono", "gvsp12"),
            PixelFormat("Mono12p", 12, "mono", "pfnc12"),
            PixelFormat("RGB8", 8, "rgb"), PixelFormat("BGR8", 8, "bgr")]
-    for pattern in ("RG", "GB", "GR", "BG"):
+    for pattern in imaging.BAYER_PATTERNS:
         out += [PixelFormat(f"Bayer{pattern}{bits}", bits, "bayer", pattern=pattern)
                 for bits in (8, 10, 12, 16)]
         out += [PixelFormat(f"Bayer{pattern}12Packed", 12, "bayer", "gvsp12", pattern),
@@ -103,9 +105,6 @@ def _formats() -> dict[str, PixelFormat]:
 
 #: The supported formats by GenICam (PFNC) name.
 PIXEL_FORMATS: dict[str, PixelFormat] = _formats()
-
-#: GenICam's Bayer pattern -> OpenCV's name of the same mosaic (for ``COLOR_Bayer<name>2RGB``).
-OPENCV_BAYER = {"RG": "BG", "GB": "GR", "GR": "GB", "BG": "RG"}
 
 
 def get_format(name: str) -> PixelFormat:
@@ -250,36 +249,50 @@ def _checked(name: str, shape: tuple[int, ...], sample: str) -> PixelFormat:
     return fmt
 
 
+def _to_8bit_checked(pixels: np.ndarray, name: str, max_value: int | None
+                     ) -> tuple[PixelFormat, np.ndarray]:
+    """(format, its uint8 samples): ``pixels`` checked for the format called ``name``, scaled by
+    the module's rule."""
+    sample = {np.dtype(np.uint8): "uint8", np.dtype(np.uint16): "16-bit"}.get(pixels.dtype)
+    fmt = _checked(name, pixels.shape, sample or str(pixels.dtype))
+    return fmt, to_8bit(pixels, fmt, max_value)
+
+
 def to_rgb8(pixels: np.ndarray, pixel_format: str, *, max_value: int | None = None
             ) -> np.ndarray:
-    """A frame's pixels as :func:`from_buffer` gives them -> what a raw frame holds: ``HxWx3``
-    uint8 RGB for colour formats (Bayer demosaiced with OpenCV), ``HxWx1`` uint8 grey for mono
-    ones. Deeper formats are scaled by the module's rule (``max_value``: the model's ``[input]
-    raw_max_value``). Mono8 and RGB8 give views of ``pixels``; the rest new arrays."""
-    sample = {np.dtype(np.uint8): "uint8", np.dtype(np.uint16): "16-bit"}.get(pixels.dtype)
-    fmt = _checked(pixel_format, pixels.shape, sample or str(pixels.dtype))
-    px = to_8bit(pixels, fmt, max_value)
+    """A frame's pixels as :func:`from_buffer` gives them -> ``HxWx3`` uint8 RGB for colour
+    formats (Bayer demosaiced with OpenCV), ``HxWx1`` uint8 grey for mono ones: what the model
+    sees of the frame. Deeper formats are scaled by the module's rule (``max_value``: the model's
+    ``[input] raw_max_value``). Mono8 and RGB8 give views of ``pixels``; the rest new arrays."""
+    return _rgb8(*_to_8bit_checked(pixels, pixel_format, max_value))
+
+
+def _rgb8(fmt: PixelFormat, px: np.ndarray) -> np.ndarray:
+    """:func:`to_rgb8` of a format's uint8 samples."""
     if fmt.layout == "mono":
         return px[:, :, None]
     if fmt.layout == "rgb":
         return px
-    import cv2
-
     if fmt.layout == "bgr":
+        import cv2
+
         return cv2.cvtColor(px, cv2.COLOR_BGR2RGB)
-    code = getattr(cv2, f"COLOR_Bayer{OPENCV_BAYER[fmt.pattern]}2RGB")
-    return cv2.cvtColor(np.ascontiguousarray(px), code)
+    return imaging.demosaic(px, fmt.pattern)
 
 
 def to_frame(pixels: np.ndarray, pixel_format: str, *, max_value: int | None = None,
              max_pixels: int | None = None) -> Frame:
-    """:func:`to_rgb8`, checked into a raw :class:`~visionserve.imaging.Frame` (size limits,
-    aspect ratio): the frame a camera source hands to the data plane."""
-    from .. import imaging
-
-    px = to_rgb8(pixels, pixel_format, max_value=max_value)
-    h, w, c = px.shape
+    """The raw :class:`~visionserve.imaging.Frame` a camera source hands to the data plane,
+    checked (size limits, aspect ratio): :func:`to_rgb8`'s pixels, except that a Bayer format
+    gives its 8-bit mosaic (``HxWx1``, scaled as :func:`to_rgb8` scales it) with its pattern,
+    demosaiced where the frame is prepared for the model, to :func:`to_rgb8`'s pixels."""
     limit = imaging.DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels
+    fmt, px = _to_8bit_checked(pixels, pixel_format, max_value)
+    if fmt.layout == "bayer":
+        h, w = px.shape
+        return imaging.raw_frame(px, (h, w, 1), max_pixels=limit, bayer=fmt.pattern)
+    px = _rgb8(fmt, px)
+    h, w, c = px.shape
     return imaging.raw_frame(px, (h, w, c), max_pixels=limit)
 
 
@@ -310,38 +323,3 @@ def to_rgb8_device(tensor: Any, pixel_format: str, *, max_value: int | None = No
     if fmt.layout == "bgr":
         return px.flip(-1)
     return demosaic_bilinear(px, fmt.pattern)
-
-
-def demosaic_bilinear(mosaic: Any, pattern: str) -> Any:
-    """A uint8 ``HxW`` Bayer mosaic (GenICam ``pattern``: "RG", "GB", "GR" or "BG") -> ``HxWx3``
-    uint8 RGB on its device, as OpenCV's ``COLOR_Bayer*2RGB``: a missing colour is the mean of
-    its 2 (edge-adjacent, along the row or the column) or 4 (edge- or corner-adjacent) nearest
-    samples of that colour, rounded half up in integers; the border rows and columns repeat
-    their neighbours inside."""
-    import torch
-
-    h, w = int(mosaic.shape[0]), int(mosaic.shape[1])
-    x = mosaic.to(torch.int32)
-    c = x[1:-1, 1:-1]
-    north, south, west, east = x[:-2, 1:-1], x[2:, 1:-1], x[1:-1, :-2], x[1:-1, 2:]
-    cross = (north + south + west + east + 2) >> 2
-    diag = (x[:-2, :-2] + x[:-2, 2:] + x[2:, :-2] + x[2:, 2:] + 2) >> 2
-    horiz = (west + east + 1) >> 1
-    vert = (north + south + 1) >> 1
-    # the red sample's row and column parity; blue sits on the other parity of both
-    red_y, red_x = {"RG": (0, 0), "GR": (0, 1), "GB": (1, 0), "BG": (1, 1)}[pattern]
-    ys = (torch.arange(1, h - 1, device=x.device) % 2 == red_y).unsqueeze(1)  # a red row
-    xs = (torch.arange(1, w - 1, device=x.device) % 2 == red_x).unsqueeze(0)  # a red column
-    red = ys & xs
-    blue = ~ys & ~xs
-    green_red_row = ys & ~xs
-    r = torch.where(red, c, torch.where(blue, diag, torch.where(green_red_row, horiz, vert)))
-    g = torch.where(red | blue, cross, c)
-    b = torch.where(blue, c, torch.where(red, diag, torch.where(green_red_row, vert, horiz)))
-    out = torch.empty((h, w, 3), dtype=torch.uint8, device=x.device)
-    out[1:-1, 1:-1] = torch.stack((r, g, b), dim=-1).to(torch.uint8)
-    out[1:-1, 0] = out[1:-1, 1]
-    out[1:-1, -1] = out[1:-1, -2]
-    out[0] = out[1]
-    out[-1] = out[-2]
-    return out

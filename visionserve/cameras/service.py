@@ -88,9 +88,11 @@ class Plane(DataPlane, Protocol):
 def to_frame(grabbed: Grabbed, max_pixels: int = imaging.DEFAULT_MAX_PIXELS,
              max_value: int | None = None) -> imaging.Frame:
     """The frame the engine inspects from what the camera sent: a file's bytes as they are
-    (decoded in the executor, like an inspect request's), pixels as a raw frame (RGB, or grey for
-    a mono format; :func:`.pixels.to_frame`, deeper formats scaled by ``max_value``, the model's
-    ``[input] raw_max_value``, else their format's maximum). Runs in the camera's thread.
+    (decoded in the executor, like an inspect request's), pixels as a raw frame (RGB, grey for
+    a mono format, a Bayer format's 8-bit mosaic with its pattern, demosaiced where the frame is
+    prepared for the model; :func:`.pixels.to_frame`, deeper formats scaled by ``max_value``,
+    the model's ``[input] raw_max_value``, else their format's maximum). Runs in the camera's
+    thread.
     CameraFault for a pixel format that is not supported or pixels that are not its frame."""
     if grabbed.pixel_format == ENCODED:
         if grabbed.encoded is None:

@@ -43,13 +43,15 @@ Request = tuple[int, int, int, list[Frame]]
 # --- requests ------------------------------------------------------------------------------------
 
 def _frame_buffer(frame: Frame) -> tuple[tuple, Any]:
-    """(description, buffer) of a frame for the wire: its bytes where they are."""
+    """(description, buffer) of a frame for the wire: its bytes where they are. A description
+    is (kind, width, height, channels, Bayer pattern or None, bytes, raw shape or None)."""
     data = frame.data
+    head = (frame.kind, frame.width, frame.height, frame.channels, frame.bayer)
     if isinstance(data, np.ndarray):
         data = np.ascontiguousarray(data)
         shape = tuple(data.shape) if frame.kind == "raw" else None
-        return (frame.kind, frame.width, frame.height, frame.channels, data.nbytes, shape), data
-    return (frame.kind, frame.width, frame.height, frame.channels, len(data), None), data
+        return (*head, data.nbytes, shape), data
+    return (*head, len(data), None), data
 
 
 def request(job: int, k: int, padded: int, frames: list[Frame], stage: np.ndarray | None
@@ -63,7 +65,7 @@ def request(job: int, k: int, padded: int, frames: list[Frame], stage: np.ndarra
         d, b = _frame_buffer(f)
         descs.append((*d, off))
         buffers.append(b)
-        off += d[4]
+        off += d[5]
     if stage is not None and off <= stage.size:
         for (*_, n, _shape, at), b in zip(descs, buffers):
             stage[at:at + n] = np.frombuffer(b, np.uint8) if not isinstance(b, np.ndarray) \
@@ -86,15 +88,16 @@ def requests(sock: socket.socket, stage: np.ndarray) -> Iterator[Request]:
         if staged:  # in slot k's staging memory
             data = stage[k * STAGE_BYTES:(k + 1) * STAGE_BYTES]
         else:  # on the socket, after the message
-            total = sum(d[4] for d in descs)
+            total = sum(d[5] for d in descs)
             if len(buf) < total:
                 buf = bytearray(max(total, 2 * len(buf)))
             framing.recv_exact(sock, memoryview(buf)[:total])
             data = np.frombuffer(buf, dtype=np.uint8)
         frames = []
-        for kind, width, height, channels, n, shape, off in descs:
+        for kind, width, height, channels, bayer, n, shape, off in descs:
             b = data[off:off + n]
-            frames.append(Frame(kind, b.reshape(shape) if shape else b, width, height, channels))
+            frames.append(Frame(kind, b.reshape(shape) if shape else b, width, height, channels,
+                                bayer))
         del data
         yield job, k, padded, frames
 

@@ -2,7 +2,9 @@
 
 A batch's JPEGs are decoded in one nvJPEG call (``torchvision.io.decode_jpeg(list,
 device="cuda")``); PNG/BMP are decoded on the CPU with OpenCV exactly as the CPU path does, and
-they and raw frames reach the device through the pinned staging pool. Then resize, letterbox /
+they and raw frames reach the device through the pinned staging pool. A camera's Bayer frame
+goes up as its 8-bit mosaic (a third of its RGB bytes) and is demosaiced on the device
+(:mod:`.demosaic`), bit for bit as the CPU path's OpenCV does. Then resize, letterbox /
 centre crop, colour order, normalisation, dtype and layout all happen on the device, on the
 runner's stream, and the result is the model's input tensor.
 
@@ -43,7 +45,8 @@ import numpy as np
 from .. import imaging
 from ..config import InputSpec, ModelConfig
 from ..errors import InvalidInput, VisionServeError
-from ..imaging import SOF_MARKERS, Frame, geometry
+from ..imaging import BAYER_PATTERNS, SOF_MARKERS, Frame, geometry
+from .demosaic import demosaic_bilinear
 from .memory import DEFAULT_STAGE_FRAME_BYTES, PinnedPool, shared_pool, stage_slot_bytes
 
 log = logging.getLogger(__name__)
@@ -311,7 +314,8 @@ class TorchPreprocessor:
                     ) -> tuple[dict[int, Any], list[tuple[int, Exception]]]:
         images: dict[int, Any] = {}
         bad: list[tuple[int, Exception]] = []
-        host: list[tuple[int, np.ndarray, str]] = []  # (index, pixels, "bgr"|"rgb"|"gray"|"rgba")
+        # (index, pixels, "bgr"|"rgb"|"gray"|"rgba", or a Bayer mosaic's pattern)
+        host: list[tuple[int, np.ndarray, str]] = []
         skip: set[int] = set()
         for i, f in enumerate(frames):  # a frame whose resize is refused fails alone, undecoded
             try:
@@ -335,7 +339,7 @@ class TorchPreprocessor:
             if f.kind == "raw":
                 px = f.data
                 assert isinstance(px, np.ndarray)
-                host.append((i, px, {1: "gray", 3: "rgb", 4: "rgba"}[px.shape[2]]))
+                host.append((i, px, f.bayer or {1: "gray", 3: "rgb", 4: "rgba"}[px.shape[2]]))
                 self.counts["raw"] += 1
             else:
                 self._host_decode(i, f, host, bad)
@@ -397,9 +401,12 @@ class TorchPreprocessor:
         return [torch.from_numpy(np.ascontiguousarray(a)).to(self.device) for a in arrays]
 
     def _canonical(self, t: Any, order: str) -> Any:
-        """Host-layout uint8 HxW[xC] -> (C,H,W), C=3 in RGB order or C=1 grey, for the model."""
+        """Host-layout uint8 HxW[xC] -> (C,H,W), C=3 in RGB order or C=1 grey, for the model;
+        ``order`` a Bayer pattern: an ``HxWx1`` mosaic, demosaiced to RGB first."""
         import torch
 
+        if order in BAYER_PATTERNS:
+            t, order = demosaic_bilinear(t[:, :, 0], order), "rgb"
         if t.dim() == 2:
             t = t.unsqueeze(-1)
         t = t.permute(2, 0, 1)

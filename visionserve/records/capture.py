@@ -24,8 +24,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import numpy as np
-
 from .. import imaging
 from ..config import parse_bytes
 from ..errors import ConfigError
@@ -106,14 +104,15 @@ def _safe(text: str) -> str:
     return _UNSAFE.sub("_", text)[:100].strip("._") or "_"
 
 
-def image_bytes(kind: str, data: Any) -> bytes:
+def image_bytes(frame: imaging.Frame) -> bytes:
     """What is written: the encoded file as received, or raw pixels (uint8 ``HxWxC``: grey, RGB
-    or RGBA) as a PNG that decodes to exactly them (OpenCV writes BGR: the channels are swapped
-    for it). Runs in the capture thread."""
-    if kind != "raw":
-        return bytes(data)
+    or RGBA; a Bayer mosaic demosaiced to the RGB the model saw) as a PNG that decodes to
+    exactly them (OpenCV writes BGR: the channels are swapped for it). Runs in the capture
+    thread."""
+    if frame.kind != "raw":
+        return bytes(frame.data)
     cv2 = imaging._cv2()
-    px = np.asarray(data)
+    px = imaging.raw_pixels(frame)
     channels = px.shape[2] if px.ndim == 3 else 1
     if channels in (3, 4):
         px = cv2.cvtColor(px, cv2.COLOR_RGB2BGR if channels == 3 else cv2.COLOR_RGBA2BGRA)

@@ -469,7 +469,7 @@ class Recorder:
             try:
                 key = image_key(record, frame.kind)
                 kept = dataclasses.replace(record, image=self.target.location(key))
-                image = self.target.put(key, image_bytes(frame.kind, frame.data),
+                image = self.target.put(key, image_bytes(frame),
                                         sidecar(kept, self._drawing(drawing, record)))
             except NoRoom as exc:
                 metrics.CAPTURE_DROPPED.labels("no_room").inc()

@@ -307,15 +307,16 @@ def get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
 class Server:
     def __init__(self, models: Path, log_path: Path, *extra: str, device: str = "cuda",
                  env: dict[str, str] | None = None, log_level: str | None = "warning",
-                 as_shipped: bool = False) -> None:
+                 as_shipped: bool = False, module: str = "visionserve") -> None:
         """``log_level`` None: the server's own default; ``as_shipped``: the front ends and
         batch workers the server chooses itself, else none unless ``extra`` or ``env`` names
-        them (each scenario says what it measures); ``startup_log``: what the server wrote
-        until it was ready."""
+        them (each scenario says what it measures); ``module``: what ``python -m`` runs with
+        ``serve`` (a tool that adds to the server first); ``startup_log``: what the server
+        wrote until it was ready."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        args = [sys.executable, "-m", "visionserve", "serve", "--models", str(models),
+        args = [sys.executable, "-m", module, "serve", "--models", str(models),
                 "--device", device, "--host", "127.0.0.1", "--http-port", str(self.port),
                 "--grpc-port", "-1", *(("--log-level", log_level) if log_level else ()), *extra]
         self._log = open(log_path, "ab")  # noqa: SIM115 -- the server's log; closed in stop()

@@ -14,12 +14,18 @@ figure's median over the runs with the runs' values (:func:`medians`).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import statistics
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .benchgpu import Server, breakdown, cuda_time_ms, load, log, server_env, wall_ms
+
+if TYPE_CHECKING:
+    from visionserve.imaging import Frame
 
 CLIENTS = (96, 288)
 QUICK_CLIENTS = (4, 12)
@@ -110,12 +116,14 @@ def spec_name(i: int, spec: dict[str, str]) -> str:
 # --- bare --------------------------------------------------------------------------------------
 
 def bare_reference(models: Path, model: str, frames: dict[str, list[bytes]], device: str,
-                   quick: bool) -> dict:
+                   quick: bool, inputs: dict[str, Callable[[], Frame]] | None = None) -> dict:
     """The model loaded as the server loads it (its backend, task and preparation), no server:
     ``batch``/``one``: the model at batch min(32, max_batch_size) and 1 (CUDA graph replay timed
     by CUDA events where the backend captured graphs, else the backend's ``run`` on a ready
     input); ``single_frame_pipeline``: per size, the preparation of one frame (decode, resize,
-    copy to the device) plus the batch-1 model."""
+    copy to the device) plus the batch-1 model. ``inputs``: instead of ``frames``' JPEGs, per
+    size a function that makes the frame (timed with the preparation: a camera's pixels turned
+    into a frame, say)."""
     from visionserve import imaging, tasks
     from visionserve.backends import base as backends
     from visionserve.backends.checks import Subject
@@ -165,9 +173,11 @@ def bare_reference(models: Path, model: str, frames: dict[str, list[bytes]], dev
 
             out["prepare_timed_by"] = "the server's CPU preparation (OpenCV), p50"
         out["single_frame_pipeline"] = {}
-        for size, jpegs in frames.items():
-            frame = imaging.encoded_frame(jpegs[0])
-            p = wall_ms(lambda frame=frame: prepare(frame), 20 if quick else 100)["p50_ms"]
+        makers = inputs if inputs is not None else {
+            size: functools.partial(imaging.encoded_frame, jpegs[0])
+            for size, jpegs in frames.items()}
+        for size, make in makers.items():
+            p = wall_ms(lambda make=make: prepare(make()), 20 if quick else 100)["p50_ms"]
             out["single_frame_pipeline"][size] = {
                 "prepare_ms": p, "model_ms": out["one"]["ms"],
                 "total_ms": round(p + out["one"]["ms"], 3)}

@@ -272,7 +272,6 @@ class Recorder:
         wall, served, origin, rid, index, r, exc, total_s, frame = item
         o = Origin(*origin) if origin else _NO_ORIGIN
         part, camera, station, recipe = o.part_id, o.camera, o.station, o.recipe
-        camera_fields = {"camera_time": o.camera_time, "camera_frame": o.camera_frame}
         try:
             if r is not None:
                 task = served.task
@@ -283,7 +282,7 @@ class Recorder:
                     task.inspect_fields(r.result),
                     {"queue_ms": round(r.queue_ms, 3), "compute_ms": round(r.compute_ms, 3),
                      "total_ms": round(total_s * 1000, 3), "batch_size": r.batch_size},
-                    rid, index, **camera_fields)
+                    rid, index, camera_time=o.camera_time, camera_frame=o.camera_frame)
             else:
                 kind = getattr(exc, "kind", "internal") if exc is not None else "cancelled"
                 message = (getattr(exc, "message", "") or "internal server error") \
@@ -292,7 +291,7 @@ class Recorder:
                     wall, part, station, camera, served.name, str(served.version), recipe,
                     "LATE" if kind == "deadline" else "ERROR", None, None, None,
                     {"total_ms": round(total_s * 1000, 3)}, rid, index, f"{kind}: {message}",
-                    **camera_fields)
+                    camera_time=o.camera_time, camera_frame=o.camera_frame)
         except Exception:
             log.exception("records: a record of model %s could not be made", served.name)
             self._lose(1, "error")

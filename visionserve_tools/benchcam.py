@@ -311,9 +311,9 @@ def summary(res: dict) -> list[str]:
               f"{res['rate_hz_per_camera']:g}/s: trigger -> result at the PLC p50 "
               f"{plc.get('p50_ms')} ms, p99 {plc.get('p99_ms')} ms, max {plc.get('max_ms')} ms; "
               f"bare (pixels -> frame, prepare, model bs 1) {b['total_ms']} ms on {b['device']}"),
-             f"  triggers {plc.get('triggers')}, results {plc.get('results')}, missing "
-             f"{plc.get('missing')}, no decision {plc.get('no_decision')}, refused "
-             f"{plc.get('refused')}"]
+             (f"  triggers {plc.get('triggers')}, results {plc.get('results')}, missing "
+              f"{plc.get('missing')}, no decision {plc.get('no_decision')}, refused "
+              f"{plc.get('refused')}")]
     for camera, acc in res["accounting"].items():
         lines.append(f"  {camera}: {acc['records']} records, frame ids {acc['first_frame_id']}.."
                      f"{acc['last_frame_id']} ({acc['frame_ids_missing']} missing, "

@@ -681,17 +681,19 @@ class ServerSettings(BaseSettings):
         description="Answered frames waiting for the record writer; past it records are dropped "
                     "and counted, inference never waits.",
         json_schema_extra=_RECORDS)
-    capture: Literal["none", "ng", "uncertain", "sample", "all"] = Field(
+    capture: Literal["none", "ng", "uncertain", "sample", "all", "learn"] = Field(
         "none", description="Which frames are kept for retraining, with their record (needs "
                             "--records): ng, uncertain (see --capture-band), sample (see "
-                            "--capture-sample-percent), all.",
+                            "--capture-sample-percent), all; learn: ng, uncertain and sample.",
         json_schema_extra=_RECORDS)
     capture_band: float = Field(
-        0.1, gt=0, le=1, description="--capture uncertain: the band around the verdict's threshold "
-                                     "(on the score's scale).",
+        0.1, gt=0, le=1,
+        description="--capture uncertain, learn: the band around the verdict's threshold (on "
+                    "the score's scale).",
         json_schema_extra=_RECORDS)
     capture_sample_percent: float = Field(
-        1.0, gt=0, le=100, description="--capture sample: the share of frames kept, in percent.",
+        1.0, gt=0, le=100,
+        description="--capture sample, learn: the share of frames kept, in percent.",
         json_schema_extra=_RECORDS)
     capture_target: str | None = Field(
         None, description="Where captured images go: a folder, or s3://bucket/prefix (the s3 "

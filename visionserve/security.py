@@ -121,6 +121,10 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/records", ADMIN, VIEWER),  # the same, filtered
     Route("GET", "/v1/records/{id}/image", ADMIN, VIEWER),  # a record's captured image
     Route("GET", "/v1/records/{id}/overlay", ADMIN, VIEWER),  # the same, the answer drawn
+    # labels of captured frames (docs/closed-loop.md): quality work, read and written
+    Route("POST", "/v1/records/{id}/flag", ADMIN, QUALITY),
+    Route("PUT", "/v1/records/{id}/label", ADMIN, QUALITY),
+    Route("GET", "/v1/review", ADMIN, QUALITY),
     Route("GET POST", "/ui/login", SIGNIN, form=True),  # the one form-encoded body taken
     Route("POST", "/ui/logout", SIGNIN),
     Route("GET", "/ui/session", SIGNIN),
@@ -141,6 +145,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/ui/stations", ADMIN, VIEWER),
     Route("GET", "/ui/system", ADMIN, VIEWER),
     Route("GET", "/ui/audit", ADMIN, QUALITY),
+    Route("GET", "/ui/review", ADMIN, QUALITY),
     Route("GET", "/ui/static/{name}", STATIC),
 )
 

@@ -117,11 +117,11 @@ def test_a_full_database_is_a_store_fault_that_says_so(tmp_path):
 
 
 def _old_file(path: Path) -> None:
-    """A records file as a version before ``camera_time`` and ``camera_frame`` made it, with
-    one record."""
+    """A records file as a version before ``camera_time``, ``camera_frame`` and ``kept_for``
+    made it, with one record."""
     import sqlite3
 
-    old = [c for c in COLUMNS if c not in ("camera_time", "camera_frame")]
+    old = [c for c in COLUMNS if c not in ("camera_time", "camera_frame", "kept_for")]
     c = sqlite3.connect(path)
     c.execute(f"CREATE TABLE records (id INTEGER PRIMARY KEY, {', '.join(old)})")
     c.execute(f"INSERT INTO records ({', '.join(old)}) VALUES ({', '.join('?' * len(old))})",
@@ -352,7 +352,7 @@ def test_the_capture_policies_pick_what_they_say():
     assert unsure.wants("NG", TASK, near.result)
     assert not unsure.wants("NG", TASK, ng.result) and not unsure.wants("OK", TASK, ok.result)
     sample = Policy("sample", percent=10, rng=random.Random(1))
-    share = sum(sample.wants("OK", TASK, ok.result) for _ in range(10_000)) / 10_000
+    share = sum(sample.wants("OK", TASK, ok.result) == "sample" for _ in range(10_000)) / 10_000
     assert 0.08 < share < 0.12
 
 

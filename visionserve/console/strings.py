@@ -296,6 +296,8 @@ STRINGS: dict[str, str] = {
     "audit_action_sign-in": "Signed in",
     "audit_action_sign-out": "Signed out",
     "audit_action_sign-in-failed": "Failed sign-in",
+    "audit_action_flag": "Frame flagged",
+    "audit_action_label": "Frame labelled",
 }
 
 #: the texts the script needs (the confirmation dialog and the messages of actions)

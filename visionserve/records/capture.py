@@ -20,6 +20,7 @@ import re
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -33,7 +34,7 @@ from .record import Record
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("none", "ng", "uncertain", "sample", "all")
+POLICIES = ("none", "ng", "uncertain", "sample", "all", "learn")
 EXTENSIONS = {"jpeg": "jpg", "png": "png", "bmp": "bmp", "raw": "png"}
 #: zlib level of a raw frame's PNG: fast (the capture thread keeps up with the line), still lossless
 PNG_COMPRESSION = 1
@@ -56,8 +57,12 @@ S3_RETRY_MIN_S, S3_RETRY_MAX_S = 2.0, 60.0
 
 
 class Policy:
-    """Which answered frames are captured. ``wants`` runs on the engine's loop for every frame:
-    a comparison, a random number or the task's margin, nothing more."""
+    """Which answered frames are captured, and why. ``wants`` runs on the engine's loop for
+    every frame: a comparison, a random number or the task's margin, nothing more.
+
+    ``learn`` keeps what a model learns from: NG frames, uncertain ones (the score within
+    ``band`` of the threshold) and a ``percent`` sample of the rest; each says which it was
+    (the record's ``kept_for``)."""
 
     def __init__(self, mode: str, band: float = 0.1, percent: float = 1.0,
                  rng: random.Random | None = None) -> None:
@@ -70,18 +75,28 @@ class Policy:
     def active(self) -> bool:
         return self.mode != "none"
 
-    def wants(self, verdict: str, task: Any, result: Any) -> bool:
+    def wants(self, verdict: str, task: Any, result: Any) -> str | None:
+        """Why the frame is kept (one of :data:`.record.KEPT_FOR`), or None: not kept."""
         mode = self.mode
         if mode == "all":
-            return True
+            return "all"
         if mode == "ng":
-            return verdict == "NG"
+            return "ng" if verdict == "NG" else None
         if mode == "sample":
-            return self._random() < self.share
+            return "sample" if self._random() < self.share else None
         if mode == "uncertain":
-            margin = task.margin(result)
-            return margin is not None and margin <= self.band
-        return False
+            return "uncertain" if self._uncertain(task, result) else None
+        if mode == "learn":
+            if self._uncertain(task, result):  # an NG near the threshold teaches most
+                return "uncertain"
+            if verdict == "NG":
+                return "ng"
+            return "sample" if self._random() < self.share else None
+        return None
+
+    def _uncertain(self, task: Any, result: Any) -> bool:
+        margin = task.margin(result)
+        return margin is not None and margin <= self.band
 
 
 def image_key(record: Record, kind: str) -> str:
@@ -146,8 +161,15 @@ class FolderTarget:
     records'; the writer asks for more (:meth:`free_for_records`) when the records find the disk
     full."""
 
-    def __init__(self, root: Path, quota: int, name: str = "capture") -> None:
+    def __init__(self, root: Path, quota: int, name: str = "capture",
+                 keep: Callable[[], set[str]] | None = None) -> None:
         self.root = Path(root).absolute()
+        #: the keys of images never to delete (labelled frames: the record store's
+        #: ``labelled_images``), asked at each deletion pass; the last answer stands while the
+        #: store cannot be read
+        self._keep = keep
+        self._kept: set[str] = set()
+        self._kept_logged = -60.0
         self.where = str(self.root)
         self.quota = quota
         self.name = name  #: in log lines: "capture", or "capture spool"
@@ -258,6 +280,16 @@ class FolderTarget:
                 tmp.unlink(missing_ok=True)
                 raise
 
+    def _labelled(self) -> set[str]:
+        if self._keep is None:
+            return set()
+        try:
+            self._kept = self._keep()
+        except Exception as exc:  # noqa: BLE001 - the store down: the last answer stands
+            log.warning("%s: which images are labelled cannot be read now (%s); the last "
+                        "answer (%d images) is kept", self.name, exc, len(self._kept))
+        return self._kept
+
     def _free(self, amount: int, why: str) -> int:
         """Delete our oldest files until ``amount`` bytes are gone (the folder is rescanned:
         someone may have removed files meanwhile); returns the bytes deleted."""
@@ -265,9 +297,12 @@ class FolderTarget:
         self.used = sum(f[2] for f in files)
         freed = deleted = 0
         failed: list[OSError] = []
+        kept = self._labelled()
         for _, path, size in files:
             if freed >= amount:
                 break
+            if kept and path.relative_to(self.root).as_posix().removesuffix(".json") in kept:
+                continue  # a labelled frame and its sidecar: kept whatever the quota
             try:
                 path.unlink()
             except FileNotFoundError:
@@ -287,6 +322,10 @@ class FolderTarget:
         if failed:
             log.error("%s: %d of the oldest files in %s could not be deleted (%s): %s, and no "
                       "room was made for them", self.name, len(failed), self.root, failed[0], why)
+        if freed < amount and kept and time.monotonic() - self._kept_logged >= 60.0:
+            self._kept_logged = time.monotonic()  # once a minute: each image would say it
+            log.warning("%s: %d labelled images in %s are kept past the quota (%s)", self.name,
+                        len(kept), self.root, why)
         for d in sorted((p for p in self.root.glob("*") if _OWN_DAY.fullmatch(p.name)),
                         reverse=True):
             try:
@@ -438,15 +477,18 @@ def _ca_certs() -> str | None:
 _CONTENT_TYPES = {"jpg": "image/jpeg", "png": "image/png", "bmp": "image/bmp"}
 
 
-def open_target(settings, folder: Path) -> FolderTarget | S3Target:
+def open_target(settings, folder: Path, keep: Callable[[], set[str]] | None = None
+                ) -> FolderTarget | S3Target:
     """The capture target of ``settings`` (default: ``captures/`` in the records folder; for a
-    bucket, its spool is ``capture-spool/`` there, under the same quota)."""
+    bucket, its spool is ``capture-spool/`` there, under the same quota). ``keep``: the images a
+    folder's quota never deletes (:class:`FolderTarget`); a bucket's retention is its own."""
     target = settings.capture_target
     quota = parse_bytes(settings.capture_quota)
     if target and target.startswith("s3://"):
         spool = FolderTarget(_folder(folder / "capture-spool"), quota, "capture spool")
         return S3Target(target, settings.capture_s3_endpoint, spool)
-    return FolderTarget(_folder(Path(target) if target else folder / "captures"), quota)
+    return FolderTarget(_folder(Path(target) if target else folder / "captures"), quota,
+                        keep=keep)
 
 
 def _folder(root: Path) -> Path:

@@ -20,22 +20,41 @@ A captured image, by its record's id (a listing's ``id``):
 ``size`` (32 to 1024) makes a thumbnail of that longer side (JPEG). 404 with the reason for an
 unknown record, a record without an image, or an image no longer kept (:mod:`.images`).
 
+Labels (docs/closed-loop.md), for a captured frame, by a user of role quality or admin:
+
+  POST /v1/records/{id}/flag        {"verdict_was_wrong": true, "label": "scratch"}: a flag
+  PUT  /v1/records/{id}/label       the same body: the review queue's label
+  GET  /v1/review?model=&state=unlabelled|labelled&limit=50&before=
+
+A label is checked against the model's labels (:mod:`.labels`: 400 with what is wrong), kept in
+the store's ``labels`` table (the latest in force, every one kept) and is an audit entry. A
+record without a captured image is a 409: there is nothing to learn from.
+
 The store is read in a worker thread with its own connection: the event loop never waits
 for it, and the writer is never held up.
 """
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Query
+from typing import Any
+
+from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 
-from ..errors import InvalidInput, NotFound, VisionServeError
-from ..http.common import error_response
+from ..audit import Entry
+from ..errors import Conflict, InvalidInput, NotFound, VisionServeError
+from ..http.common import audit_of, caller_of, engine_of, error_response, read_json_object
+from . import labels as labelling
 from .images import ImageSource
-from .overlay import THUMB_MAX, THUMB_MIN, render
-from .record import VERDICTS, parse_time
-from .store import MAX_HISTORY, MAX_PAGE, RecordQuery, RecordStore
+from .overlay import THUMB_MAX, THUMB_MIN, frame_size, render
+from .record import VERDICTS, Record, parse_time
+from .store import MAX_HISTORY, MAX_PAGE, Label, RecordQuery, RecordStore, ReviewQuery
+
+#: a label's body: a few boxes at most
+MAX_LABEL_BODY = 256 * 1024
+#: the review queue's states: frames still to label, frames labelled
+REVIEW_STATES = ("unlabelled", "labelled")
 
 
 def cursor(row_id: int, time: float) -> str:
@@ -67,14 +86,7 @@ def parse_query(verdict: str | None, model: str | None, label: str | None,
         if not limit.isdigit() or not 1 <= int(limit) <= MAX_PAGE:
             raise InvalidInput(f"limit {limit!r}: a whole number from 1 to {MAX_PAGE}")
         n = int(limit)
-    mark = None
-    if before is not None:
-        t, _, rid = before.rpartition("_")
-        try:
-            mark = (float(t), int(rid))
-        except ValueError:
-            raise InvalidInput(f"before {before!r}: pass the previous page's \"next\" as it "
-                               "came") from None
+    mark = parse_before(before)
     return RecordQuery(verdict.upper() if verdict else None, model, label, part_id, t0, t1,
                        mark, n, captured=captured == "true")
 
@@ -94,6 +106,95 @@ def parse_size(text: str | None) -> int | None:
         raise InvalidInput(f"size {text!r}: a thumbnail's longer side, a whole number from "
                            f"{THUMB_MIN} to {THUMB_MAX}")
     return int(text)
+
+
+def parse_before(before: str | None) -> tuple[float, int] | None:
+    """A page's ``before`` (the previous page's ``next``); InvalidInput for text that is none."""
+    if not before:
+        return None
+    t, _, rid = before.rpartition("_")
+    try:
+        return float(t), int(rid)
+    except ValueError:
+        raise InvalidInput(f"before {before!r}: pass the previous page's \"next\" as it "
+                           "came") from None
+
+
+def parse_review(model: str | None, state: str | None, limit: str | None,
+                 before: str | None) -> ReviewQuery:
+    """The review queue's query parameters -> a ReviewQuery; InvalidInput names a bad one."""
+    if not model:
+        raise InvalidInput("model: whose frames to review (a model's name)")
+    state = state or REVIEW_STATES[0]
+    if state not in REVIEW_STATES:
+        raise InvalidInput(f"state {state!r}: {' or '.join(REVIEW_STATES)}")
+    n = 50
+    if limit:
+        if not limit.isdigit() or not 1 <= int(limit) <= MAX_PAGE:
+            raise InvalidInput(f"limit {limit!r}: a whole number from 1 to {MAX_PAGE}")
+        n = int(limit)
+    return ReviewQuery(model, state == "labelled", parse_before(before), n)
+
+
+class Labeller:
+    """Labels of captured frames: checked against the model's labels, kept in the store, each
+    an audit entry. The store and the image reads run in a worker thread."""
+
+    def __init__(self, store: RecordStore, images: ImageSource) -> None:
+        self.store, self.images = store, images
+
+    def scheme(self, request: Request, model: str) -> labelling.Scheme:
+        entry = engine_of(request).entries.get(model)
+        if entry is None:
+            raise Conflict(f"model {model!r} is not in the repository now: a label is checked "
+                           "against its model.toml")
+        return labelling.scheme_of(model, entry.config)
+
+    def captured(self, record_id: str) -> tuple[int, Record]:
+        """(a worker thread) the record of a captured frame; NotFound, or Conflict where its
+        frame was not captured."""
+        row_id = parse_id(record_id)
+        record = self.store.record(row_id)
+        if record is None:
+            raise NotFound(f"no record {row_id} (records are kept for records_max_age_days)")
+        if record.image is None:
+            raise Conflict(f"record {row_id}: its frame was not captured, so there is nothing to "
+                           "label; capture the frames to learn from with --capture learn")
+        return row_id, record
+
+    async def label(self, request: Request, record_id: str, source: str) -> JSONResponse:
+        row_id, record = await run_in_threadpool(self.captured, record_id)
+        scheme = self.scheme(request, record.model)
+        body = await read_json_object(request, MAX_LABEL_BODY,
+                                      f" such as {labelling.example(scheme)}")
+        caller = caller_of(request)
+        by = str(caller.get("operator") or "?")
+
+        def keep() -> tuple[Label, Label | None]:
+            value = labelling.validate(scheme, body, lambda: frame_size(
+                self.images.read(row_id, record)))
+            before = self.store.labels(row_id)
+            return self.store.add_label(row_id, value, by, source), \
+                before[0] if before else None
+
+        kept, old = await run_in_threadpool(keep)
+        await audit_of(request).arecord(
+            Entry("flag" if source == "flag" else "label", "record", str(row_id),
+                  old.label if old else None, kept.label, caller),
+            "records: record %d (model %s, part %s) %s %s by %s", row_id, record.model,
+            record.part_id or "-", "flagged" if source == "flag" else "labelled",
+            _shown(kept.label), by)
+        return JSONResponse({"id": row_id, "model": record.model, "labelled": kept.to_dict()})
+
+    def review(self, query: ReviewQuery) -> list[dict[str, Any]]:
+        return [{"id": i, **r.to_dict(), "labelled": lab.to_dict() if lab else None}
+                for i, r, lab in self.store.review(query)]
+
+
+def _shown(label: dict[str, Any]) -> str:
+    if "boxes" in label:
+        return f"{len(label['boxes'])} boxes"
+    return repr(label["label"])
 
 
 def make_router(store: RecordStore, images: ImageSource | None = None) -> APIRouter:
@@ -129,6 +230,46 @@ def make_router(store: RecordStore, images: ImageSource | None = None) -> APIRou
         async def record_overlay(record_id: str, size: str | None = Query(
                 None, description=f"a thumbnail's longer side, {THUMB_MIN}..{THUMB_MAX}")):
             return await answer(record_id, size, True)
+
+    if images is not None:
+        labeller = Labeller(store, images)
+
+        @router.post("/v1/records/{record_id}/flag", summary="Flag a captured frame: what it "
+                     "really shows (the line's verdict was wrong)")
+        async def flag(request: Request, record_id: str) -> JSONResponse:
+            try:
+                return await labeller.label(request, record_id, "flag")
+            except VisionServeError as exc:
+                return error_response(exc, {"record": record_id})
+
+        @router.put("/v1/records/{record_id}/label", summary="Label a captured frame (the "
+                    "review queue)")
+        async def put_label(request: Request, record_id: str) -> JSONResponse:
+            try:
+                return await labeller.label(request, record_id, "review")
+            except VisionServeError as exc:
+                return error_response(exc, {"record": record_id})
+
+        @router.get("/v1/review", summary="The captured frames of a model to label, or "
+                    "labelled, newest first")
+        async def review(request: Request, model: str | None = None,
+                         state: str | None = Query(None, description="unlabelled (default) or "
+                                                                     "labelled"),
+                         limit: str | None = Query(None, description=f"1..{MAX_PAGE}; 50"),
+                         before: str | None = Query(None, description="the previous page's "
+                                                                      "next")):
+            try:
+                query = parse_review(model, state, limit, before)
+                scheme = labeller.scheme(request, query.model)
+                rows = await run_in_threadpool(labeller.review, query)
+            except VisionServeError as exc:
+                return error_response(exc)
+            full = len(rows) == query.limit
+            return JSONResponse({
+                "model": query.model, "task": scheme.task, "labels": list(scheme.labels),
+                "state": "labelled" if query.labelled else "unlabelled", "count": len(rows),
+                "records": rows,
+                "next": cursor(rows[-1]["id"], rows[-1]["timestamp"]) if full else None})
 
     @router.get("/v1/parts/{part_id:path}", summary="A part's traceability records, newest first")
     async def part_history(part_id: str, limit: int = Query(100, ge=1, le=MAX_HISTORY)):

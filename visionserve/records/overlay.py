@@ -50,6 +50,12 @@ def render(stored: Stored, record: Record, *, overlay: bool, size: int | None = 
     return annotate.encode_jpeg(image), "image/jpeg"
 
 
+def frame_size(stored: Stored) -> tuple[int, int]:
+    """(width, height) of the stored frame: what a label's boxes must lie inside."""
+    h, w = _decode(stored).shape[:2]
+    return w, h
+
+
 def _decode(stored: Stored) -> np.ndarray:
     """BGR pixels of the stored file."""
     cv2 = imaging._cv2()

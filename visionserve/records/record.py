@@ -12,6 +12,9 @@ from typing import Any
 #: what a record's ``verdict`` may be: the model's verdict, or no decision (LATE: the deadline
 #: passed; ERROR: refused or failed, ``error`` says why)
 VERDICTS = ("OK", "NG", "LATE", "ERROR")
+#: why a frame's image was kept (``kept_for``): its verdict was NG, its score lay within the
+#: capture band of the threshold, it fell in the OK sample, or every frame is kept
+KEPT_FOR = ("ng", "uncertain", "sample", "all")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,13 +41,16 @@ class Record:
     #: the camera's own id of the frame (a GigE Vision camera's block id; counts up per frame it
     #: sends, so a gap is a frame lost on the way); None for pushed frames and where it gives none
     camera_frame: int | None = None
+    #: why the frame's image was captured (one of KEPT_FOR: the capture policy's reason); None
+    #: for a frame not captured, and for images captured before records said why
+    kept_for: str | None = None
 
     def row(self) -> tuple:
         """The values in COLUMNS order, JSON columns as text."""
         return (self.time, self.part_id, self.station, self.camera, self.model, self.version,
                 self.recipe, self.verdict, self.label, self.score, _dumps(self.result),
                 _dumps(self.timings), self.request_id, self.frame_index, self.error, self.image,
-                self.camera_time, self.camera_frame)
+                self.camera_time, self.camera_frame, self.kept_for)
 
     @classmethod
     def from_row(cls, row: Any) -> Record:

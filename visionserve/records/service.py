@@ -38,8 +38,10 @@ def make_recorder(settings: ServerSettings) -> Recorder:
     """The writer (not started), its store and capture target from ``settings``; ConfigError
     for a bad store URL, capture target or missing extra."""
     policy = Policy(settings.capture, settings.capture_band, settings.capture_sample_percent)
-    target = open_target(settings, records_folder(settings)) if policy.active else None
-    return Recorder(store_of(settings), max_age_s=settings.records_max_age_days * DAY_S,
+    store = store_of(settings)
+    target = open_target(settings, records_folder(settings), store.labelled_images) \
+        if policy.active else None
+    return Recorder(store, max_age_s=settings.records_max_age_days * DAY_S,
                     max_bytes=parse_bytes(settings.records_max_bytes),
                     queue_size=settings.records_queue, policy=policy, target=target,
                     capture_queue=settings.capture_queue)

@@ -1,7 +1,9 @@
 """Where records are kept: SQLite in WAL mode (the default, one file in the data folder), or
 PostgreSQL (``postgresql://...``, the ``records-pg`` extra), behind one interface.
 
-One table, ``records``, indexed by part id and time, the task's result and the timings as JSON.
+One table, ``records``, indexed by part id and time, the task's result and the timings as JSON;
+beside it ``labels``: what a user says a captured frame shows (a flag or the review queue's
+label), every label kept, the latest of a record the one in force.
 Writes come from one writer thread (:mod:`.writer`), a batch per transaction; reads (the part's
 history, the export) open their own connection, so they never wait for the writer's batches
 (SQLite's WAL lets readers run beside the writer) and never stall it.
@@ -13,6 +15,7 @@ down) raises :class:`StoreFault`; the writer counts it, says so and tries again 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sqlite3
 import time
@@ -20,12 +23,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from ..errors import ConfigError, Unavailable
 from ..extras import require
 from ..storage import open_sqlite, sqlite_fault
-from .record import COLUMNS, Record
+from .record import COLUMNS, Record, iso
 
 #: the part's history: at most this many records in one answer
 MAX_HISTORY = 1000
@@ -90,6 +94,45 @@ class RecordQuery:
         return (" WHERE " + " AND ".join(terms)) if terms else "", tuple(args)
 
 
+#: where a label came from: a flag (``POST /v1/records/{id}/flag``) or the review queue
+LABEL_SOURCES = ("flag", "review")
+
+
+@dataclass(frozen=True)
+class Label:
+    """What a user said a captured frame shows: ``label`` the validated body (``{"label": ...}``
+    or ``{"boxes": [...]}``, :mod:`.labels`), ``by`` the user's name (or ``admin-token``),
+    ``time`` seconds since the epoch, ``source`` one of LABEL_SOURCES."""
+
+    record_id: int
+    label: dict[str, Any]
+    by: str
+    time: float
+    source: str
+
+    @classmethod
+    def from_row(cls, row: Any, prefix: str = "") -> Label:
+        value = row[f"{prefix}label"]
+        return cls(row[f"{prefix}record_id"], json.loads(value) if isinstance(value, str)
+                   else value, row[f"{prefix}labelled_by"], row[f"{prefix}time"],
+                   row[f"{prefix}source"])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"record_id": self.record_id, **self.label, "labelled_by": self.by,
+                "time": iso(self.time), "timestamp": self.time, "source": self.source}
+
+
+@dataclass(frozen=True)
+class ReviewQuery:
+    """The review queue's page: the captured records of ``model`` without a label
+    (``labelled`` False) or with one (True), newest first; ``before`` as RecordQuery's."""
+
+    model: str
+    labelled: bool = False
+    before: tuple[float, int] | None = None
+    limit: int = 50
+
+
 class RecordStore(ABC):
     """``write`` from one thread (the writer); the reads from any thread."""
 
@@ -113,6 +156,24 @@ class RecordStore(ABC):
     def listing(self, query: RecordQuery) -> list[tuple[int, Record]]:
         """Up to ``query.limit`` (at most MAX_PAGE) records ``query`` names, newest first (by
         time, then id), each with its id (the next page's ``before``)."""
+
+    @abstractmethod
+    def add_label(self, record_id: int, label: dict[str, Any], by: str, source: str,
+                  now: float | None = None) -> Label:
+        """Keep a label of a record (from any thread: a connection of its own)."""
+
+    @abstractmethod
+    def labels(self, record_id: int) -> list[Label]:
+        """The record's labels, newest (the one in force) first."""
+
+    @abstractmethod
+    def review(self, query: ReviewQuery) -> list[tuple[int, Record, Label | None]]:
+        """A page of the review queue: (id, record, its label in force or None)."""
+
+    @abstractmethod
+    def labelled_images(self) -> set[str]:
+        """Where the images of labelled records are (their ``image``): the capture quota never
+        deletes them."""
 
     def select(self, since: float | None = None, until: float | None = None) -> Iterator[Record]:
         """Records with ``since <= time < until``, oldest first, fetched a chunk at a time (by
@@ -195,7 +256,7 @@ _TYPES = {
 }
 #: columns newer than the table's first form: a table made before them gains them when the store
 #: opens it (each nullable, so the records already there read None)
-_ADDED = ("camera_time", "camera_frame")
+_ADDED = ("camera_time", "camera_frame", "kept_for")
 
 
 def _type(column: str, dialect: int) -> str:
@@ -222,7 +283,43 @@ def _schema(table: str, dialect: int, key: str) -> str:
             "WHERE image IS NOT NULL;\n")
 
 
-_SQLITE_SCHEMA = _schema("records", 0, "INTEGER PRIMARY KEY")
+def _labels_schema(table: str, dialect: int, key: str) -> str:
+    """The labels table: every label kept, the latest of a record (highest id) in force."""
+    time_type, json_type = ("REAL", "TEXT") if dialect == 0 else ("TIMESTAMPTZ", "JSONB")
+    return (f"CREATE TABLE IF NOT EXISTS {table} (\n    id {key},\n    record_id BIGINT NOT NULL,"
+            f"\n    label {json_type} NOT NULL,\n    labelled_by TEXT NOT NULL,\n"
+            f"    time {time_type} NOT NULL,\n    source TEXT NOT NULL\n);\n"
+            f"CREATE INDEX IF NOT EXISTS {table}_record ON {table} (record_id, id);\n")
+
+
+def _review_sql(query: ReviewQuery, records: str, labels: str, mark: str, time_sql: str,
+                columns: str, label_time: str) -> tuple[str, tuple]:
+    """The review queue's statement in either dialect: captured records of the model, each
+    joined to its latest label (``l_*`` columns)."""
+    terms = ["r.image IS NOT NULL", f"r.model = {mark}",
+             "l.id IS NOT NULL" if query.labelled else "l.id IS NULL"]
+    args: list = [query.model]
+    if query.before is not None:
+        terms.append(f"(r.time < {time_sql} OR (r.time = {time_sql} AND r.id < {mark}))")
+        args += [query.before[0], query.before[0], query.before[1]]
+    sql = (f"SELECT r.id AS id, {columns}, l.record_id AS l_record_id, l.label AS l_label, "
+           f"l.labelled_by AS l_labelled_by, {label_time} AS l_time, "
+           f"l.source AS l_source FROM {records} r LEFT JOIN {labels} l ON l.id = "
+           f"(SELECT max(id) FROM {labels} WHERE record_id = r.id) WHERE {' AND '.join(terms)} "
+           f"ORDER BY r.time DESC, r.id DESC LIMIT {mark}")
+    return sql, (*args, min(query.limit, MAX_PAGE))
+
+
+def _review_rows(rows: list) -> list[tuple[int, Record, Label | None]]:
+    return [(r["id"], Record.from_row(r),
+             Label.from_row(r, "l_") if r["l_record_id"] is not None else None) for r in rows]
+
+
+_SQLITE_SCHEMA = _schema("records", 0, "INTEGER PRIMARY KEY") + _labels_schema(
+    "labels", 0, "INTEGER PRIMARY KEY")
+#: retention keeps labelled records: a label names its record, the training set both
+_UNLABELLED = "id NOT IN (SELECT record_id FROM {})"
+_SQLITE_REVIEW_COLUMNS = ", ".join(f"r.{c} AS {c}" for c in COLUMNS)
 _INSERT = (f"INSERT INTO records ({', '.join(COLUMNS)}) VALUES "
            f"({', '.join('?' * len(COLUMNS))})")
 _SELECT = f"SELECT {', '.join(COLUMNS)} FROM records"
@@ -393,6 +490,37 @@ class SqliteStore(RecordStore):
                "ORDER BY time DESC, id DESC LIMIT ?")
         return sql, (*args, min(query.limit, MAX_PAGE))
 
+    def add_label(self, record_id: int, label: dict[str, Any], by: str, source: str,
+                  now: float | None = None) -> Label:
+        kept = Label(record_id, label, by, time.time() if now is None else now, source)
+        try:
+            c = self._open()  # the table made where no record was written yet
+            try:
+                c.execute("INSERT INTO labels (record_id, label, labelled_by, time, source) "
+                          "VALUES (?, ?, ?, ?, ?)", (record_id, json.dumps(label), by,
+                                                     kept.time, source))
+            finally:
+                c.close()
+        except sqlite3.Error as exc:
+            if not sqlite_fault(exc):
+                raise
+            raise StoreFault(self.where, exc) from exc
+        return kept
+
+    def labels(self, record_id: int) -> list[Label]:
+        rows = self._read("SELECT record_id, label, labelled_by, time, source FROM labels "
+                          "WHERE record_id = ? ORDER BY id DESC", (record_id,))
+        return [Label.from_row(r) for r in rows]
+
+    def review(self, query: ReviewQuery) -> list[tuple[int, Record, Label | None]]:
+        return _review_rows(self._read(*_review_sql(
+            query, "records", "labels", "?", "?", _SQLITE_REVIEW_COLUMNS, "l.time")))
+
+    def labelled_images(self) -> set[str]:
+        rows = self._read("SELECT DISTINCT r.image FROM labels l JOIN records r ON "
+                          "r.id = l.record_id WHERE r.image IS NOT NULL", ())
+        return {r[0] for r in rows}
+
     def _chunk(self, after_id: int, since: float, until: float, n: int) -> list:
         return self._read(f"SELECT id, {', '.join(COLUMNS)} FROM records WHERE id > ? AND "
                           "time >= ? AND time < ? ORDER BY id LIMIT ?", (after_id, since, until, n))
@@ -448,7 +576,8 @@ class SqliteStore(RecordStore):
 
         def run(c: sqlite3.Connection) -> None:
             out[0] = c.execute(f"DELETE FROM records WHERE id IN (SELECT id FROM records WHERE "
-                               f"{where} ORDER BY id LIMIT {DELETE_CHUNK})", args).rowcount
+                               f"{where} AND {_UNLABELLED.format('labels')} ORDER BY id "
+                               f"LIMIT {DELETE_CHUNK})", args).rowcount
 
         self._tx(run)
         return out[0]
@@ -457,10 +586,16 @@ class SqliteStore(RecordStore):
 # --- PostgreSQL ----------------------------------------------------------------------------------
 
 _PG_TABLE = "visionserve_records"
-_PG_SCHEMA = _schema(_PG_TABLE, 1, "BIGSERIAL PRIMARY KEY") + "".join(
+_PG_LABELS = "visionserve_labels"
+_PG_SCHEMA = _schema(_PG_TABLE, 1, "BIGSERIAL PRIMARY KEY") + _labels_schema(
+    _PG_LABELS, 1, "BIGSERIAL PRIMARY KEY") + "".join(
     f"ALTER TABLE {_PG_TABLE} ADD COLUMN IF NOT EXISTS {c} {_type(c, 1)};\n" for c in _ADDED)
 _PG_COLUMNS = ", ".join("extract(epoch from time)::float8 AS time" if c == "time" else c
                         for c in COLUMNS)
+_PG_REVIEW_COLUMNS = ", ".join("extract(epoch from r.time)::float8 AS time" if c == "time"
+                               else f"r.{c} AS {c}" for c in COLUMNS)
+_PG_LABEL_COLUMNS = "record_id, label, labelled_by, extract(epoch from time)::float8 AS time, source"
+_KEEP_LABELLED_PG = _UNLABELLED.format(_PG_LABELS)
 _PG_INSERT = (f"INSERT INTO {_PG_TABLE} ({', '.join(COLUMNS)}) VALUES "
               f"({', '.join('to_timestamp(%s)' if c == 'time' else '%s' for c in COLUMNS)})")
 
@@ -559,6 +694,36 @@ class PostgresStore(RecordStore):
                           (*args, min(query.limit, MAX_PAGE)))
         return [(r["id"], Record.from_row(r)) for r in rows]
 
+    def add_label(self, record_id: int, label: dict[str, Any], by: str, source: str,
+                  now: float | None = None) -> Label:
+        kept = Label(record_id, label, by, time.time() if now is None else now, source)
+        c = self._schema()  # a connection of its own: the writer's belongs to the writer thread
+        try:
+            with c.transaction():
+                c.execute(f"INSERT INTO {_PG_LABELS} (record_id, label, labelled_by, time, "
+                          "source) VALUES (%s, %s, %s, to_timestamp(%s), %s)",
+                          (record_id, json.dumps(label), by, kept.time, source))
+        except self.psycopg.Error as exc:
+            raise StoreFault(self.where, _first_line(exc)) from exc
+        finally:
+            c.close()
+        return kept
+
+    def labels(self, record_id: int) -> list[Label]:
+        rows = self._read(f"SELECT {_PG_LABEL_COLUMNS} FROM {_PG_LABELS} WHERE record_id = %s "
+                          "ORDER BY id DESC", (record_id,))
+        return [Label.from_row(r) for r in rows]
+
+    def review(self, query: ReviewQuery) -> list[tuple[int, Record, Label | None]]:
+        return _review_rows(self._read(*_review_sql(
+            query, _PG_TABLE, _PG_LABELS, "%s", "to_timestamp(%s)", _PG_REVIEW_COLUMNS,
+            "extract(epoch from l.time)::float8")))
+
+    def labelled_images(self) -> set[str]:
+        rows = self._read(f"SELECT DISTINCT r.image FROM {_PG_LABELS} l JOIN {_PG_TABLE} r ON "
+                          "r.id = l.record_id WHERE r.image IS NOT NULL", ())
+        return {r["image"] for r in rows}
+
     def _chunk(self, after_id: int, since: float, until: float, n: int) -> list:
         return self._read(f"SELECT id, {_PG_COLUMNS} FROM {_PG_TABLE} WHERE id > %s AND "
                           "time >= to_timestamp(%s) AND time < to_timestamp(%s) ORDER BY id "
@@ -579,8 +744,8 @@ class PostgresStore(RecordStore):
         deleted = [0]
 
         def by_age(c) -> None:
-            deleted[0] += c.execute(f"DELETE FROM {_PG_TABLE} WHERE time < to_timestamp(%s)",
-                                    (cutoff,)).rowcount
+            deleted[0] += c.execute(f"DELETE FROM {_PG_TABLE} WHERE time < to_timestamp(%s) "
+                                    f"AND {_KEEP_LABELLED_PG}", (cutoff,)).rowcount
 
         self._tx(by_age)
         used = self.size()
@@ -591,7 +756,7 @@ class PostgresStore(RecordStore):
                 if excess > 0:
                     deleted[0] += c.execute(
                         f"DELETE FROM {_PG_TABLE} WHERE id IN (SELECT id FROM {_PG_TABLE} "
-                        "ORDER BY id LIMIT %s)", (excess,)).rowcount
+                        f"WHERE {_KEEP_LABELLED_PG} ORDER BY id LIMIT %s)", (excess,)).rowcount
 
             self._tx(by_size)
         return deleted[0]

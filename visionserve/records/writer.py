@@ -72,6 +72,8 @@ IDLE_S = 1.0
 #: put into the queues at close: wakes a thread that waits on them
 _WAKE = object()
 _NO_ORIGIN = Origin()
+#: an answer's (frame, why it is kept) when its image is not captured
+_NOT_KEPT = (None, None)
 
 
 class Recorder:
@@ -169,24 +171,27 @@ class Recorder:
     def refused(self, served, count: int, origin: tuple | None, exc) -> None:
         rid, wall = current_request_id(), time.time()
         for i in range(count):
-            self._offer((wall, served, origin, rid, i, None, exc, 0.0, None))
+            self._offer((wall, served, origin, rid, i, None, exc, 0.0, _NOT_KEPT))
 
     def _answered(self, served, origin, rid: str | None, index: int, item, future) -> None:
         now = time.monotonic()
         wall = time.time() - (now - item.arrival)
         if future.cancelled():
-            self._offer((wall, served, origin, rid, index, None, None, now - item.arrival, None))
+            self._offer((wall, served, origin, rid, index, None, None, now - item.arrival,
+                         _NOT_KEPT))
             return
         exc = future.exception()
         r = None if exc is not None else future.result()
-        frame = None
-        if r is not None and self.policy is not None \
-                and self.policy.wants(r.verdict, served.task, r.result):
-            # bytes of its own: a frame read in place from a front end's arena would keep that
-            # space for as long as it waits in the capture queue
-            frame = imaging.owned(item.payload)
-            item.captured = True  # the live feed, tapped after the records, says so
-        self._offer((wall, served, origin, rid, index, r, exc, now - item.arrival, frame))
+        frame = kept_for = None
+        if r is not None and self.policy is not None:
+            kept_for = self.policy.wants(r.verdict, served.task, r.result)
+            if kept_for is not None:
+                # bytes of its own: a frame read in place from a front end's arena would keep
+                # that space for as long as it waits in the capture queue
+                frame = imaging.owned(item.payload)
+                item.captured = True  # the live feed, tapped after the records, says so
+        self._offer((wall, served, origin, rid, index, r, exc, now - item.arrival,
+                     (frame, kept_for)))
 
     def _offer(self, item: tuple) -> None:
         try:
@@ -269,7 +274,7 @@ class Recorder:
                 return
 
     def _record(self, item: tuple) -> Record | None:
-        wall, served, origin, rid, index, r, exc, total_s, frame = item
+        wall, served, origin, rid, index, r, exc, total_s, (frame, kept_for) = item
         o = Origin(*origin) if origin else _NO_ORIGIN
         part, camera, station, recipe = o.part_id, o.camera, o.station, o.recipe
         try:
@@ -282,7 +287,8 @@ class Recorder:
                     task.inspect_fields(r.result),
                     {"queue_ms": round(r.queue_ms, 3), "compute_ms": round(r.compute_ms, 3),
                      "total_ms": round(total_s * 1000, 3), "batch_size": r.batch_size},
-                    rid, index, camera_time=o.camera_time, camera_frame=o.camera_frame)
+                    rid, index, camera_time=o.camera_time, camera_frame=o.camera_frame,
+                    kept_for=kept_for)
             else:
                 kind = getattr(exc, "kind", "internal") if exc is not None else "cancelled"
                 message = (getattr(exc, "message", "") or "internal server error") \
@@ -412,12 +418,12 @@ class Recorder:
         with self._capture_lock:
             if self._capture_closed:
                 metrics.CAPTURE_DROPPED.labels("shutdown").inc()
-                return record
+                return dataclasses.replace(record, kept_for=None)
             try:
                 self._captures.put_nowait((record, frame, drawing))
             except queue.Full:
                 metrics.CAPTURE_DROPPED.labels("queue_full").inc()
-                return record
+                return dataclasses.replace(record, kept_for=None)
         return None
 
     def _capture_run(self) -> None:
@@ -479,7 +485,10 @@ class Recorder:
             else:
                 metrics.CAPTURED.labels(self.policy.mode).inc()
         try:
-            self._queue.put(dataclasses.replace(record, image=image), timeout=FORWARD_WAIT_S)
+            # a record says why its image was kept only where it was
+            self._queue.put(dataclasses.replace(
+                record, image=image, kept_for=record.kept_for if image else None),
+                timeout=FORWARD_WAIT_S)
         except queue.Full:
             self._lose(1, "queue_full")
 

@@ -1,6 +1,7 @@
 """The console's routes: ``GET /ui`` (to the first page), ``/ui/live``, ``/ui/parts`` (NG
 parts) and ``/ui/parts/{part_id}``, ``/ui/models``, ``/ui/stations``, ``/ui/system``,
-``/ui/audit`` and the package's own files at ``/ui/static/{name}``.
+``/ui/audit``, ``/ui/review`` (captured frames to label) and the package's own files at
+``/ui/static/{name}``.
 
 Each page is rendered here from what the data plane says (the repository index, the served
 versions, the verdict rules, the recipes, the server's Prometheus series) and the guard's job
@@ -30,8 +31,15 @@ from ..records.record import iso
 from ..records.store import MAX_PAGE, RecordStore
 from ..security import route_of
 from ..users.store import role_covers
-from . import auditview, parts, system, verdictform
-from .strings import STRINGS, live_strings, script_strings, verdict_script_strings
+from ..records import labels as labelling
+from . import auditview, parts, review, system, verdictform
+from .strings import (
+    STRINGS,
+    live_strings,
+    review_script_strings,
+    script_strings,
+    verdict_script_strings,
+)
 
 if TYPE_CHECKING:
     from ..dataplane import DataPlane, ServedModel
@@ -47,7 +55,7 @@ STATIC_TYPES = {".css": "text/css; charset=utf-8", ".js": "text/javascript; char
 #: their role may open
 PAGES = (("/ui/live", "nav_live"), ("/ui/parts", "nav_parts"), ("/ui/models", "nav_models"),
          ("/ui/stations", "nav_stations"), ("/ui/system", "nav_system"),
-         (auditview.PATH, "nav_audit"))
+         (review.PATH, "nav_review"), (auditview.PATH, "nav_audit"))
 #: the answers the Line live page keeps on screen (newest on top)
 LIVE_ROWS = 50
 #: the minutes of answers and latency the Line live page plots
@@ -174,6 +182,24 @@ def make_router(settings: ServerSettings, guard_store: JobStore | None = None,
                       newer_link=page["newer"] and auditview.page_link(query, after=page["newer"]),
                       newest_link=auditview.page_link(query))
 
+    @router.get(review.PATH)
+    async def review_page(request: Request, model: str = "", state: str = "",
+                          before: str = "") -> HTMLResponse:
+        schemes = _schemes(engine_of(request))
+        model = model or next(iter(schemes), "")
+        queue, error, status = None, None, 200
+        if model and model not in schemes:
+            error, status = STRINGS["review_not_labelled_model"].format(model=model), 404
+        elif model:
+            queue, error, status = await _read_records(records, review.read_queue, model, state,
+                                                       before, schemes[model])
+        elif records is not None:
+            error = STRINGS["review_no_models"]
+        return render(request, "review.html", review.PATH, status, models=sorted(schemes),
+                      error=error, paged=bool(before), thumb=parts.THUMB_SIDE,
+                      queue=queue or review.empty(model, state),
+                      review_strings=review_script_strings())
+
     @router.get("/ui/static/{name}")
     async def asset(name: str) -> Response:
         if name not in static:
@@ -204,6 +230,17 @@ async def _models(engine: DataPlane) -> list[dict[str, Any]]:
             "verdict": verdict or {}, "verdict_error": verdict_error,
             "verdict_fields": verdictform.fields(config, verdict) if verdict else [],
         })
+    return out
+
+
+def _schemes(engine: DataPlane) -> dict[str, labelling.Scheme]:
+    """The models whose frames can be labelled, and how."""
+    out = {}
+    for name in sorted(engine.entries):
+        try:
+            out[name] = labelling.scheme_of(name, engine.entries[name].config)
+        except InvalidInput:
+            continue  # a task without labels yet (a segmenter, a plug-in's)
     return out
 
 

@@ -14,6 +14,7 @@ STRINGS: dict[str, str] = {
     "nav_models": "Models",
     "nav_stations": "Stations and recipes",
     "nav_system": "System",
+    "nav_review": "Review",
     "nav_audit": "Audit log",
     "skip_to_content": "Skip to content",
     "signed_in_as": "Signed in as {user} ({role})",
@@ -298,6 +299,42 @@ STRINGS: dict[str, str] = {
     "audit_action_sign-in-failed": "Failed sign-in",
     "audit_action_flag": "Frame flagged",
     "audit_action_label": "Frame labelled",
+    "review_title": "Review and label",
+    "review_intro": "Frames captured for learning (--capture learn: NG, uncertain, a sample of "
+                    "OK) and frames operators flagged. Say what each shows: the labels are kept "
+                    "with the records, by your name, for the model's next training.",
+    "review_filter": "Which frames",
+    "review_model": "Model",
+    "review_state": "Show",
+    "review_state_unlabelled": "Not labelled yet",
+    "review_state_labelled": "Labelled",
+    "review_apply": "Show",
+    "review_queue": "Frames",
+    "review_none": "No frames here. Frames are captured for learning with --capture learn.",
+    "review_no_models": "No model in the repository can be labelled yet (classification, "
+                        "anomaly and detection models can).",
+    "review_not_labelled_model": "No model {model!r} whose frames can be labelled.",
+    "review_kept_for": "Kept as",
+    "review_verdict": "Verdict",
+    "review_current": "Label",
+    "review_unlabelled": "not labelled",
+    "review_by": "{label}, by {user} ({source}) at {time}",
+    "review_label_for": "Label of record {id}",
+    "review_good": "good",
+    "review_defective": "defective",
+    "review_save": "Save label",
+    "review_boxes": "Boxes",
+    "review_no_boxes_yet": "none",
+    "review_box_label": "Box label",
+    "review_add_box": "Add box",
+    "review_nothing": "Nothing to find",
+    "review_box_hint": "In the frame's pixels, from its top left corner: x1 < x2, y1 < y2.",
+    "review_image_alt": "Frame of part {part} from {model} at {time}: {verdict}, kept as "
+                        "{kept}, the model's answer drawn on it",
+    "review_older": "Older frames",
+    "review_newest": "Newest frames",
+    "review_saved": "Record {id} labelled: {label}",
+    "review_boxes_label": "{n} boxes",
 }
 
 #: the texts the script needs (the confirmation dialog and the messages of actions)
@@ -326,6 +363,14 @@ def script_strings() -> dict[str, str]:
 
 def verdict_script_strings() -> dict[str, str]:
     return {k: STRINGS[k] for k in VERDICT_SCRIPT_KEYS}
+
+
+REVIEW_SCRIPT_KEYS = ("working", "refused", "network_error", "review_saved",
+                      "review_boxes_label", "review_no_boxes_yet")
+
+
+def review_script_strings() -> dict[str, str]:
+    return {k: STRINGS[k] for k in REVIEW_SCRIPT_KEYS}
 
 
 def live_strings() -> dict[str, str]:

@@ -29,8 +29,33 @@
     return csrf;
   }
 
-  // for the pages' own scripts (loaded after this one): one place for these two
-  window.visionserveConsole = {fill, csrfToken};
+  // send body as JSON to url with the session's CSRF token, saying so in the status element;
+  // the answer's JSON, or null after showing the server's refusal in the alert element
+  async function send(statusEl, alertEl, method, url, body) {
+    alertEl.textContent = "";
+    statusEl.textContent = strings.working;
+    const headers = {"Content-Type": "application/json", "Accept": "application/json"};
+    const token = await csrfToken();
+    if (token) headers["X-CSRF-Token"] = token;
+    try {
+      const r = await fetch(url, {method: method, headers: headers, body: JSON.stringify(body),
+                                  credentials: "same-origin"});
+      statusEl.textContent = "";
+      if (r.ok) return await r.json();
+      let error = r.statusText;
+      try {
+        error = (await r.json()).error || error;
+      } catch (e) { /* not JSON: the status line says it */ }
+      alertEl.textContent = fill(strings.refused, {error: error, status: r.status});
+    } catch (e) {
+      statusEl.textContent = "";
+      alertEl.textContent = fill(strings.network_error, {error: e.message});
+    }
+    return null;
+  }
+
+  // for the pages' own scripts (loaded after this one): one place for these
+  window.visionserveConsole = {fill, csrfToken, send};
 
   function confirmWith(text) {
     return new Promise((resolve) => {

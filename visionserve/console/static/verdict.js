@@ -9,7 +9,7 @@
   const source = document.getElementById("verdict-strings");
   if (!source) return;
   const strings = JSON.parse(source.textContent);
-  const {fill, csrfToken} = window.visionserveConsole;  // console.js, loaded first
+  const {fill, send: sendJson} = window.visionserveConsole;  // console.js, loaded first
 
   // one field's value as JSON, or throws Error with the message to show
   function valueOf(el) {
@@ -102,29 +102,9 @@
   }
 
   // send body to the form's route; the answer's JSON, or null after showing the refusal
-  async function send(form, method, url, body) {
-    const status = form.querySelector("[data-verdict=status]");
-    const alert = form.querySelector("[data-verdict=alert]");
-    alert.textContent = "";
-    status.textContent = strings.working;
-    const headers = {"Content-Type": "application/json", "Accept": "application/json"};
-    const token = await csrfToken();
-    if (token) headers["X-CSRF-Token"] = token;
-    try {
-      const r = await fetch(url, {method: method, headers: headers, body: JSON.stringify(body),
-                                  credentials: "same-origin"});
-      status.textContent = "";
-      if (r.ok) return await r.json();
-      let error = r.statusText;
-      try {
-        error = (await r.json()).error || error;
-      } catch (e) { /* not JSON: the status line says it */ }
-      alert.textContent = fill(strings.refused, {error: error, status: r.status});
-    } catch (e) {
-      status.textContent = "";
-      alert.textContent = fill(strings.network_error, {error: e.message});
-    }
-    return null;
+  function send(form, method, url, body) {
+    return sendJson(form.querySelector("[data-verdict=status]"),
+                    form.querySelector("[data-verdict=alert]"), method, url, body);
   }
 
   function setUp(form) {

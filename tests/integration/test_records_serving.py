@@ -236,6 +236,12 @@ def test_a_postgres_table_of_an_earlier_version_gains_the_camera_time(postgres_u
     store.close()
 
 
+def test_postgres_keeps_labels_beside_the_records(postgres_url):
+    from tests.unit.test_labels import label_round_trip
+
+    label_round_trip(PostgresStore(postgres_url), model="labels-pg")
+
+
 # --- S3 ------------------------------------------------------------------------------------------
 
 def _moto_exe() -> Path:

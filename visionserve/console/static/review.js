@@ -49,7 +49,7 @@
     for (const b of buttons) b.disabled = false;
     if (answer === null) return;
     const label = answer.labelled;
-    const card = form.closest("[data-record]");
+    const card = form.closest("li.card");
     card.querySelector("[data-review=current]").textContent = shown(label);
     card.dataset.labelled = "true";
     if ("boxes" in label) {

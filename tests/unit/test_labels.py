@@ -20,7 +20,7 @@ from visionserve.records import labels
 from visionserve.records.capture import FolderTarget, Policy
 from visionserve.records.store import RecordStore, ReviewQuery, SqliteStore
 
-# --- the learn policy ------------------------------------------------------------------------------
+# --- the learn policy ----------------------------------------------------------------------------
 
 
 def test_learn_keeps_ng_uncertain_and_a_sample_of_ok_and_says_which():
@@ -40,7 +40,7 @@ def test_learn_keeps_ng_uncertain_and_a_sample_of_ok_and_says_which():
     assert Policy("none").wants("NG", TASK, ng.result) is None
 
 
-# --- checking a label ------------------------------------------------------------------------------
+# --- checking a label ----------------------------------------------------------------------------
 
 def _config(task: str, **sections) -> ModelConfig:
     return ModelConfig.model_validate({"task": task, "input": {"width": 64, "height": 64},
@@ -97,7 +97,7 @@ def test_a_segmenter_has_no_labels_yet():
         labels.scheme_of("seg", config)
 
 
-# --- the labels table ------------------------------------------------------------------------------
+# --- the labels table ----------------------------------------------------------------------------
 
 def label_round_trip(store: RecordStore, model: str = "tiny") -> None:
     """Labels kept beside the records of ``store`` (either dialect): the latest in force, every

@@ -27,11 +27,11 @@ from ..errors import InvalidInput, NotFound, VisionServeError, http_status
 from ..http.audit import AuditQuery, audit_page
 from ..http.common import audit_of, engine_of
 from ..http.signin import session_of
+from ..records import labels as labelling
 from ..records.record import iso
 from ..records.store import MAX_PAGE, RecordStore
 from ..security import route_of
 from ..users.store import role_covers
-from ..records import labels as labelling
 from . import auditview, parts, review, system, verdictform
 from .strings import (
     STRINGS,

@@ -594,7 +594,8 @@ _PG_COLUMNS = ", ".join("extract(epoch from time)::float8 AS time" if c == "time
                         for c in COLUMNS)
 _PG_REVIEW_COLUMNS = ", ".join("extract(epoch from r.time)::float8 AS time" if c == "time"
                                else f"r.{c} AS {c}" for c in COLUMNS)
-_PG_LABEL_COLUMNS = "record_id, label, labelled_by, extract(epoch from time)::float8 AS time, source"
+_PG_LABEL_COLUMNS = ("record_id, label, labelled_by, extract(epoch from time)::float8 AS time, "
+                     "source")
 _KEEP_LABELLED_PG = _UNLABELLED.format(_PG_LABELS)
 _PG_INSERT = (f"INSERT INTO {_PG_TABLE} ({', '.join(COLUMNS)}) VALUES "
               f"({', '.join('to_timestamp(%s)' if c == 'time' else '%s' for c in COLUMNS)})")

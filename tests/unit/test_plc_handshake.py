@@ -168,11 +168,12 @@ def test_control_bits_by_coil_and_by_register_are_the_same():
 
 def test_the_protocol_refuses_what_is_outside_the_map():
     m, _ = _map("*")
-    assert m.write(1, 6, 1, [1]) == ExcCodes.ILLEGAL_ADDRESS  # only HR 0 is writable
-    assert m.write(1, 16, 0, [E, 0]) == ExcCodes.ILLEGAL_ADDRESS
+    assert m.write(1, 6, 21, [1]) == ExcCodes.ILLEGAL_ADDRESS  # HR 0-20 are writable
+    assert m.write(1, 16, 19, [0, 0, 0]) == ExcCodes.ILLEGAL_ADDRESS
     assert m.write(1, 6, 0, [0x8001]) == ExcCodes.ILLEGAL_VALUE  # no such control bit
     assert m.write(1, 5, 3, [True]) == ExcCodes.ILLEGAL_ADDRESS
-    assert m.read(1, 4, 10, 7) == ExcCodes.ILLEGAL_ADDRESS
+    assert m.read(1, 4, 10, 9) == ExcCodes.ILLEGAL_ADDRESS  # input registers 0-17
+    assert m.read(1, 3, 0, 22) == ExcCodes.ILLEGAL_ADDRESS  # holding registers 0-20
     assert m.read(1, 2, 0, 10) == ExcCodes.ILLEGAL_ADDRESS
     assert m.read(7, 4, 0, 1) == ExcCodes.GATEWAY_PATH_UNAVIABLE
     assert m.handshakes[0].control == 0  # nothing refused changed anything

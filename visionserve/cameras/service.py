@@ -475,6 +475,9 @@ class CameraService:
         triggered by a call or a station without a recipe, InvalidInput for a bad part id."""
         if part_id is not None and not 0 < len(part_id) <= MAX_PART_ID:
             raise InvalidInput(f"a part id of {len(part_id)} characters; 1 to {MAX_PART_ID}")
+        if plc_station == "*":
+            raise NotFound("no camera for PLC station * (every other camera): trigger a camera "
+                           "or a station by its own PLC station")
         if plc_station in self.cameras:
             station = False
         elif plc_station in self.plane.recipes.stations:

@@ -292,9 +292,10 @@ async def test_opcua_trigger_method(bright_repo, tmp_path):
 
 
 def test_plc_sim_triggers_two_stations(bright_repo, tmp_path):
-    """plc-sim --trigger on two Modbus unit ids: every trigger's result seen by part id."""
+    """plc-sim --trigger on two Modbus unit ids, then over OPC UA: every trigger's result seen
+    by part id."""
     repo, drops = _line(bright_repo, tmp_path)
-    s = start_plc_server(repo, tmp_path, "--plc-stations", STATIONS)
+    s = start_plc_server(repo, tmp_path, "--plc-stations", STATIONS, opcua=True)
     stop = threading.Event()
 
     def camera() -> None:  # the cameras' folders always hold a fresh frame
@@ -330,6 +331,16 @@ def test_plc_sim_triggers_two_stations(bright_repo, tmp_path):
         assert proc.returncode == 1, proc.stdout + proc.stderr
         t = json.loads(out.read_text())["triggers"]["modbus"][str(NOTHING)]
         assert (t["refused"], t["missing"], t["refusals"]) == (3, 3, {"1": 3}), t
+        proc = subprocess.run(
+            [sys.executable, "-m", "visionserve", "plc-sim", "--opcua", s.opcua_url, "--user",
+             USER, "--password-file", str(s.password_file), "--cert-dir", str(tmp_path / "pki"),
+             "--trigger", "--units", f"{ST1},{FREE}", "--rate", "10", "--count", "4",
+             "--settle-s", "2", "--json", str(out)],
+            capture_output=True, text=True, timeout=120, cwd=str(REPO), check=False)
+        assert proc.returncode == 1, proc.stdout + proc.stderr  # FREE refuses every trigger
+        rep = json.loads(out.read_text())["triggers"]["opcua"]
+        assert (rep[str(ST1)]["results"], rep[str(ST1)]["missing"]) == (4, 0), rep
+        assert rep[str(FREE)]["refusals"] == {"BadInvalidState": 4}, rep
     finally:
         stop.set()
         feeder.join()

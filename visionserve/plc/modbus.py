@@ -135,7 +135,7 @@ def part_id_words(part_id: str | int | None) -> list[int]:
             raise ValueError(f"part id {part_id}: a number is 0 to 4294967295")
         words[:3] = [PART_NUMBER, part_id >> 16, part_id & 0xFFFF]
         return words
-    raw = part_id.encode("ascii", "replace")
+    raw = part_id.encode("utf-8")
     if not 0 < len(raw) <= PART_TEXT_BYTES or any(not 0x20 <= b < 0x7F for b in raw):
         raise ValueError(f"part id {part_id!r}: 1 to {PART_TEXT_BYTES} printable ASCII "
                          "characters")

@@ -12,8 +12,8 @@ baseline to compare a server without PLC servers against.
 
 With --trigger it is the PLC that triggers the cameras (no line): --count triggers at --rate on
 each station of --units (default --station), part ids 1, 2, 3, ...; Modbus writes holding
-registers 1-4 (trigger, part id kind 1, the number) in one request, OPC UA calls the station's
-Trigger method. It reports, per station, each part's time from the trigger to its result seen on
+registers 1-4 (trigger, part id kind 1, the number) in one request and reads input registers
+16-17 until the server answered it, OPC UA calls the station's Trigger method. It reports, per station, each part's time from the trigger to its result seen on
 the PLC side, results missing, no decisions and refusals.
 
 Without --url or --trigger it prints a line per result as it comes (and a summary when Ctrl-C or
@@ -61,6 +61,9 @@ from visionserve.plc.handshake import Control, Status
 log = logging.getLogger(__name__)
 
 CODES = {0: "none", 1: "OK", 2: "NG", 3: "no decision"}
+#: --trigger over Modbus: a trigger the server has not answered (input register 16) by then is
+#: counted refused ("no answer")
+TRIGGER_ANSWER_S = 2.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -163,13 +166,10 @@ class ModbusPlc:
         self.unit, self.poll_s, self.ack = unit, poll_s, ack
         self.tally = Tally(self.protocol, station=unit)
         self.client: Any = None
-        # --trigger: its own connection writes the triggers; the trigger value last written,
-        # and the part of each value not answered yet (input registers 16, 17 answer it)
+        # --trigger: its own connection writes the triggers; the trigger value last written
         self.trigger_mode = trigger
         self.triggers: Any = None
         self.value = 0
-        self.pending: dict[int, str] = {}
-        self.last_ack: int | None = None
 
     async def connect(self) -> None:
         from pymodbus.client import AsyncModbusTcpClient
@@ -191,15 +191,27 @@ class ModbusPlc:
 
     async def trigger(self, n: int) -> None:
         """Trigger part ``n``: holding registers 1-4 (a new trigger value, part id kind 1, the
-        number) in one write."""
+        number) in one write, then input registers 16-17 read until the server answered it
+        (a refusal is kept by its code)."""
         self.value = self.value % 0xFFFF + 1
         part = str(n)
-        self.pending[self.value] = part
         self.tally.sent[part] = time.perf_counter()
         rr = await self.triggers.write_registers(1, [self.value, 1, n >> 16 & 0xFFFF, n & 0xFFFF],
                                                  device_id=self.unit)
         if rr.isError():
             raise ConnectionError(f"Modbus: writing the trigger was refused: {rr}")
+        deadline = time.perf_counter() + TRIGGER_ANSWER_S
+        while time.perf_counter() < deadline:
+            rr = await self.triggers.read_input_registers(16, count=2, device_id=self.unit)
+            if rr.isError():
+                raise ConnectionError(f"Modbus: reading the trigger's answer failed: {rr}")
+            ack, refusal = rr.registers
+            if ack == self.value:
+                if refusal:
+                    self.tally.refusals[part] = str(refusal)
+                return
+            await asyncio.sleep(self.poll_s)
+        self.tally.refusals[part] = "no answer"
 
     async def _control(self, word: int) -> None:
         rr = await self.client.write_register(0, word, device_id=self.unit)
@@ -209,18 +221,12 @@ class ModbusPlc:
     async def run(self, stop: asyncio.Event) -> None:
         acking = False
         t = self.tally
-        count = 18 if self.trigger_mode else 16
         while not stop.is_set():
-            rr = await self.client.read_input_registers(0, count=count, device_id=self.unit)
+            rr = await self.client.read_input_registers(0, count=16, device_id=self.unit)
             if rr.isError():
                 raise ConnectionError(f"Modbus: reading the input registers failed: {rr}")
             now = time.perf_counter()
             regs = rr.registers
-            if self.trigger_mode and regs[16] != self.last_ack:
-                self.last_ack = regs[16]  # the server answered that trigger (17: 0 taken)
-                part = self.pending.pop(regs[16], None)
-                if part is not None and regs[17]:
-                    t.refusals[part] = str(regs[17])
             status = Status(regs[0])
             t.beat(Status.HEARTBEAT in status, now)
             if Status.FAULT in status:

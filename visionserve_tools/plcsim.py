@@ -13,8 +13,9 @@ baseline to compare a server without PLC servers against.
 With --trigger it is the PLC that triggers the cameras (no line): --count triggers at --rate on
 each station of --units (default --station), part ids 1, 2, 3, ...; Modbus writes holding
 registers 1-4 (trigger, part id kind 1, the number) in one request and reads input registers
-16-17 until the server answered it, OPC UA calls the station's Trigger method. It reports, per station, each part's time from the trigger to its result seen on
-the PLC side, results missing, no decisions and refusals.
+16-17 until the server answered it, OPC UA calls the station's Trigger method. It reports, per
+station, each part's time from the trigger to its result seen on the PLC side, results missing,
+no decisions and refusals.
 
 Without --url or --trigger it prints a line per result as it comes (and a summary when Ctrl-C or
 --duration-s ends it); with --url only the summary.

@@ -489,8 +489,10 @@ def report(line: Line | None, plcs: list, elapsed_s: float, delays: tuple = ({},
 
 
 def trigger_report(plcs: list, rate: float, elapsed_s: float) -> dict:
-    """--trigger: per protocol and station, each part's trigger to its result (by part id)."""
-    out: dict = {"elapsed_s": round(elapsed_s, 2), "rate": rate, "triggers": {}}
+    """--trigger: each part's trigger to its result (by part id), over every station and per
+    protocol and station (``stations``)."""
+    out: dict = {"elapsed_s": round(elapsed_s, 2), "rate": rate, "stations": {}}
+    every: list[float] = []
     for plc in plcs:
         t: Tally = plc.tally
         seen = [p for p in t.sent if p in t.seen]
@@ -498,13 +500,21 @@ def trigger_report(plcs: list, rate: float, elapsed_s: float) -> dict:
         refusals: dict[str, int] = {}
         for why in t.refusals.values():
             refusals[why] = refusals.get(why, 0) + 1
-        out["triggers"].setdefault(plc.protocol, {})[str(t.station)] = {
+        times = [(t.seen[p] - t.sent[p]) * 1000 for p in seen]
+        every += times
+        out["stations"].setdefault(plc.protocol, {})[str(t.station)] = {
             "count": len(t.sent), "results": len(seen), "missing": len(missing),
             "missing_parts": missing[:20],
             "no_decision": sum(t.code[p] == 3 for p in seen),
             "ng": sum(t.code[p] == 2 for p in seen),
             "refused": len(t.refusals), "refusals": refusals,
-            "result_ms": percentiles([(t.seen[p] - t.sent[p]) * 1000 for p in seen])}
+            "result_ms": percentiles(times)}
+    entries = [e for stations in out["stations"].values() for e in stations.values()]
+    out.update({"triggers": sum(e["count"] for e in entries)},
+               **{k: sum(e[k] for e in entries)
+                  for k in ("results", "missing", "no_decision", "ng", "refused")})
+    p = percentiles(every)
+    out.update(p50_ms=p["p50"], p99_ms=p["p99"], max_ms=p["max"])
     return out
 
 
@@ -515,7 +525,7 @@ def _ms(d: dict) -> str:
 
 
 def _print_triggers(rep: dict) -> None:
-    for protocol, stations in rep["triggers"].items():
+    for protocol, stations in rep["stations"].items():
         for station, e in stations.items():
             refused = ", ".join(f"{k} x{v}" for k, v in e["refusals"].items())
             print(f"{protocol} station {station}: {e['count']} triggers at {rep['rate']:g}/s, "
@@ -782,8 +792,7 @@ def run(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(rep, indent=2))
     if args.trigger:
         _print_triggers(rep)
-        return 1 if any(e["missing"] for stations in rep["triggers"].values()
-                        for e in stations.values()) else 0
+        return 1 if rep["missing"] else 0
     _print(rep)
     if line is not None and any(e["missing"] or not e["in_order"]
                                 for e in rep["protocols"].values()):

@@ -318,9 +318,11 @@ def test_plc_sim_triggers_two_stations(bright_repo, tmp_path):
         assert proc.returncode == 0, proc.stdout + proc.stderr
         rep = json.loads(out.read_text())
         for unit in (SOLO, ST1):
-            t = rep["triggers"]["modbus"][str(unit)]
+            t = rep["stations"]["modbus"][str(unit)]
             assert (t["count"], t["results"], t["missing"], t["refused"]) == (8, 8, 0, 0), t
             assert t["no_decision"] == 0 and t["result_ms"]["n"] == 8, t
+        assert (rep["triggers"], rep["results"], rep["missing"]) == (16, 16, 0), rep
+        assert rep["p50_ms"] <= rep["p99_ms"] <= rep["max_ms"]
         assert "trigger -> result" in proc.stdout
         # a station that refuses: each trigger refused, none answered: exit 1
         proc = subprocess.run(
@@ -329,7 +331,7 @@ def test_plc_sim_triggers_two_stations(bright_repo, tmp_path):
              "20", "--count", "3", "--settle-s", "1", "--json", str(out)],
             capture_output=True, text=True, timeout=120, cwd=str(REPO), check=False)
         assert proc.returncode == 1, proc.stdout + proc.stderr
-        t = json.loads(out.read_text())["triggers"]["modbus"][str(NOTHING)]
+        t = json.loads(out.read_text())["stations"]["modbus"][str(NOTHING)]
         assert (t["refused"], t["missing"], t["refusals"]) == (3, 3, {"1": 3}), t
         proc = subprocess.run(
             [sys.executable, "-m", "visionserve", "plc-sim", "--opcua", s.opcua_url, "--user",
@@ -338,7 +340,7 @@ def test_plc_sim_triggers_two_stations(bright_repo, tmp_path):
              "--settle-s", "2", "--json", str(out)],
             capture_output=True, text=True, timeout=120, cwd=str(REPO), check=False)
         assert proc.returncode == 1, proc.stdout + proc.stderr  # FREE refuses every trigger
-        rep = json.loads(out.read_text())["triggers"]["opcua"]
+        rep = json.loads(out.read_text())["stations"]["opcua"]
         assert (rep[str(ST1)]["results"], rep[str(ST1)]["missing"]) == (4, 0), rep
         assert rep[str(FREE)]["refusals"] == {"BadInvalidState": 4}, rep
     finally:

@@ -30,6 +30,10 @@ if TYPE_CHECKING:
     from .tasks import Task
 
 
+#: a part id longer than this is a mistake (the PLC's and the records' fields are short)
+MAX_PART_ID = 128
+
+
 class Origin(NamedTuple):
     """Where a request's frames come from, for the taps of every answer (the PLC result bus, the
     records, the live feed): what the front ends and the cameras say of them, each None when not
@@ -44,6 +48,36 @@ class Origin(NamedTuple):
     camera_time: float | None = None
     #: the camera's own id of the frame (a GigE Vision block id), where the source gives one
     camera_frame: int | None = None
+    #: one camera's frame of a station's part (a station trigger): the PLC hears the part's one
+    #: result (:class:`PartResults`), not this frame's; the records and the live feed see it
+    part_frame: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PartResult:
+    """A station's part, seen by each of its cameras, as one result for the PLC: NG when any
+    camera's verdict is, no decision when any camera gave none (a station trigger)."""
+
+    station: str  #: the station (recipes file): the PLC station of the same name gets it
+    part_id: str | None
+    cameras: tuple[str, ...]
+    model: str
+    version: str
+    verdict: str  #: OK, NG, LATE or ERROR
+    status: int  #: the part's HTTP status: 200 verdict, 504 late, 503 a camera gave no frame...
+    label: str  #: the deciding camera's (the first NG one, else the first): for the registers
+    label_index: int  #: -1 without a verdict
+    score: float  #: NaN without a verdict
+    queue_ms: float  #: the longest of the cameras'
+    compute_ms: float
+    asked: float  #: monotonic time of the trigger: the part's total time counts from it
+    message: str = ""  #: why no decision
+
+
+class PartResults(Protocol):
+    """Where a station's part result goes (the PLC result bus, while PLC servers run)."""
+
+    def publish_part(self, part: PartResult) -> None: ...
 
 
 @dataclass
@@ -228,10 +262,13 @@ class DataPlane(Protocol):
 
 class Cameras(Protocol):
     """The cameras of the serving process (:class:`visionserve.cameras.service.CameraService`),
-    as the engine holds them: what :meth:`DataPlane.trigger` and ``camera_states`` call."""
+    as the engine holds them: what :meth:`DataPlane.trigger` and ``camera_states`` call, and
+    the PLC's triggers (``take``)."""
 
     async def trigger(self, target: str, part_id: str | None, station: bool
                       ) -> tuple[int, dict]: ...
+
+    def take(self, plc_station: str, part_id: str | None) -> dict: ...
 
     def states(self) -> list[dict]: ...
 

@@ -34,7 +34,7 @@ from .backends import base as backends
 from .backends import checks
 from .batching import Batcher, CostModel
 from .config import ServerSettings
-from .dataplane import Cameras, ModelLookup
+from .dataplane import Cameras, ModelLookup, PartResults
 from .errors import ConfigError, NotFound, VisionServeError
 from .execution import Executor, InProcess, choose
 from .execution.results import FrameResult, device_fault, padded_size
@@ -90,6 +90,8 @@ class Engine(ModelLookup):
             self.admission.tap(self.preview)
         #: the cameras the server acquires from (visionserve.cameras.service), while they run
         self.camera_service: Cameras | None = None
+        #: where a station trigger's part result goes: the PLC result bus while PLC servers run
+        self.part_results: PartResults | None = None
 
     # --- state, start and shutdown ------------------------------------------------------------
 

@@ -59,6 +59,9 @@ SIMULATOR = "arv-fake-gv-camera-0.8"
 #: (name, width, height, pixel format): one camera each
 SCENARIOS = (("640x480 Mono8", 640, 480, "Mono8"), ("2048x2048 BayerRG8", 2048, 2048, "BayerRG8"))
 SOAK = ("640x480 Mono8", 640, 480, "Mono8")
+#: GigE Vision packets of 9000 bytes (jumbo frames, as docs/cameras.md tunes a camera NIC; the
+#: loopback and the veth pair carry them)
+PACKET_SIZE = 9000
 #: the veth pair of --soak's two simulators
 VETH = (("vscam0", "10.77.0.1"), ("vscam1", "10.77.0.2"))
 
@@ -185,7 +188,8 @@ def recipes(path: Path, sources: list[str], pixel_format: str, width: int, heigh
     for i, source in enumerate(sources):
         name = f"cam{i + 1}"
         settings = (f'{{ pixel_format = "{pixel_format}" }}' if replay else
-                    f'{{ pixel_format = "{pixel_format}", roi = [0, 0, {width}, {height}] }}')
+                    f'{{ pixel_format = "{pixel_format}", roi = [0, 0, {width}, {height}], '
+                    f'packet_size = {PACKET_SIZE} }}')
         text.append(f'[camera.{name}]\nsource = "{source}"\nmodel = "{MODEL}"\n'
                     f'settings = {settings}\n')
         names.append(name)
@@ -225,7 +229,8 @@ def plc_sim(modbus: str, units: list[int], rate: float, count: int, out: Path,
 
 
 def camera_counts(server: Server) -> dict[str, dict[str, float]]:
-    """The cameras' series of ``/metrics``: camera -> {frames, faults, drops, ...}."""
+    """The cameras' series of ``/metrics``: camera -> {frames, faults_<reason>, source_drops,
+    ..., and the mean of each histogram in ms: trigger_to_frame_ms, frame_to_verdict_ms}."""
     from prometheus_client.parser import text_string_to_metric_families
 
     status, body = get(server.url + "/metrics", 10)
@@ -236,12 +241,23 @@ def camera_counts(server: Server) -> dict[str, dict[str, float]]:
         if not family.name.startswith("visionserve_camera_"):
             continue
         key = family.name.removeprefix("visionserve_camera_")
+        sums: dict[str, dict[str, float]] = {}
         for sample in family.samples:
-            if not sample.name.endswith("_total") or "camera" not in sample.labels:
+            if "camera" not in sample.labels:
+                continue
+            camera = sample.labels["camera"]
+            if sample.name.endswith(("_sum", "_count")):  # a histogram: its mean
+                sums.setdefault(camera, {})[sample.name.rsplit("_", 1)[1]] = sample.value
+                continue
+            if not sample.name.endswith("_total"):
                 continue
             name = key + (f"_{sample.labels['reason']}" if "reason" in sample.labels else "")
-            counts = out.setdefault(sample.labels["camera"], {})
+            counts = out.setdefault(camera, {})
             counts[name] = counts.get(name, 0) + sample.value
+        for camera, h in sums.items():
+            if h.get("count"):
+                out.setdefault(camera, {})[key.removesuffix("_seconds") + "_ms_mean"] = \
+                    round(h.get("sum", 0.0) / h["count"] * 1000, 3)
     return out
 
 
@@ -315,10 +331,13 @@ def summary(res: dict) -> list[str]:
               f"{plc.get('missing')}, no decision {plc.get('no_decision')}, refused "
               f"{plc.get('refused')}")]
     for camera, acc in res["accounting"].items():
+        means = res["camera_counts"].get(camera, {})
         lines.append(f"  {camera}: {acc['records']} records, frame ids {acc['first_frame_id']}.."
                      f"{acc['last_frame_id']} ({acc['frame_ids_missing']} missing, "
                      f"{acc['source_drops']:g} counted dropped), faults {acc['faults']:g}: "
-                     f"{'accounted for' if acc['ok'] else 'NOT accounted for'}")
+                     f"{'accounted for' if acc['ok'] else 'NOT accounted for'}; mean trigger "
+                     f"-> frame {means.get('trigger_to_frame_ms_mean')} ms, frame -> verdict "
+                     f"{means.get('frame_to_verdict_ms_mean')} ms")
     return lines
 
 
@@ -334,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="recorded frames from memory instead of the GigE Vision simulator")
     ap.add_argument("--rate", type=float, default=20.0, help="triggers a second [%(default)s]")
     ap.add_argument("--count", type=int, default=1000, help="parts a scenario [%(default)s]")
+    ap.add_argument("--scenario", choices=[s[0].split()[0] for s in SCENARIOS], default=None,
+                    help="only this one of the scenarios [both]")
     ap.add_argument("--soak", type=float, default=None, metavar="SECONDS",
                     help="instead of the scenarios: two cameras at 640x480 Mono8 for this long")
     ap.add_argument("--soak-rate", type=float, default=30.0,
@@ -354,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
                     "command": " ".join(["python -m visionserve_tools.benchcam", *argv]),
                     "runs": []}
     plan = ([(*SOAK, 2, args.soak_rate, round(args.soak * args.soak_rate))] if args.soak else
-            [(*s, 1, args.rate, args.count) for s in SCENARIOS])
+            [(*s, 1, args.rate, args.count) for s in SCENARIOS
+             if args.scenario in (None, s[0].split()[0])])
     ok = True
     for i, (name, width, height, fmt, cameras, rate, count) in enumerate(plan):
         log(f"{name}: {cameras} camera(s), {count} parts each at {rate:g}/s")

@@ -10,7 +10,14 @@ PLC is a machine of its own), so that its decoding and the line's answers do not
 other. With --url and neither protocol it is only the line: the inspect answer's latency, the
 baseline to compare a server without PLC servers against.
 
-Without --url it prints a line per result as it comes (and a summary when Ctrl-C or
+With --trigger it is the PLC that triggers the cameras (no line): --count triggers at --rate on
+each station of --units (default --station), part ids 1, 2, 3, ...; Modbus writes holding
+registers 1-4 (trigger, part id kind 1, the number) in one request and reads input registers
+16-17 until the server answered it, OPC UA calls the station's Trigger method. It reports, per
+station, each part's time from the trigger to its result seen on the PLC side, results missing,
+no decisions and refusals.
+
+Without --url or --trigger it prints a line per result as it comes (and a summary when Ctrl-C or
 --duration-s ends it); with --url only the summary.
 
 Examples:
@@ -19,14 +26,16 @@ Examples:
   visionserve plc-sim --modbus 127.0.0.1:5020 --opcua opc.tcp://127.0.0.1:4840 --user plc \\
       --password-file plc.pw --url http://127.0.0.1:8000 --model defect-classifier --rate 100 \\
       --count 1000 --json plc.json
+  visionserve plc-sim --modbus 127.0.0.1:5020 --trigger --units 1,2 --rate 30 --count 1000
 
 Latency on the PLC side includes the PLC's own cycle: --poll-ms (Modbus) is how often the input
 registers are read (a real PLC: its Modbus client's cycle, often 10-100 ms); OPC UA events are
 asked for with publishing interval --publish-ms (0: at once).
 
 Exit codes: 0 done (with --url: every answered part's result seen on every protocol, verdicts
-in the order sent),
-1 results missing or out of order, 2 bad arguments, 3 could not connect.
+in the order sent; with --trigger: every trigger's result seen),
+1 results missing or out of order (a refused trigger has no result), 2 bad arguments, 3 could not
+connect.
 """
 
 from __future__ import annotations
@@ -53,6 +62,9 @@ from visionserve.plc.handshake import Control, Status
 log = logging.getLogger(__name__)
 
 CODES = {0: "none", 1: "OK", 2: "NG", 3: "no decision"}
+#: --trigger over Modbus: a trigger the server has not answered (input register 16) by then is
+#: counted refused ("no answer")
+TRIGGER_ANSWER_S = 2.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -88,6 +100,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="frames: gen:WxH[:n=N] or a folder of images [%(default)s]")
     line.add_argument("--settle-s", type=float, default=5.0,
                       help="after the last answer, wait this long for results [%(default)s]")
+    trig = p.add_argument_group("triggers (with --trigger)")
+    trig.add_argument("--trigger", action="store_true",
+                      help="trigger the stations' cameras from the PLC side, --count at --rate")
+    trig.add_argument("--units", default=None, metavar="N,M",
+                      help="the stations to trigger, each at --rate [--station]")
     p.add_argument("--json", type=Path, default=None, help="write the report here too")
 
 
@@ -107,6 +124,10 @@ class Tally:
     faults: int = 0  # readings with Fault set
     fault_bits: int = 0
     echo: bool = False  # print a line per result
+    station: int = 1
+    #: --trigger: part id -> perf_counter when its trigger was sent, and why one was refused
+    sent: dict[str, float] = field(default_factory=dict)
+    refusals: dict[str, str] = field(default_factory=dict)
 
     def result(self, part: str, code: int, now: float, detail: str = "") -> None:
         self.codes[CODES.get(code, "none")] += 1
@@ -138,13 +159,18 @@ class ModbusPlc:
 
     protocol = "modbus"
 
-    def __init__(self, address: str, unit: int, poll_s: float, ack: bool) -> None:
+    def __init__(self, address: str, unit: int, poll_s: float, ack: bool,
+                 trigger: bool = False) -> None:
         from visionserve.plc.service import parse_address
 
         self.host, self.port = parse_address(address)
         self.unit, self.poll_s, self.ack = unit, poll_s, ack
-        self.tally = Tally(self.protocol)
+        self.tally = Tally(self.protocol, station=unit)
         self.client: Any = None
+        # --trigger: its own connection writes the triggers; the trigger value last written
+        self.trigger_mode = trigger
+        self.triggers: Any = None
+        self.value = 0
 
     async def connect(self) -> None:
         from pymodbus.client import AsyncModbusTcpClient
@@ -155,6 +181,38 @@ class ModbusPlc:
         # a fresh start: drop Enable (clears what waits), then enable with the fault reset
         for word in (0, Control.ENABLE | Control.FAULT_RESET, Control.ENABLE):
             await self._control(int(word))
+        if self.trigger_mode:
+            self.triggers = AsyncModbusTcpClient(self.host, port=self.port, timeout=3, retries=1)
+            if not await self.triggers.connect():
+                raise ConnectionError(f"Modbus: cannot connect to {self.host}:{self.port}")
+            rr = await self.triggers.read_holding_registers(1, count=1, device_id=self.unit)
+            if rr.isError():
+                raise ConnectionError(f"Modbus: the server has no trigger register: {rr}")
+            self.value = rr.registers[0]  # the next trigger must differ from it
+
+    async def trigger(self, n: int) -> None:
+        """Trigger part ``n``: holding registers 1-4 (a new trigger value, part id kind 1, the
+        number) in one write, then input registers 16-17 read until the server answered it
+        (a refusal is kept by its code)."""
+        self.value = self.value % 0xFFFF + 1
+        part = str(n)
+        self.tally.sent[part] = time.perf_counter()
+        rr = await self.triggers.write_registers(1, [self.value, 1, n >> 16 & 0xFFFF, n & 0xFFFF],
+                                                 device_id=self.unit)
+        if rr.isError():
+            raise ConnectionError(f"Modbus: writing the trigger was refused: {rr}")
+        deadline = time.perf_counter() + TRIGGER_ANSWER_S
+        while time.perf_counter() < deadline:
+            rr = await self.triggers.read_input_registers(16, count=2, device_id=self.unit)
+            if rr.isError():
+                raise ConnectionError(f"Modbus: reading the trigger's answer failed: {rr}")
+            ack, refusal = rr.registers
+            if ack == self.value:
+                if refusal:
+                    self.tally.refusals[part] = str(refusal)
+                return
+            await asyncio.sleep(self.poll_s)
+        self.tally.refusals[part] = "no answer"
 
     async def _control(self, word: int) -> None:
         rr = await self.client.write_register(0, word, device_id=self.unit)
@@ -194,6 +252,8 @@ class ModbusPlc:
             with contextlib.suppress(Exception):
                 await self._control(0)
             self.client.close()
+        if self.triggers is not None:
+            self.triggers.close()
 
 
 def _modbus_part(high: int, low: int, kind: int) -> str:
@@ -210,8 +270,10 @@ class OpcUaPlc:
                  password: str | None, security: str, cert_dir: Path) -> None:
         self.url, self.station, self.publish_ms = url, station, publish_ms
         self.user, self.password, self.security, self.cert_dir = user, password, security, cert_dir
-        self.tally = Tally(self.protocol)
+        self.tally = Tally(self.protocol, station=station)
         self.client: Any = None
+        self._node: Any = None  # the station's object, and its Trigger method
+        self._method: Any = None
 
     async def connect(self) -> None:
         from asyncua import Client, ua
@@ -235,6 +297,9 @@ class OpcUaPlc:
         ns = await client.get_namespace_index(NAMESPACE)
         system = await client.nodes.objects.get_child(f"{ns}:VisionSystem")
         station = await system.get_child([f"{ns}:ResultManagement", f"{ns}:Station{self.station}"])
+        self._node = station
+        with contextlib.suppress(ua.UaError):  # a server without triggers: none asked for
+            self._method = await station.get_child(f"{ns}:Trigger")
         etype = await client.nodes.base_event_type.get_child(f"{ns}:ResultReadyEventType")
         beat = await system.get_child([f"{ns}:Status", f"{ns}:Heartbeat"])
         fault = await system.get_child([f"{ns}:Status", f"{ns}:Fault"])
@@ -262,6 +327,19 @@ class OpcUaPlc:
 
     async def run(self, stop: asyncio.Event) -> None:
         await stop.wait()
+
+    async def trigger(self, n: int) -> None:
+        """Trigger part ``n``: the station's Trigger method; a refusal is its Bad status."""
+        from asyncua import ua
+
+        if self._method is None:
+            raise ConnectionError(f"OPC UA: Station{self.station} has no Trigger method")
+        part = str(n)
+        self.tally.sent[part] = time.perf_counter()
+        try:
+            await self._node.call_method(self._method, part)
+        except ua.UaStatusCodeError as exc:
+            self.tally.refusals[part] = type(exc).__name__  # asyncua's class per status
 
     async def close(self) -> None:
         if self.client is not None:
@@ -410,12 +488,55 @@ def report(line: Line | None, plcs: list, elapsed_s: float, delays: tuple = ({},
     return out
 
 
-def _print(rep: dict) -> None:
-    def ms(d: dict) -> str:
-        if not d["n"]:
-            return "-"
-        return f"p50 {d['p50']:.2f} ms, p99 {d['p99']:.2f} ms, max {d['max']:.2f} ms"
+def trigger_report(plcs: list, rate: float, elapsed_s: float) -> dict:
+    """--trigger: each part's trigger to its result (by part id), over every station and per
+    protocol and station (``stations``)."""
+    out: dict = {"elapsed_s": round(elapsed_s, 2), "rate": rate, "stations": {}}
+    every: list[float] = []
+    for plc in plcs:
+        t: Tally = plc.tally
+        seen = [p for p in t.sent if p in t.seen]
+        missing = [p for p in t.sent if p not in t.seen]
+        refusals: dict[str, int] = {}
+        for why in t.refusals.values():
+            refusals[why] = refusals.get(why, 0) + 1
+        times = [(t.seen[p] - t.sent[p]) * 1000 for p in seen]
+        every += times
+        out["stations"].setdefault(plc.protocol, {})[str(t.station)] = {
+            "count": len(t.sent), "results": len(seen), "missing": len(missing),
+            "missing_parts": missing[:20],
+            "no_decision": sum(t.code[p] == 3 for p in seen),
+            "ng": sum(t.code[p] == 2 for p in seen),
+            "refused": len(t.refusals), "refusals": refusals,
+            "result_ms": percentiles(times)}
+    entries = [e for stations in out["stations"].values() for e in stations.values()]
+    out.update({"triggers": sum(e["count"] for e in entries)},
+               **{k: sum(e[k] for e in entries)
+                  for k in ("results", "missing", "no_decision", "ng", "refused")})
+    p = percentiles(every)
+    out.update(p50_ms=p["p50"], p99_ms=p["p99"], max_ms=p["max"])
+    return out
 
+
+def _ms(d: dict) -> str:
+    if not d["n"]:
+        return "-"
+    return f"p50 {d['p50']:.2f} ms, p99 {d['p99']:.2f} ms, max {d['max']:.2f} ms"
+
+
+def _print_triggers(rep: dict) -> None:
+    for protocol, stations in rep["stations"].items():
+        for station, e in stations.items():
+            refused = ", ".join(f"{k} x{v}" for k, v in e["refusals"].items())
+            print(f"{protocol} station {station}: {e['count']} triggers at {rep['rate']:g}/s, "
+                  f"{e['results']} results ({e['ng']} NG, {e['no_decision']} no decision), "
+                  f"{e['refused']} refused{f' ({refused})' if refused else ''}, "
+                  f"{e['missing']} missing")
+            print(f"  trigger -> result on the PLC side: {_ms(e['result_ms'])}")
+
+
+def _print(rep: dict) -> None:
+    ms = _ms
     line = rep.get("line")
     if line:
         print(f"line: {line['sent']} parts sent at {line['rate']:g}/s, {line['answered_200']} "
@@ -517,7 +638,44 @@ async def _simulate_apart(args: argparse.Namespace, plcs: list, line: Line) -> d
     return report(line, plcs, elapsed, (before, after))
 
 
+async def _simulate_triggers(args: argparse.Namespace, plcs: list) -> dict:
+    """--trigger: each station triggered --count times at --rate (all at once), until every
+    trigger's result is seen or refused, or --settle-s after the last."""
+    stop = asyncio.Event()
+    for plc in plcs:
+        await plc.connect()
+    runners = [asyncio.create_task(plc.run(stop)) for plc in plcs]
+
+    async def fire(plc) -> None:
+        start = time.perf_counter()
+        for i in range(args.count):
+            delay = start + i / args.rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            await plc.trigger(i + 1)
+
+    def answered(t: Tally) -> bool:
+        return all(p in t.seen or p in t.refusals for p in t.sent)
+
+    start = time.perf_counter()
+    try:
+        await asyncio.gather(*(fire(plc) for plc in plcs))
+        deadline = time.perf_counter() + args.settle_s
+        while time.perf_counter() < deadline and not all(answered(p.tally) for p in plcs):
+            _raise_if_failed(runners)
+            await asyncio.sleep(0.02)
+        _raise_if_failed(runners)
+    finally:
+        stop.set()
+        await asyncio.gather(*runners, return_exceptions=True)
+        for plc in plcs:
+            await plc.close()
+    return trigger_report(plcs, args.rate, time.perf_counter() - start)
+
+
 async def simulate(args: argparse.Namespace, plcs: list, line: Line | None) -> dict:
+    if args.trigger:
+        return await _simulate_triggers(args, plcs)
     if line is not None and plcs:
         return await _simulate_apart(args, plcs, line)
     stop = asyncio.Event()
@@ -560,20 +718,37 @@ async def simulate(args: argparse.Namespace, plcs: list, line: Line | None) -> d
     return report(line, plcs, elapsed, (before, after))
 
 
-def make_plcs(args: argparse.Namespace) -> list:
-    """The PLC clients asked for, not connected yet (ConfigError for bad arguments)."""
-    plcs: list = []
-    if args.modbus:
-        require("pymodbus")
-        plcs.append(ModbusPlc(args.modbus, args.station, args.poll_ms / 1000, not args.no_ack))
-    if args.opcua:
-        require("asyncua")
-        from visionserve.plc.opcua import read_password
-        from visionserve.plc.service import default_data_dir
+def units(args: argparse.Namespace) -> list[int]:
+    """The stations to act as the PLC of: --units with --trigger, else --station."""
+    if not args.trigger or not args.units:
+        return [args.station]
+    try:
+        out = [int(u) for u in args.units.split(",")]
+    except ValueError:
+        out = []
+    if not out or any(not 1 <= u <= 247 for u in out) or len(set(out)) != len(out):
+        raise ConfigError(f"--units {args.units!r}: station numbers 1-247, comma-separated, "
+                          "each once")
+    return out
 
-        plcs.append(OpcUaPlc(args.opcua, args.station, args.publish_ms, args.user,
-                             read_password(args.password_file), args.security,
-                             args.cert_dir or default_data_dir() / "plc-sim"))
+
+def make_plcs(args: argparse.Namespace) -> list:
+    """The PLC clients asked for, not connected yet (ConfigError for bad arguments): one per
+    protocol and station."""
+    plcs: list = []
+    for unit in units(args):
+        if args.modbus:
+            require("pymodbus")
+            plcs.append(ModbusPlc(args.modbus, unit, args.poll_ms / 1000, not args.no_ack,
+                                  trigger=args.trigger))
+        if args.opcua:
+            require("asyncua")
+            from visionserve.plc.opcua import read_password
+            from visionserve.plc.service import default_data_dir
+
+            plcs.append(OpcUaPlc(args.opcua, unit, args.publish_ms, args.user,
+                                 read_password(args.password_file), args.security,
+                                 args.cert_dir or default_data_dir() / "plc-sim"))
     return plcs
 
 
@@ -584,6 +759,11 @@ def run(args: argparse.Namespace) -> int:
               "the line alone, the baseline without a PLC)", file=sys.stderr)
         return 2
     try:
+        if args.trigger and (args.url or not (args.modbus or args.opcua)):
+            raise ConfigError("--trigger is the PLC triggering the cameras: give --modbus and/or "
+                              "--opcua, and no --url")
+        if args.rate <= 0 or args.count < 1:
+            raise ConfigError("--rate must be > 0 and --count at least 1")
         plcs = make_plcs(args)
         line = None
         if args.url:
@@ -593,8 +773,6 @@ def run(args: argparse.Namespace) -> int:
                 frames = load(args.images)
             except ImageSetError as exc:
                 raise ConfigError(f"--images: {exc}") from None
-            if args.rate <= 0 or args.count < 1:
-                raise ConfigError("--rate must be > 0 and --count at least 1")
             line = Line(args.url, args.model, frames, args.rate, args.count, args.camera,
                         args.deadline_ms)
     except VisionServeError as exc:
@@ -610,9 +788,12 @@ def run(args: argparse.Namespace) -> int:
     except failures as exc:
         print(f"visionserve plc-sim: {exc or type(exc).__name__}", file=sys.stderr)
         return 3
-    _print(rep)
     if args.json:
         args.json.write_text(json.dumps(rep, indent=2))
+    if args.trigger:
+        _print_triggers(rep)
+        return 1 if rep["missing"] else 0
+    _print(rep)
     if line is not None and any(e["missing"] or not e["in_order"]
                                 for e in rep["protocols"].values()):
         return 1

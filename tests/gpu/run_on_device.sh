@@ -43,6 +43,10 @@
 #                 the serving process, in 1 and in PIPE_P ("2") processes at once, one stream
 #                 and two (python -m visionserve_tools.benchpipe, PIPE_S s a case (4), up to
 #                 PIPE_T s (200))
+#   cameras.json / cameras.txt / cameras/  with CAM_ARGS set (e.g. CAM_ARGS="--count 500
+#                 --rate 50"): trigger to verdict at plc-sim with recorded frames from the source
+#                 interface (python -m visionserve_tools.benchcam --replay; pymodbus's wheel in
+#                 .whl/), up to CAM_T s (240)
 #   det.json / det.txt  with DET_ARGS set (e.g. DET_ARGS="--as-shipped --runs 3"): the detector's
 #                 benchmark (python -m visionserve_tools.benchdet), up to DET_T s (540)
 #   guard.json / guard.txt  with GUARD_ARGS set (e.g. GUARD_ARGS="--latency-budget-ms 20"): the
@@ -240,6 +244,14 @@ if [ -n "${DET_ARGS+x}" ]; then  # the detector's benchmark (benchdet)
     >"$OUT/det.txt" 2>&1
   echo "benchdet exit $?" >>"$OUT/det.txt"
   tail -n 40 "$OUT/det.txt"
+fi
+
+if [ -n "${CAM_ARGS+x}" ]; then  # trigger to verdict with cameras (benchcam, recorded frames)
+  # shellcheck disable=SC2086
+  timeout ${CAM_T:-240} python3 -m visionserve_tools.benchcam --replay --device cuda \
+    --json "$OUT/cameras.json" --work "$OUT/cameras" $CAM_ARGS >"$OUT/cameras.txt" 2>&1
+  echo "benchcam exit $?" >>"$OUT/cameras.txt"
+  tail -n 20 "$OUT/cameras.txt"
 fi
 
 if [ -n "${PIPE:-}" ]; then  # the pipeline without the serving process (benchpipe)

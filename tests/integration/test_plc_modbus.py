@@ -154,7 +154,7 @@ def test_a_plc_that_never_acknowledges_fills_the_buffer_and_raises_fault(plc_ser
 
 def test_writes_outside_the_map_get_the_protocols_errors(plc_server, plc):
     c = plc.client
-    for rr, code in ((c.write_register(5, 1, device_id=2), 2),  # not a writable register
+    for rr, code in ((c.write_register(21, 1, device_id=2), 2),  # past the holding registers
                      (c.write_register(0, 0x40, device_id=2), 3),  # no such control bit
                      (c.write_coil(9, True, device_id=2), 2),
                      (c.read_input_registers(0, count=40, device_id=2), 2),

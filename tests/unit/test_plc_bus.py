@@ -231,3 +231,39 @@ async def test_an_idle_engine_is_not_stalled_but_a_silent_event_loop_is():
     assert not dog.health(t0 + 1.9).stalled
     h = dog.health(t0 + 2.1)  # the probe on the engine's loop has not run since t0
     assert h.stalled and "event loop" in h.reason
+
+
+async def test_a_station_part_is_one_result_on_the_station_of_its_name():
+    """A camera's frame of a station's part is only counted (Busy on the part's station); the
+    part's combined answer is the one result, on the PLC station named like the station."""
+    from visionserve.dataplane import Origin, PartResult
+
+    bus = ResultBus(Stations("cam-a,st1,*"))
+    items = _pending(2)
+    for item, camera in zip(items, ("cam-a", "cam-b")):
+        bus.watch(SERVED, [item], Origin("P-1", camera, "st1", "parts", part_frame=True))
+    assert bus.inflight == [0, 2, 0] and bus.outstanding == 2
+    bus.refused(SERVED, 1, Origin("P-1", "cam-c", "st1", "parts", part_frame=True),
+                Unavailable("camera cam-c is down"))
+    items[0].future.set_result(_result("OK", "ok", 0.97))
+    items[1].future.set_result(_result("NG", "dent", 0.8))
+    await asyncio.sleep(0)
+    assert bus.drain() == [] and bus.outstanding == 0 and bus.inflight == [0, 0, 0]
+    part = PartResult("st1", "P-1", ("cam-a", "cam-b"), "tiny", "3", "NG", 200, "dent", 1, 0.8,
+                      0.5, 2.0, asked=0.0)
+    bus.publish_part(part)
+    fault = PartResult("st1", "P-2", ("cam-a", "cam-b"), "tiny", "3", "ERROR", 503, "", -1,
+                       math.nan, 0.0, 0.0, asked=0.0, message="camera cam-b: timeout")
+    bus.publish_part(fault)
+    ng, none = bus.drain()
+    assert (ng.station, ng.part_id, ng.camera_id, ng.code, ng.label_index) == \
+        (1, "P-1", "cam-a,cam-b", ResultCode.NG, 1)
+    assert (none.part_id, none.code, none.reason, none.message) == \
+        ("P-2", ResultCode.NO_DECISION, Reason.UNAVAILABLE, "camera cam-b: timeout")
+    # a camera's own trigger: its frame is its result, on its own station, as before
+    item = _pending(1)
+    bus.watch(SERVED, item, Origin("P-3", "cam-a"))
+    item[0].future.set_result(_result("OK", "ok", 0.97))
+    await asyncio.sleep(0)
+    (own,) = bus.drain()
+    assert (own.station, own.part_id) == (0, "P-3")

@@ -168,11 +168,12 @@ def test_control_bits_by_coil_and_by_register_are_the_same():
 
 def test_the_protocol_refuses_what_is_outside_the_map():
     m, _ = _map("*")
-    assert m.write(1, 6, 1, [1]) == ExcCodes.ILLEGAL_ADDRESS  # only HR 0 is writable
-    assert m.write(1, 16, 0, [E, 0]) == ExcCodes.ILLEGAL_ADDRESS
+    assert m.write(1, 6, 21, [1]) == ExcCodes.ILLEGAL_ADDRESS  # HR 0-20 are writable
+    assert m.write(1, 16, 19, [0, 0, 0]) == ExcCodes.ILLEGAL_ADDRESS
     assert m.write(1, 6, 0, [0x8001]) == ExcCodes.ILLEGAL_VALUE  # no such control bit
     assert m.write(1, 5, 3, [True]) == ExcCodes.ILLEGAL_ADDRESS
-    assert m.read(1, 4, 10, 7) == ExcCodes.ILLEGAL_ADDRESS
+    assert m.read(1, 4, 10, 9) == ExcCodes.ILLEGAL_ADDRESS  # input registers 0-17
+    assert m.read(1, 3, 0, 22) == ExcCodes.ILLEGAL_ADDRESS  # holding registers 0-20
     assert m.read(1, 2, 0, 10) == ExcCodes.ILLEGAL_ADDRESS
     assert m.read(7, 4, 0, 1) == ExcCodes.GATEWAY_PATH_UNAVIABLE
     assert m.handshakes[0].control == 0  # nothing refused changed anything
@@ -196,3 +197,63 @@ def test_results_offered_while_the_plc_side_holds_the_lock_wait_in_order():
         m.offer(_event("5"))
     regs = m.read(1, 4, 0, 16)  # the read takes "5" in first
     assert regs[11] == 4  # waiting behind the presented one: 2, 3, 4, 5
+
+
+# --- triggers: holding registers 1-20, input registers 16-17 -----------------------------------
+
+@pytest.mark.parametrize("part_id", [None, 0, 1234, 2**32 - 1, "A", "LOT-7/a b", "x" * 32])
+def test_part_id_registers_round_trip(part_id):
+    words = modbus.part_id_words(part_id)
+    assert len(words) == 19 and all(0 <= w <= 0xFFFF for w in words)
+    assert modbus.part_id_of(words) == (None if part_id is None else str(part_id))
+
+
+def test_part_id_text_is_high_byte_first_and_ends_at_the_first_nul():
+    words = modbus.part_id_words("AB-C")
+    assert words[:6] == [2, 0, 0, 0x4142, 0x2D43, 0]
+    words[4] = 0x2D00  # "-" then NUL: the rest is ignored
+    words[5] = 0x5858
+    assert modbus.part_id_of(words) == "AB-"
+    assert modbus.part_id_words(70000)[:3] == [1, 1, 70000 - 65536]
+
+
+@pytest.mark.parametrize("part_id", [-1, 2**32, "", "x" * 33, "é", "tab\there"])
+def test_a_part_id_the_registers_cannot_carry_is_refused(part_id):
+    with pytest.raises(ValueError):
+        modbus.part_id_words(part_id)
+
+
+@pytest.mark.parametrize("words", [[3] + [0] * 18, [2] + [0] * 18, [2, 0, 0, 0xC3A9] + [0] * 15,
+                                   [2, 0, 0, 0x4101] + [0] * 15])
+def test_bad_part_id_registers(words):
+    with pytest.raises(ValueError):
+        modbus.part_id_of(words)
+
+
+def test_a_trigger_is_a_new_value_of_holding_register_1_taken_after_the_whole_write():
+    m, _ = _map("cam1,st1")
+    calls = []
+    m.on_trigger = lambda *call: calls.append(call)
+    assert m.write(2, 16, 1, [7, *modbus.part_id_words("P-1")]) is None  # FC16, HR 1-20
+    assert calls == [(1, 1, 7, "P-1")]
+    assert m.write(2, 16, 1, [7, *modbus.part_id_words("P-2")]) is None  # a retry: no trigger
+    assert m.write(2, 6, 1, [0]) is None  # 0 never triggers
+    assert len(calls) == 1
+    assert m.write(2, 16, 2, modbus.part_id_words(42)) is None  # HR 2-20, then HR 1
+    assert m.write(2, 6, 1, [8]) is None
+    assert calls[-1] == (1, 2, 8, "42")
+    assert m.read(2, 3, 0, 21) == [0, 8, *modbus.part_id_words(42)]  # as written
+    assert m.write(2, 16, 0, [E, 9, 0]) is None  # with the control word: both
+    assert calls[-1] == (1, 3, 9, None) and m.handshakes[1].control == E
+    assert m.read(2, 4, 16, 2) == [0, 0]  # not answered yet: the previous value
+    m.answered(1, 3, 9, modbus.Refusal.TAKEN)
+    m.answered(1, 2, 8, modbus.Refusal.NO_CAMERA)  # an older answer, late: ignored
+    assert m.read(2, 4, 16, 2) == [9, 0]
+    # a bad part id is refused at once, as is any trigger when nobody takes them
+    assert m.write(2, 16, 1, [10, 3]) is None
+    assert m.read(2, 4, 16, 2) == [10, int(modbus.Refusal.BAD_PART_ID)]
+    m.on_trigger = None
+    assert m.write(2, 16, 1, [11, 0]) is None
+    assert m.read(2, 4, 16, 2) == [11, int(modbus.Refusal.UNAVAILABLE)]
+    assert m.write(2, 16, 0, [0x8000, 12]) == ExcCodes.ILLEGAL_VALUE  # nothing of it applied
+    assert m.read(2, 3, 1, 1) == [11]

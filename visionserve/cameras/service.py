@@ -6,14 +6,22 @@ camera that went down, waiting 0.5 s, then twice as long each time, up to 5 s. N
 touches a source.
 
 :meth:`CameraService.trigger` is the one way a trigger becomes a verdict, whoever triggers: the
-HTTP route (``POST /v1/cameras/{name}/trigger``, ``/v1/stations/{s}/trigger``) and, later, the
-PLC. It grabs from each camera of the trigger at once, turns each grab into a raw frame
+HTTP route (``POST /v1/cameras/{name}/trigger``, ``/v1/stations/{s}/trigger``) awaits it; the PLC
+(:meth:`CameraService.take`) is answered as soon as the grabs started, and hears the verdict by
+its result path. It grabs from each camera of the trigger at once, turns each grab into a raw frame
 (:func:`to_frame`) and submits it through the data plane as an inspect request does (no JPEG
 round trip), with the part id, the camera's name and the camera's timestamp of the frame as its
 origin (:class:`~visionserve.dataplane.Origin`): the part's record, the live feed and the PLC
 result path get them. A camera that gives no frame is a fault: its answer says why, the PLC hears
 "no decision", and it is counted; never an OK without a frame. A part seen by several cameras is
-NG when any camera's verdict is, and no decision when any camera gave none.
+NG when any camera's verdict is, and no decision when any camera gave none; the PLC gets that
+one result for the part (:class:`~visionserve.dataplane.PartResult`, on the PLC station named
+like the station), not one per camera, while each camera's frame goes to the records and the
+live feed as its own.
+
+A PLC station (``--plc-stations``) triggers camera S when S is a camera of the server, else each
+camera of station S of the recipes file; a trigger without a part id names the part ``S-<n>``
+(n counting from 1 per PLC station since start).
 
 Free-running cameras (``trigger = "free"``, ``rate_hz``) and hardware-triggered ones (the frame's
 arrival is the trigger) are grabbed by their thread without a call, each frame inspected with a
@@ -27,6 +35,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import math
 import os
 import queue
 import re
@@ -35,18 +44,28 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from .. import imaging
 from ..config import ServerSettings
-from ..dataplane import Cameras, DataPlane, Origin, Route, inspect_answer
+from ..dataplane import (
+    MAX_PART_ID,
+    Cameras,
+    DataPlane,
+    Origin,
+    PartResult,
+    PartResults,
+    Route,
+    inspect_answer,
+)
 from ..errors import (
     ConfigError,
     Conflict,
     DeadlineExceeded,
+    InvalidInput,
     NotFound,
     Unavailable,
     VisionServeError,
@@ -78,6 +97,8 @@ class Plane(DataPlane, Protocol):
 
     #: the cameras while they run, for the engine's ``trigger`` and ``camera_states``
     camera_service: Cameras | None
+    #: where a station trigger's one result per part goes (the PLC result bus), when anywhere
+    part_results: PartResults | None
 
     def refuse(self, name: str, version: str | int | None, n: int, origin: tuple | None,
                exc: VisionServeError) -> None: ...
@@ -370,6 +391,10 @@ def _settle(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, value: Any) ->
         loop.call_soon_threadsafe(settle)
 
 
+#: one camera's answer to a trigger: HTTP status, its JSON, the task's (label, index, score)
+Inspected = tuple[int, dict, tuple[str, int, float] | None]
+
+
 # --- the service --------------------------------------------------------------------------------
 
 class CameraService:
@@ -380,6 +405,8 @@ class CameraService:
         self.cameras = cameras
         self._loop: asyncio.AbstractEventLoop | None = None
         self._free_ids = itertools.count(1)
+        #: PLC station -> the numbers of the parts its triggers without a part id name
+        self._plc_parts: dict[str, itertools.count] = {}
         self._tasks: set[asyncio.Task] = set()
 
     @classmethod
@@ -413,8 +440,10 @@ class CameraService:
     async def stop(self) -> None:
         metrics.SOURCE_COUNTERS.read = None
         await asyncio.gather(*(asyncio.to_thread(c.stop) for c in self.cameras.values()))
-        for task in list(self._tasks):
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def states(self) -> list[dict]:
         return [c.view() for c in self.cameras.values()]
@@ -430,17 +459,76 @@ class CameraService:
         inspect: (HTTP status, answer). The answer is the inspect JSON of the part, with
         ``cameras``: each camera's own answer by name. 200 with a verdict (OK, NG); 503 when a
         camera gave no frame (verdict ERROR, ``fault`` says why), or the answer's own error
-        status (504 LATE, ...)."""
-        asked = time.monotonic()
+        status (504 LATE, ...). A station's part runs to its end (its one PLC result) even when
+        the caller stops waiting."""
+        cameras, routes = self._check(target, station)
+        answer = self._answer(target if station else None, part_id, cameras, routes)
+        if not station:
+            return await answer
+        return await asyncio.shield(self._spawn(answer))
+
+    def take(self, plc_station: str, part_id: str | None) -> dict:
+        """A PLC's trigger of its station ``plc_station``: the grabs started (camera
+        ``plc_station``, else each camera of station ``plc_station``), the inspection running;
+        returns ``{"station", "part_id", "cameras"}`` at once. The verdict reaches the PLC by its
+        result path. NotFound when no camera is the station's, Conflict for a camera that is not
+        triggered by a call or a station without a recipe, InvalidInput for a bad part id."""
+        if part_id is not None and not 0 < len(part_id) <= MAX_PART_ID:
+            raise InvalidInput(f"a part id of {len(part_id)} characters; 1 to {MAX_PART_ID}")
+        if plc_station == "*":
+            raise NotFound("no camera for PLC station * (every other camera): trigger a camera "
+                           "or a station by its own PLC station")
+        if plc_station in self.cameras:
+            station = False
+        elif plc_station in self.plane.recipes.stations:
+            station = True
+        else:
+            raise NotFound(f"no camera for PLC station {plc_station!r}: it names no camera of "
+                           "the server ([camera.NAME], --camera) and no station of the recipes "
+                           "file")
+        cameras, routes = self._check(plc_station, station)
+        if part_id is None:
+            numbers = self._plc_parts.setdefault(plc_station, itertools.count(1))
+            part_id = f"{plc_station}-{next(numbers)}"
+        self._spawn(self._answer(plc_station if station else None, part_id, cameras, routes))
+        return {"station": plc_station, "part_id": part_id, "cameras": [c.name for c in cameras]}
+
+    def _check(self, target: str, station: bool) -> tuple[list[Camera], list[Route]]:
+        """The cameras of a trigger and where their frames go; raises what refuses it."""
         cameras = self._of_station(target) if station else [self._camera(target)]
         for camera in cameras:
             if not camera.triggered:
                 raise Conflict(f"camera {camera.name} has trigger {camera.spec.trigger!r}: its "
                                "frames are inspected as they come, not on a trigger call")
-        routes = [self._route(c) for c in cameras]  # a station without a recipe: 409 first
-        answers = await asyncio.gather(*(self._inspect(c, r, part_id, c.grab())
-                                         for c, r in zip(cameras, routes)))
-        return _part(target if station else None, part_id, routes, cameras, answers, asked)
+        return cameras, [self._route(c) for c in cameras]  # a station without a recipe: 409
+
+    def _answer(self, station: str | None, part_id: str | None, cameras: list[Camera],
+                routes: list[Route]) -> Coroutine[Any, Any, tuple[int, dict]]:
+        """The grabs asked for now, in the order of the triggers; the coroutine that inspects
+        them and answers for the part (a station's part: its one PLC result too)."""
+        asked = time.monotonic()
+        grabs = [c.grab() for c in cameras]
+
+        async def answer() -> tuple[int, dict]:
+            answers = await asyncio.gather(*(
+                self._inspect(c, r, part_id, g, part_frame=station is not None)
+                for c, r, g in zip(cameras, routes, grabs)))
+            status, body = _part(station, part_id, routes, cameras,
+                                 [(s, a) for s, a, _ in answers], asked)
+            sink = self.plane.part_results
+            if station is not None and sink is not None:
+                sink.publish_part(_part_result(station, part_id, cameras, routes[0], answers,
+                                               status, body, asked))
+            return status, body
+
+        return answer()
+
+    def _spawn(self, work: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        """Run ``work`` as a task of the service: kept until done, cancelled on stop."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     def _raw_max_value(self, camera: Camera) -> int | None:
         """(the camera's thread) the raw_max_value of the model the camera's frames go to now;
@@ -484,9 +572,11 @@ class CameraService:
                        f"{camera.name}] model = \"...\", or list it in a station's cameras")
 
     async def _inspect(self, camera: Camera, route: Route, part_id: str | None,
-                       grab: asyncio.Future) -> tuple[int, dict]:
-        """One camera's answer to a trigger: (HTTP status, its inspect JSON or its fault)."""
-        origin = Origin(part_id, camera.name, route.station, route.recipe)
+                       grab: asyncio.Future, part_frame: bool = False) -> Inspected:
+        """One camera's answer to a trigger: (HTTP status, its inspect JSON or its fault, the
+        task's (label, index, score) of a verdict). ``part_frame``: the frame is one of a
+        station's part, whose one PLC result the part's answer gives."""
+        origin = Origin(part_id, camera.name, route.station, route.recipe, part_frame=part_frame)
         base = {"part_id": part_id, "camera_id": camera.name, "model": route.model,
                 **({} if route.station is None
                    else {"station": route.station, "recipe": route.recipe})}
@@ -497,7 +587,8 @@ class CameraService:
             fault = Unavailable(f"camera {camera.name}: {exc.message}")
             with contextlib.suppress(VisionServeError):  # PLC, records, live feed: no decision
                 self.plane.refuse(route.model, route.version or None, 1, origin, fault)
-            return 503, {**base, "verdict": "ERROR", "fault": exc.reason, "error": fault.message}
+            return 503, {**base, "verdict": "ERROR", "fault": exc.reason,
+                         "error": fault.message}, None
         metrics.TRIGGER_TO_FRAME.labels(camera.name).observe(shot.got - shot.asked)
         camera.frames += 1
         metrics.FRAMES.labels(camera.name).inc()
@@ -512,18 +603,19 @@ class CameraService:
         except DeadlineExceeded as exc:
             late = None if exc.late_ms is None else round(exc.late_ms, 3)
             return 504, {**base, **camera_fields, "verdict": "LATE", "error": exc.message,
-                         "deadline_met": False, "late_ms": late}
+                         "deadline_met": False, "late_ms": late}, None
         except VisionServeError as exc:
             if not exc.counted:
                 self.plane.count_error(route.model, exc)
             return http_status(exc), {**base, **camera_fields, "verdict": "ERROR",
-                                      "error": exc.message}
+                                      "error": exc.message}, None
         metrics.FRAME_TO_VERDICT.labels(camera.name).observe(time.monotonic() - shot.got)
         answer = inspect_answer(served, r, shot.frame, shot.got, part_id=part_id,
                                 camera_id=camera.name, station=route.station, recipe=route.recipe)
         answer.update(camera_fields)
         answer["timing"]["grab_ms"] = round((shot.got - shot.asked) * 1000, 3)
-        return 200, answer
+        assert served.task is not None  # every served version has its task
+        return 200, answer, served.task.summary(r.result)
 
     # --- free-running and hardware-triggered cameras -------------------------------------------
 
@@ -547,7 +639,7 @@ class CameraService:
                 route = self._route(camera)
                 done: asyncio.Future = asyncio.get_running_loop().create_future()
                 done.set_result(shot)
-                status, answer = await self._inspect(camera, route, part_id, done)
+                status, answer, _ = await self._inspect(camera, route, part_id, done)
                 if status != 200:
                     log.debug("camera %s: part %s: %s", camera.name, part_id, answer.get("error"))
             except VisionServeError as exc:  # no route (a station without a recipe)
@@ -555,9 +647,25 @@ class CameraService:
             finally:
                 camera.add_inflight(-1)
 
-        task = asyncio.get_running_loop().create_task(run())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._spawn(run())
+
+
+def _part_result(station: str, part_id: str | None, cameras: list[Camera], route: Route,
+                 answers: list[Inspected], status: int, body: dict, asked: float) -> PartResult:
+    """The part's one PLC result from its cameras' answers (:func:`_part`'s ``body``): the
+    label and score of the first NG camera, else of the first; no label without a verdict."""
+    verdict = body["verdict"]
+    decided = [(a, s) for _, a, s in answers if s is not None]
+    pick = next((d for d in decided if d[0]["verdict"] == "NG"), decided[0] if decided else None)
+    label, index, score = pick[1] if pick is not None and verdict in ("OK", "NG") \
+        else ("", -1, math.nan)
+    timings = [a.get("timing", {}) for _, a, _ in answers]
+    version = next((a["version"] for _, a, _ in answers if a.get("version")), "")
+    return PartResult(
+        station, part_id, tuple(c.name for c in cameras), route.model, str(version), verdict,
+        status, label, index, score, max(t.get("queue_ms", 0.0) for t in timings),
+        max(t.get("compute_ms", 0.0) for t in timings), asked,
+        "" if verdict in ("OK", "NG") else str(body.get("error", "")))
 
 
 def _part(station: str | None, part_id: str | None, routes: list[Route], cameras: list[Camera],

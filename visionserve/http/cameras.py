@@ -15,14 +15,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from ..dataplane import MAX_PART_ID
 from ..errors import InvalidInput, VisionServeError
 from .common import engine_of, error_response
 from .schemas import CONFLICT, ERRORS
 
 router = APIRouter(tags=["Cameras"])
-
-#: a part id longer than this is a mistake (the PLC's and the records' fields are short)
-MAX_PART_ID = 128
 
 _TRIGGER = {
     "parameters": [{"name": "X-Part-Id", "in": "header", "required": False,

@@ -10,6 +10,11 @@ microseconds and never waits: when the queue is full the result is dropped and c
 (``visionserve_plc_bus_dropped_total``); the PLC sees the gap in the sequence numbers and, with no
 result in its window, rejects the part.
 
+A station trigger (one part, a frame from each of the station's cameras) gives the PLC one
+result for the part: its frames are marked (``Origin.part_frame``) and only counted here, and the
+cameras' service publishes the part's combined answer (:meth:`ResultBus.publish_part`) on the
+PLC station named like the station.
+
 Fail-safe: anything but a verdict reached inside the deadline is published as
 ``ResultCode.NO_DECISION`` (LATE, refused, errors, and frames whose client hung up), which the
 PLC must treat as reject. Frames refused before they reach the engine (a malformed request, an
@@ -33,6 +38,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from functools import partial
 
+from ..dataplane import Origin, PartResult
 from ..errors import ConfigError, VisionServeError
 from . import metrics
 
@@ -61,6 +67,19 @@ _REASON_OF_KIND = {"deadline": Reason.LATE, "unavailable": Reason.UNAVAILABLE,
                    "invalid_input": Reason.INVALID_INPUT, "too_large": Reason.INVALID_INPUT,
                    "unsupported_media_type": Reason.INVALID_INPUT,
                    "not_found": Reason.INVALID_INPUT}
+
+#: a station part's HTTP status (no decision) as the PLC's reason
+_REASON_OF_STATUS = {503: Reason.UNAVAILABLE, 504: Reason.LATE, 400: Reason.INVALID_INPUT,
+                     404: Reason.INVALID_INPUT, 413: Reason.INVALID_INPUT,
+                     415: Reason.INVALID_INPUT, 422: Reason.INVALID_INPUT}
+#: where :attr:`~visionserve.dataplane.Origin.part_frame` is in an origin tuple
+_PART_FRAME = Origin._fields.index("part_frame")
+
+
+def _part_frame(origin: tuple | None) -> bool:
+    """A camera's frame of a station's part (its result is the part's, not its own)."""
+    return origin is not None and len(origin) > _PART_FRAME and bool(origin[_PART_FRAME])
+
 
 _LABELS = {ResultCode.OK: "OK", ResultCode.NG: "NG", ResultCode.NO_DECISION: "no_decision"}
 
@@ -195,9 +214,12 @@ class ResultBus:
     # --- engine side (its event loop) --------------------------------------------------------
 
     def watch(self, served, pending: Sequence, origin: tuple | None) -> None:
-        """Publish each admitted frame (``Pending``: future, arrival) once its answer is final."""
+        """Publish each admitted frame (``Pending``: future, arrival) once its answer is final;
+        a camera's frame of a station's part only counts (the part's result comes by
+        :meth:`publish_part`), its station Busy meanwhile."""
         part_id, camera_id = origin[:2] if origin else (None, None)
-        station = self.stations.route(camera_id)
+        own = not _part_frame(origin)
+        station = self.stations.route(camera_id if own or origin is None else origin[2])
         if self.outstanding == 0:
             self.busy_since = time.monotonic()
         self.outstanding += len(pending)
@@ -207,10 +229,12 @@ class ResultBus:
             self.inflight[station] += len(pending)
         for i, item in enumerate(pending):
             item.future.add_done_callback(partial(
-                self._answered, served, station, part_id, camera_id, i, item.arrival))
+                self._answered, served, station, part_id, camera_id, i, item.arrival, own))
 
     def refused(self, served, count: int, origin: tuple | None, exc: VisionServeError) -> None:
         """Frames the engine refused at admission (not ready, draining, overloaded, bad request)."""
+        if _part_frame(origin):
+            return  # the part's result says it
         part_id, camera_id = origin[:2] if origin else (None, None)
         station = self.stations.route(camera_id)
         if station is None:
@@ -220,8 +244,27 @@ class ResultBus:
         for i in range(count):
             self.publish(self._failed(served, station, part_id, camera_id, i, now, now, exc))
 
+    def publish_part(self, part: PartResult) -> None:
+        """A station's part as one result, on the PLC station named like the station."""
+        station = self.stations.route(part.station)
+        if station is None:
+            metrics.UNROUTED.inc()
+            return
+        now = time.monotonic()
+        if part.verdict in ("OK", "NG"):
+            code, reason = (ResultCode.OK if part.verdict == "OK" else ResultCode.NG), Reason.NONE
+        else:
+            code = ResultCode.NO_DECISION
+            reason = Reason.LATE if part.verdict == "LATE" \
+                else _REASON_OF_STATUS.get(part.status, Reason.INTERNAL)
+        self.publish(ResultEvent(
+            self._next_id(), station, part.part_id, ",".join(part.cameras), part.model,
+            part.version, 0, code, reason, part.verdict, part.label, part.label_index,
+            float(part.score), part.queue_ms, part.compute_ms, (now - part.asked) * 1000,
+            *_wall(part.asked, now), now, part.message))
+
     def _answered(self, served, station: int | None, part_id, camera_id, index: int,
-                  arrival: float, future: asyncio.Future) -> None:
+                  arrival: float, own: bool, future: asyncio.Future) -> None:
         now = time.monotonic()
         self.outstanding -= 1
         if station is not None:
@@ -229,13 +272,15 @@ class ResultBus:
             if self.inflight[station] == 0 and self.on_busy is not None:
                 self.on_busy(station, False)
         if future.cancelled():
-            if station is not None:
+            if station is not None and own:
                 self.publish(self._failed(served, station, part_id, camera_id, index, arrival, now,
                                           None))
             return
         exc = future.exception()
         if exc is None or getattr(exc, "kind", "") == "invalid_input":
             self.last_progress = now  # the runner worked on it: the engine is alive
+        if not own:
+            return  # one camera's frame of a station's part: publish_part says the part's
         if station is None:
             metrics.UNROUTED.inc()
             return

@@ -9,14 +9,16 @@ Messages from the serving process (pickled tuples on a Unix socket pair, the fra
 - ``("p", probe, outstanding, last_progress, busy_since, busy)``: the watchdog's probe of the
   engine's loop, every period, with the bus's counters;
 - ``("a", {station: recipe})``: the stations' recipes, when one was switched;
-- ``("reply", rid, answer, error)``: the answer to a ``recipe`` call (``error``: (the error
-  class's name, message));
+- ``("reply", rid, answer, error)``: the answer to a ``recipe`` or ``trigger`` call
+  (``error``: (the error class's name, message));
 - ``("stop",)``.
 
 To it: ``("listening", None)`` or ``("failed", why)`` once at start, then ``("m", updates)``:
 the process's metric updates (:func:`.metrics.apply` repeats them where ``/metrics`` is served),
-and ``("recipe", rid, station, recipe, caller)``: a PLC switches a station's recipe (OPC UA's
-``ActivateRecipe``), answered by ``reply``.
+``("recipe", rid, station, recipe, caller)``: a PLC switches a station's recipe (OPC UA's
+``ActivateRecipe``), and ``("trigger", rid, plc_station, part_id or None, caller)``: a PLC
+triggers its station's cameras (Modbus's trigger register, OPC UA's ``Trigger``), each answered by
+``reply`` (a trigger: as soon as it is taken; its verdict comes as a result, ``r``).
 
 The process lives no longer than the serving process: at the end of the socket pair (or SIGHUP
 through ``PR_SET_PDEATHSIG``, :func:`visionserve.process.child_main`) it closes its server and
@@ -52,10 +54,12 @@ log = logging.getLogger(__name__)
 TICK_S = 0.02
 #: histogram observations (one per result) go to the serving process this often, not one by one
 METRICS_FLUSH_S = 0.05
+#: a trigger not taken by the serving process in this long is refused (unavailable)
+TRIGGER_TIMEOUT_S = 5.0
 
 
 def build_publisher(protocol: str, settings, stations: Stations, mirror: BusMirror,
-                    recipes: dict, ask=None):
+                    recipes: dict, ask=None, trigger=None):
     """The server for ``protocol``, its settings checked (ConfigError names the bad one)."""
     from .service import default_data_dir, parse_address, parse_endpoint
 
@@ -65,7 +69,7 @@ def build_publisher(protocol: str, settings, stations: Stations, mirror: BusMirr
         from .modbus import ModbusPublisher
 
         return ModbusPublisher(address, stations, mirror, settings.plc_buffer,
-                               settings.plc_max_clients, settings.plc_idle_timeout_s)
+                               settings.plc_max_clients, settings.plc_idle_timeout_s, trigger)
     endpoint = parse_endpoint(settings.opcua)
     require("asyncua")
     from .opcua import OpcUaPublisher
@@ -75,7 +79,8 @@ def build_publisher(protocol: str, settings, stations: Stations, mirror: BusMirr
         anonymous=settings.opcua_anonymous, user=settings.opcua_user,
         password_file=settings.opcua_password_file, max_clients=settings.plc_max_clients,
         idle_timeout_s=settings.plc_idle_timeout_s,
-        data_dir=Path(settings.plc_data_dir or default_data_dir()), recipes=recipes, ask=ask)
+        data_dir=Path(settings.plc_data_dir or default_data_dir()), recipes=recipes, ask=ask,
+        trigger=trigger)
 
 
 class PlcService:
@@ -159,7 +164,8 @@ class PlcService:
 
 
 class Asker:
-    """Calls the serving process makes for a PLC (a recipe switch), and their replies."""
+    """Calls the serving process makes for a PLC (a recipe switch, a trigger), and their
+    replies."""
 
     def __init__(self) -> None:
         self.channel: Channel | None = None
@@ -170,11 +176,21 @@ class Asker:
                             timeout_s: float = 30.0) -> dict:
         """The serving process's answer (as ``POST /v1/stations/{s}/recipe``'s), or its error
         as a VisionServeError of the same kind."""
+        return await self._call(("recipe", station, recipe, caller), timeout_s)
+
+    async def trigger(self, station: str, part_id: str | None, caller: dict,
+                      timeout_s: float = TRIGGER_TIMEOUT_S) -> dict:
+        """PLC station ``station`` triggered: ``{"station", "part_id", "cameras"}`` once the
+        serving process has taken it (the grabs started), or its error (NotFound: no camera,
+        Conflict: not triggerable, Unavailable: no serving process) as a VisionServeError."""
+        return await self._call(("trigger", station, part_id, caller), timeout_s)
+
+    async def _call(self, call: tuple, timeout_s: float) -> dict:
         if self.channel is None or self.channel.closed:
             raise Unavailable("the serving process is gone")
         rid = next(self._ids)
         fut = self._waiting[rid] = asyncio.get_running_loop().create_future()
-        self.channel.send(("recipe", rid, station, recipe, caller))
+        self.channel.send((call[0], rid, *call[1:]))
         try:
             answer, error = await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError:
@@ -250,7 +266,7 @@ async def run(spec: dict, settings) -> int:
         loop.add_signal_handler(sig, lambda: None)
     try:
         publisher = build_publisher(spec["protocol"], settings, stations, mirror, spec["recipes"],
-                                    asker.switch_recipe)
+                                    asker.switch_recipe, asker.trigger)
         service = PlcService(publisher, mirror, watchdog, settings.plc_heartbeat_ms / 1000, asker)
         await service.start()
     except (VisionServeError, OSError) as exc:

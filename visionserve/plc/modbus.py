@@ -8,10 +8,24 @@ table               addr   meaning
 ==================  =====  ==========================================================
 coils (rw)          0-2    Enable, ResultAck, FaultReset (= holding register 0, bits 0-2)
 holding reg. (rw)   0      control word: the same three bits
+holding reg. (rw)   1      trigger: each change to a new value other than 0 triggers
+holding reg. (rw)   2      part id kind: 0 none (the server names the part), 1 number,
+                           2 text
+holding reg. (rw)   3-4    part id number, uint32, high word first
+holding reg. (rw)   5-20   part id text, up to 32 ASCII bytes, high byte first,
+                           NUL-padded
 discrete inp. (ro)  0-8    Ready, Busy, ResultValid, Pass, Fail, Fault, Heartbeat,
                            Enabled, Overflow (= input register 0, bits 0-8)
-input reg. (ro)     0-15   see :data:`INPUT_REGISTERS`
+input reg. (ro)     0-17   see :data:`INPUT_REGISTERS`
 ==================  =====  ==========================================================
+
+A trigger (holding register 1) is taken after the whole write that changed it is applied (one
+FC16 write of registers 1-20, or 2-20 and then 1), with the part id of registers 2-20; the
+serving process grabs from the station's cameras (a camera named like the station, else each
+camera of the recipes file's station of that name) and the verdict comes as the station's next
+result, with that part id. Input register 16 shows the trigger value the server answered last,
+register 17 whether it took it (0) or why not (:class:`Refusal`). The request that wrote the
+trigger is answered at once; the server's answer follows in the registers.
 
 Anything else is answered with the protocol's own exception: ILLEGAL DATA ADDRESS (02) for an
 address outside the map (so for a write to a status register), ILLEGAL DATA VALUE (03) for
@@ -30,6 +44,8 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from enum import IntEnum
 from typing import cast
 
 from pymodbus.constants import ExcCodes
@@ -37,6 +53,7 @@ from pymodbus.datastore import ModbusServerContext
 from pymodbus.server import ModbusTcpServer
 from pymodbus.server.requesthandler import ServerRequestHandler
 
+from ..errors import VisionServeError
 from . import metrics, slots
 from .bus import BusMirror, ResultBus, ResultCode, ResultEvent, Stations, part_number
 from .handshake import CONTROL_BITS, STATUS_BITS, Control, Handshake, LineStatus
@@ -61,8 +78,72 @@ INPUT_REGISTERS = (
     "heartbeat_count",  # 13: counts heartbeat toggles (wraps); stops with the heartbeat
     "frame_index",  # 14: the frame's place in its request (OIP batches), 0 for inspect
     "model_version",  # 15: the model version that answered (0 without)
+    "trigger_ack",  # 16: the trigger value (holding register 1) the server answered last
+    "trigger_refusal",  # 17: 0 that trigger was taken, else why not (Refusal)
 )
 _IR = {name: i for i, name in enumerate(INPUT_REGISTERS)}
+
+#: holding registers: the control word, the trigger, the part id (kind, number, text)
+HR_CONTROL, HR_TRIGGER, HR_PART_KIND, HR_PART_NUMBER, HR_PART_TEXT = 0, 1, 2, 3, 5
+PART_TEXT_BYTES = 32
+HOLDING_REGISTERS = HR_PART_TEXT + PART_TEXT_BYTES // 2
+#: holding register 2
+PART_NONE, PART_NUMBER, PART_TEXT = 0, 1, 2
+
+
+class Refusal(IntEnum):
+    """Why a trigger was not taken (input register 17)."""
+
+    TAKEN = 0
+    NO_CAMERA = 1  #: the station names no camera and no station with cameras
+    NOT_TRIGGERABLE = 2  #: a free-running or hardware-triggered camera, a station without recipe
+    UNAVAILABLE = 3  #: the serving process did not answer
+    BAD_PART_ID = 4  #: part id kind not 0-2, text empty or not printable ASCII
+
+
+#: the serving process's refusal (its error's kind) as the PLC sees it
+_REFUSAL_OF_KIND = {"not_found": Refusal.NO_CAMERA, "conflict": Refusal.NOT_TRIGGERABLE,
+                    "invalid_input": Refusal.BAD_PART_ID}
+
+
+def part_id_of(words: Sequence[int]) -> str | None:
+    """The part id in holding registers 2-20 (``words[0]`` is register 2): None for kind 0 (the
+    server names the part), the decimal number for kind 1, the text for kind 2. ValueError for
+    another kind, or a text that is empty or not printable ASCII."""
+    kind = words[0]
+    if kind == PART_NONE:
+        return None
+    if kind == PART_NUMBER:
+        return str(words[1] << 16 | words[2])
+    if kind != PART_TEXT:
+        raise ValueError(f"part id kind {kind}: 0 none, 1 number, 2 text")
+    raw = b"".join(w.to_bytes(2, "big") for w in words[HR_PART_TEXT - HR_PART_KIND:])
+    text = raw.split(b"\0", 1)[0]
+    if not text or any(not 0x20 <= b < 0x7F for b in text):
+        raise ValueError("the part id text is empty or not printable ASCII")
+    return text.decode("ascii")
+
+
+def part_id_words(part_id: str | int | None) -> list[int]:
+    """Holding registers 2-20 for a part id: None (the server names it), a number (uint32) or a
+    text of up to 32 printable ASCII characters (ValueError otherwise)."""
+    words = [0] * (HOLDING_REGISTERS - HR_PART_KIND)
+    if part_id is None:
+        return words
+    if isinstance(part_id, int):
+        if not 0 <= part_id < 2**32:
+            raise ValueError(f"part id {part_id}: a number is 0 to 4294967295")
+        words[:3] = [PART_NUMBER, part_id >> 16, part_id & 0xFFFF]
+        return words
+    raw = part_id.encode("utf-8")
+    if not 0 < len(raw) <= PART_TEXT_BYTES or any(not 0x20 <= b < 0x7F for b in raw):
+        raise ValueError(f"part id {part_id!r}: 1 to {PART_TEXT_BYTES} printable ASCII "
+                         "characters")
+    raw = raw.ljust(PART_TEXT_BYTES, b"\0")
+    words[0] = PART_TEXT
+    words[HR_PART_TEXT - HR_PART_KIND:] = [int.from_bytes(raw[i:i + 2], "big")
+                                           for i in range(0, PART_TEXT_BYTES, 2)]
+    return words
 
 _TABLE = {1: "coils", 5: "coils", 15: "coils", 2: "inputs", 3: "holding", 6: "holding",
           16: "holding", 22: "holding", 23: "holding", 4: "registers"}
@@ -80,6 +161,10 @@ def result_words(seq: int, ev: ResultEvent) -> list[int]:
             min(0xFFFF, round(ev.total_ms * 10)), part >> 16, part & 0xFFFF, kind]
 
 
+#: trigger(PLC station, part id or None, caller): the serving process's answer, or its refusal
+Trigger = Callable[[str, str | None, dict], Awaitable[dict]]
+
+
 class ModbusStations:
     """The stations' handshakes and the register map over them.
 
@@ -93,10 +178,22 @@ class ModbusStations:
     loop, so the lock is always free; the map stays safe to feed from another thread.)
     """
 
-    def __init__(self, stations: Stations, bus: ResultBus | BusMirror, depth: int) -> None:
+    def __init__(self, stations: Stations, bus: ResultBus | BusMirror, depth: int,
+                 on_trigger: Callable[[int, int, int, str | None], None] | None = None) -> None:
         self.stations = stations
         self.bus = bus
         self.handshakes = [Handshake(depth) for _ in stations.names]
+        #: holding registers 1-20 of each station as written (register 0 is the handshake's)
+        self.holding = [[0] * HOLDING_REGISTERS for _ in stations.names]
+        #: input registers 16 and 17 of each station, and the trigger they answer (its number)
+        self.trigger_ack = [0] * len(stations)
+        self.trigger_refusal = [Refusal.TAKEN] * len(stations)
+        self._triggers = [0] * len(stations)  # triggers taken from the registers
+        self._answered = [0] * len(stations)  # the last of them answered in 16, 17
+        #: (station index, trigger number, its value, part id) for each trigger: hands it to the
+        #: serving process, and says :meth:`answered` when it answers; None: refused
+        #: (unavailable)
+        self.on_trigger = on_trigger
         self.line = LineStatus()
         self._overflows = [metrics.OVERFLOWS.labels(n) for n in stations.names]
         self._acks = [metrics.LAST_ACK.labels(n) for n in stations.names]
@@ -159,7 +256,35 @@ class ModbusStations:
         words[_IR["waiting"]] = min(hs.waiting, 0xFFFF)
         words[_IR["dropped"]] = min(hs.dropped, 0xFFFF)
         words[_IR["heartbeat_count"]] = line.heartbeat_count & 0xFFFF
+        words[_IR["trigger_ack"]] = self.trigger_ack[station]
+        words[_IR["trigger_refusal"]] = int(self.trigger_refusal[station])
         return words
+
+    def answered(self, station: int, number: int, value: int, refusal: Refusal) -> None:
+        """The server's answer to trigger ``number`` of ``station`` (its register value
+        ``value``): into input registers 16 and 17, unless a later trigger was answered already."""
+        with self._lock:
+            if number > self._answered[station]:
+                self._answered[station] = number
+                self.trigger_ack[station], self.trigger_refusal[station] = value, refusal
+
+    def _trigger(self, station: int, value: int) -> None:
+        """(under the lock) the PLC wrote a new trigger value: refused here for a bad part id
+        or when nobody takes triggers, else handed on."""
+        self._triggers[station] += 1
+        number = self._triggers[station]
+        try:
+            part_id = part_id_of(self.holding[station][HR_PART_KIND:])
+        except ValueError as exc:
+            log.info("Modbus station %d: trigger %d refused: %s", station + 1, value, exc)
+            refusal = Refusal.BAD_PART_ID
+        else:
+            if self.on_trigger is not None:
+                self.on_trigger(station, number, value, part_id)
+                return
+            refusal = Refusal.UNAVAILABLE
+        self._answered[station] = number
+        self.trigger_ack[station], self.trigger_refusal[station] = value, refusal
 
     def read(self, unit: int, fc: int, address: int, count: int) -> list | ExcCodes:
         with self._lock:
@@ -184,7 +309,7 @@ class ModbusStations:
         elif table == "coils":
             values = [bool(int(hs.control) >> i & 1) for i in range(CONTROL_BITS)]
         elif table == "holding":
-            values = [int(hs.control)]
+            values = [int(hs.control), *self.holding[station][1:]]
         else:
             return ExcCodes.ILLEGAL_FUNCTION
         if address < 0 or count < 1 or address + count > len(values):
@@ -203,16 +328,30 @@ class ModbusStations:
             for i, v in enumerate(values, start=address):
                 word = word | (1 << i) if v else word & ~(1 << i)
         elif table == "holding":
-            if address != 0 or len(values) != 1:
+            if address < 0 or not values or address + len(values) > HOLDING_REGISTERS:
                 return ExcCodes.ILLEGAL_ADDRESS
+            if address > HR_CONTROL:
+                self._write_trigger(index, address, values)
+                return None
             word = int(values[0])
             if word & ~int(Control.ENABLE | Control.RESULT_ACK | Control.FAULT_RESET):
                 return ExcCodes.ILLEGAL_VALUE
+            if len(values) > 1:
+                self._write_trigger(index, 1, values[1:])
         else:
             return ExcCodes.ILLEGAL_ADDRESS  # input registers and discrete inputs are read-only
         if hs.write_control(word):  # once per part: the serving process hears of it
             self._acks[index].set(time.time())
         return None
+
+    def _write_trigger(self, station: int, address: int, values: list) -> None:
+        """Holding registers from ``address`` (1-20) written: all of them kept, then a new
+        trigger value taken."""
+        regs = self.holding[station]
+        before = regs[HR_TRIGGER]
+        regs[address:address + len(values)] = [int(v) & 0xFFFF for v in values]
+        if regs[HR_TRIGGER] not in (0, before):
+            self._trigger(station, regs[HR_TRIGGER])
 
 
 class _Context(ModbusServerContext):
@@ -352,13 +491,37 @@ class ModbusPublisher:
     protocol = "modbus"
 
     def __init__(self, address: tuple[str, int], stations: Stations, bus: ResultBus | BusMirror,
-                 depth: int, max_clients: int, idle_timeout_s: float = 30.0) -> None:
+                 depth: int, max_clients: int, idle_timeout_s: float = 30.0,
+                 trigger: Trigger | None = None) -> None:
         self.address = address
-        self.map = ModbusStations(stations, bus, depth)
+        self.trigger = trigger  # trigger(station, part id, caller): the serving process takes it
+        self.map = ModbusStations(stations, bus, depth,
+                                  None if trigger is None else self._hand_on)
         self.max_clients = max_clients
         self.idle_timeout_s = idle_timeout_s
         self.server: _Server | None = None
         self._sweeper: asyncio.Task | None = None
+        self._triggers: set[asyncio.Task] = set()
+
+    def _hand_on(self, station: int, number: int, value: int, part_id: str | None) -> None:
+        """A trigger from the registers, handed to the serving process by a task of its own:
+        the request that wrote it is answered at once."""
+        task = asyncio.get_running_loop().create_task(
+            self._ask(station, number, value, part_id))
+        self._triggers.add(task)
+        task.add_done_callback(self._triggers.discard)
+
+    async def _ask(self, station: int, number: int, value: int, part_id: str | None) -> None:
+        assert self.trigger is not None
+        name = self.map.stations.names[station]
+        try:
+            await self.trigger(name, part_id, {"client": "modbus"})
+            refusal = Refusal.TAKEN
+        except VisionServeError as exc:
+            refusal = _REFUSAL_OF_KIND.get(exc.kind, Refusal.UNAVAILABLE)
+            log.info("Modbus station %d (%s): trigger %d refused: %s", station + 1, name, value,
+                     exc.message)
+        self.map.answered(station, number, value, refusal)
 
     async def start(self) -> None:
         # pymodbus logs every odd frame and client at ERROR; we say it once per client instead
@@ -382,9 +545,10 @@ class ModbusPublisher:
         self.map.line = line
 
     async def stop(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            await asyncio.gather(self._sweeper, return_exceptions=True)
+        pending = [*self._triggers, *([self._sweeper] if self._sweeper is not None else [])]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
         if self.server is not None:
             await self.server.shutdown()
             await asyncio.sleep(0)

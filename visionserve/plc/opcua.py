@@ -9,6 +9,7 @@ The node tree (namespace :data:`NAMESPACE`; docs/plc.md has it with types)::
       RecipeManagement/Recipes                 the served model:version list
       ResultManagement/Station<N>              emits ResultReadyEventType (its results)
         CameraId, Busy, ResultCount
+        Trigger(PartId) -> Result                acquire and inspect: the verdict is a result
         LastResult/ResultId, Sequence, PartId, ResultState, ResultCode, Reason, ReasonText,
                    Verdict, Label, LabelIndex, Score, Model, ModelVersion, FrameIndex,
                    CreationTime, ProcessingTimes/{StartTime, EndTime, QueueDuration,
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import functools
 import hmac
 import json
 import logging
@@ -297,13 +299,22 @@ def _value(value, vtype) -> ua.DataValue:
     return ua.DataValue(ua.Variant(value, vtype))
 
 
+def _refusal(exc: VisionServeError) -> ua.StatusCode:
+    """A method's refusal as its Bad status (asyncua answers it as the call's status)."""
+    code = {"not_found": ua.StatusCodes.BadNotFound,
+            "conflict": ua.StatusCodes.BadInvalidState,
+            "unavailable": ua.StatusCodes.BadInvalidState,
+            }.get(exc.kind, ua.StatusCodes.BadInvalidArgument)
+    return ua.StatusCode(ua.UInt32(code))
+
+
 class OpcUaPublisher:
     protocol = "opcua"
 
     def __init__(self, endpoint: str, stations: Stations, bus, *, policies: str, anonymous: bool,
                  user: str | None, password_file: Path | None, data_dir: Path,
                  recipes: dict, max_clients: int = 8, idle_timeout_s: float = 30.0,
-                 ask=None) -> None:
+                 ask=None, trigger=None) -> None:
         self.endpoint = endpoint
         self.stations = stations
         self.bus = bus
@@ -319,6 +330,8 @@ class OpcUaPublisher:
         self.data_dir = data_dir / "opcua"
         self.recipes = recipes  # {"recipes": [...], "stations": {station: recipe or None}}
         self.ask = ask  # ask(station, recipe, caller): the serving process switches (awaitable)
+        #: trigger(PLC station, part id or None, caller): the serving process takes it (awaitable)
+        self.trigger = trigger
         self.max_clients = max_clients
         self.idle_timeout_s = idle_timeout_s
         self.server: Server | None = None
@@ -411,17 +424,20 @@ class OpcUaPublisher:
         n["RecipeStations"] = await var(recipes, "Stations", sorted(stations), _S)
         n["ActiveRecipes"] = await var(recipes, "ActiveRecipes",
                                        [stations[k] or "" for k in sorted(stations)], _S)
+        string = ua.NodeId(ua.Int32(ua.ObjectIds.String))
+
+        def arg(name: str) -> ua.Argument:
+            return ua.Argument(Name=name, DataType=string, ValueRank=-1)
+
         if self.ask is not None and stations:
-            string = ua.NodeId(ua.Int32(ua.ObjectIds.String))
-
-            def arg(name: str) -> ua.Argument:
-                return ua.Argument(Name=name, DataType=string, ValueRank=-1)
-
             await recipes.add_method(idx, "ActivateRecipe", self._activate_recipe,
                                      [arg("Station"), arg("Recipe")], [arg("Result")])
         for i, camera in enumerate(self.stations.names):
             station = await results.add_object(idx, f"Station{i + 1}")
             await station.add_property(idx, "CameraId", camera)
+            if self.trigger is not None:
+                await station.add_method(idx, "Trigger", functools.partial(self._trigger, camera),
+                                         [arg("PartId")], [arg("Result")])
             nodes = {"Busy": await var(station, "Busy", False, _B),
                      "ResultCount": await var(station, "ResultCount", 0, _U)}
             last = await station.add_object(idx, "LastResult")
@@ -444,14 +460,28 @@ class OpcUaPublisher:
         try:
             answer = await self.ask(str(station.Value), str(recipe.Value), {"client": "opcua"})
         except VisionServeError as exc:
-            code = {"not_found": ua.StatusCodes.BadNotFound,
-                    "conflict": ua.StatusCodes.BadInvalidState,
-                    "unavailable": ua.StatusCodes.BadInvalidState,
-                    }.get(exc.kind, ua.StatusCodes.BadInvalidArgument)
             log.info("OPC UA ActivateRecipe(%s, %s) refused: %s", station.Value, recipe.Value,
                      exc.message)
-            return ua.StatusCode(ua.UInt32(code))  # asyncua answers it as the call's status
+            return _refusal(exc)
         self.recipes_changed({**self.recipes["stations"], answer["station"]: answer["recipe"]})
+        return [ua.Variant(json.dumps(answer), _S)]
+
+    async def _trigger(self, name: str, parent, part_id: ua.Variant):
+        """Station<N>.Trigger(PartId) -> Result: PLC station ``name`` acquires (its camera, or
+        each camera of the recipes file's station of that name) and inspects; returns as soon as
+        the trigger is taken (Result: ``{"station", "part_id", "cameras"}`` as JSON); the verdict
+        comes as the station's next ResultReady event with that part id. An empty PartId: the
+        server names the part. A refusal is a Bad status with the server's message: BadNotFound
+        (no camera), BadInvalidState (a camera not triggered by a call, a station without a
+        recipe, the serving process unavailable), BadInvalidArgument (a bad part id)."""
+        assert self.trigger is not None
+        try:
+            answer = await self.trigger(name, str(part_id.Value or "") or None,
+                                        {"client": "opcua"})
+        except VisionServeError as exc:
+            log.info("OPC UA Trigger(%r) of station %s refused: %s", part_id.Value, name,
+                     exc.message)
+            return _refusal(exc)
         return [ua.Variant(json.dumps(answer), _S)]
 
     def recipes_changed(self, stations: dict) -> None:

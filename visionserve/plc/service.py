@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 
 from ..config import data_home
-from ..errors import ConfigError, Conflict, VisionServeError
+from ..errors import ConfigError, Conflict, InternalError, NotFound, VisionServeError
 from ..framing import Channel, connect
 from ..process import RestartBackoff
 from . import metrics
@@ -105,7 +105,7 @@ class PlcProcess:
         self.protocol = protocol
         self.settings = settings
         self.recipes = recipes  # {"recipes": [...], "stations": {station: recipe or None}}
-        self.engine = engine  # switches recipes for the PLC (OPC UA's ActivateRecipe)
+        self.engine = engine  # switches recipes (OPC UA's ActivateRecipe), triggers cameras
         self._calls: set[asyncio.Task] = set()
         self.proc: subprocess.Popen | None = None
         self.channel: Channel | None = None
@@ -214,6 +214,8 @@ class PlcProcess:
             task = asyncio.get_running_loop().create_task(self._switch(*msg[1:]))
             self._calls.add(task)
             task.add_done_callback(self._calls.discard)
+        elif kind == "trigger":  # answered at once, in the order the PLCs' triggers came
+            self._take(*msg[1:])
         elif kind in ("listening", "failed") and self._started is not None \
                 and not self._started.done():
             self.listening = kind == "listening"
@@ -227,13 +229,36 @@ class PlcProcess:
                 raise Conflict("this server switches no recipes")
             answer = await self.engine.switch_recipe(station, recipe, caller)
         except VisionServeError as exc:
-            self.send(("reply", rid, None, (type(exc).__name__, exc.message)))
+            self._refuse(rid, exc)
         except Exception:
             log.exception("recipe switch for the %s PLC failed", self.protocol)
-            self.send(("reply", rid, None, ("InternalError",
-                                            "the switch failed; see the server log")))
+            self._refuse(rid, InternalError("the switch failed; see the server log"))
         else:
             self.send(("reply", rid, answer, None))
+
+    def _take(self, rid: int, station: str, part_id: str | None, caller: dict) -> None:
+        """A PLC triggers its station ``station`` (a camera, or a station's cameras:
+        ``CameraService.take``): ``("reply", rid, {"station", "part_id", "cameras"}, None)`` as
+        soon as the grabs started, or the error; the verdict follows by the result bus."""
+        try:
+            cameras = None if self.engine is None else self.engine.camera_service
+            if cameras is None:
+                raise NotFound(f"no camera for PLC station {station!r}: the server acquires "
+                               "from no camera ([camera.NAME] in the recipes file, --camera)")
+            answer = cameras.take(station, part_id)
+        except VisionServeError as exc:
+            self._refuse(rid, exc)
+        except Exception:
+            log.exception("trigger for the %s PLC failed", self.protocol)
+            self._refuse(rid, InternalError("the trigger failed; see the server log"))
+        else:
+            log.debug("%s trigger of PLC station %s taken: part %s (%s)", self.protocol, station,
+                      answer["part_id"], caller.get("client", "?"))
+            self.send(("reply", rid, answer, None))
+
+    def _refuse(self, rid: int, exc: VisionServeError) -> None:
+        """A PLC's call answered with ``exc`` (its class's name and message)."""
+        self.send(("reply", rid, None, (type(exc).__name__, exc.message)))
 
     def _on_lost(self) -> None:
         code = self.proc.poll() if self.proc is not None else None
@@ -341,9 +366,11 @@ async def plc_running(engine, settings):
                         min(0.1, settings.plc_watchdog_ms / 4000), on_probe=link.probe)
     watchdog.start()
     engine.tap(bus)  # from here every answered frame is published
+    engine.part_results = bus  # and each station trigger's part, once
     try:
         yield 0
     finally:
+        engine.part_results = None
         engine.untap(bus)
         watchdog.stop()
         link.close()

@@ -79,7 +79,8 @@ def test_as_shipped_reports_bare_ratios_non_200_answers_and_the_median_of_runs(
         # the other code served (its log says where from); the larger frames were all refused
         assert "code from" not in (tmp_path / f"shipped-{r}-0.log").read_text()
         assert f"code from {other}" in (tmp_path / f"shipped-{r}-1.log").read_text()
-        assert refused["saturation"]["64x48@2"]["errors"] == 0
+        small = refused["saturation"]["64x48@2"]
+        assert small["errors"] == 0, small["non_200"]
         big = refused["saturation"]["320x240@2"]
         assert big["answers"] == 0 and big["errors"] > 0
         assert big["non_200"]["by_status"] == {"413": big["errors"]}

@@ -10,10 +10,12 @@ run through the model at batch 1, no server (:func:`.benchshipped.bare_reference
 
 Cameras:
 
-* ``gige`` (the default): Aravis's GigE Vision camera simulator, ``arv-fake-gv-camera-0.8``
-  (Debian ``aravis-tools``), software-triggered. One listens on 127.0.0.1; the two of ``--soak``
-  listen on the two ends of a veth pair made for the run (``ip link``: root), since a simulator
-  takes GigE Vision's port on every address of loopback.
+* ``gige`` (the default): Aravis's GigE Vision camera simulator, the one
+  ``arv-fake-gv-camera-0.8`` (Debian ``aravis-tools``) runs, software-triggered, hosted by this
+  tool so that it looks for a trigger 1,000 times a second rather than the command's 25
+  (:func:`simulate`). One listens on 127.0.0.1; the two of ``--soak`` listen on the two ends of
+  a veth pair made for the run (``ip link``: root), since a simulator takes GigE Vision's port on
+  every address of loopback.
 * ``--replay`` (the GPU machine, where the simulator's packages cannot be installed): a camera
   source of this tool (``replay:``) that hands out recorded frames from memory, so the
   measurement starts at the source interface: no acquisition and no GigE Vision transfer.
@@ -56,7 +58,7 @@ from .benchshipped import bare_reference
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "defect-classifier"
-SIMULATOR = "arv-fake-gv-camera-0.8"
+SIMULATOR = "Aravis's GigE Vision camera simulator"
 #: (name, width, height, pixel format, triggers a second): one camera each; the large frame's
 #: rate is what the simulator sends on loopback (about 8 such frames a second on the VM)
 SCENARIOS = (("640x480 Mono8", 640, 480, "Mono8", 20.0),
@@ -65,6 +67,8 @@ SOAK = ("640x480 Mono8", 640, 480, "Mono8")
 #: GigE Vision packets of 9000 bytes (jumbo frames, as docs/cameras.md tunes a camera NIC; the
 #: loopback and the veth pair carry them)
 PACKET_SIZE = 9000
+#: how often the simulator looks for a software trigger (see :func:`simulate`)
+TRIGGER_HZ = 200.0
 #: the veth pair of --soak's two simulators
 VETH = (("vscam0", "10.77.0.1"), ("vscam1", "10.77.0.2"))
 
@@ -138,6 +142,30 @@ def serve(argv: list[str]) -> int:
 
 # --- cameras ---------------------------------------------------------------------------------
 
+def simulate(address: str, serial: str, trigger_hz: float) -> int:
+    """``python -m visionserve_tools.benchcam simulate ADDRESS SERIAL TRIGGER_HZ``: Aravis's
+    GigE Vision camera simulator (the ``ArvGvFakeCamera`` that ``arv-fake-gv-camera-0.8`` runs)
+    on ``address``, looking for a software trigger ``trigger_hz`` times a second. The command
+    line tool looks 25 times a second: at most 25 triggered frames a second, each 0-40 ms late.
+    Runs until SIGTERM."""
+    import signal
+
+    import gi
+
+    gi.require_version("Aravis", "0.8")
+    from gi.repository import Aravis, GLib
+
+    camera = Aravis.GvFakeCamera.new(address, serial)
+    if not camera.is_running():
+        print(f"the simulator could not start on {address}", file=sys.stderr)
+        return 1
+    camera.get_fake_camera().set_trigger_frequency(trigger_hz)
+    loop = GLib.MainLoop()
+    GLib.unix_signal_add(GLib.PRIORITY_DEFAULT, signal.SIGTERM, loop.quit)
+    loop.run()
+    return 0
+
+
 @contextlib.contextmanager
 def simulators(addresses: list[str], log_dir: Path) -> Iterator[list[str]]:
     """A simulator on each address; yields their serials."""
@@ -148,13 +176,14 @@ def simulators(addresses: list[str], log_dir: Path) -> Iterator[list[str]]:
         for i, address in enumerate(addresses):
             serial = f"BENCH{i}"
             out = open(log_dir / f"simulator-{i}.log", "ab")  # noqa: SIM115 - the process's log
-            procs.append(subprocess.Popen([SIMULATOR, "-i", address, "-s", serial],
-                                          stdout=out, stderr=subprocess.STDOUT))
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "visionserve_tools.benchcam", "simulate", address, serial,
+                 str(TRIGGER_HZ)], stdout=out, stderr=subprocess.STDOUT))
             out.close()
             deadline = time.monotonic() + 20
             while (found := gige.probe(address, 0.2)) is None or found.serial != serial:
                 if procs[-1].poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"{SIMULATOR} on {address} did not answer; see {log_dir}")
+                    raise SystemExit(f"the simulator on {address} did not answer; see {log_dir}")
             serials.append(serial)
         yield serials
     finally:
@@ -362,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
         return serve(argv)
+    if argv[:1] == ["simulate"]:
+        return simulate(argv[1], argv[2], float(argv[3]))
     ap = argparse.ArgumentParser(prog="python -m visionserve_tools.benchcam",
                                  description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -381,15 +412,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=None, help="logs and records [a temp folder]")
     ap.add_argument("--json", type=Path, default=None, help="write the report here too")
     args = ap.parse_args(argv)
-    if not args.replay and shutil.which(SIMULATOR) is None:
-        print(f"{SIMULATOR} is not installed (Debian: apt-get install aravis-tools); on a "
-              "machine without it use --replay", file=sys.stderr)
-        return 2
+    if not args.replay:
+        from visionserve.cameras import gige
+
+        missing = gige.available()
+        if missing is not None:
+            print(f"{missing}; on a machine without Aravis use --replay", file=sys.stderr)
+            return 2
     work = args.work or Path(tempfile.mkdtemp(prefix="benchcam-"))
     work.mkdir(parents=True, exist_ok=True)
     report: dict = {"date": dt.date.today().isoformat(), "device": args.device,
                     "cameras": "replay (recorded frames, from the source interface)"
-                    if args.replay else f"{SIMULATOR} (GigE Vision on loopback)",
+                    if args.replay else f"{SIMULATOR} (GigE Vision on this host, trigger polled at "
+                    f"{TRIGGER_HZ:g} Hz)",
                     "command": " ".join(["python -m visionserve_tools.benchcam", *argv]),
                     "runs": []}
     plan = ([(*SOAK, 2, args.soak_rate, round(args.soak * args.soak_rate))] if args.soak else

@@ -225,3 +225,19 @@ def test_camera_routes_are_classified_and_credentials_are_no_settings():
            "VISIONSERVE_CAMERA": "[]", "VISIONSERVE_CAMERA_CREDENTIALS": "/x",
            "VISIONSERVE_CAMERAS": "x"}
     assert [w.split(" ")[0] for w in unknown_variables(env)] == ["VISIONSERVE_CAMERAS"]
+
+
+def test_a_camera_address_of_this_host_is_told_from_a_remote_one():
+    """A camera at one of this host's own addresses (a simulator, a camera in a container)
+    sends its stream over lo, where Aravis's packet socket does not listen: the source opens it
+    without that socket. Loopback and an interface's address are this host's; TEST-NET is not."""
+    import socket
+
+    from visionserve.cameras.gige import _of_this_host
+
+    assert _of_this_host("127.0.0.1") and _of_this_host("127.0.0.2")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.1", 9))  # no packet is sent: the route names this host's address
+        own = s.getsockname()[0]
+    assert _of_this_host(own)
+    assert not _of_this_host("192.0.2.1")

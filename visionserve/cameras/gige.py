@@ -225,6 +225,19 @@ def _identity(address: str, body: bytes) -> Identity:
                     serial=text(216, 16))
 
 
+def _of_this_host(address: str) -> bool:
+    """Whether ``address`` is one of this host's own (loopback, or an interface's): a simulator
+    or a camera in a container on the vision PC itself."""
+    if ipaddress.ip_address(address).is_loopback:
+        return True
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.bind((address, 0))  # only an address of this host can be bound
+        except OSError:
+            return False
+    return True
+
+
 def _is_address(device: str) -> bool:
     try:
         ipaddress.IPv4Address(device)
@@ -422,8 +435,9 @@ class GigeSource:
         packet_size = None
         try:
             if camera.is_gv_device():
-                if address is not None and ipaddress.ip_address(address).is_loopback:
-                    # Aravis's packet socket (used with CAP_NET_RAW) misses loopback traffic
+                if address is not None and _of_this_host(address):
+                    # Aravis's packet socket (used with CAP_NET_RAW) listens on the camera's
+                    # interface, and misses a camera of this host: its packets come over lo
                     camera.gv_set_stream_options(Aravis.GvStreamOption.PACKET_SOCKET_DISABLED)
                 packet_size = self._packet_size(camera)
                 if self.settings.packet_delay_ns is not None:

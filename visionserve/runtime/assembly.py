@@ -81,8 +81,12 @@ def service_routers(settings: ServerSettings, guard_store=None) -> tuple:
         from ..records.http import make_router as records_router
         from ..records.service import images_of, store_of
 
+        from ..loop.http import make_router as loop_router
+
         store = store_of(settings)
-        routers.append(records_router(store, images_of(settings)))
+        images = images_of(settings)
+        routers.append(records_router(store, images))
+        routers.append(loop_router(store, images, guard_store))
     if settings.console:
         from ..console.pages import make_router as console_router
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import Conflict, NotFound
+from ..errors import NotFound
 from ..guard.store import TERMINAL, Job, JobStore
 from ..records.images import ImageSource
 from ..records.record import iso

@@ -34,9 +34,14 @@ def judge(config: ClassificationConfig, folder: Path, batch: np.ndarray) -> list
     backend.load(folder / model_file(config.runtime.backend), config, "cpu")
     task = Classification(config)
     step = max(1, config.batching.max_batch_size)
+    name = config.output.tensor_name  # none named: the model's one output
+
+    def scores(outputs: dict[str, Any]) -> np.ndarray:
+        return np.asarray(outputs[name] if name else next(iter(outputs.values())))
+
     try:
-        raw = np.concatenate([np.asarray(backend.run(batch[i:i + step])[
-            config.output.tensor_name]) for i in range(0, len(batch), step)])
+        raw = np.concatenate([scores(backend.run(batch[i:i + step]))
+                              for i in range(0, len(batch), step)])
     finally:
         backend.close()
     return [{"verdict": verdict, "label": result.label, "score": round(result.score, 6)}

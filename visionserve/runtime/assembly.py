@@ -78,10 +78,9 @@ def service_routers(settings: ServerSettings, guard_store=None) -> tuple:
         routers.append(make_router(guard_store, AuditTrail.from_settings(settings)))
     store = None
     if settings.records:
+        from ..loop.http import make_router as loop_router
         from ..records.http import make_router as records_router
         from ..records.service import images_of, store_of
-
-        from ..loop.http import make_router as loop_router
 
         store = store_of(settings)
         images = images_of(settings)

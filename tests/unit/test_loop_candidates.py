@@ -89,6 +89,7 @@ def test_the_candidates_area_numbers_its_folders_and_finds_only_its_own(tmp_path
     assert area.ids() == ["c-1", "c-9"] and area.create()[0] == "c-10"
     (tmp_path / "m" / "candidates" / "c-1" / "job.json").write_text("{}")
     assert area.folder("c-1").name == "c-1"
+    assert [p.name for p in area.started()] == ["c-1"]  # c-9: nothing submitted yet
     for bad in ("c-9", "../c-1", "c-0", "x"):  # c-9 holds no job.json
         with pytest.raises(NotFound):
             area.folder(bad)

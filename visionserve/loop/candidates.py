@@ -156,6 +156,11 @@ class Area:
                  if p.is_dir() and (m := _CID.match(p.name))]
         return [cid for _, cid in sorted(found)]
 
+    def started(self) -> list[Path]:
+        """The candidates' folders whose job was submitted (a folder still being exported into,
+        or left by a request that failed half-way, holds no job.json yet)."""
+        return [self.root / cid for cid in self.ids() if (self.root / cid / "job.json").is_file()]
+
     def create(self) -> tuple[str, Path]:
         """A new candidate's folder, numbered after the highest."""
         self.root.mkdir(exist_ok=True)

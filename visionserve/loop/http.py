@@ -153,8 +153,7 @@ class Loop:
         return cands.describe(folder, jobs)
 
     def candidates(self, entry: ModelEntry) -> list[dict[str, Any]]:
-        area = cands.Area(entry.path)
-        return [cands.describe(area.folder(cid), self.jobs) for cid in area.ids()]
+        return [cands.describe(folder, self.jobs) for folder in cands.Area(entry.path).started()]
 
     def candidate(self, entry: ModelEntry, cid: str) -> dict[str, Any]:
         return cands.describe(cands.Area(entry.path).folder(cid), self.jobs)

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import io
 import json
+import sys
+from pathlib import Path
 
 import cv2
 import numpy as np
 import pytest
 
 from visionserve.errors import InvalidInput, NotFound
+from visionserve.guard.store import JobSpec, JobStore
 from visionserve.loop import candidates as cands
 from visionserve.loop.evaluate import summarize
 from visionserve.loop.http import DEFAULT_SHARE, DEFAULT_STEPS, parse_request
@@ -120,3 +123,45 @@ def test_the_summary_gives_each_models_rates_and_where_they_disagree():
     assert s["candidate"]["ng_recall"] == 1.0 and s["candidate"]["false_reject_rate"] == 0.5
     assert s["disagree"] == [1, 4]
     json.dumps(s)
+
+
+def test_a_candidates_state_follows_its_guard_job_and_done_makes_candidate_json(tmp_path):
+    jobs = JobStore(tmp_path / "guard.sqlite")
+    area = cands.Area(tmp_path)
+
+    def candidate() -> tuple[int, object]:
+        job = jobs.submit(JobSpec(command=[sys.executable, "-c", "pass"]))
+        cid, folder = area.create()
+        (folder / "train" / "ok").mkdir(parents=True)
+        cands.write_json(folder / "job.json", {
+            "id": cid, "model": "m", "from_version": 1, "job": {"id": job.id, "command": []},
+            "trained_on": [], "held_out": [], "created": "t"})
+        return job.id, folder
+
+    job_id, folder = candidate()
+    assert cands.describe(folder, jobs)["state"] == "queued"
+    shown = cands.describe(folder, None)  # a server without --guard
+    assert shown["state"] == "queued" and "--guard" in shown["reason"]
+    job = jobs.claim(job_id)
+    assert job is not None and job.log_path
+    log = Path(job.log_path)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text('data ready\n{"step": 2, "steps": 5, "loss": 0.5}\nexporting\n')
+    shown = cands.describe(folder, jobs)
+    assert shown["state"] == "running" and shown["progress"] == {"step": 2, "steps": 5,
+                                                                 "loss": 0.5}
+    jobs.finish(job_id, "failed", exit_code=1, reason="exit code 1")
+    shown = cands.describe(folder, jobs)
+    assert shown["state"] == "failed" and "exit code 1" in shown["reason"]
+
+    job_id, folder = candidate()  # succeeded, but wrote nothing
+    jobs.claim(job_id)
+    jobs.finish(job_id, "succeeded", exit_code=0, reason=None)
+    shown = cands.describe(folder, jobs)
+    assert shown["state"] == "failed" and "weights.pt" in shown["reason"]
+    (folder / "weights.pt").write_bytes(b"w")  # and now as a training run leaves it
+    (folder / "metrics.json").write_text(json.dumps({"final_val_acc": 0.9, "steps": 5}))
+    shown = cands.describe(folder, jobs)
+    assert shown["state"] == "done" and shown["candidate"]["metrics"]["final_val_acc"] == 0.9
+    assert shown["candidate"]["finished"] and not (folder / "train").exists()
+    assert json.loads((folder / "candidate.json").read_text()) == shown["candidate"]

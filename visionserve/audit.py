@@ -52,7 +52,7 @@ MAX_LIMIT = 500
 #: every action an entry can name, as the API's ``action`` filter takes it
 ACTIONS = ("verdict", "recipe", "model-load", "model-unload", "job-submit", "job-cancel",
            "user-add", "user-remove", "user-role", "user-password", "sign-in", "sign-out",
-           "sign-in-failed", "flag", "label")
+           "sign-in-failed", "flag", "label", "candidate", "candidate-evaluate")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS audit (

@@ -131,10 +131,12 @@ def load_entry(folder: Path) -> ModelEntry:
 
 def signature(folder: Path) -> tuple:
     """What a poll compares to see whether model ``folder`` changed: the size and modification
-    time of its model.toml and of every file in its version folders (empty: no such model)."""
+    time of its model.toml and of every file in its version folders (empty: no such model).
+    Other folders (a model's ``candidates`` area, docs/closed-loop.md) are not read."""
     out = []
     try:
-        for path in sorted(Path(folder).glob("model.toml")) + sorted(Path(folder).glob("*/*")):
+        versions = [p for p in sorted(Path(folder).glob("*/*")) if p.parent.name.isdigit()]
+        for path in sorted(Path(folder).glob("model.toml")) + versions:
             st = path.stat()
             out.append((str(path.relative_to(folder)), st.st_size, st.st_mtime_ns))
     except OSError:  # removed or changing while read: the next poll sees it settled

@@ -125,6 +125,11 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/records/{id}/flag", ADMIN, QUALITY),
     Route("PUT", "/v1/records/{id}/label", ADMIN, QUALITY),
     Route("GET", "/v1/review", ADMIN, QUALITY),
+    # candidates trained on the labels and their comparison (docs/closed-loop.md)
+    Route("GET POST", "/v1/models/{m}/candidates", ADMIN, QUALITY),
+    Route("GET", "/v1/models/{m}/candidates/{c}", ADMIN, QUALITY),
+    Route("POST", "/v1/models/{m}/candidates/{c}/evaluate", ADMIN, QUALITY),
+    Route("GET", "/v1/models/{m}/candidates/{c}/comparison", ADMIN, QUALITY),
     Route("GET POST", "/ui/login", SIGNIN, form=True),  # the one form-encoded body taken
     Route("POST", "/ui/logout", SIGNIN),
     Route("GET", "/ui/session", SIGNIN),

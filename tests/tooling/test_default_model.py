@@ -7,6 +7,7 @@ dataset helpers.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -178,6 +179,39 @@ def test_fine_tuning_on_a_photo_folder(smoke_version, tmp_path):
     # A subset of the base model's labels keeps its head and label order.
     assert cfg.output.labels == synthetic.LABELS
     assert (tmp_path / "m" / "line" / "1" / "model.onnx").is_file()
+
+
+def test_a_short_fine_tune_of_the_last_layer_into_a_given_folder(tmp_path):
+    """The closed loop's fine-tune (docs/closed-loop.md): --steps with progress as JSON lines,
+    --freeze-backbone keeps the features, --mix-synthetic adds the original data, --out writes
+    exactly there (no model.toml, no version folder)."""
+    import torch
+
+    photos = _photo_set(tmp_path / "photos", labels=("ok", "scratch"), n=3)
+    base = REPO / "models" / "defect-classifier" / "1" / "weights.pt"
+    out = tmp_path / "candidates" / "c-1"
+    run = _script("train", "--data", str(photos), "--init", str(base), "--steps", "3",
+                  "--batch-size", "4", "--freeze-backbone", "--mix-synthetic", "0.5",
+                  "--sizes", "320x240", "--workers", "1", "--out", str(out),
+                  "--models-dir", str(tmp_path / "m"))
+    assert run.returncode == 0, run.stderr[-2000:]
+    steps = [json.loads(x) for x in run.stdout.splitlines() if x.startswith('{"step"')]
+    assert [x["step"] for x in steps] == [1, 2, 3] and steps[-1]["steps"] == 3
+    assert "synthetic images mixed in" in run.stdout
+    for name in ("model.onnx", "model.pt2", "weights.pt", "metrics.json", "export.json"):
+        assert (out / name).is_file(), name
+    assert not (tmp_path / "m").exists()
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps"] == 3 and metrics["mix_synthetic"] == 0.5
+    assert metrics["train_images"] > 6  # the photos' training part and the synthetic frames
+    before = torch.load(base, weights_only=False)["state_dict"]
+    after = torch.load(out / "weights.pt", weights_only=False)["state_dict"]
+    assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("0."))
+    assert not torch.equal(before["4.weight"], after["4.weight"])
+    again = _script("train", "--data", str(photos), "--init", str(base), "--out", str(out))
+    assert again.returncode == 2 and "already holds weights.pt" in again.stderr
+    mix = _script("train", "--mix-synthetic", "0.5", "--out", str(tmp_path / "x"))
+    assert mix.returncode == 2 and "pass --data" in mix.stderr
 
 
 def _photo_set(root: Path, labels=("ok", "scratch"), n=2) -> Path:

@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                               "admission", "enginestats", "lifecycle", "livefeed",
                               "preview", "cameras"})),
     ("front ends", frozenset({"http", "grpc", "frontends", "security", "users"})),
-    ("services", frozenset({"guard", "plc", "ops", "records", "console"})),
+    ("services", frozenset({"guard", "plc", "ops", "records", "loop", "console"})),
     ("assembly", frozenset({"runtime", "cli", "__main__"})),
 )
 #: Packages of one layer that never import one another: each front end translates on its own

@@ -242,3 +242,21 @@ def test_a_symlinked_model_file_is_checked_where_it_points(tmp_path):
     (folder / "1" / "model.onnx").symlink_to(shared / "model.onnx")
     with pytest.raises(ConfigError, match=f"{shared} is writable by every user"):
         scan(root)
+
+
+def test_a_candidates_area_is_never_served_nor_polled(tmp_path):
+    """The closed loop's candidates (docs/closed-loop.md) lie beside the versions: neither the
+    scan nor the version policy serves one, and a poll does not see one come or change."""
+    folder = add_model(tmp_path, "m", versions=(1,), extra='version_policy = {all = true}')
+    before = signature(folder)
+    for cid in ("c-1", "c-2"):
+        (folder / "candidates" / cid).mkdir(parents=True)
+        (folder / "candidates" / cid / "model.onnx").write_bytes(b"a candidate")
+    (folder / "candidates" / "2").mkdir()  # even a numeric name inside the area
+    (folder / "candidates" / "2" / "model.onnx").write_bytes(b"x")
+    entry = load_entry(folder)
+    assert sorted(entry.versions) == [1] and entry.default_version == 1
+    assert sorted(scan(tmp_path)["m"].versions) == [1]
+    assert signature(folder) == before
+    (folder / "candidates" / "c-1" / "candidate.json").write_text("{}")
+    assert signature(folder) == before

@@ -299,6 +299,8 @@ STRINGS: dict[str, str] = {
     "audit_action_sign-in-failed": "Failed sign-in",
     "audit_action_flag": "Frame flagged",
     "audit_action_label": "Frame labelled",
+    "audit_action_candidate": "Candidate training requested",
+    "audit_action_candidate-evaluate": "Candidate comparison requested",
     "review_title": "Review and label",
     "review_intro": "Frames captured for learning (--capture learn: NG, uncertain, a sample of "
                     "OK) and frames operators flagged. Say what each shows: the labels are kept "

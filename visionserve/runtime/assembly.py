@@ -78,11 +78,14 @@ def service_routers(settings: ServerSettings, guard_store=None) -> tuple:
         routers.append(make_router(guard_store, AuditTrail.from_settings(settings)))
     store = None
     if settings.records:
+        from ..loop.http import make_router as loop_router
         from ..records.http import make_router as records_router
         from ..records.service import images_of, store_of
 
         store = store_of(settings)
-        routers.append(records_router(store, images_of(settings)))
+        images = images_of(settings)
+        routers.append(records_router(store, images))
+        routers.append(loop_router(store, images, guard_store))
     if settings.console:
         from ..console.pages import make_router as console_router
 

@@ -8,7 +8,17 @@ Writes ``<models-dir>/<name>/<N>/`` (N = highest existing + 1; ``--models-dir`` 
 ``./models``) with ``weights.pt``, ``model.onnx``, ``model.pt2``, ``metrics.json`` and
 ``export.json``; writes ``<models-dir>/<name>/model.toml`` too if the model has none yet.
 Training data is either the synthetic generator (default) or ``--data``: one sub-folder per
-label of PNG/JPEG/BMP photos.
+label of PNG/JPEG/BMP photos, with ``--mix-synthetic SHARE`` the synthetic images mixed in as that
+share of the training set (the model's original data, for a fine-tune on a few labelled frames).
+
+A short fine-tune of the closed loop (docs/closed-loop.md) writes exactly into one folder:
+
+    python -m visionserve_tools.training.train --data labelled --init 1/weights.pt \
+        --steps 40 --freeze-backbone --mix-synthetic 0.5 --out candidates/c-1
+
+``--steps N`` runs N optimizer steps (instead of ``--epochs``) and prints each as a JSON line
+(``{"step": i, "steps": N, "loss": ...}``): the job's progress. ``--freeze-backbone`` trains the
+classifier head only (the features and their batch-norm statistics stay as they are).
 Seeded and single-process, so the same command on the same machine gives the same weights.
 """
 
@@ -107,6 +117,28 @@ def split(ds: common.Dataset, val_fraction: float,
     return take(tr), take(va)
 
 
+def mix_synthetic(real: common.Dataset, share: float, args: argparse.Namespace,
+                  spec) -> common.Dataset:
+    """``real`` with synthetic images (the training parameters, ``--sizes``) added as ``share``
+    of the result, spread evenly over the synthetic labels that ``real`` has."""
+    known = [name for name in common.LABELS if name in real.labels]
+    if not known:
+        raise ScriptError(f"--mix-synthetic: the synthetic generator makes {list(common.LABELS)}, "
+                          f"none of this model's labels {list(real.labels)}")
+    want = round(len(real.targets) * share / (1.0 - share))
+    per_label = max(1, -(-want // len(known)))
+    syn = common.synthetic_dataset(per_label, args.seed + 7, common.parse_sizes(args.sizes),
+                                   common.synthetic.TRAIN_PARAMS, spec, args.workers)
+    index = {name: real.labels.index(name) for name in known}
+    keep = np.flatnonzero(np.isin(np.asarray(syn.labels)[syn.targets], known))
+    targets = np.array([index[syn.labels[t]] for t in syn.targets[keep]], dtype=real.targets.dtype)
+    print(f"data: {len(keep)} synthetic images mixed in ({share:.0%} of the training set)",
+          flush=True)
+    return common.Dataset(np.concatenate([real.pixels, syn.pixels[keep]]),
+                          np.concatenate([real.targets, targets]), real.labels,
+                          real.names + [f"synthetic-{i}" for i in keep])
+
+
 def write_model_toml(model_dir: Path, labels: tuple[str, ...], spec) -> None:
     ok = ["ok"] if "ok" in labels else [labels[0]]
     fmt = common.toml_list
@@ -156,6 +188,14 @@ def main(argv: list[str] | None = None) -> int:
                     "must not exist yet")
     ap.add_argument("--check-per-label", type=int, default=10,
                     help="held-out images per label for the export agreement check")
+    ap.add_argument("--steps", type=int,
+                    help="train this many optimizer steps (one pass) instead of --epochs")
+    ap.add_argument("--freeze-backbone", action="store_true",
+                    help="train the last layer only (with --init: a short fine-tune)")
+    ap.add_argument("--mix-synthetic", type=float, default=0.0, metavar="SHARE",
+                    help="with --data: synthetic images as this share (0..<1) of the training set")
+    ap.add_argument("--out", type=Path, help="write the version's files into this folder "
+                    "(created; must not hold weights.pt) instead of <models-dir>/<name>/<N>")
     args = ap.parse_args(argv)
     try:
         return train(args, argv if argv is not None else sys.argv[1:])
@@ -171,7 +211,16 @@ def train(args: argparse.Namespace, argv: list[str]) -> int:
                  "check_per_label"):
         if getattr(args, name) < 1:
             raise ScriptError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    common.check_new_version(args.models_dir / args.name, args.version)
+    if args.steps is not None and args.steps < 1:
+        raise ScriptError(f"--steps must be >= 1, got {args.steps}")
+    if not 0.0 <= args.mix_synthetic < 1.0:
+        raise ScriptError(f"--mix-synthetic must be from 0 to below 1, got {args.mix_synthetic}")
+    if args.mix_synthetic and args.data is None:
+        raise ScriptError("--mix-synthetic mixes synthetic images into --data: pass --data")
+    if args.out is not None and (args.out / "weights.pt").exists():
+        raise ScriptError(f"--out {args.out} already holds weights.pt; not overwriting it")
+    if args.out is None:
+        common.check_new_version(args.models_dir / args.name, args.version)
     if args.device.startswith("cuda"):
         import torch
 
@@ -201,6 +250,8 @@ def train(args: argparse.Namespace, argv: list[str]) -> int:
         check_x = imaging.normalize(val_ds.pixels if len(val_ds.pixels) else train_ds.pixels, spec)
         print(f"data: {len(train_ds.targets)} training / {len(val_ds.targets)} validation photos "
               f"from {args.data}, labels {list(full.labels)}")
+        if args.mix_synthetic:
+            train_ds = mix_synthetic(train_ds, args.mix_synthetic, args, spec)
     else:
         sizes = common.parse_sizes(args.sizes)
         train_ds = common.synthetic_dataset(args.n_per_label, args.seed, sizes,
@@ -230,9 +281,14 @@ def train(args: argparse.Namespace, argv: list[str]) -> int:
             state = {k: v for k, v in state.items() if not k.startswith("4.")}
         model.load_state_dict(state, strict=False)
     model.to(device)
+    if args.freeze_backbone:
+        model[0].requires_grad_(False)
 
     steps_per_epoch = max(1, len(train_ds.targets) // args.batch_size)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=5e-4)
+    if args.steps is not None:
+        args.epochs, steps_per_epoch = 1, args.steps
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
+                            weight_decay=5e-4)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, epochs=args.epochs,
                                                 steps_per_epoch=steps_per_epoch, pct_start=0.15)
     loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=0.05)
@@ -240,8 +296,12 @@ def train(args: argparse.Namespace, argv: list[str]) -> int:
     history = []
     for epoch in range(args.epochs):
         model.train()
+        if args.freeze_backbone:
+            model[0].eval()  # the features' batch-norm statistics stay the base model's
         rng = np.random.default_rng([args.seed, epoch])
-        order = rng.permutation(len(train_ds.targets))
+        n = len(train_ds.targets)
+        passes = -(-steps_per_epoch * args.batch_size // n)  # --steps may need more than one
+        order = np.concatenate([rng.permutation(n) for _ in range(max(1, passes))])
         t0, total, correct, seen = time.perf_counter(), 0.0, 0, 0
         for b in range(steps_per_epoch):
             idx = np.sort(order[b * args.batch_size:(b + 1) * args.batch_size])
@@ -259,6 +319,9 @@ def train(args: argparse.Namespace, argv: list[str]) -> int:
             total += float(loss.detach()) * len(idx)
             correct += int((logits.argmax(1) == y).sum())
             seen += len(idx)
+            if args.steps is not None:
+                print(json.dumps({"step": b + 1, "steps": args.steps,
+                                  "loss": round(float(loss.detach()), 4)}), flush=True)
         val_acc, _ = evaluate(model, val_ds.pixels, val_ds.targets, spec, device) \
             if len(val_ds.targets) else (float("nan"), None)
         history.append({"epoch": epoch + 1, "loss": round(total / seen, 4),
@@ -267,18 +330,24 @@ def train(args: argparse.Namespace, argv: list[str]) -> int:
         print(json.dumps(history[-1]), flush=True)
     t_train = time.perf_counter() - t_start - t_data
 
-    version_dir = common.make_version_dir(model_dir, args.version)
+    if args.out is not None:
+        version_dir = args.out
+        version_dir.mkdir(parents=True, exist_ok=True)
+    else:
+        version_dir = common.make_version_dir(model_dir, args.version)
     model = model.cpu().eval()
     meta = {"labels": list(labels), "widths": list(widths), "input": spec.model_dump(mode="json"),
             "seed": args.seed}
     torch.save({"state_dict": model.state_dict(), "meta": json.dumps(meta)},
                version_dir / "weights.pt")
-    if not (model_dir / "model.toml").is_file():
+    if args.out is None and not (model_dir / "model.toml").is_file():
         write_model_toml(model_dir, labels, spec)
     report = export.export_version(version_dir, check_x)
     metrics = {
         "command": "python -m visionserve_tools.training.train " + shlex.join(argv),
         "data": str(args.data) if args.data else "synthetic",
+        "mix_synthetic": args.mix_synthetic, "steps": args.steps,
+        "freeze_backbone": args.freeze_backbone,
         "train_images": len(train_ds.targets), "val_images": len(val_ds.targets),
         "labels": list(labels), "input": meta["input"], "widths": list(widths),
         "macs": common.count_macs(widths, spec.width, spec.height, spec.channels),

@@ -111,7 +111,10 @@ def test_the_wheel_carries_the_console():
 
 
 def test_the_verdict_script_takes_its_texts_from_the_page():
-    script = (CONSOLE / "static" / "verdict.js").read_text(encoding="utf-8")
+    """verdict.js, with the send it shares from console.js (which shows working, refused and
+    network errors in the texts it is handed)."""
+    script = "".join((CONSOLE / "static" / name).read_text(encoding="utf-8")
+                     for name in ("verdict.js", "console.js"))
     assert set(VERDICT_SCRIPT_KEYS) <= set(STRINGS)
     for key in VERDICT_SCRIPT_KEYS:
         assert f"strings.{key}" in script or f'"{key}"' in script, key

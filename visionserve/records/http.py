@@ -234,21 +234,22 @@ def make_router(store: RecordStore, images: ImageSource | None = None) -> APIRou
     if images is not None:
         labeller = Labeller(store, images)
 
+        async def labelled(request: Request, record_id: str, source: str) -> JSONResponse:
+            """A flag (``source`` "flag") or a review's label, or the refusal as JSON."""
+            try:
+                return await labeller.label(request, record_id, source)
+            except VisionServeError as exc:
+                return error_response(exc, {"record": record_id})
+
         @router.post("/v1/records/{record_id}/flag", summary="Flag a captured frame: what it "
                      "really shows (the line's verdict was wrong)")
         async def flag(request: Request, record_id: str) -> JSONResponse:
-            try:
-                return await labeller.label(request, record_id, "flag")
-            except VisionServeError as exc:
-                return error_response(exc, {"record": record_id})
+            return await labelled(request, record_id, "flag")
 
         @router.put("/v1/records/{record_id}/label", summary="Label a captured frame (the "
                     "review queue)")
         async def put_label(request: Request, record_id: str) -> JSONResponse:
-            try:
-                return await labeller.label(request, record_id, "review")
-            except VisionServeError as exc:
-                return error_response(exc, {"record": record_id})
+            return await labelled(request, record_id, "review")
 
         @router.get("/v1/review", summary="The captured frames of a model to label, or "
                     "labelled, newest first")

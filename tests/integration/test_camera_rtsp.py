@@ -26,6 +26,10 @@ from visionserve.errors import ConfigError
 pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))
 
 USER, PASSWORD = "viewer", "pa:ss@w/rd%"  # characters a URL must escape
+#: timeouts for tests that are not about them: on a loaded CI machine the test camera's encoder
+#: can take seconds to start a stream, which the defaults (5 s to open, 2 s per frame) would
+#: call a fault
+ROOMY = {"open_timeout_s": 15.0, "read_timeout_s": 5.0}
 
 
 @pytest.fixture
@@ -47,7 +51,7 @@ def opened(camera):
 
     def make(**settings):
         source = open_source("cam1", camera.url, {"user": USER, "password": PASSWORD,
-                                                  **settings})
+                                                  **ROOMY, **settings})
         sources.append(source)
         source.open()
         return source
@@ -112,7 +116,7 @@ def test_credentials_are_needed_and_a_wrong_password_is_a_clear_fault(tmp_path, 
     try:
         camera.start()
         _refused(camera)
-        source = open_source("cam1", camera.url, {"user": USER, "password": PASSWORD})
+        source = open_source("cam1", camera.url, {"user": USER, "password": PASSWORD, **ROOMY})
         source.open()
         assert source.grab(5.0).pixels.shape == (480, 640, 3)
         source.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -17,7 +18,7 @@ import pytest
 from conftest import start_server, wait_for
 from gige_support import ADDRESS, FORMATS, Simulator, skip_reason
 
-from visionserve.cameras import pixels
+from visionserve.cameras import gige, pixels
 from visionserve.cameras.source import CameraFault, Grabbed, Source, open_source
 from visionserve.errors import ConfigError
 
@@ -111,6 +112,27 @@ def test_the_largest_frame(sim, opened):
     frame = grab(source, 5.0)
     assert frame.pixels.shape == (2048, 2048)
     assert pixels.to_rgb8(frame.pixels, "BayerRG8").shape == (2048, 2048, 3)
+
+
+def test_the_first_frame_after_an_open_is_whole(sim):
+    """The stream socket holds a whole frame before the first one comes: a 640x480 frame
+    (300 KiB) is larger than Linux's default socket buffer (208 KiB), and the simulator does
+    not resend what overflowed it."""
+    fails = []
+    for _ in range(10):
+        source = open_source("cam1", f"gige://{ADDRESS}", {"roi": [0, 0, 640, 480]})
+        source.open()
+        try:
+            wanted = max(2 * 640 * 480, gige.SOCKET_BUFFER_MIN)
+            kernel_cap = 2 * int(Path("/proc/sys/net/core/rmem_max").read_text())
+            assert source.applied.socket_buffer >= min(wanted, kernel_cap)
+            try:
+                source.grab(2.0)
+            except CameraFault as exc:
+                fails.append(exc.message)
+        finally:
+            source.close()
+    assert not fails, fails
 
 
 def test_each_software_trigger_gives_a_new_frame(sim, opened):

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import queue
 import random
 import socket
@@ -44,7 +45,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any, TypeVar
 
@@ -183,6 +184,9 @@ class Applied:
     frame_rate: float | None
     trigger: str
     packet_size: int | None
+    #: the stream socket's receive buffer, as the kernel reports it (it caps the asked size at
+    #: net.core.rmem_max, docs/cameras.md); None where there is no such socket (USB3 Vision)
+    socket_buffer: int | None = None
 
 
 @dataclass(frozen=True)
@@ -193,6 +197,34 @@ class Identity:
     manufacturer: str
     model: str
     serial: str
+
+
+def _size_stream_socket(port: int, size: int) -> int | None:
+    """Give this process's UDP socket bound to ``port`` (a GigE stream's) a receive buffer of
+    ``size`` bytes now, and return what the kernel reports for it; None if no such socket.
+
+    Aravis sizes the socket only when the first packet of a frame arrives, so the first frame
+    after an open comes in as a burst into the system's default buffer (net.core.rmem_default,
+    208 KiB unless raised), which overflows on a frame larger than that: the frame arrives
+    incomplete. Sized before acquisition starts, the first frame is received like every
+    other."""
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except OSError:  # closed meanwhile, or not a socket after all
+            continue
+        with sock:
+            try:
+                if (sock.family != socket.AF_INET or sock.type != socket.SOCK_DGRAM
+                        or sock.getsockname()[1] != port):
+                    continue
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
+                return int(sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF))
+            except OSError:
+                continue
+    return None
 
 
 def probe(address: str, timeout_s: float = PROBE_S) -> Identity | None:
@@ -442,7 +474,7 @@ class GigeSource:
                 packet_size = self._packet_size(camera)
                 if self.settings.packet_delay_ns is not None:
                     camera.gv_set_packet_delay(self.settings.packet_delay_ns)
-            link.applied = self._configure(camera, packet_size)
+            applied = link.applied = self._configure(camera, packet_size)
             link.format = camera.get_pixel_format_as_string()
             link.format_code = camera.get_pixel_format()
             get_format(link.format)  # a format the server converts, or a config fault
@@ -452,8 +484,11 @@ class GigeSource:
                 # a frame's packets come in a burst: the socket must hold a whole frame, with
                 # the kernel's overhead per packet (Aravis's "auto", the payload, loses packets
                 # of small frames); the kernel caps it at net.core.rmem_max (docs/cameras.md)
+                wanted = max(2 * payload, SOCKET_BUFFER_MIN)
                 stream.set_property("socket-buffer", Aravis.GvStreamSocketBuffer.FIXED)
-                stream.set_property("socket-buffer-size", max(2 * payload, SOCKET_BUFFER_MIN))
+                stream.set_property("socket-buffer-size", wanted)
+                link.applied = replace(applied, socket_buffer=_size_stream_socket(
+                    stream.get_port(), wanted))
             for _ in range(self.settings.buffers):
                 stream.push_buffer(Aravis.Buffer.new_allocate(payload))
             link.stream = stream

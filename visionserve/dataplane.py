@@ -242,6 +242,14 @@ class DataPlane(Protocol):
         ``caller``: for the audit)."""
         ...
 
+    async def reload_model(self, name: str, action: str,
+                           default_version: int | None = None) -> dict:
+        """Serve what model ``name``'s folder selects now, as :meth:`load_model`'s swap, after
+        the server changed the folder itself (``action``: ``promote``, ``rollback``); also with
+        ``--model-control-mode poll``. ``default_version``: set in model.toml first where the
+        file names one. Not audited: the caller audits its change."""
+        ...
+
     async def trigger(self, target: str, part_id: str | None, station: bool = False
                       ) -> tuple[int, dict]:
         """Acquire a frame from camera ``target`` (with ``station``: from each camera of station

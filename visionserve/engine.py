@@ -334,6 +334,10 @@ class Engine(ModelLookup):
                            caller: Mapping | None = None) -> dict:
         return await self.lifecycle.unload_model(name, parameters, caller)
 
+    async def reload_model(self, name: str, action: str,
+                           default_version: int | None = None) -> dict:
+        return await self.lifecycle.reload_model(name, action, default_version)
+
     # --- inference: admission.Admission ------------------------------------------------------
 
     async def infer(self, name: str, version: str | int | None, frames: list[Frame], *,

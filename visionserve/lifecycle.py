@@ -30,7 +30,15 @@ from .audit import AuditTrail, Entry
 from .config import ModelConfig, ServerSettings
 from .errors import ConfigError, Conflict, InvalidInput, NotFound, Unavailable, VisionServeError
 from .recipes import Assignments
-from .repository import ModelEntry, folder_of, load_entry, model_folders, scan, signature
+from .repository import (
+    ModelEntry,
+    folder_of,
+    load_entry,
+    model_folders,
+    scan,
+    signature,
+    with_default_version,
+)
 from .served import Served, effective_config, file_stamp
 
 log = logging.getLogger(__name__)
@@ -279,13 +287,14 @@ class Lifecycle:
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
 
-    def _control(self, action: str) -> None:
+    def _control(self, action: str, modes: tuple[str, ...] = ("explicit",)) -> None:
         mode = self.settings.model_control_mode
-        if mode != "explicit":
+        if mode not in modes:
             why = ("the repository is polled: change its folder instead" if mode == "poll"
                    else "the models of the start are served until it stops")
             raise Conflict(f"model {action} is not allowed with --model-control-mode {mode} "
-                           f"({why}); start the server with --model-control-mode explicit")
+                           f"({why}); start the server with --model-control-mode "
+                           f"{' or '.join(modes)}")
         if self.gate.draining or not self.gate.started:
             raise Unavailable(f"model {action} refused: the server is "
                               f"{'shutting down' if self.gate.draining else 'starting'}",
@@ -333,6 +342,33 @@ class Lifecycle:
             done = await self._swap(name, folder)
         await self._audit_versions("model-load", name, before, done, caller)
         return done
+
+    async def reload_model(self, name: str, action: str,
+                           default_version: int | None = None) -> dict:
+        """Read model ``name``'s folder again and serve the versions it selects now, as
+        :meth:`load_model`'s swap (the same refusals), for a change the server made to the
+        folder itself (``action``, for the refusal: a promotion or a rollback): allowed with
+        ``--model-control-mode explicit`` and ``poll`` (where the poll would find the change
+        later). ``default_version``: where model.toml names a default version, set it to this
+        one first (written back as it was if the swap fails). Not audited here: the caller
+        keeps the entry of the change it made."""
+        self._control(action, ("explicit", "poll"))
+        folder = folder_of(Path(self.settings.models), name)
+        toml = folder / "model.toml"
+        async with self._lock(name):
+            before = None
+            if default_version is not None:
+                text = await asyncio.to_thread(toml.read_text, encoding="utf-8")
+                new = with_default_version(text, default_version)
+                if new is not None:
+                    await asyncio.to_thread(verdicts.write_atomic, toml, new)
+                    before = text
+            try:
+                return await self._swap(name, folder)
+            except BaseException:
+                if before is not None:
+                    await asyncio.to_thread(verdicts.write_atomic, toml, before)
+                raise
 
     async def unload_model(self, name: str, parameters: Mapping | None = None,
                            caller: Mapping | None = None) -> dict:

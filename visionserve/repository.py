@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,3 +167,19 @@ def parse_version(entry: ModelEntry, version: str | int | None) -> int:
     if v not in entry.versions:
         raise NotFound(f"model {entry.name} has no version {v} (have {sorted(entry.versions)})")
     return v
+
+
+_DEFAULT_LINE = re.compile(r"^default_version[ \t]*=[ \t]*[0-9]+", re.MULTILINE)
+
+
+def with_default_version(text: str, version: int) -> str | None:
+    """model.toml ``text`` with its top-level ``default_version`` set to ``version``, the rest of
+    the file as written; None where it names no default version (the newest is the default)."""
+    head_end = re.search(r"^[ \t]*\[", text, re.MULTILINE)
+    head = text[:head_end.start()] if head_end else text
+    if not _DEFAULT_LINE.search(head):
+        return None
+    new = _DEFAULT_LINE.sub(f"default_version = {version}", head, count=1) + text[len(head):]
+    if tomllib.loads(new).get("default_version") != version:
+        raise ConfigError(f"model.toml: default_version could not be set to {version}")
+    return new

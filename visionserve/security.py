@@ -130,6 +130,9 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/models/{m}/candidates/{c}", ADMIN, QUALITY),
     Route("POST", "/v1/models/{m}/candidates/{c}/evaluate", ADMIN, QUALITY),
     Route("GET", "/v1/models/{m}/candidates/{c}/comparison", ADMIN, QUALITY),
+    # the promotion of a compared candidate and its rollback: quality work, audited
+    Route("POST", "/v1/models/{m}/candidates/{c}/promote", ADMIN, QUALITY),
+    Route("POST", "/v1/models/{m}/rollback", ADMIN, QUALITY),
     Route("GET POST", "/ui/login", SIGNIN, form=True),  # the one form-encoded body taken
     Route("POST", "/ui/logout", SIGNIN),
     Route("GET", "/ui/session", SIGNIN),
@@ -151,6 +154,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/ui/system", ADMIN, VIEWER),
     Route("GET", "/ui/audit", ADMIN, QUALITY),
     Route("GET", "/ui/review", ADMIN, QUALITY),
+    Route("GET", "/ui/models/{m}/candidates", ADMIN, QUALITY),
     Route("GET", "/ui/static/{name}", STATIC),
 )
 

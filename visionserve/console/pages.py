@@ -1,6 +1,7 @@
 """The console's routes: ``GET /ui`` (to the first page), ``/ui/live``, ``/ui/parts`` (NG
 parts) and ``/ui/parts/{part_id}``, ``/ui/models``, ``/ui/stations``, ``/ui/system``,
-``/ui/audit``, ``/ui/review`` (captured frames to label) and the package's own files at
+``/ui/audit``, ``/ui/review`` (captured frames to label), ``/ui/models/{m}/candidates`` (a
+model's candidates, their comparison, promote and roll back) and the package's own files at
 ``/ui/static/{name}``.
 
 Each page is rendered here from what the data plane says (the repository index, the served
@@ -27,6 +28,7 @@ from ..errors import InvalidInput, NotFound, VisionServeError, http_status
 from ..http.audit import AuditQuery, audit_page
 from ..http.common import audit_of, engine_of
 from ..http.signin import session_of
+from ..loop import promote as promotion
 from ..records import labels as labelling
 from ..records.record import iso
 from ..records.store import MAX_PAGE, RecordStore
@@ -145,7 +147,26 @@ def make_router(settings: ServerSettings, guard_store: JobStore | None = None,
         return render(request, "models.html", "/ui/models", models=await _models(engine),
                       control=settings.model_control_mode,
                       verdict_editable=_may(request, "PUT", "/v1/models/{m}/verdict"),
+                      candidates_link=records is not None
+                      and _may(request, "GET", "/ui/models/{m}/candidates"),
                       verdict_strings=verdict_script_strings())
+
+    @router.get("/ui/models/{model}/candidates")
+    async def candidates(request: Request, model: str) -> HTMLResponse:
+        entry = engine_of(request).entries.get(model)
+        if entry is None:
+            raise NotFound(f"no model {model!r} in the repository")
+        view, error, status = None, None, 200
+        if records is None:
+            error = STRINGS["records_off"]
+        else:
+            try:
+                view = await run_in_threadpool(promotion.overview, entry, guard_store)
+            except VisionServeError as exc:
+                error, status = exc.message, http_status(exc)
+        return render(request, "candidates.html", "/ui/models", status, model=model,
+                      view=view, error=error,
+                      may_change=_may(request, "POST", "/v1/models/{m}/candidates/{c}/promote"))
 
     @router.get("/ui/stations")
     async def stations(request: Request) -> HTMLResponse:

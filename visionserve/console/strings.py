@@ -301,6 +301,8 @@ STRINGS: dict[str, str] = {
     "audit_action_label": "Frame labelled",
     "audit_action_candidate": "Candidate training requested",
     "audit_action_candidate-evaluate": "Candidate comparison requested",
+    "audit_action_promote": "Candidate promoted",
+    "audit_action_rollback": "Promotion rolled back",
     "review_title": "Review and label",
     "review_intro": "Frames captured for learning (--capture learn: NG, uncertain, a sample of "
                     "OK) and frames operators flagged. Say what each shows: the labels are kept "
@@ -337,6 +339,40 @@ STRINGS: dict[str, str] = {
     "review_newest": "Newest frames",
     "review_saved": "Record {id} labelled: {label}",
     "review_boxes_label": "{n} boxes",
+    "candidates_title": "Candidates of {model}",
+    "candidates_intro": "Models trained on the labelled frames, beside the version in force, "
+                        "and how each did on the held-out labelled frames. Promoting one serves "
+                        "it as the model's next version without a failed frame; rolling back "
+                        "serves the version before it again. Both are kept in the audit log "
+                        "under your name.",
+    "candidates_link": "Candidates",
+    "candidates_serving": "Version in force: {version}.",
+    "candidates_none": "No candidate yet: train one with POST "
+                       "/v1/models/{model}/candidates once frames are labelled.",
+    "candidates_in_force": "Version {version} is candidate {candidate}, promoted by {user} at "
+                           "{time} (from version {from_version}).",
+    "candidates_no_promotion": "No promotion in force.",
+    "col_candidate": "Candidate",
+    "col_from_version": "From version",
+    "col_compared": "Compared with",
+    "col_live": "Live version",
+    "col_accuracy": "Accuracy",
+    "col_ng_recall": "NG recall",
+    "col_false_rejects": "False rejects",
+    "col_disagree": "Disagree",
+    "col_actions": "Actions",
+    "candidates_not_compared": "not compared yet",
+    "candidates_live_vs": "{live} → {candidate}",
+    "promote": "Promote {candidate}",
+    "confirm_promote": "Promote candidate {candidate} of model {model}? It is copied into the "
+                       "repository as the next version and swapped in for version {version}; "
+                       "your approval is kept in the audit log.",
+    "promoted": "candidate {candidate} promoted",
+    "rollback": "Roll back to version {version}",
+    "confirm_rollback": "Roll model {model} back from version {promoted} (candidate "
+                        "{candidate}) to version {version}? It is swapped back in; the audit "
+                        "log keeps your name.",
+    "rolled_back": "model {model} rolled back to version {version}",
 }
 
 #: the texts the script needs (the confirmation dialog and the messages of actions)

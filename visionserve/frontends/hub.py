@@ -27,7 +27,7 @@ Messages (tuples) a front end sends:
   ``("live_close",)`` each. ``("live_summary", rid, model, minutes)``: the per-minute summary.
   ``("live_dropped", n)``: its streams lost ``n`` events (a slow browser), for the metrics.
   ``("repository", rid, call, args)``: ``call`` one of ``repository_index``, ``load_model``,
-  ``unload_model``, ``trigger`` (a camera's or station's, with (target, part id, station)) and
+  ``unload_model``, ``reload_model``, ``trigger`` (a camera's or station's, with (target, part id, station)) and
   ``camera_states`` of the engine, with ``args``; a swap sends every front end the models before
   any frame reaches the new versions (``Engine.on_change``).
   ``("preview", rid, model, changes)``: what a ``[verdict]`` change would make of the model's
@@ -77,8 +77,8 @@ STATE_POLL_S = 0.05
 HEARTBEAT_S = 0.2
 #: the engine's calls a front end may make with a "repository" message (and the preview's, and
 #: the cameras', which live in this process)
-REPOSITORY_CALLS = ("repository_index", "load_model", "unload_model", "preview_verdict",
-                    "trigger", "camera_states")
+REPOSITORY_CALLS = ("repository_index", "load_model", "unload_model", "reload_model",
+                    "preview_verdict", "trigger", "camera_states")
 
 
 class Link:

@@ -330,6 +330,11 @@ class RemoteEngine(ModelLookup):
                                                            dict(caller or {})))
         return await fut
 
+    async def reload_model(self, name: str, action: str,
+                           default_version: int | None = None) -> dict:
+        fut, _ = self._call("repository", "reload_model", (name, action, default_version))
+        return await fut
+
     async def trigger(self, target: str, part_id: str | None, station: bool = False
                       ) -> tuple[int, dict]:
         """Asked of the engine process, where the cameras are."""

@@ -8,6 +8,10 @@ admin, or the admin token):
   POST /v1/models/{m}/candidates/{cid}/evaluate      compare it with the live version on the
                                                      held-out labelled frames (a guard job)
   GET  /v1/models/{m}/candidates/{cid}/comparison    that comparison, per record and summed up
+  POST /v1/models/{m}/candidates/{cid}/promote       serve it as the model's next version
+                                                     (:mod:`.promote`)
+  POST /v1/models/{m}/rollback                       serve again the version before the last
+                                                     promotion
 
 Creating one exports the model's labelled captures into the candidate's folder
 (:mod:`.candidates`) and submits the fine-tune to the guard's queue (its Python API, the same
@@ -40,6 +44,7 @@ from ..records.store import RecordStore
 from ..repository import ModelEntry, parse_version
 from ..tasks.classification import ClassificationConfig
 from . import candidates as cands
+from . import promote as promotion
 
 MAX_BODY = 4096
 #: a fine-tune's optimizer steps: the default, the most one request may ask
@@ -153,10 +158,13 @@ class Loop:
         return cands.describe(folder, jobs)
 
     def candidates(self, entry: ModelEntry) -> list[dict[str, Any]]:
-        return [cands.describe(folder, self.jobs) for folder in cands.Area(entry.path).started()]
+        area = cands.Area(entry.path)
+        return [promotion.annotate(area, cands.describe(folder, self.jobs))
+                for folder in area.started()]
 
     def candidate(self, entry: ModelEntry, cid: str) -> dict[str, Any]:
-        return cands.describe(cands.Area(entry.path).folder(cid), self.jobs)
+        area = cands.Area(entry.path)
+        return promotion.annotate(area, cands.describe(area.folder(cid), self.jobs))
 
     def evaluate(self, entry: ModelEntry, cid: str, by: str) -> dict[str, Any]:
         """(a worker thread) submit the comparison of the candidate with the live version."""
@@ -204,6 +212,14 @@ class Loop:
             state, reason = "failed", "the comparison job ended without writing its result"
         return {"id": cid, "state": state, "evaluation": evaluation,
                 "progress": cands.progress(job), **({"reason": reason} if reason else {})}
+
+
+async def no_body(request: Request) -> None:
+    """A promotion's or rollback's body: none, or an empty JSON object (400 otherwise)."""
+    body = await read_json_object(request, MAX_BODY, " (none needed)", empty={})
+    if body:
+        raise InvalidInput(f"not understood: {', '.join(sorted(body))} (this change takes no "
+                           "body, or {})")
 
 
 def make_router(store: RecordStore, images: ImageSource, jobs: JobStore | None) -> APIRouter:
@@ -276,5 +292,42 @@ def make_router(store: RecordStore, images: ImageSource, jobs: JobStore | None) 
             return JSONResponse(await call(request, model, loop.comparison, cid))
         except VisionServeError as exc:
             return error_response(exc, {"model": model, "candidate": cid})
+
+    @router.post("/v1/models/{model}/candidates/{cid}/promote", summary="Promote a trained "
+                 "and compared candidate: served as the model's next version, without a failed "
+                 "frame")
+    async def promote(request: Request, model: str, cid: str) -> JSONResponse:
+        try:
+            await no_body(request)
+            caller = caller_of(request)
+            by = str(caller.get("operator") or "?")
+            done = await promotion.promote(engine_of(request), jobs, model, cid, by)
+        except VisionServeError as exc:
+            return error_response(exc, {"model": model, "candidate": cid})
+        entry = Entry("promote", "model", model, {"version": done["from_version"]},
+                      {"version": done["version"], "candidate": cid, "approved_by": by},
+                      caller)
+        await audit_of(request).arecord(
+            entry, "closed loop: candidate %s of model %s promoted to version %d (from version "
+            "%s), approved by %s", cid, model, done["version"], done["from_version"], entry.by())
+        return JSONResponse(done)
+
+    @router.post("/v1/models/{model}/rollback", summary="Serve again the version served before "
+                 "the last promotion, without a failed frame")
+    async def rollback(request: Request, model: str) -> JSONResponse:
+        try:
+            await no_body(request)
+            caller = caller_of(request)
+            by = str(caller.get("operator") or "?")
+            done = await promotion.rollback(engine_of(request), model, by)
+        except VisionServeError as exc:
+            return error_response(exc, {"model": model})
+        entry = Entry("rollback", "model", model, {"version": done["version"]},
+                      {"version": done["from_version"], "candidate": done["candidate"]}, caller)
+        await audit_of(request).arecord(
+            entry, "closed loop: model %s rolled back from version %d (candidate %s) to version "
+            "%s by %s", model, done["version"], done["candidate"], done["from_version"],
+            entry.by())
+        return JSONResponse(done)
 
     return router

@@ -1,0 +1,239 @@
+"""Promote and roll back (docs/closed-loop.md) on a real server with the shipped classifier,
+``--guard --records --capture learn --model-control-mode explicit``: a candidate is trained (a
+few steps of the last layer, a real guard job on the CPU) and compared, then promoted and rolled
+back while a client sends frames without a pause: every frame is answered 200, by the version
+in force at its time. The refusals (not compared, promoted already, nothing to roll back), who
+may do it (viewer 403, no token 401, the CSRF rule), the audit entries; a poll-mode server that
+promotes a copied candidate and a server without model control that refuses to."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import start_server, wait_for
+
+from tests.integration.test_console_users import add_users, session_client
+from tests.integration.test_loop_candidates import (
+    ADMIN,
+    BASE,
+    CLASSIFIER,
+    LOOKS,
+    TOKEN,
+    TRAIN,
+    audit,
+    records,
+    wait_state,
+)
+from tests.integration.test_records_images import shipped_repo
+from visionserve_tools import synthetic
+
+FRAME = synthetic.encode(synthetic.generate("scratch", seed=7))
+ROLLBACK = f"/v1/models/{CLASSIFIER}/rollback"
+
+
+def start(tmp, *extra: str):
+    add_users(tmp / "xdg")
+    s = start_server(shipped_repo(tmp / "repo", (CLASSIFIER,)), tmp,
+                     "--host", "0.0.0.0", "--trusted-proxies", "127.0.0.1",
+                     "--admin-token", TOKEN, "--records", "--records-dir", str(tmp / "data"),
+                     *extra, grpc=False, env={"XDG_DATA_HOME": str(tmp / "xdg")})
+    s.repo = tmp / "repo"
+    return s
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = start(tmp_path_factory.mktemp("promote"), "--capture", "learn",
+              "--capture-sample-percent", "100", "--model-control-mode", "explicit",
+              "--guard", "--guard-db", "guard.sqlite")
+    for i, (look, seed) in enumerate(LOOKS):
+        r = httpx.post(f"{s.url}/v1/models/{CLASSIFIER}/inspect", timeout=60,
+                       content=synthetic.encode(synthetic.generate(look, seed=seed)),
+                       headers={"Content-Type": "image/jpeg", "X-Part-Id": f"L-{i}",
+                                "X-Deadline-Ms": "10000"})
+        assert r.status_code == 200, r.text
+    wait_for(lambda: len(records(s)) >= len(LOOKS), 30, "every record")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def quality(server):
+    client, csrf = session_client(server, "qe-anna", "198.51.100.221")
+    client.headers["X-CSRF-Token"] = csrf
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def trained(server, quality):
+    """c-1, trained on every capture (labelled with its look), not compared yet."""
+    for rec in records(server):
+        look = LOOKS[int(rec["part_id"][2:])][0]
+        r = quality.put(f"/v1/records/{rec['id']}/label", json={"label": look})
+        assert r.status_code == 200, r.text
+    r = quality.post(BASE, json=TRAIN)
+    assert r.status_code == 202, r.text
+    done = wait_state(quality, f"{BASE}/c-1")
+    assert done["state"] == "done", (done, server.log()[-3000:])
+    return server.repo / CLASSIFIER / "candidates" / "c-1"
+
+
+class Line:
+    """A client that sends frames without a pause until stopped: each answer's status and
+    version, in order."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.answers = url, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=60) as client:
+            while not self._stop.is_set():
+                r = client.post(f"{self.url}/v1/models/{CLASSIFIER}/inspect", content=FRAME,
+                                headers={"Content-Type": "image/jpeg", "X-Deadline-Ms": "20000"})
+                self.answers.append((r.status_code, r.json().get("version"), r.text[:200]))
+
+    def __enter__(self) -> Line:
+        self._thread.start()
+        wait_for(lambda: len(self.answers) >= 3, 30, "the line's first answers")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        n = len(self.answers)
+        wait_for(lambda: len(self.answers) >= n + 3, 30, "answers after the change")
+        self._stop.set()
+        self._thread.join(60)
+
+    def versions(self) -> list[str]:
+        failed = [a for a in self.answers if a[0] != 200]
+        assert not failed, failed[:3]
+        return [v for _, v, _ in self.answers]
+
+
+def switched_once(versions: list[str], old: str, new: str) -> None:
+    """The answers are ``old`` up to one frame and ``new`` from there on."""
+    assert versions[0] == old and versions[-1] == new, versions
+    first = versions.index(new)
+    assert set(versions[:first]) == {old} and set(versions[first:]) == {new}, versions
+
+
+def test_refusals_before_a_comparison(server, quality, trained):
+    r = quality.post(f"{BASE}/c-1/promote")
+    assert r.status_code == 409 and "no comparison" in r.json()["error"], r.text
+    assert quality.post(f"{BASE}/c-9/promote").status_code == 404
+    assert quality.post("/v1/models/nope/candidates/c-1/promote").status_code == 404
+    r = quality.post(ROLLBACK)
+    assert r.status_code == 409 and "no promotion" in r.json()["error"], r.text
+    r = quality.post(f"{BASE}/c-1/promote", json={"why": 1})
+    assert r.status_code == 400 and "why" in r.json()["error"], r.text
+    assert sorted(p.name for p in (server.repo / CLASSIFIER).iterdir()) == [
+        "1", "README.md", "candidates", "confusion_matrix.png", "model.toml"]
+
+
+def test_who_may_promote_and_roll_back(server, quality):
+    viewer, vcsrf = session_client(server, "otto", "198.51.100.222")
+    with viewer:
+        for path in (f"{BASE}/c-1/promote", ROLLBACK):
+            r = viewer.post(path, json={}, headers={"X-CSRF-Token": vcsrf})
+            assert r.status_code == 403, (path, r.text)
+            r = httpx.post(server.url + path, json={}, timeout=10)
+            assert r.status_code == 401, (path, r.text)
+            r = quality.post(path, json={}, headers={"X-CSRF-Token": "forged"})
+            assert r.status_code == 403, r.text
+            r = quality.post(path, json={}, headers={"Origin": "http://evil.example"})
+            assert r.status_code == 403 and "cross-site" in r.json()["error"]
+            r = quality.post(path, content=b"a=1",
+                             headers={"Content-Type": "application/x-www-form-urlencoded"})
+            assert r.status_code == 415
+    assert not audit(server, "promote") and not audit(server, "rollback")
+
+
+def test_promote_and_roll_back_without_a_failed_frame(server, quality, trained):
+    r = httpx.post(f"{server.url}{BASE}/c-1/evaluate", headers=ADMIN, timeout=10)
+    assert r.status_code == 202, r.text
+    result = wait_state(quality, f"{BASE}/c-1/comparison", 120)
+    assert result["state"] == "done", (result, server.log()[-3000:])
+
+    with Line(server.url) as line:
+        r = quality.post(f"{BASE}/c-1/promote")
+        assert r.status_code == 200, r.text
+    switched_once(line.versions(), "1", "2")
+    done = r.json()
+    assert done["version"] == 2 and done["from_version"] == 1 and done["candidate"] == "c-1"
+    assert done["approved_by"] == "qe-anna" and done["versions"] == ["1", "2"]
+    folder = server.repo / CLASSIFIER / "2"
+    for name in ("model.onnx", "weights.pt", "candidate.json", "comparison.json",
+                 "promotion.json"):
+        assert (folder / name).is_file(), name
+    assert not (folder / "job.json").exists()
+    assert "default_version = 2" in (server.repo / CLASSIFIER / "model.toml").read_text()
+    assert not list((server.repo / CLASSIFIER).glob(".promote-*"))
+    shown = quality.get(f"{BASE}/c-1").json()
+    assert shown["state"] == "promoted" and shown["promotion"]["version"] == 2
+    (entry,) = audit(server, "promote")
+    assert entry["user"] == "qe-anna" and entry["target"] == f"model {CLASSIFIER}"
+    assert entry["old"] == {"version": 1}
+    assert entry["new"] == {"version": 2, "candidate": "c-1", "approved_by": "qe-anna"}
+    r = quality.post(f"{BASE}/c-1/promote")
+    assert r.status_code == 409 and "promoted already" in r.json()["error"], r.text
+
+    with Line(server.url) as line:
+        r = httpx.post(server.url + ROLLBACK, headers=ADMIN, timeout=60)
+        assert r.status_code == 200, r.text
+    switched_once(line.versions(), "2", "1")
+    back = r.json()
+    assert back["version"] == 2 and back["from_version"] == 1
+    assert back["rolled_back"]["by"] == "admin-token" and back["versions"] == ["1"]
+    assert (server.repo / CLASSIFIER / "retired" / "2" / "model.onnx").is_file()
+    assert not folder.exists()
+    assert "default_version = 1" in (server.repo / CLASSIFIER / "model.toml").read_text()
+    assert quality.get(f"{BASE}/c-1").json()["state"] == "rolled-back"
+    (entry,) = audit(server, "rollback")
+    assert entry["user"] == "admin-token" and entry["old"] == {"version": 2}
+    assert entry["new"] == {"version": 1, "candidate": "c-1"}
+    r = quality.post(ROLLBACK)
+    assert r.status_code == 409 and "rolled back already" in r.json()["error"], r.text
+    meta = httpx.get(f"{server.url}/v2/models/{CLASSIFIER}", timeout=10).json()
+    assert meta["versions"] == ["1"]
+
+
+def copy_candidate(source, repo) -> None:
+    """A trained and compared candidate, copied into another repository's candidates area."""
+    dest = repo / CLASSIFIER / "candidates" / "c-1"
+    shutil.copytree(source, dest, ignore=shutil.ignore_patterns("heldout"))
+    for path in [dest.parent, dest, *dest.rglob("*")]:
+        path.chmod(path.stat().st_mode & 0o755)
+
+
+def test_poll_mode_promotes_and_no_model_control_refuses(server, trained, tmp_path):
+    """A poll-mode server (no guard: a trained candidate needs none) promotes the same way; a
+    server whose models are fixed at start (--model-control-mode none) refuses and leaves the
+    repository as it was."""
+    assert (trained / "comparison.json").is_file()  # the test above compared it
+    fixed = start(tmp_path / "none")
+    try:
+        copy_candidate(trained, fixed.repo)
+        r = httpx.post(f"{fixed.url}{BASE}/c-1/promote", headers=ADMIN, timeout=60)
+        assert r.status_code == 409 and "model-control-mode" in r.json()["error"], r.text
+        assert not (fixed.repo / CLASSIFIER / "2").exists()
+        assert "default_version = 1" in (fixed.repo / CLASSIFIER / "model.toml").read_text()
+    finally:
+        fixed.stop()
+    polled = start(tmp_path / "poll", "--model-control-mode", "poll",
+                   "--repository-poll-secs", "0.1")
+    try:
+        copy_candidate(trained, polled.repo)
+        with Line(polled.url) as line:
+            r = httpx.post(f"{polled.url}{BASE}/c-1/promote", headers=ADMIN, timeout=60)
+            assert r.status_code == 200, r.text
+            time.sleep(0.5)  # polls that read the promoted version after the swap
+        switched_once(line.versions(), "1", "2")
+        assert "failed" not in polled.log().split("promoted to version 2")[-1].lower()
+    finally:
+        polled.stop()

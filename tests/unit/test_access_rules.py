@@ -25,7 +25,7 @@ from visionserve.security import (
     route_of,
     with_admin_token,
 )
-from visionserve.users.store import VIEWER
+from visionserve.users.store import QUALITY, VIEWER
 
 
 @pytest.mark.parametrize("host, local", [
@@ -57,7 +57,7 @@ def test_every_route_of_the_app_is_in_the_table():
                                     "/openapi.json")]
     # the console's pages are no API: outside the OpenAPI document, in the table all the same
     pages = [(m, r.path) for r in console.routes for m in sorted(r.methods)]
-    assert len(pages) == 10, pages
+    assert len(pages) == 11, pages
     routes += pages
     for method, path in routes:
         assert any(r.matches(method, path) for r in ROUTES), (method, path)
@@ -84,9 +84,19 @@ def test_every_route_of_the_app_is_in_the_table():
     ("GET", "/ui/static/a/b.js", ADMIN), ("POST", "/ui/static/console.js", ADMIN),
     ("GET", "/ui/session", SIGNIN), ("GET", "/ui/nowhere", ADMIN),
     ("GET", "/v1/audit", ADMIN), ("GET", "/ui/audit", ADMIN), ("POST", "/v1/audit", ADMIN),
+    ("POST", "/v1/models/m/candidates/c-1/promote", ADMIN),
+    ("POST", "/v1/models/m/rollback", ADMIN), ("GET", "/v1/models/m/rollback", ADMIN),
+    ("GET", "/ui/models/m/candidates", ADMIN),
 ])
 def test_classify(method, path, kind):
     assert classify(method, path) == kind
+
+
+def test_promotion_and_rollback_are_quality_work():
+    for method, path in (("POST", "/v1/models/m/candidates/c-1/promote"),
+                         ("POST", "/v1/models/m/rollback"), ("GET", "/ui/models/m/candidates")):
+        route = route_of(method, path)
+        assert route is not None and route.role == QUALITY, path
 
 
 def test_a_part_id_may_hold_slashes_and_stays_a_viewers_page():

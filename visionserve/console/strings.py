@@ -347,6 +347,8 @@ STRINGS: dict[str, str] = {
                         "under your name.",
     "candidates_link": "Candidates",
     "candidates_serving": "Version in force: {version}.",
+    "candidates_caption": "Each candidate on the held-out labelled frames: the live version it "
+                          "was compared with → the candidate.",
     "candidates_none": "No candidate yet: train one with POST "
                        "/v1/models/{model}/candidates once frames are labelled.",
     "candidates_in_force": "Version {version} is candidate {candidate}, promoted by {user} at "

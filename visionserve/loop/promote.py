@@ -230,7 +230,9 @@ def overview(entry: ModelEntry, jobs: JobStore | None) -> dict[str, Any]:
         shown = annotate(area, cands.describe(folder, jobs))
         comparison = cands.read_json(folder / "comparison.json")
         evaluation = cands.read_json(folder / "evaluation.json")
-        rows.append({**shown, "summary": comparison["summary"] if comparison else None,
+        rows.append({**shown, "promotion": shown.get("promotion"),
+                     "from_version": (shown.get("candidate") or shown).get("from_version"),
+                     "summary": comparison["summary"] if comparison else None,
                      "compared_with": evaluation["live_version"] if evaluation else None,
                      "promotable": shown["state"] in ("done", "rolled-back")
                      and comparison is not None})

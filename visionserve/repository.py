@@ -16,9 +16,10 @@ from __future__ import annotations
 import os
 import re
 import stat
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+import tomllib
 
 from .backends.base import model_file
 from .config import ModelConfig, load_model_config

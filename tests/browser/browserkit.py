@@ -78,6 +78,17 @@ def open_page(browser, server, path: str) -> None:
     WebDriverWait(browser, 30).until(lambda d: d.find_element(By.TAG_NAME, "h1"))
 
 
+def sign_in(driver, server, user: str, password: str, then: str = "/ui/models") -> None:
+    """Sign ``user`` in through the sign-in form (a fresh session), then open page ``then``."""
+    driver.delete_all_cookies()
+    driver.get(server.url + "/ui/login")
+    driver.find_element(By.ID, "user").send_keys(user)
+    driver.find_element(By.ID, "password").send_keys(password, Keys.ENTER)
+    WebDriverWait(driver, 30).until(lambda d: d.current_url.endswith("/ui/live"),  # the home
+                                     f"{user} was not signed in")
+    open_page(driver, server, then)
+
+
 def screenshot(browser, name: str) -> None:
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     height = browser.execute_script("return document.documentElement.scrollHeight")

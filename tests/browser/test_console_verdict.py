@@ -23,6 +23,7 @@ from browserkit import (
     page_text,
     press,
     screenshot,
+    sign_in,
     tab_to,
 )
 from conftest import TINY_TOML, make_tiny_model, start_server
@@ -170,30 +171,19 @@ def test_a_threshold_change_is_previewed_then_saved_with_the_keyboard(browser, s
     assert not save.is_enabled()
 
 
-def _sign_in(driver, server, user: str) -> None:
-    driver.delete_all_cookies()
-    driver.get(server.url + "/ui/login")
-    driver.find_element(By.ID, "user").send_keys(user)
-    driver.find_element(By.ID, "password").send_keys(PASSWORD, Keys.ENTER)
-    WebDriverWait(driver, 30).until(lambda d: d.current_url.endswith("/ui/live"),  # the home
-                                     f"{user} was not signed in")
-    driver.get(server.url + "/ui/models")
-    WebDriverWait(driver, 30).until(lambda d: d.find_element(By.TAG_NAME, "h1"))
-
-
 def test_a_viewer_sees_the_rules_but_no_form(browser, tmp_path):
     make_tiny_model(tmp_path / "repo" / MODEL, TOML)
     add_users(tmp_path / "data")
     s = start_server(tmp_path / "repo", tmp_path, "--host", "0.0.0.0", grpc=False,
                      env={"XDG_DATA_HOME": str(tmp_path / "data")})
     try:
-        _sign_in(browser, s, "otto")  # a viewer
+        sign_in(browser, s, "otto", PASSWORD)  # a viewer
         text = page_text(browser)
         assert "ok_threshold" in text and "Your role may read these rules but not change" in text
         assert browser.find_elements(By.CSS_SELECTOR, "form.verdict-form") == []
         screenshot(browser, "models-verdict-viewer")
         assert axe_violations(browser) == []
-        _sign_in(browser, s, "qe-anna")  # quality
+        sign_in(browser, s, "qe-anna", PASSWORD)  # quality
         form = _form(browser)
         field = form.find_element(By.CSS_SELECTOR, "input[data-field=ok_threshold]")
         _type_into(browser, field, "0.25")
@@ -237,7 +227,7 @@ def test_a_change_needs_the_sessions_token_and_signing_out_ends_the_session(
     change = '{"ok_threshold": 0.3}'
     url = f"/v1/models/{MODEL}/verdict"
     try:
-        _sign_in(browser, s, "qe-anna")  # quality: may change the rules
+        sign_in(browser, s, "qe-anna", PASSWORD)  # quality: may change the rules
         assert "Signed in as qe-anna (quality)" in page_text(browser)
         assert axe_violations(browser) == []
         status, text = _fetch(browser, "GET", "/ui/session")

@@ -19,8 +19,16 @@ import shutil
 
 import httpx
 import pytest
-from browserkit import MARKS, axe_violations, open_page, page_text, press, screenshot, \
-    shipped_repo, tab_to
+from browserkit import (
+    MARKS,
+    axe_violations,
+    page_text,
+    press,
+    screenshot,
+    shipped_repo,
+    sign_in,
+    tab_to,
+)
 from conftest import start_server, wait_for
 
 from tests.integration.test_console_users import PASSWORD, add_users
@@ -81,15 +89,6 @@ def server(tmp_path_factory):
     s.stop()
 
 
-def _sign_in(driver, server, user: str) -> None:
-    driver.delete_all_cookies()
-    driver.get(server.url + "/ui/login")
-    driver.find_element(By.ID, "user").send_keys(user)
-    driver.find_element(By.ID, "password").send_keys(PASSWORD, Keys.ENTER)
-    WebDriverWait(driver, 30).until(lambda d: d.current_url.endswith("/ui/live"),
-                                    f"{user} was not signed in")
-
-
 def _served(server) -> list[str]:
     return httpx.get(f"{server.url}/v2/models/{MODEL}", timeout=10).json()["versions"]
 
@@ -112,8 +111,7 @@ def _act(browser, label: str) -> str:
 
 
 def test_a_quality_user_promotes_and_rolls_back(browser, server):
-    _sign_in(browser, server, "qe-anna")
-    open_page(browser, server, "/ui/models")
+    sign_in(browser, server, "qe-anna", PASSWORD)
     browser.find_element(By.LINK_TEXT, "Candidates").click()
     WebDriverWait(browser, 30).until(lambda d: d.current_url.endswith(PAGE))
     row = browser.find_element(By.CSS_SELECTOR, "tr[data-candidate=c-1]")
@@ -156,8 +154,7 @@ fetch(url, {method: "POST", headers: {"Content-Type": "application/json", "X-CSR
 
 def test_a_viewer_has_no_button_and_is_refused(browser, server):
     before = _served(server)
-    _sign_in(browser, server, "otto")  # a viewer
-    open_page(browser, server, "/ui/models")
+    sign_in(browser, server, "otto", PASSWORD)  # a viewer
     assert browser.find_elements(By.LINK_TEXT, "Candidates") == []
     r = browser.execute_async_script(
         "fetch(arguments[0]).then(r => arguments[1](r.status))", server.url + PAGE)

@@ -40,15 +40,20 @@ def server(tmp_path_factory):
                      "--guard", "--guard-db", str(tmp / "guard.sqlite"), grpc=False,
                      env={"XDG_DATA_HOME": str(tmp / "xdg")})
     s.repo = tmp / "repo"
+    send_looks(s)
+    yield s
+    s.stop()
+
+
+def send_looks(server) -> None:
+    """Each of LOOKS inspected (part ids ``L-<index>``), and its record kept."""
     for i, (look, seed) in enumerate(LOOKS):
-        r = httpx.post(f"{s.url}/v1/models/{CLASSIFIER}/inspect", timeout=60,
+        r = httpx.post(f"{server.url}/v1/models/{CLASSIFIER}/inspect", timeout=60,
                        content=synthetic.encode(synthetic.generate(look, seed=seed)),
                        headers={"Content-Type": "image/jpeg", "X-Part-Id": f"L-{i}",
                                 "X-Deadline-Ms": "10000"})
         assert r.status_code == 200, r.text
-    wait_for(lambda: len(records(s)) >= len(LOOKS), 30, "every record")
-    yield s
-    s.stop()
+    wait_for(lambda: len(records(server)) >= len(LOOKS), 30, "every record")
 
 
 @pytest.fixture(scope="module")

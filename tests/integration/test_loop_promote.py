@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+from typing import Self
 
 import httpx
 import pytest
@@ -26,6 +27,7 @@ from tests.integration.test_loop_candidates import (
     TRAIN,
     audit,
     records,
+    send_looks,
     wait_state,
 )
 from tests.integration.test_records_images import shipped_repo
@@ -35,12 +37,14 @@ FRAME = synthetic.encode(synthetic.generate("scratch", seed=7))
 ROLLBACK = f"/v1/models/{CLASSIFIER}/rollback"
 
 
-def start(tmp, *extra: str):
+def start(tmp, *extra: str, guard: bool = False):
     add_users(tmp / "xdg")
     s = start_server(shipped_repo(tmp / "repo", (CLASSIFIER,)), tmp,
                      "--host", "0.0.0.0", "--trusted-proxies", "127.0.0.1",
                      "--admin-token", TOKEN, "--records", "--records-dir", str(tmp / "data"),
-                     *extra, grpc=False, env={"XDG_DATA_HOME": str(tmp / "xdg")})
+                     *extra, *(("--guard", "--guard-db", str(tmp / "guard.sqlite")) if guard
+                               else ()),
+                     grpc=False, env={"XDG_DATA_HOME": str(tmp / "xdg")})
     s.repo = tmp / "repo"
     return s
 
@@ -48,15 +52,8 @@ def start(tmp, *extra: str):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     s = start(tmp_path_factory.mktemp("promote"), "--capture", "learn",
-              "--capture-sample-percent", "100", "--model-control-mode", "explicit",
-              "--guard", "--guard-db", "guard.sqlite")
-    for i, (look, seed) in enumerate(LOOKS):
-        r = httpx.post(f"{s.url}/v1/models/{CLASSIFIER}/inspect", timeout=60,
-                       content=synthetic.encode(synthetic.generate(look, seed=seed)),
-                       headers={"Content-Type": "image/jpeg", "X-Part-Id": f"L-{i}",
-                                "X-Deadline-Ms": "10000"})
-        assert r.status_code == 200, r.text
-    wait_for(lambda: len(records(s)) >= len(LOOKS), 30, "every record")
+              "--capture-sample-percent", "100", "--model-control-mode", "explicit", guard=True)
+    send_looks(s)
     yield s
     s.stop()
 
@@ -99,7 +96,7 @@ class Line:
                                 headers={"Content-Type": "image/jpeg", "X-Deadline-Ms": "20000"})
                 self.answers.append((r.status_code, r.json().get("version"), r.text[:200]))
 
-    def __enter__(self) -> Line:
+    def __enter__(self) -> Self:
         self._thread.start()
         wait_for(lambda: len(self.answers) >= 3, 30, "the line's first answers")
         return self

@@ -5,10 +5,10 @@ version rewritten in place, and a candidate's state from the model's promotions.
 from __future__ import annotations
 
 import shutil
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from visionserve.loop import candidates as cands
 from visionserve.loop import promote

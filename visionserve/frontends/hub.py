@@ -27,7 +27,8 @@ Messages (tuples) a front end sends:
   ``("live_close",)`` each. ``("live_summary", rid, model, minutes)``: the per-minute summary.
   ``("live_dropped", n)``: its streams lost ``n`` events (a slow browser), for the metrics.
   ``("repository", rid, call, args)``: ``call`` one of ``repository_index``, ``load_model``,
-  ``unload_model``, ``reload_model``, ``trigger`` (a camera's or station's, with (target, part id, station)) and
+  ``unload_model``, ``reload_model``, ``trigger`` (a camera's or station's, with (target, part
+  id, station)) and
   ``camera_states`` of the engine, with ``args``; a swap sends every front end the models before
   any frame reaches the new versions (``Engine.on_change``).
   ``("preview", rid, model, changes)``: what a ``[verdict]`` change would make of the model's

@@ -7,7 +7,8 @@ number in one step, so that ``--model-control-mode poll`` sees the whole version
 Then the engine serves the folder again with the swap of a model load (the new version loads and
 warms up beside the live one, one assignment switches traffic, the old one drains): no frame
 fails. Where model.toml names a ``default_version`` (the shipped models do), it is set to the new
-version in the same step; otherwise the newest version is the default anyway. A rollback (``POST /v1/models/{m}/rollback``) moves the version of the last promotion to
+version in the same step; otherwise the newest version is the default anyway. A rollback
+(``POST /v1/models/{m}/rollback``) moves the version of the last promotion to
 ``<model>/retired/<version>/`` (kept, never served: the repository reads numeric folders only)
 and swaps back to the version served before it, which stayed on disk (``default_version`` set
 back where the file names one).

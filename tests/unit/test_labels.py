@@ -132,6 +132,11 @@ def label_round_trip(store: RecordStore, model: str = "tiny") -> None:
     assert [r.part_id for _, r, _ in store.review(ReviewQuery(model))] == ["L-4", "L-2", "L-0"]
     assert store.review(ReviewQuery("other")) == []
     assert {"2027-01-15/L-1.jpg", "2027-01-15/L-3.jpg"} <= store.labelled_images()
+    # the export: each record with its id and its label in force
+    exported = {r.part_id: (row_id, lab) for row_id, r, lab in store.exported(t0, t0 + 10)}
+    assert exported["L-1"][0] == ids["L-1"] and exported["L-1"][1] == history[0]
+    assert exported["L-0"][1] is None and exported["L-none"][1] is None
+    assert exported["L-3"][1].by == "admin-token"
     # retention by age: every record is old, the labelled ones stay
     store.retain(max_age_s=1.0, max_bytes=10**12, now=t0 + 10**6)
     assert store.record(ids["L-1"]) is not None and store.record(ids["L-3"]) is not None

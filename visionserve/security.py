@@ -130,6 +130,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/models/{m}/candidates/{c}", ADMIN, QUALITY),
     Route("POST", "/v1/models/{m}/candidates/{c}/evaluate", ADMIN, QUALITY),
     Route("GET", "/v1/models/{m}/candidates/{c}/comparison", ADMIN, QUALITY),
+    Route("GET", "/v1/models/{m}/candidates/{c}/trace", ADMIN, QUALITY),  # its audit trail
     # the promotion of a compared candidate and its rollback: quality work, audited
     Route("POST", "/v1/models/{m}/candidates/{c}/promote", ADMIN, QUALITY),
     Route("POST", "/v1/models/{m}/rollback", ADMIN, QUALITY),

@@ -2,7 +2,7 @@
 capture policy and its reasons, labels checked against a model's labels (:mod:`.labels`), the
 ``labels`` table in a real SQLite file (every label kept, the latest in force, the review queue
 a page at a time, retention keeps labelled records), and a capture folder whose quota never
-deletes a labelled frame. PostgreSQL runs :func:`label_round_trip` in
+deletes a labelled frame, nor a bucket's spool. PostgreSQL runs :func:`label_round_trip` in
 tests/integration/test_records_serving.py."""
 
 from __future__ import annotations
@@ -10,14 +10,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from tests.unit.test_records import TASK, _record, _result
-from visionserve.config import ModelConfig
+from visionserve.config import ModelConfig, ServerSettings
 from visionserve.errors import InvalidInput
 from visionserve.records import labels
-from visionserve.records.capture import FolderTarget, Policy
+from visionserve.records.capture import FolderTarget, Policy, S3Target, open_target
 from visionserve.records.store import RecordStore, ReviewQuery, SqliteStore
 
 # --- the learn policy ----------------------------------------------------------------------------
@@ -130,6 +132,11 @@ def label_round_trip(store: RecordStore, model: str = "tiny") -> None:
     assert [r.part_id for _, r, _ in store.review(ReviewQuery(model))] == ["L-4", "L-2", "L-0"]
     assert store.review(ReviewQuery("other")) == []
     assert {"2027-01-15/L-1.jpg", "2027-01-15/L-3.jpg"} <= store.labelled_images()
+    # the export: each record with its id and its label in force
+    exported = {r.part_id: (row_id, lab) for row_id, r, lab in store.exported(t0, t0 + 10)}
+    assert exported["L-1"][0] == ids["L-1"] and exported["L-1"][1] == history[0]
+    assert exported["L-0"][1] is None and exported["L-none"][1] is None
+    assert exported["L-3"][1].by == "admin-token"
     # retention by age: every record is old, the labelled ones stay
     store.retain(max_age_s=1.0, max_bytes=10**12, now=t0 + 10**6)
     assert store.record(ids["L-1"]) is not None and store.record(ids["L-3"]) is not None
@@ -141,22 +148,54 @@ def test_labels_are_kept_beside_the_records_in_sqlite(tmp_path):
     label_round_trip(SqliteStore(tmp_path / "records.sqlite"))
 
 
+def fill_with_a_labelled_frame(store: SqliteStore, put: Callable[[str, bytes, bytes], str],
+                               folder: Path) -> None:
+    """Twelve 1 KB frames stored by ``put`` (a capture target's: it answers where the image
+    is, as the record names it) into ``folder`` (quota 10 KB), oldest first; the oldest is
+    labelled by a flag and the third in the review queue once the first ones are in: both
+    stay with their sidecars whatever the quota, the unlabelled ones go, oldest first."""
+    keys = [f"2027-01-15/p{i}.{i:012x}.jpg" for i in range(12)]
+
+    def stored(i: int) -> str:
+        location = put(keys[i], b"x" * 1000, b"{}")
+        os.utime(folder / keys[i], (1000 + i, 1000 + i))
+        return location
+
+    store.write([_record(1.0 + i, part=f"p{i}", image=stored(i), kept_for="ng")
+                 for i in range(3)])
+    store.add_label(1, {"label": "scratch", "verdict_was_wrong": True}, "qe-anna", "flag")
+    store.add_label(3, {"label": "ok"}, "max", "review")
+    for i in range(3, 12):
+        stored(i)
+    kept = sorted(p.name.split(".")[0] for p in folder.rglob("*.jpg"))
+    assert "p0" in kept and (folder / f"{keys[0]}.json").is_file()
+    assert "p2" in kept and (folder / f"{keys[2]}.json").is_file()
+    assert "p1" not in kept and "p3" not in kept and "p11" in kept  # oldest first, as before
+    total = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    assert total <= 10_000
+
+
 def test_the_quota_never_deletes_a_labelled_frame(tmp_path):
     store = SqliteStore(tmp_path / "records.sqlite")
     target = FolderTarget(tmp_path / "cap", quota=10_000, keep=store.labelled_images)
-    keys = [f"2027-01-15/p{i}.{i:012x}.jpg" for i in range(12)]
-    for i, key in enumerate(keys[:3]):
-        target.put(key, b"x" * 1000, b"{}")
-        os.utime(tmp_path / "cap" / key, (1000 + i, 1000 + i))
-    store.write([_record(1.0 + i, part=f"p{i}", image=k, kept_for="ng")
-                 for i, k in enumerate(keys[:3])])
-    store.add_label(1, {"label": "scratch"}, "qe-anna", "flag")  # the oldest image
-    for i, key in enumerate(keys[3:], 3):
-        target.put(key, b"x" * 1000, b"{}")
-        os.utime(tmp_path / "cap" / key, (1000 + i, 1000 + i))
-    kept = sorted(p.name.split(".")[0] for p in (tmp_path / "cap").rglob("*.jpg"))
-    assert "p0" in kept and (tmp_path / "cap" / f"{keys[0]}.json").is_file()
-    assert "p1" not in kept and "p11" in kept  # the others, oldest first, as before
-    total = sum(p.stat().st_size for p in (tmp_path / "cap").rglob("*") if p.is_file())
-    assert total <= 10_000
+    fill_with_a_labelled_frame(store, target.put, tmp_path / "cap")
+    store.close()
+
+
+def test_the_s3_spools_quota_never_deletes_a_labelled_frame(tmp_path):
+    """A bucket that does not answer (a closed port): images wait in the spool, under the
+    capture quota; the labelled ones (their records name the bucket's URL) stay there to be
+    uploaded."""
+    pytest.importorskip("minio")
+    store = SqliteStore(tmp_path / "records.sqlite")
+    settings = ServerSettings(records=True, capture="learn",
+                              capture_target="s3://line-1/captures",
+                              capture_s3_endpoint="http://127.0.0.1:9", capture_quota="10000")
+    target = open_target(settings, tmp_path, store.labelled_images)
+    assert isinstance(target, S3Target) and target.spool is not None
+    fill_with_a_labelled_frame(store, target.put, tmp_path / "capture-spool")
+    # waiting to be uploaded, oldest first: the labelled ones, then the newest unlabelled
+    assert [k.split(".")[0] for k in target.spool.images()[:3]] == [
+        "2027-01-15/p0", "2027-01-15/p2", "2027-01-15/p6"]
+    assert store.record(1).image == "s3://line-1/captures/2027-01-15/p0.000000000000.jpg"
     store.close()

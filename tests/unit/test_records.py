@@ -477,6 +477,11 @@ def test_export_writes_the_records_of_the_range(tmp_path, fmt):
     t0 = parse_time("2026-12-01T06:00:00Z")
     store.write([_record(t0 + 3600 * i, part=f"P-{i}", verdict="NG" if i % 3 else "OK",
                          camera_time=t0 + i + 0.5 if i % 2 else None) for i in range(10)])
+    # P-3 was labelled twice (the later in force), P-9 (out of the range) once
+    store.add_label(4, {"label": "dent"}, "max", "review", now=t0 + 86400)
+    store.add_label(4, {"label": "scratch", "verdict_was_wrong": True}, "qe-anna", "flag",
+                    now=t0 + 86400 + 60)
+    store.add_label(10, {"label": "dent"}, "max", "review", now=t0 + 86400)
     out = tmp_path / f"out.{fmt}"
     args = Namespace(records_url=None, records_dir=str(tmp_path), action="export",
                      since="2026-12-01T08:00Z", until="2026-12-01T12:00Z", format=fmt,
@@ -486,13 +491,22 @@ def test_export_writes_the_records_of_the_range(tmp_path, fmt):
         with open(out, newline="") as f:
             rows = list(csv.DictReader(f))
         times = [r["time"] for r in rows]
+        labelled_at = [r["labelled_at"] for r in rows]
         assert json.loads(rows[0]["result"]) == {"label": "ok", "score": 0.9}
     else:
         import pyarrow.parquet as pq
 
         rows = pq.read_table(out).to_pylist()
         times = [r["time"].strftime("%Y-%m-%dT%H:%M:%S.000Z") for r in rows]
+        labelled_at = [r["labelled_at"] and r["labelled_at"].strftime("%Y-%m-%dT%H:%M:%S.000Z")
+                       for r in rows]
     assert [r["part_id"] for r in rows] == ["P-2", "P-3", "P-4", "P-5"]
+    assert [int(r["id"]) for r in rows] == [3, 4, 5, 6]  # the API's ids
+    # the label in force of each record, who set it, when and where (empty for none)
+    assert json.loads(rows[1]["labelled"]) == {"label": "scratch", "verdict_was_wrong": True}
+    assert (rows[1]["labelled_by"], rows[1]["labelled_source"]) == ("qe-anna", "flag")
+    assert labelled_at[1] == "2026-12-02T06:01:00.000Z"
+    assert [r["labelled_by"] or None for r in rows] == [None, "qe-anna", None, None]
     assert times[0] == "2026-12-01T08:00:00.000Z"
     # the camera's time, where the frame had one (CSV: text, empty for none)
     assert [r["camera_time"] for r in rows] == \

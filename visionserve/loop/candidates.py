@@ -6,8 +6,10 @@ while it trains, ``job.json`` (what it is trained on and the guard job that trai
 exported frames (``train/<label>/<record>.<ext>``, ``heldout/<label>/<record>.<ext>``); once its
 job succeeded, what a version folder holds (``weights.pt``, ``model.onnx``, ``model.pt2``,
 ``metrics.json``, ``export.json``) and ``candidate.json``, the traceability record (job.json and
-the training's metrics). The training frames are removed then; the held-out ones stay for the
-comparison (``evaluation.json``: its guard job; ``comparison.json``: its result, :mod:`.evaluate`).
+the training's metrics, with the digests of its files and of the version it was trained from).
+The training frames are removed then; the held-out ones stay for the comparison
+(``evaluation.json``: its guard job; ``comparison.json``: its result, :mod:`.evaluate`).
+:func:`trace` puts the whole trail of a candidate together for an audit.
 
 The export: every labelled capture of the model (the label in force), split by a stable hash of
 its record id (:func:`held_out`: every 5th out of training), each image as it was stored (a raw
@@ -34,13 +36,16 @@ from ..errors import NotFound
 from ..guard.store import TERMINAL, Job, JobStore
 from ..records.images import ImageSource
 from ..records.record import iso
-from ..records.store import MAX_PAGE, RecordStore, ReviewQuery
+from ..records.store import MAX_PAGE, Label, RecordStore, ReviewQuery
 
 #: one labelled record in this many is held out of training (the comparison's set)
 HOLDOUT_EVERY = 5
 #: the most labelled captures one candidate is trained on (the newest)
 MAX_FRAMES = 20000
 _CID = re.compile(r"^c-([1-9][0-9]{0,8})$")
+#: what a trained candidate (and a version it is trained from) is, by file: their SHA-256 in
+#: candidate.json say which bytes were trained, compared and, later, served
+ARTEFACTS = ("weights.pt", "model.onnx", "model.pt2", "metrics.json", "export.json")
 #: a candidate's states: its training job's (paused counts as running), or done
 STATES = ("queued", "running", "done", "failed")
 
@@ -54,14 +59,19 @@ def held_out(record_id: int) -> bool:
 
 @dataclass(frozen=True)
 class Labelled:
-    """A labelled capture as exported: its record, label, who labelled it and when, and its file
-    in the candidate's folder."""
+    """A labelled capture as exported: its record (its part and the line's verdict), its label,
+    who labelled it, when and where (``flag`` or ``review``), whether they said the line's
+    verdict was wrong, and its file in the candidate's folder."""
 
     record_id: int
     label: str
     labelled_by: str
     labelled_at: str
     file: str
+    source: str
+    verdict_was_wrong: bool
+    part_id: str | None
+    verdict: str
 
 
 @dataclass(frozen=True)
@@ -119,8 +129,9 @@ def export(store: RecordStore, images: ImageSource, model: str, labels: tuple[st
         rel = f"{part}/{name}/{row_id}.{ext}"
         (dest / part / name).mkdir(parents=True, exist_ok=True)
         (dest / rel).write_bytes(data)
-        (held if part == "heldout" else training).append(
-            Labelled(row_id, name, label.by, iso(label.time), rel))
+        (held if part == "heldout" else training).append(Labelled(
+            row_id, name, label.by, iso(label.time), rel, label.source,
+            bool(label.label.get("verdict_was_wrong")), record.part_id, record.verdict))
     return Export(training, held)
 
 
@@ -244,13 +255,32 @@ def describe(folder: Path, jobs: JobStore | None) -> dict[str, Any]:
     return out
 
 
+def digests(folder: Path) -> dict[str, str]:
+    """SHA-256 of each of the ARTEFACTS ``folder`` holds."""
+    out = {}
+    for name in ARTEFACTS:
+        digest = hashlib.sha256()
+        try:
+            with open(folder / name, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    digest.update(chunk)
+        except FileNotFoundError:
+            continue
+        out[name] = digest.hexdigest()
+    return out
+
+
 def finish(folder: Path, job_info: dict[str, Any], job: Job | None) -> dict[str, Any]:
     metrics = read_json(folder / "metrics.json") or {}
     ended = job.ended_at if job is not None and job.ended_at else time.time()
     candidate = {**job_info, "finished": iso(ended), "metrics": {
         k: metrics.get(k) for k in ("final_val_acc", "history", "train_images", "val_images",
                                     "steps", "freeze_backbone", "mix_synthetic", "seconds",
-                                    "device", "export")}}
+                                    "device", "export")},
+        # which bytes: the candidate's, and the version's it was fine-tuned from (a version
+        # folder is never rewritten: a new version is a new folder)
+        "files": digests(folder),
+        "from_files": digests(folder.parent.parent / str(job_info["from_version"]))}
     write_json(folder / "candidate.json", candidate)
     shutil.rmtree(folder / "train", ignore_errors=True)
     return candidate
@@ -258,3 +288,79 @@ def finish(folder: Path, job_info: dict[str, Any], job: Job | None) -> dict[str,
 
 def labelled_dicts(items: list[Labelled]) -> list[dict[str, Any]]:
     return [asdict(x) for x in items]
+
+
+def comparison(folder: Path, jobs: JobStore | None) -> dict[str, Any]:
+    """A candidate's comparison with the live version: its state and, once done, per record
+    and summed up, with the records where the two disagree; NotFound before one was asked for."""
+    cid = folder.name
+    evaluation = read_json(folder / "evaluation.json")
+    if evaluation is None:
+        raise NotFound(f"candidate {cid} has not been compared yet: POST "
+                       f"/v1/models/{folder.parent.parent.name}/candidates/{cid}/evaluate")
+    result = read_json(folder / "comparison.json")
+    if result is not None:
+        disagree = set(result["summary"]["disagree"])
+        return {"id": cid, "state": "done", "evaluation": evaluation, **result,
+                "disagreements": [r for r in result["records"] if r["record_id"] in disagree]}
+    state, job, reason = job_state(jobs, evaluation["job"]["id"])
+    if state == "done":
+        state, reason = "failed", "the comparison job ended without writing its result"
+    return {"id": cid, "state": state, "evaluation": evaluation,
+            "progress": progress(job), **({"reason": reason} if reason else {})}
+
+
+def used(folder: Path) -> set[int]:
+    """The records a candidate was trained or compared on (its job.json's)."""
+    info = read_json(folder / "job.json") or {}
+    return {x["record_id"] for part in ("trained_on", "held_out") for x in info.get(part, [])}
+
+
+def trace(folder: Path, jobs: JobStore | None, store: RecordStore) -> dict[str, Any]:
+    """A candidate's trail for an audit: the version it was trained from, the training (who
+    asked, the guard job, its command and recipe, its metrics, which bytes came out), the
+    labelled records it was trained and compared on (each label, who set it, when and where)
+    and those whose label in force changed since, and its comparison with the live version (the
+    held-out records and the figures)."""
+    shown = describe(folder, jobs)
+    info = shown.get("candidate") or read_json(folder / "job.json")
+    training = {"job": {**info["job"], "state": shown["state"]}, "recipe": info["recipe"],
+                "requested_by": info["created_by"], "requested": info["created"],
+                **{k: info.get(k) for k in ("finished", "metrics", "files")}}
+    try:
+        compared = comparison(folder, jobs)
+        evaluation: dict[str, Any] | None = {
+            "state": compared["state"], **compared["evaluation"],
+            "records": [r["record_id"] for r in compared.get("records", [])],
+            "summary": compared.get("summary")}
+    except NotFound:
+        evaluation = None
+    return {"id": folder.name, "model": info["model"], "state": shown["state"],
+            **({"reason": shown["reason"]} if "reason" in shown else {}),
+            "from_version": info["from_version"], "from_files": info.get("from_files"),
+            "training": training, "trained_on": info["trained_on"],
+            "held_out": info["held_out"],
+            "relabelled": relabelled(store, info["model"], info["trained_on"] + info["held_out"]),
+            "evaluation": evaluation}
+
+
+def relabelled(store: RecordStore, model: str, items: list[dict[str, Any]]
+               ) -> list[dict[str, Any]]:
+    """The records among ``items`` (a candidate's ``trained_on`` and ``held_out``) whose label
+    in force is no longer the one the candidate used: each with the label used and the one in
+    force now."""
+    if not items:
+        return []
+    now: dict[int, Label] = {row_id: label for row_id, _, label in labelled_rows(store, model)
+                             if label is not None}
+    out = []
+    for x in items:
+        label = now.get(x["record_id"])
+        if label is None:  # beyond the newest labelled captures: asked on its own
+            labels = store.labels(x["record_id"])
+            label = labels[0] if labels else None
+        if label is None or (label.by, iso(label.time)) != (x["labelled_by"], x["labelled_at"]):
+            out.append({"record_id": x["record_id"],
+                        "used": {k: x[k] for k in ("label", "labelled_by", "labelled_at")},
+                        "now": None if label is None else label.to_dict()})
+    return out

@@ -12,6 +12,8 @@ admin, or the admin token):
                                                      (:mod:`.promote`)
   POST /v1/models/{m}/rollback                       serve again the version before the last
                                                      promotion
+  GET  /v1/models/{m}/candidates/{cid}/trace         its trail for an audit (candidates.trace)
+  GET  /v1/models/{m}/candidates?record=N            the candidates that used record N
 
 Creating one exports the model's labelled captures into the candidate's folder
 (:mod:`.candidates`) and submits the fine-tune to the guard's queue (its Python API, the same
@@ -157,10 +159,11 @@ class Loop:
             "created_by": by, "created": iso(now), "created_at": now})
         return cands.describe(folder, jobs)
 
-    def candidates(self, entry: ModelEntry) -> list[dict[str, Any]]:
+    def candidates(self, entry: ModelEntry, record: int | None = None) -> list[dict[str, Any]]:
         area = cands.Area(entry.path)
         return [promotion.annotate(area, cands.describe(folder, self.jobs))
-                for folder in area.started()]
+                for folder in area.started()
+                if record is None or record in cands.used(folder)]
 
     def candidate(self, entry: ModelEntry, cid: str) -> dict[str, Any]:
         area = cands.Area(entry.path)
@@ -197,21 +200,10 @@ class Loop:
         return {"id": cid, "state": "queued", "evaluation": evaluation}
 
     def comparison(self, entry: ModelEntry, cid: str) -> dict[str, Any]:
-        folder = cands.Area(entry.path).folder(cid)
-        evaluation = cands.read_json(folder / "evaluation.json")
-        if evaluation is None:
-            raise NotFound(f"candidate {cid} has not been compared yet: POST "
-                           f"/v1/models/{entry.name}/candidates/{cid}/evaluate")
-        result = cands.read_json(folder / "comparison.json")
-        if result is not None:
-            disagree = set(result["summary"]["disagree"])
-            return {"id": cid, "state": "done", "evaluation": evaluation, **result,
-                    "disagreements": [r for r in result["records"] if r["record_id"] in disagree]}
-        state, job, reason = cands.job_state(self.jobs, evaluation["job"]["id"])
-        if state == "done":
-            state, reason = "failed", "the comparison job ended without writing its result"
-        return {"id": cid, "state": state, "evaluation": evaluation,
-                "progress": cands.progress(job), **({"reason": reason} if reason else {})}
+        return cands.comparison(cands.Area(entry.path).folder(cid), self.jobs)
+
+    def trace(self, entry: ModelEntry, cid: str) -> dict[str, Any]:
+        return cands.trace(cands.Area(entry.path).folder(cid), self.jobs, self.store)
 
 
 async def no_body(request: Request) -> None:
@@ -250,10 +242,11 @@ def make_router(store: RecordStore, images: ImageSource, jobs: JobStore | None) 
             by)
         return JSONResponse(shown, status_code=202)
 
-    @router.get("/v1/models/{model}/candidates", summary="A model's candidates and their state")
-    async def listing(request: Request, model: str) -> JSONResponse:
+    @router.get("/v1/models/{model}/candidates", summary="A model's candidates and their state "
+                "(record=N: those that used record N)")
+    async def listing(request: Request, model: str, record: str | None = None) -> JSONResponse:
         try:
-            rows = await call(request, model, loop.candidates)
+            rows = await call(request, model, loop.candidates, record_param(record))
         except VisionServeError as exc:
             return error_response(exc, {"model": model})
         return JSONResponse({"model": model, "count": len(rows), "candidates": rows})
@@ -330,4 +323,21 @@ def make_router(store: RecordStore, images: ImageSource, jobs: JobStore | None) 
             entry.by())
         return JSONResponse(done)
 
+    @router.get("/v1/models/{model}/candidates/{cid}/trace", summary="A candidate's trail for "
+                "an audit: from which version, on which labels, by whom, evaluated how")
+    async def trace(request: Request, model: str, cid: str) -> JSONResponse:
+        try:
+            return JSONResponse(await call(request, model, loop.trace, cid))
+        except VisionServeError as exc:
+            return error_response(exc, {"model": model, "candidate": cid})
+
     return router
+
+
+def record_param(value: str | None) -> int | None:
+    """``?record=N``: a record's id; InvalidInput for anything else."""
+    if value is None:
+        return None
+    if not value.isdigit() or not 0 < int(value) < 2**63:
+        raise InvalidInput(f"record {value!r}: a record's id (a listing's id)")
+    return int(value)

@@ -382,8 +382,8 @@ class S3Target:
     and are uploaded from there, oldest first, when it answers again (:meth:`flush`); the
     record names the ``s3://`` URL the image will have. Without a spool a failed upload raises."""
 
-    def __init__(self, url: str, endpoint: str | None, spool: FolderTarget | None = None) -> None:
-        self.bucket = S3Bucket(url, endpoint)
+    def __init__(self, bucket: S3Bucket, spool: FolderTarget | None = None) -> None:
+        self.bucket = bucket
         self.client, self.where = self.bucket.client, self.bucket.where
         self.spool = spool
         self._down_since: float | None = None
@@ -480,15 +480,25 @@ _CONTENT_TYPES = {"jpg": "image/jpeg", "png": "image/png", "bmp": "image/bmp"}
 def open_target(settings, folder: Path, keep: Callable[[], set[str]] | None = None
                 ) -> FolderTarget | S3Target:
     """The capture target of ``settings`` (default: ``captures/`` in the records folder; for a
-    bucket, its spool is ``capture-spool/`` there, under the same quota). ``keep``: the images a
-    folder's quota never deletes (:class:`FolderTarget`); a bucket's retention is its own."""
+    bucket, its spool is ``capture-spool/`` there, under the same quota). ``keep``: where the
+    labelled images are (the records' ``image``), which neither a folder's quota nor a spool's
+    ever deletes; a bucket's retention is its own (its lifecycle rule)."""
     target = settings.capture_target
     quota = parse_bytes(settings.capture_quota)
     if target and target.startswith("s3://"):
-        spool = FolderTarget(_folder(folder / "capture-spool"), quota, "capture spool")
-        return S3Target(target, settings.capture_s3_endpoint, spool)
+        bucket = S3Bucket(target, settings.capture_s3_endpoint)
+        spool = FolderTarget(_folder(folder / "capture-spool"), quota, "capture spool",
+                             keep=None if keep is None else _spooled(keep, bucket))
+        return S3Target(bucket, spool)
     return FolderTarget(_folder(Path(target) if target else folder / "captures"), quota,
                         keep=keep)
+
+
+def _spooled(keep: Callable[[], set[str]], bucket: S3Bucket) -> Callable[[], set[str]]:
+    """``keep`` as the spool's keys: a spooled image's record names its ``s3://`` URL."""
+    def keys() -> set[str]:
+        return {key for location in keep() if (key := bucket.key(location)) is not None}
+    return keys
 
 
 def _folder(root: Path) -> Path:

@@ -5,8 +5,10 @@
 
 The store is the server's: ``--records-url`` / ``--records-dir`` (or VISIONSERVE_RECORDS_URL /
 VISIONSERVE_RECORDS_DIR, as ``serve`` reads them). Times are ISO 8601; without an offset, local
-time. CSV has one row per record, the task's result and the timings as JSON text; Parquet (the
-``records-parquet`` extra, pyarrow) the same columns, ``time`` as a UTC timestamp.
+time. CSV has one row per record (its ``id``, its columns, and the label in force of a captured
+frame: what it shows, who labelled it, when and where), the task's result, the timings and the
+label as JSON text; Parquet (the ``records-parquet`` extra, pyarrow) the same columns, ``time``
+and ``labelled_at`` as UTC timestamps.
 """
 
 from __future__ import annotations
@@ -21,9 +23,15 @@ from pathlib import Path
 
 from ..errors import VisionServeError
 from .record import COLUMNS, Record, iso, parse_time
+from .store import Label
 
 #: rows per Parquet row group
 PARQUET_ROWS = 10_000
+#: what a captured frame was labelled (the label in force, docs/closed-loop.md): the label as
+#: kept (JSON), who set it, when and where (``flag`` or ``review``); empty for a record without
+LABEL_COLUMNS = ("labelled", "labelled_by", "labelled_at", "labelled_source")
+#: an export's columns: the record's id (the API's), its columns, its label
+EXPORT_COLUMNS = ("id", *COLUMNS, *LABEL_COLUMNS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         until = parse_time(args.until) if args.until else None
         if args.format == "parquet" and args.out == "-":
             raise ValueError("--format parquet needs a file (--out FILE)")
-        rows = store.select(since, until)
+        rows = store.exported(since, until)
         n = write_parquet(rows, Path(args.out)) if args.format == "parquet" \
             else write_csv(rows, args.out)
     except ValueError as exc:
@@ -77,18 +85,30 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _flat(r: Record) -> dict:
-    """A record as one row: the time in ISO 8601 (UTC), the JSON columns as text."""
-    row = dict(zip(COLUMNS, r.row()))
-    row["time"] = iso(r.time)
+Exported = tuple[int, Record, Label | None]
+
+
+def _row(row_id: int, r: Record, label: Label | None) -> dict:
+    """A record as one row: its id, the JSON columns as text, its label in force (or None)."""
+    return {"id": row_id, **dict(zip(COLUMNS, r.row())),
+            **dict(zip(LABEL_COLUMNS, (None,) * len(LABEL_COLUMNS) if label is None else
+                       (json.dumps(label.label), label.by, label.time, label.source)))}
+
+
+def _flat(exported: Exported) -> dict:
+    """A record as one CSV row: the times in ISO 8601 (UTC)."""
+    row = _row(*exported)
+    row["time"] = iso(exported[1].time)
+    if row["labelled_at"] is not None:
+        row["labelled_at"] = iso(row["labelled_at"])
     return row
 
 
-def write_csv(records: Iterable[Record], out: str) -> int:
+def write_csv(records: Iterable[Exported], out: str) -> int:
     n = 0
     f = sys.stdout if out == "-" else open(out, "w", newline="", encoding="utf-8")  # noqa: SIM115
     try:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w = csv.DictWriter(f, fieldnames=EXPORT_COLUMNS)
         w.writeheader()
         for r in records:
             w.writerow(_flat(r))
@@ -99,23 +119,25 @@ def write_csv(records: Iterable[Record], out: str) -> int:
     return n
 
 
-def write_parquet(records: Iterable[Record], out: Path) -> int:
+def write_parquet(records: Iterable[Exported], out: Path) -> int:
     from ..extras import require
 
     pa = require("pyarrow", "records export to Parquet")
     pq = require("pyarrow.parquet", "records export to Parquet")
-    types = {"time": pa.timestamp("ms", tz="UTC"), "score": pa.float64(),
+    types = {"id": pa.int64(), "time": pa.timestamp("ms", tz="UTC"), "score": pa.float64(),
              "frame_index": pa.int32(), "camera_time": pa.float64(),
-             "camera_frame": pa.int64()}
-    schema = pa.schema([(c, types.get(c, pa.string())) for c in COLUMNS])
+             "camera_frame": pa.int64(), "labelled_at": pa.timestamp("ms", tz="UTC")}
+    schema = pa.schema([(c, types.get(c, pa.string())) for c in EXPORT_COLUMNS])
     n = 0
     tmp = out.with_name(f".{out.name}.tmp")
     try:
         with pq.ParquetWriter(str(tmp), schema) as w:
             chunk: list[dict] = []
             for r in records:
-                row = dict(zip(COLUMNS, r.row()))
-                row["time"] = int(r.time * 1000)
+                row = _row(*r)
+                row["time"] = int(r[1].time * 1000)
+                if row["labelled_at"] is not None:
+                    row["labelled_at"] = int(row["labelled_at"] * 1000)
                 chunk.append(row)
                 if len(chunk) >= PARQUET_ROWS:
                     w.write_table(pa.Table.from_pylist(chunk, schema=schema))

@@ -116,18 +116,18 @@ def check_capture(settings: ServerSettings | None) -> Finding:
         return "skip", "image capture is off (serve --capture)", ""
     target = settings.capture_target or ""
     if target.startswith("s3://"):
-        from .capture import S3Target
+        from .capture import S3Bucket
 
         try:
-            s3 = S3Target(target, settings.capture_s3_endpoint)
-            exists = s3.client.bucket_exists(s3.bucket)
+            s3 = S3Bucket(target, settings.capture_s3_endpoint)
+            exists = s3.client.bucket_exists(s3.name)
         except VisionServeError as exc:
             return "fail", exc.message, "pip install 'visionserve[s3]'; fix capture_target"
         except Exception as exc:  # noqa: BLE001 - the client's errors: network, credentials
             return ("fail", f"{target}: {exc}", ("check capture_s3_endpoint and the credentials "
                     "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)"))
         if not exists:
-            return "fail", f"bucket {s3.bucket} does not exist at {s3.where}", "create it"
+            return "fail", f"bucket {s3.name} does not exist at {s3.where}", "create it"
         return "ok", f"{s3.where}: bucket reachable", ""
     root = Path(target) if target else records_folder(settings) / "captures"
     quota = parse_bytes(settings.capture_quota)

@@ -176,23 +176,30 @@ class RecordStore(ABC):
         deletes them."""
 
     def select(self, since: float | None = None, until: float | None = None) -> Iterator[Record]:
-        """Records with ``since <= time < until``, oldest first, fetched a chunk at a time (by
-        id: a long export holds no transaction open)."""
+        """Records with ``since <= time < until``, oldest first (:meth:`exported`'s)."""
+        for _, record, _ in self.exported(since, until):
+            yield record
+
+    def exported(self, since: float | None = None, until: float | None = None
+                 ) -> Iterator[tuple[int, Record, Label | None]]:
+        """(id, record, its label in force or None) of the records with ``since <= time <
+        until``, oldest first, fetched a chunk at a time (by id: a long export holds no
+        transaction open)."""
         lo = 0.0 if since is None else since
         hi = 1.0e11 if until is None else until  # the year 5138
         last = -1
         while True:
             rows = self._chunk(last, lo, hi, EXPORT_CHUNK)
-            for r in rows:
-                yield Record.from_row(r)
+            yield from _labelled_rows(rows)
             if len(rows) < EXPORT_CHUNK:
                 return
             last = rows[-1]["id"]
 
     @abstractmethod
     def _chunk(self, after_id: int, since: float, until: float, n: int) -> list:
-        """Up to ``n`` rows (mappings with ``id`` and COLUMNS) with id > ``after_id`` and
-        ``since <= time < until``, by id."""
+        """Up to ``n`` rows (mappings with ``id``, COLUMNS and the label in force as ``l_*``
+        columns, :func:`_with_label`) with id > ``after_id`` and ``since <= time < until``,
+        by id."""
 
     @abstractmethod
     def retain(self, max_age_s: float, max_bytes: int, now: float | None = None) -> int:
@@ -292,6 +299,15 @@ def _labels_schema(table: str, dialect: int, key: str) -> str:
             f"CREATE INDEX IF NOT EXISTS {table}_record ON {table} (record_id, id);\n")
 
 
+def _with_label(records: str, labels: str, columns: str, label_time: str) -> str:
+    """``SELECT`` (and ``FROM``) of records (``r``), each joined to its label in force (``l``,
+    as ``l_*`` columns; NULL without one), in either dialect."""
+    return (f"SELECT r.id AS id, {columns}, l.record_id AS l_record_id, "
+            f"l.label AS l_label, l.labelled_by AS l_labelled_by, {label_time} AS l_time, "
+            f"l.source AS l_source FROM {records} r LEFT JOIN {labels} l ON l.id = "
+            f"(SELECT max(id) FROM {labels} WHERE record_id = r.id)")
+
+
 def _review_sql(query: ReviewQuery, records: str, labels: str, mark: str, time_sql: str,
                 columns: str, label_time: str) -> tuple[str, tuple]:
     """The review queue's statement in either dialect: captured records of the model, each
@@ -302,15 +318,12 @@ def _review_sql(query: ReviewQuery, records: str, labels: str, mark: str, time_s
     if query.before is not None:
         terms.append(f"(r.time < {time_sql} OR (r.time = {time_sql} AND r.id < {mark}))")
         args += [query.before[0], query.before[0], query.before[1]]
-    sql = (f"SELECT r.id AS id, {columns}, l.record_id AS l_record_id, l.label AS l_label, "
-           f"l.labelled_by AS l_labelled_by, {label_time} AS l_time, "
-           f"l.source AS l_source FROM {records} r LEFT JOIN {labels} l ON l.id = "
-           f"(SELECT max(id) FROM {labels} WHERE record_id = r.id) WHERE {' AND '.join(terms)} "
+    sql = (f"{_with_label(records, labels, columns, label_time)} WHERE {' AND '.join(terms)} "
            f"ORDER BY r.time DESC, r.id DESC LIMIT {mark}")
     return sql, (*args, min(query.limit, MAX_PAGE))
 
 
-def _review_rows(rows: list) -> list[tuple[int, Record, Label | None]]:
+def _labelled_rows(rows: list) -> list[tuple[int, Record, Label | None]]:
     return [(r["id"], Record.from_row(r),
              Label.from_row(r, "l_") if r["l_record_id"] is not None else None) for r in rows]
 
@@ -513,7 +526,7 @@ class SqliteStore(RecordStore):
         return [Label.from_row(r) for r in rows]
 
     def review(self, query: ReviewQuery) -> list[tuple[int, Record, Label | None]]:
-        return _review_rows(self._read(*_review_sql(
+        return _labelled_rows(self._read(*_review_sql(
             query, "records", "labels", "?", "?", _SQLITE_REVIEW_COLUMNS, "l.time")))
 
     def labelled_images(self) -> set[str]:
@@ -522,8 +535,9 @@ class SqliteStore(RecordStore):
         return {r[0] for r in rows}
 
     def _chunk(self, after_id: int, since: float, until: float, n: int) -> list:
-        return self._read(f"SELECT id, {', '.join(COLUMNS)} FROM records WHERE id > ? AND "
-                          "time >= ? AND time < ? ORDER BY id LIMIT ?", (after_id, since, until, n))
+        return self._read(f"{_with_label('records', 'labels', _SQLITE_REVIEW_COLUMNS, 'l.time')}"
+                          " WHERE r.id > ? AND r.time >= ? AND r.time < ? ORDER BY r.id LIMIT ?",
+                          (after_id, since, until, n))
 
     # -- retention (the writer's thread) ----------------------------------------------------------
     def size(self) -> int:
@@ -716,7 +730,7 @@ class PostgresStore(RecordStore):
         return [Label.from_row(r) for r in rows]
 
     def review(self, query: ReviewQuery) -> list[tuple[int, Record, Label | None]]:
-        return _review_rows(self._read(*_review_sql(
+        return _labelled_rows(self._read(*_review_sql(
             query, _PG_TABLE, _PG_LABELS, "%s", "to_timestamp(%s)", _PG_REVIEW_COLUMNS,
             "extract(epoch from l.time)::float8")))
 
@@ -726,9 +740,11 @@ class PostgresStore(RecordStore):
         return {r["image"] for r in rows}
 
     def _chunk(self, after_id: int, since: float, until: float, n: int) -> list:
-        return self._read(f"SELECT id, {_PG_COLUMNS} FROM {_PG_TABLE} WHERE id > %s AND "
-                          "time >= to_timestamp(%s) AND time < to_timestamp(%s) ORDER BY id "
-                          "LIMIT %s", (after_id, since, until, n))
+        select = _with_label(_PG_TABLE, _PG_LABELS, _PG_REVIEW_COLUMNS,
+                             "extract(epoch from l.time)::float8")
+        return self._read(f"{select} WHERE r.id > %s AND r.time >= to_timestamp(%s) AND "
+                          "r.time < to_timestamp(%s) ORDER BY r.id LIMIT %s",
+                          (after_id, since, until, n))
 
     def size(self) -> int:
         try:

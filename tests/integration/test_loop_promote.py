@@ -4,7 +4,8 @@ few steps of the last layer, a real guard job on the CPU) and compared, then pro
 back while a client sends frames without a pause: every frame is answered 200, by the version
 in force at its time. The refusals (not compared, promoted already, nothing to roll back), who
 may do it (viewer 403, no token 401, the CSRF rule), the audit entries; a poll-mode server that
-promotes a copied candidate and a server without model control that refuses to."""
+promotes a copied candidate through a front-end process and a server without model control that
+refuses to."""
 
 from __future__ import annotations
 
@@ -209,7 +210,8 @@ def copy_candidate(source, repo) -> None:
 
 
 def test_poll_mode_promotes_and_no_model_control_refuses(server, trained, tmp_path):
-    """A poll-mode server (no guard: a trained candidate needs none) promotes the same way; a
+    """A poll-mode server with two front-end processes (no guard: a trained candidate needs
+    none) promotes the same way, the swap asked of the serving process; a
     server whose models are fixed at start (--model-control-mode none) refuses and leaves the
     repository as it was."""
     assert (trained / "comparison.json").is_file()  # the test above compared it
@@ -223,7 +225,7 @@ def test_poll_mode_promotes_and_no_model_control_refuses(server, trained, tmp_pa
     finally:
         fixed.stop()
     polled = start(tmp_path / "poll", "--model-control-mode", "poll",
-                   "--repository-poll-secs", "0.1")
+                   "--repository-poll-secs", "0.1", "--frontends", "2")
     try:
         copy_candidate(trained, polled.repo)
         with Line(polled.url) as line:

@@ -7,8 +7,9 @@ handed the labelled set:
 - ``{data}``: the training part of the labelled set, in the loop's export layout: a sub-folder
   per label with each frame as an image file (``<label>/<record>.<ext>``; an anomaly model's
   labels are ``good`` and ``defective``); for a detector ``images/<record>.<ext>`` and
-  ``boxes.json``, each image's boxes (``{"<record>.<ext>": [{"label": "scratch", "box": [x1,
-  y1, x2, y2]}, ...]}``, frame pixels; ``[]``: nothing to find). The held-out part lies beside
+  ``boxes.json``, each image's boxes by its path from there (``{"images/<record>.<ext>":
+  [{"label": "scratch", "box": [x1, y1, x2, y2]}, ...]}``, frame pixels; ``[]``: nothing to
+  find). The held-out part lies beside
   it (``{out}/heldout``) for the comparison, and is not the command's;
 - ``{out}``: the candidate's folder, where the command must leave the version's model file
   (``model.onnx``, or the file of the model's backend) and, if it likes, ``metrics.json``;

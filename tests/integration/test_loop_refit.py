@@ -36,7 +36,8 @@ SIZE = (320, 240)
 NEW_LOOK = synthetic.SurfaceParams(textures=("textile",), texture_contrast=(2.4, 2.8),
                                    grain_scale=(0.9, 1.2), brightness=(0.45, 0.6),
                                    saturation=(0.2, 0.3), max_rotation_deg=2)
-COMMAND = '\n[training]\ncommand = ["{python}", "train.py", "{data}", "{out}", "--from", "{from}"]\n'
+COMMAND = ('\n[training]\ncommand = ["{python}", "train.py", "{data}", "{out}", "--from", '
+           '"{from}"]\n')
 
 
 def add_command(folder: Path, extra: str = "") -> None:

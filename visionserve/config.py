@@ -296,6 +296,72 @@ class VersionPolicy(_Strict):
         return have
 
 
+#: what a ``[training] command`` may name (docs/closed-loop.md, "A training command of your own")
+TRAINING_PLACEHOLDERS = {
+    "data": "the labelled set: a folder in the loop's export layout",
+    "out": "the candidate's folder, where the command leaves the model file (and metrics.json)",
+    "from": "the folder of the version the candidate is trained from",
+    "model": "the model's folder (its model.toml)",
+    "device": "cuda where the guard has a GPU, else cpu",
+    "steps": "the request's steps",
+    "python": "the server's Python interpreter",
+}
+
+
+def _training_command(v: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    import string
+
+    if v is None:
+        return v
+    if not v or not v[0].strip():
+        raise ValueError("command needs the program to run first, e.g. [\"{python}\", "
+                         "\"train.py\", \"{data}\", \"{out}\"]")
+    named: set[str] = set()
+    for arg in v:
+        try:
+            named |= {f for _, f, _, _ in string.Formatter().parse(arg) if f is not None}
+        except ValueError as exc:
+            raise ValueError(f"command argument {arg!r}: {exc} (a literal brace is written "
+                             "twice: {{ or }})") from None
+    def braced(names) -> list[str]:
+        return ["{" + n + "}" for n in names]
+
+    unknown = sorted(named - set(TRAINING_PLACEHOLDERS))
+    if unknown:
+        raise ValueError(f"command names {', '.join(braced(unknown))}; the placeholders are "
+                         f"{', '.join(braced(TRAINING_PLACEHOLDERS))}")
+    missing = [k for k in ("data", "out") if k not in named]
+    if missing:
+        raise ValueError(f"command must name {' and '.join(braced(missing))}: where the "
+                         "labelled set is and where the model it trains goes")
+    return v
+
+
+class TrainingSpec(_Strict):
+    """How the closed loop trains a candidate of this model (docs/closed-loop.md)."""
+
+    command: Annotated[tuple[str, ...] | None, AfterValidator(_training_command)] = Field(
+        None, description="A training command of your own, run as a guard job for `POST "
+        "/v1/models/{m}/candidates`, e.g. `[\"{python}\", \"train.py\", \"{data}\", \"{out}\", "
+        "\"--init\", \"{from}\"]`, in the model's folder. Placeholders: `{data}` (the labelled "
+        "set), `{out}` (where it must leave the version's model file and, optionally, "
+        "`metrics.json`), `{from}`, `{model}`, `{device}`, `{steps}`, `{python}`.")
+    gpu_memory: str | None = Field(
+        None, description="GPU memory the command declares to the guard (e.g. `4GiB`); default "
+        "2GiB. Where the guard has no GPU the command runs on the CPU.")
+    good: str | None = Field(
+        None, description="Anomaly models: the folder of good images the model was fitted on "
+        "(relative to the model's folder, or absolute), refitted with the captured good parts; "
+        "default: the `--good` folder the version's `fit.json` names, where it still exists.")
+
+    @field_validator("gpu_memory")
+    @classmethod
+    def _size(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_bytes(v)
+        return v
+
+
 class ModelConfig(_Strict):
     """Schema of ``models/<name>/model.toml``: the sections every task shares.
 
@@ -318,6 +384,7 @@ class ModelConfig(_Strict):
     input: InputSpec
     batching: BatchingSpec = BatchingSpec()
     runtime: RuntimeSpec = RuntimeSpec()
+    training: TrainingSpec = TrainingSpec()
 
     @classmethod
     def model_validate(cls, obj: Any, **kwargs: Any) -> ModelConfig:

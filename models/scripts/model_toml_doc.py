@@ -38,6 +38,10 @@ CROSS_FIELD_RULES = {
                         "Each `roi` polygon has 3 or more points; a map pixel counts when its "
                         "centre is inside one (on an edge counts).",
                         "Changed while serving with `PUT /v1/models/{m}/verdict` (docs/anomaly.md)."],
+    "training": ["`command` names `{data}` and `{out}`, and no placeholder but those listed "
+                 "(a literal brace is written twice); its first item is the program. How each "
+                 "model is trained, and the labelled set's layout: docs/closed-loop.md.",
+                 "`gpu_memory` takes sizes as `runtime.gpu_memory_budget` does."],
     "version_policy": ["Set one of `latest`, `specific`, `all`; `specific` versions must each "
                        "have their folder, and `default_version` must be one of the served "
                        "versions."],

@@ -85,9 +85,8 @@ def test_refusals_before_anything_is_labelled(server, quality):
     r = quality.post(BASE, json=TRAIN)
     assert r.status_code == 409 and "no labelled captures" in r.json()["error"], r.text
     assert not (server.repo / CLASSIFIER / "candidates" / "c-1").exists()  # nothing left behind
-    r = quality.post(f"/v1/models/{ANOMALY}/candidates", json={})
-    assert r.status_code == 409, r.text
-    assert "anomaly" in r.json()["error"] and "classifier" in r.json()["error"]
+    r = quality.post(f"/v1/models/{ANOMALY}/candidates", json={})  # a refit: nothing captured
+    assert r.status_code == 409 and "no good parts" in r.json()["error"], r.text
     assert quality.post("/v1/models/nope/candidates", json={}).status_code == 404
     r = quality.post(BASE, json={"from_version": 7})
     assert r.status_code == 404 and "version 7" in r.json()["error"], r.text

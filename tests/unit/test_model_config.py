@@ -61,3 +61,33 @@ def test_not_toml_is_refused_with_file(tmp_path):
     path.write_text("[input\nwidth = 3")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_model_config(path)
+
+
+@pytest.mark.parametrize("command, words", [
+    ('["python", "train.py", "{data}"]', "must name {out}"),
+    ('["python", "train.py", "{out}"]', "must name {data}"),
+    ('["python", "{data}", "{out}", "{epochs}"]', "names {epochs}; the placeholders are {data}"),
+    ('["python", "{data", "{out}"]', "a literal brace is written twice"),
+    ("[]", "needs the program to run first"),
+])
+def test_a_training_command_is_checked(tmp_path, command, words):
+    """[training] command: the labelled set and the output named, no unknown placeholder."""
+    path = tmp_path / "model.toml"
+    path.write_text(SHIPPED.read_text() + f"\n[training]\ncommand = {command}\n")
+    with pytest.raises(ConfigError) as info:
+        load_model_config(path)
+    assert "'training.command" in str(info.value) and words in str(info.value)
+
+
+def test_a_training_section():
+    cfg = ModelConfig.model_validate({
+        "input": {"width": 8, "height": 8}, "output": {"labels": ["ok", "ng"]},
+        "training": {"command": ["{python}", "t.py", "{data}", "{out}", "--lit", "{{x}}"],
+                     "gpu_memory": "4GiB", "good": "good"}})
+    assert cfg.training.command == ("{python}", "t.py", "{data}", "{out}", "--lit", "{{x}}")
+    assert ModelConfig.model_validate({"input": {"width": 8, "height": 8},
+                                       "output": {"labels": ["ok"]}}).training.command is None
+    with pytest.raises(ValueError, match="gpu_memory"):
+        ModelConfig.model_validate({"input": {"width": 8, "height": 8},
+                                    "output": {"labels": ["ok"]},
+                                    "training": {"gpu_memory": "lots"}})

@@ -45,7 +45,8 @@ MAX_FRAMES = 20000
 _CID = re.compile(r"^c-([1-9][0-9]{0,8})$")
 #: what a trained candidate (and a version it is trained from) is, by file: their SHA-256 in
 #: candidate.json say which bytes were trained, compared and, later, served
-ARTEFACTS = ("weights.pt", "model.onnx", "model.pt2", "metrics.json", "export.json")
+ARTEFACTS = ("weights.pt", "model.onnx", "model.pt2", "metrics.json", "export.json",
+             "metadata.json", "fit.json")
 #: a candidate's states: its training job's (paused counts as running), or done
 STATES = ("queued", "running", "done", "failed")
 
@@ -80,13 +81,15 @@ class Export:
     held_out: list[Labelled]
 
 
-def labelled_rows(store: RecordStore, model: str, limit: int = MAX_FRAMES) -> Iterator[tuple]:
-    """(record id, Record, Label) of the model's labelled captures, newest first, a page at a
-    time (the review queue's query)."""
+def labelled_rows(store: RecordStore, model: str, limit: int = MAX_FRAMES,
+                  labelled: bool = True) -> Iterator[tuple]:
+    """(record id, Record, Label) of the model's labelled captures (``labelled`` False: its
+    captures without a label, Label None), newest first, a page at a time (the review queue's
+    query)."""
     before, n = None, 0
     while n < limit:
         page = min(MAX_PAGE, limit - n)
-        rows = store.review(ReviewQuery(model, True, before, page))
+        rows = store.review(ReviewQuery(model, labelled, before, page))
         yield from rows
         n += len(rows)
         if len(rows) < page:
@@ -121,23 +124,27 @@ def export(store: RecordStore, images: ImageSource, model: str, labels: tuple[st
         name = label.label.get("label")
         if name not in labels:
             continue  # a label of another task's shape (the model changed since)
-        try:
-            data, ext = image_file(*_stored(images, row_id, record))
-        except (NotFound, ValueError):
-            continue
         part = "heldout" if held_out(row_id) else "train"
-        rel = f"{part}/{name}/{row_id}.{ext}"
-        (dest / part / name).mkdir(parents=True, exist_ok=True)
-        (dest / rel).write_bytes(data)
-        (held if part == "heldout" else training).append(Labelled(
-            row_id, name, label.by, iso(label.time), rel, label.source,
-            bool(label.label.get("verdict_was_wrong")), record.part_id, record.verdict))
+        rel = save_frame(images, row_id, record, dest, f"{part}/{name}")
+        if rel is not None:
+            (held if part == "heldout" else training).append(Labelled(
+                row_id, name, label.by, iso(label.time), rel, label.source,
+                bool(label.label.get("verdict_was_wrong")), record.part_id, record.verdict))
     return Export(training, held)
 
 
-def _stored(images: ImageSource, row_id: int, record) -> tuple[bytes, str]:
-    stored = images.read(row_id, record)
-    return stored.data, stored.ext
+def save_frame(images: ImageSource, row_id: int, record, dest: Path, sub: str) -> str | None:
+    """Write a record's stored frame as ``dest/sub/<record id>.<ext>`` (:func:`image_file`);
+    its path relative to ``dest``, or None where the image is no longer kept."""
+    try:
+        stored = images.read(row_id, record)
+        data, ext = image_file(stored.data, stored.ext)
+    except (NotFound, ValueError):
+        return None
+    rel = f"{sub}/{row_id}.{ext}"
+    (dest / sub).mkdir(parents=True, exist_ok=True)
+    (dest / rel).write_bytes(data)
+    return rel
 
 
 def write_json(path: Path, value: Any) -> None:
@@ -242,8 +249,11 @@ def describe(folder: Path, jobs: JobStore | None) -> dict[str, Any]:
     job_info = read_json(folder / "job.json")
     state, job, reason = job_state(jobs, job_info["job"]["id"])
     if state == "done":
-        if not (folder / "weights.pt").is_file():
-            state, reason = "failed", "the training job ended without writing weights.pt"
+        # what the job must leave: job.json names it (the fine-tune's weights.pt by default)
+        missing = [f for f in job_info.get("expects", ["weights.pt"])
+                   if not (folder / f).is_file()]
+        if missing:
+            state, reason = "failed", f"the training job ended without writing {missing[0]}"
         else:
             return {"id": folder.name, "state": "done", "progress": None,
                     "candidate": finish(folder, job_info, job)}
@@ -270,17 +280,25 @@ def digests(folder: Path) -> dict[str, str]:
     return out
 
 
+#: what a candidate's metrics keep of the project's training script's metrics.json
+FINETUNE_METRICS = ("final_val_acc", "history", "train_images", "val_images", "steps",
+                    "freeze_backbone", "mix_synthetic", "seconds", "device", "export")
+
+
 def finish(folder: Path, job_info: dict[str, Any], job: Job | None) -> dict[str, Any]:
-    metrics = read_json(folder / "metrics.json") or {}
+    """candidate.json: job.json with the end and the metrics (the file job.json's
+    ``metrics_file`` names, metrics.json by default: the fine-tune's keys of it, or all of
+    another job's)."""
+    metrics = read_json(folder / job_info.get("metrics_file", "metrics.json"))
+    metrics = metrics if isinstance(metrics, dict) else {}
+    if job_info.get("kind", "finetune") == "finetune":
+        metrics = {k: metrics.get(k) for k in FINETUNE_METRICS}
     ended = job.ended_at if job is not None and job.ended_at else time.time()
-    candidate = {**job_info, "finished": iso(ended), "metrics": {
-        k: metrics.get(k) for k in ("final_val_acc", "history", "train_images", "val_images",
-                                    "steps", "freeze_backbone", "mix_synthetic", "seconds",
-                                    "device", "export")},
-        # which bytes: the candidate's, and the version's it was fine-tuned from (a version
-        # folder is never rewritten: a new version is a new folder)
-        "files": digests(folder),
-        "from_files": digests(folder.parent.parent / str(job_info["from_version"]))}
+    candidate = {**job_info, "finished": iso(ended), "metrics": metrics,
+                 # which bytes: the candidate's, and the version's it was trained from (a
+                 # version folder is never rewritten: a new version is a new folder)
+                 "files": digests(folder),
+                 "from_files": digests(folder.parent.parent / str(job_info["from_version"]))}
     write_json(folder / "candidate.json", candidate)
     shutil.rmtree(folder / "train", ignore_errors=True)
     return candidate

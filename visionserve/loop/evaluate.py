@@ -21,9 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from .. import imaging
+from .. import imaging, tasks
 from ..backends.base import create, model_file
-from ..config import load_model_config
+from ..backends.checks import Subject
+from ..config import ModelConfig, load_model_config
+from ..tasks.anomaly import AnomalyConfig
 from ..tasks.classification import Classification, ClassificationConfig
 from .candidates import read_json, write_json
 
@@ -46,6 +48,41 @@ def judge(config: ClassificationConfig, folder: Path, batch: np.ndarray) -> list
         backend.close()
     return [{"verdict": verdict, "label": result.label, "score": round(result.score, 6)}
             for verdict, result in task.classify(raw)]
+
+
+def judge_anomaly(config: AnomalyConfig, folder: Path,
+                  batch: np.ndarray) -> list[dict[str, Any]]:
+    """Verdict, label (``good`` for OK, ``defective`` for NG: the labels of an anomaly model's
+    frames) and normalised score of each row of ``batch`` by the version in ``folder`` (its
+    normalisation: model.toml's or the folder's metadata.json)."""
+    backend = create(config.runtime.backend)
+    path = folder / model_file(config.runtime.backend)
+    backend.load(path, config, "cpu")
+    task = tasks.create(config)
+    backend.select_outputs(task.bind(Subject(path), backend.outputs))
+    step = max(1, config.batching.max_batch_size)
+    out: list[dict[str, Any]] = []
+    try:
+        for i in range(0, len(batch), step):
+            part = batch[i:i + step]
+            out += [{"verdict": verdict, "label": "defective" if verdict == "NG" else "good",
+                     "score": round(result.score, 6)}
+                    for verdict, result in task.postprocess(backend.run(part),
+                                                            slice(0, len(part)))]
+    finally:
+        backend.close()
+    return out
+
+
+def judges(config: ModelConfig):
+    """(the judge of the model's task, its OK labels); None for a task not compared."""
+    if isinstance(config, ClassificationConfig):
+        return (lambda folder, batch: judge(config, folder, batch),
+                frozenset(config.verdict.ok_labels))
+    if isinstance(config, AnomalyConfig):
+        return (lambda folder, batch: judge_anomaly(config, folder, batch),
+                frozenset({"good"}))
+    return None
 
 
 def rates(rows: list[dict[str, Any]], which: str, ok_labels: frozenset[str]) -> dict[str, Any]:
@@ -82,9 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     t0 = time.time()
     config = load_model_config(args.model_toml)
-    if not isinstance(config, ClassificationConfig):
-        print(f"error: {args.model_toml}: the comparison is made for classifiers", file=sys.stderr)
+    judged = judges(config)
+    if judged is None:
+        print(f"error: {args.model_toml}: the comparison is made for classifiers and anomaly "
+              "models", file=sys.stderr)
         return 2
+    run, ok_labels = judged
     items = read_json(args.candidate / "candidate.json")["held_out"]
     spec = config.input
     pixels = np.stack([imaging.preprocess(imaging.encoded_frame(
@@ -92,12 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     batch = imaging.normalize(pixels.reshape(len(items), spec.height, spec.width, spec.channels),
                               spec)
     print(json.dumps({"step": 1, "steps": 2, "frames": len(items)}), flush=True)
-    live = judge(config, args.live, batch)
+    live = run(args.live, batch)
     print(json.dumps({"step": 2, "steps": 2}), flush=True)
-    cand = judge(config, args.candidate, batch)
+    cand = run(args.candidate, batch)
     rows = [{"record_id": it["record_id"], "label": it["label"], "file": it["file"],
              "live": a, "candidate": b} for it, a, b in zip(items, live, cand, strict=True)]
-    ok_labels = frozenset(config.verdict.ok_labels)
     write_json(args.out, {"live_version": args.live.name, "candidate": args.candidate.name,
                           "seconds": round(time.time() - t0, 2),
                           "summary": summarize(rows, ok_labels), "records": rows})

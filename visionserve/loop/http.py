@@ -16,8 +16,10 @@ admin, or the admin token):
   GET  /v1/models/{m}/candidates?record=N            the candidates that used record N
 
 Creating one exports the model's labelled captures into the candidate's folder
-(:mod:`.candidates`) and submits the fine-tune to the guard's queue (its Python API, the same
-SQLite queue ``/v1/guard/jobs`` lists); both POSTs are audit entries. Refusals: 409 without the
+(:mod:`.candidates`) and submits its training to the guard's queue (its Python API, the same
+SQLite queue ``/v1/guard/jobs`` lists): the project's classifier's fine-tune, an anomaly model's
+refit with its good parts (:mod:`.refit`), or the model's own [training] command
+(:mod:`.usercommand`); both POSTs are audit entries. Refusals: 409 without the
 guard (``--guard``), without labelled captures, for a model this server cannot train; 404 for an
 unknown model, version or candidate; 400 for a body that is not understood.
 """
@@ -44,19 +46,21 @@ from ..records.images import ImageSource
 from ..records.record import iso
 from ..records.store import RecordStore
 from ..repository import ModelEntry, parse_version
+from ..tasks.anomaly import AnomalyConfig
 from ..tasks.classification import ClassificationConfig
 from . import candidates as cands
 from . import promote as promotion
+from . import refit, usercommand
+from .plan import Plan
 
 MAX_BODY = 4096
 #: a fine-tune's optimizer steps: the default, the most one request may ask
 DEFAULT_STEPS, MAX_STEPS = 40, 2000
 #: the share of the training set that is the model's original (synthetic) data, by default
 DEFAULT_SHARE = 0.5
-#: GPU memory a training job declares to the guard where the guard has a GPU
-TRAIN_GPU_MEM = 2 << 30
 TRAINABLE = ("the project's classifier (a classification model whose version folder holds the "
-             "weights.pt of visionserve_tools.training.train)")
+             "weights.pt of visionserve_tools.training.train, fine-tuned) and anomaly models "
+             "(refitted with the good parts)")
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,31 @@ def train_command(source: Path, data: Path, out: Path, req: TrainRequest,
             "--device", device]
 
 
+def training_way(entry: ModelEntry, source: Path) -> str:
+    """How a candidate of the model is trained: ``command`` (its model.toml's [training]
+    command), ``refit`` (an anomaly model), ``finetune`` (the project's classifier); Conflict
+    for a model with none of them."""
+    if entry.config.training.command is not None:
+        return "command"
+    if isinstance(entry.config, AnomalyConfig):
+        refit.check(entry, source)
+        return "refit"
+    if isinstance(entry.config, ClassificationConfig):
+        if (source / "weights.pt").is_file():
+            return "finetune"
+        why = f"version {source.name} has no weights.pt to fine-tune from"
+    else:
+        why = f"it is a {entry.config.task} model"
+    raise Conflict(f"model {entry.name!r} cannot be trained here: {why}. Candidates are trained "
+                   f"for {TRAINABLE}; for another model, register the command that trains it: "
+                   "[training] command in its model.toml (docs/closed-loop.md)")
+
+
+def nothing_labelled(entry: ModelEntry) -> Conflict:
+    return Conflict(f"model {entry.name!r} has no labelled captures to train on: label captured "
+                    "frames first (GET /v1/review, PUT /v1/records/{id}/label)")
+
+
 class Loop:
     """The routes' work: the record store and images (the labelled captures) and the guard's
     queue (None: the server runs without --guard)."""
@@ -118,46 +147,57 @@ class Loop:
     def create(self, entry: ModelEntry, req: TrainRequest, by: str) -> dict[str, Any]:
         """(a worker thread) export, submit, write job.json; the candidate as described."""
         jobs = self.guard()
-        if not isinstance(entry.config, ClassificationConfig):
-            raise Conflict(f"model {entry.name!r} (task {entry.config.task!r}) cannot be "
-                           f"trained here: candidates are trained for {TRAINABLE}")
         version = parse_version(entry, req.from_version)
         source = entry.versions[version].parent
-        if not (source / "weights.pt").is_file():
-            raise Conflict(f"model {entry.name!r} version {version} has no weights.pt to "
-                           f"fine-tune from: candidates are trained for {TRAINABLE}")
+        way = training_way(entry, source)
         cid, folder = cands.Area(entry.path).create()
         try:
-            exported = cands.export(self.store, self.images, entry.name,
-                                    tuple(entry.config.output.labels), folder)
-            if not exported.training:
-                raise Conflict(f"model {entry.name!r} has no labelled captures to train on "
-                               f"({len(exported.held_out)} held out for the comparison): label "
-                               "captured frames first (GET /v1/review, PUT "
-                               "/v1/records/{id}/label)")
             device = "cuda" if (jobs.supervisor() or {}).get("device") else "cpu"
-            command = train_command(source, folder / "train", folder, req, device)
-            job = jobs.submit(JobSpec(command=command, name=f"candidate {entry.name} {cid}",
-                                      cwd=os.getcwd(),
-                                      gpu_mem=TRAIN_GPU_MEM if device == "cuda" else 0))
+            plan = self.plan(way, entry, source, folder, req, device)
+            try:
+                job = jobs.submit(JobSpec(command=plan.command,
+                                          name=f"candidate {entry.name} {cid}", cwd=plan.cwd,
+                                          gpu_mem=plan.gpu_mem if device == "cuda" else 0))
+            except InvalidInput as exc:
+                if plan.kind != "command":
+                    raise
+                raise Conflict(f"model {entry.name!r}: its model.toml's [training] command "
+                               f"cannot run: {exc.message}") from None
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
         now = time.time()
         cands.write_json(folder / "job.json", {
             "id": cid, "model": entry.name, "from_version": version,
-            "job": {"id": job.id, "command": command},
-            "trained_on": cands.labelled_dicts(exported.training),
-            "held_out": cands.labelled_dicts(exported.held_out),
-            "recipe": {"labelled_frames": len(exported.training),
-                       "original_data": "synthetic (visionserve_tools.synthetic, training "
-                                        "parameters)",
-                       "original_share": req.original_share, "steps": req.steps,
-                       "trains": "the last layer (--freeze-backbone)",
-                       "held_out": f"every {cands.HOLDOUT_EVERY}th labelled record by a stable "
-                                   "hash of its id"},
+            "job": {"id": job.id, "command": plan.command}, **plan.job_info(),
             "created_by": by, "created": iso(now), "created_at": now})
         return cands.describe(folder, jobs)
+
+    def plan(self, way: str, entry: ModelEntry, source: Path, folder: Path, req: TrainRequest,
+             device: str) -> Plan:
+        """Export what the candidate is trained on into ``folder``; the guard job's plan."""
+        if way == "refit":
+            return refit.plan(self.store, self.images, entry, source, folder, device)
+        if way == "command":
+            made = usercommand.plan(self.store, self.images, entry, source, folder, device,
+                                    req.steps)
+            if made is None:
+                raise nothing_labelled(entry)
+            return made
+        assert isinstance(entry.config, ClassificationConfig)
+        exported = cands.export(self.store, self.images, entry.name,
+                                tuple(entry.config.output.labels), folder)
+        if not exported.training:
+            raise nothing_labelled(entry)
+        recipe = {"labelled_frames": len(exported.training),
+                  "original_data": "synthetic (visionserve_tools.synthetic, training parameters)",
+                  "original_share": req.original_share, "steps": req.steps,
+                  "trains": "the last layer (--freeze-backbone)",
+                  "held_out": f"every {cands.HOLDOUT_EVERY}th labelled record by a stable hash "
+                              "of its id"}
+        return Plan("finetune", train_command(source, folder / "train", folder, req, device),
+                    ["weights.pt"], "metrics.json", cands.labelled_dicts(exported.training),
+                    cands.labelled_dicts(exported.held_out), recipe, os.getcwd())
 
     def candidates(self, entry: ModelEntry, record: int | None = None) -> list[dict[str, Any]]:
         area = cands.Area(entry.path)

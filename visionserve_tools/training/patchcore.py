@@ -306,6 +306,38 @@ def greedy_coreset(x: np.ndarray, m: int, seed: int, tick: Callable[[int], None]
     return np.asarray(chosen)
 
 
+def load_backbone(backbone: Path | None, device: str, threads: int = 0):
+    """(device, file, module, its input spec, the OnnxBackbone or None) of ``--backbone``
+    (default: the project's classifier), on ``device`` (``auto``: CUDA where torch sees it)."""
+    backbone_file = backbone or DEFAULT_BACKBONE
+    if not backbone_file.is_file():
+        raise ScriptError(f"--backbone {backbone_file}: no such file" + (
+            " (the default is the project's classifier; pass --backbone FILE with a .pt2 or "
+            ".onnx whose outputs are feature maps)" if backbone is None else ""))
+    dev = device
+    if dev == "auto":
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev.startswith("cuda") and not torch.cuda.is_available():
+        raise ScriptError(f"--device {dev}: torch sees no CUDA device")
+    suffix = backbone_file.suffix.lower()
+    onnx_backbone: OnnxBackbone | None = None
+    if suffix == ".pt":
+        net, spec = classifier_backbone(backbone_file)
+    else:
+        spec = common.DEFAULT_INPUT
+        if suffix == ".pt2":
+            net = pt2_backbone(backbone_file)
+        elif suffix == ".onnx":
+            onnx_backbone = OnnxBackbone(backbone_file, threads)
+            net = onnx_backbone
+        else:
+            raise ScriptError(f"--backbone {backbone_file}: a .pt (the project's classifier "
+                              "weights), .pt2 or .onnx file")
+    if onnx_backbone is None:
+        net.to(dev)
+    return dev, backbone_file, net, spec, onnx_backbone
+
+
 # --- the fit ----------------------------------------------------------------------------------
 
 def fit(opts: FitOptions, progress: Progress | None = None) -> FitResult:
@@ -328,32 +360,8 @@ def fit(opts: FitOptions, progress: Progress | None = None) -> FitResult:
             raise ScriptError(f"{model_dir} holds a {existing.task} model; choose another --name")
 
     # the backbone and its input
-    backbone_file = opts.backbone or DEFAULT_BACKBONE
-    if not backbone_file.is_file():
-        raise ScriptError(f"--backbone {backbone_file}: no such file" + (
-            " (the default is the project's classifier; pass --backbone FILE with a .pt2 or "
-            ".onnx whose outputs are feature maps)" if opts.backbone is None else ""))
-    dev = opts.device
-    if dev == "auto":
-        dev = "cuda" if torch.cuda.is_available() else "cpu"
-    if dev.startswith("cuda") and not torch.cuda.is_available():
-        raise ScriptError(f"--device {dev}: torch sees no CUDA device")
-    suffix = backbone_file.suffix.lower()
-    onnx_backbone: OnnxBackbone | None = None
-    if suffix == ".pt":
-        net, spec = classifier_backbone(backbone_file)
-    else:
-        spec = common.DEFAULT_INPUT
-        if suffix == ".pt2":
-            net = pt2_backbone(backbone_file)
-        elif suffix == ".onnx":
-            onnx_backbone = OnnxBackbone(backbone_file, opts.threads)
-            net = onnx_backbone
-        else:
-            raise ScriptError(f"--backbone {backbone_file}: a .pt (the project's classifier "
-                              "weights), .pt2 or .onnx file")
-    if onnx_backbone is None:
-        net.to(dev)
+    dev, backbone_file, net, spec, onnx_backbone = load_backbone(opts.backbone, opts.device,
+                                                                 opts.threads)
     if opts.image_size is not None:
         w, h = opts.image_size
         spec = spec.model_copy(update={"width": w, "height": h})
@@ -441,6 +449,7 @@ def fit(opts: FitOptions, progress: Progress | None = None) -> FitResult:
         (vdir / "metadata.json").write_text(json.dumps(meta, indent=2) + "\n")
         report: dict[str, Any] = {
             "command": opts.command,
+            "good": str(Path(opts.good).absolute()),
             "good_images": len(files), "fit_images": len(train_files),
             "held_out_images": len(hold_files),
             "image_size": [spec.width, spec.height],
@@ -486,36 +495,43 @@ def fit(opts: FitOptions, progress: Progress | None = None) -> FitResult:
     return FitResult(final, report)
 
 
+class PatchCore(nn.Module):
+    """The whole model: backbone -> patch vectors -> (score, map)."""
+
+    def __init__(self, backbone: nn.Module, head: nn.Module, scorer: nn.Module) -> None:
+        super().__init__()
+        self.backbone, self.head, self.scorer = backbone, head, scorer
+
+    def forward(self, x):
+        return self.scorer(self.head(*self.backbone(x)))
+
+
 def _full_model(net, onnx_backbone, head, scorer):
     if onnx_backbone is not None:
         return None
+    return PatchCore(net, head, scorer).eval()
 
-    class PatchCore(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.backbone, self.head, self.scorer = net, head, scorer
 
-        def forward(self, x):
-            return self.scorer(self.head(*self.backbone(x)))
-
-    return PatchCore().eval()
+#: the exported graph's input and outputs: (input, score, map)
+NAMES = ("input", "pred_score", "anomaly_map")
 
 
 def _export(full, onnx_backbone: OnnxBackbone | None, head, scorer, shapes, check_x: np.ndarray,
-            spec: InputSpec, vdir: Path) -> None:
-    """model.onnx (dynamic batch) and, for a torch backbone, model.pt2; both checked against the
-    fitting code on held-out images."""
+            spec: InputSpec, vdir: Path, names: tuple[str, str, str] = NAMES) -> None:
+    """model.onnx (dynamic batch) and, for a torch backbone, model.pt2, with ``names``; both
+    checked against the fitting code on held-out images."""
     import warnings
     example = torch.from_numpy(np.ascontiguousarray(check_x[:2]))
-    axes = {"input": {0: "batch"}, "pred_score": {0: "batch"}, "anomaly_map": {0: "batch"}}
+    axes = {n: {0: "batch"} for n in names}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if full is not None:
             torch.onnx.export(full, (example,), str(vdir / "model.onnx"), dynamo=False,
                               opset_version=OPSET, dynamic_axes=axes, do_constant_folding=True,
-                              input_names=["input"], output_names=["pred_score", "anomaly_map"])
+                              input_names=[names[0]], output_names=list(names[1:]))
             batch = torch.export.Dim.DYNAMIC  # its range: what the backbone takes (4096 for ours)
-            ep = torch.export.export(_Named(full), (example,), dynamic_shapes=({0: batch},))
+            ep = torch.export.export(_Named(full, names[1:]), (example,),
+                                     dynamic_shapes=({0: batch},))
             torch.export.save(ep, str(vdir / "model.pt2"))
         else:
             assert onnx_backbone is not None
@@ -530,11 +546,11 @@ def _export(full, onnx_backbone: OnnxBackbone | None, head, scorer, shapes, chec
     import onnxruntime as ort
 
     sess = ort.InferenceSession(str(vdir / "model.onnx"), providers=["CPUExecutionProvider"])
-    got = [sess.run(["pred_score", "anomaly_map"], {"input": x})]
+    got = [sess.run(list(names[1:]), {names[0]: x})]
     if full is not None:
         with torch.no_grad():
             out = torch.export.load(str(vdir / "model.pt2")).module()(torch.from_numpy(x))
-        got.append([out["pred_score"].numpy(), out["anomaly_map"].numpy()])
+        got.append([out[names[1]].numpy(), out[names[2]].numpy()])
     diff = max(max(float(np.abs(s - want_s.numpy()).max()),
                    float(np.abs(m - want_m.numpy()).max())) for s, m in got)
     scale = max(1e-6, float(np.abs(want_m.numpy()).max()))
@@ -546,13 +562,13 @@ def _export(full, onnx_backbone: OnnxBackbone | None, head, scorer, shapes, chec
 class _Named(nn.Module):
     """The outputs by name (a dict), so the torch backend serves them as named outputs."""
 
-    def __init__(self, inner: nn.Module) -> None:
+    def __init__(self, inner: nn.Module, names: tuple[str, str] = NAMES[1:]) -> None:
         super().__init__()
-        self.inner = inner
+        self.inner, self.names = inner, names
 
     def forward(self, x):
         score, amap = self.inner(x)
-        return {"pred_score": score, "anomaly_map": amap}
+        return {self.names[0]: score, self.names[1]: amap}
 
 
 def _export_composed(backbone: OnnxBackbone, head, scorer, shapes, example, path: Path) -> None:

@@ -199,6 +199,11 @@ def test_promote_and_roll_back_without_a_failed_frame(server, quality, trained):
     assert r.status_code == 409 and "rolled back already" in r.json()["error"], r.text
     meta = httpx.get(f"{server.url}/v2/models/{CLASSIFIER}", timeout=10).json()
     assert meta["versions"] == ["1"]
+    trail = quality.get(f"{BASE}/c-1/trace").json()
+    assert trail["state"] == "rolled-back"
+    (kept,) = trail["promotions"]
+    assert kept["approved_by"] == "qe-anna" and kept["version"] == 2
+    assert kept["rolled_back"]["by"] == "admin-token"
 
 
 def copy_candidate(source, repo) -> None:

@@ -243,7 +243,12 @@ class Loop:
         return cands.comparison(cands.Area(entry.path).folder(cid), self.jobs)
 
     def trace(self, entry: ModelEntry, cid: str) -> dict[str, Any]:
-        return cands.trace(cands.Area(entry.path).folder(cid), self.jobs, self.store)
+        """The candidate's trail (:func:`.candidates.trace`), with each of its promotions: who
+        approved it, when, as which version, and its rollback."""
+        area = cands.Area(entry.path)
+        trail = cands.trace(area.folder(cid), self.jobs, self.store)
+        return {**promotion.annotate(area, trail),
+                "promotions": [p for p in promotion.history(area) if p["candidate"] == cid]}
 
 
 async def no_body(request: Request) -> None:

@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -123,8 +124,15 @@ class FrontEnds:
         # is gone (the kernel queues what comes), then answers what is left 503 before it
         # closes it (closing a listener resets the connections in its backlog)
         if self.http_sock.fileno() != -1:
-            await refuse_until_quiet(self.http_sock)
-            self.http_sock.close()
+            await refuse_until_quiet(self.http_sock, self._tls())
+
+    def _tls(self) -> ssl.SSLContext | None:
+        """The front ends' TLS, for the answers this process gives on their listener."""
+        if self.settings.tls_cert is None or self.settings.tls_key is None:
+            return None
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.load_cert_chain(self.settings.tls_cert, self.settings.tls_key)
+        return tls
 
 
 async def serve_with_frontends(engine, settings: ServerSettings, guard=None) -> int:

@@ -220,6 +220,18 @@ def _burst_with_sigterm(s, jpeg: bytes, clients: int = 48, requests: int = 96,
     return outcomes
 
 
+def _shutdown_under(load, repo: Path, tmp_path: Path, jpeg: bytes, frontends: str) -> list:
+    """Start a server with ``--frontends``, put it under ``load`` (which sends SIGTERM), check
+    that it exits 0; returns the outcomes ``load`` returns."""
+    s = start_server(repo, tmp_path, "--frontends", frontends, grpc=False)
+    try:
+        outcomes = load(s, jpeg)
+        assert s.proc.wait(timeout=60) == 0, s.log()
+    finally:
+        s.stop(signal.SIGKILL)
+    return outcomes
+
+
 @pytest.mark.parametrize("frontends", ["0", "2"])
 def test_every_accepted_connection_is_answered_at_sigterm(tiny_repo, tmp_path, jpeg_bytes,
                                                           frontends):
@@ -227,12 +239,7 @@ def test_every_accepted_connection_is_answered_at_sigterm(tiny_repo, tmp_path, j
     the server shuts down), never a silent close, however late in the shutdown it came."""
     bad = []
     for run in range(6):
-        s = start_server(tiny_repo, tmp_path, "--frontends", frontends, grpc=False)
-        try:
-            outcomes = _burst_with_sigterm(s, jpeg_bytes)
-            assert s.proc.wait(timeout=60) == 0, s.log()
-        finally:
-            s.stop(signal.SIGKILL)
+        outcomes = _shutdown_under(_burst_with_sigterm, tiny_repo, tmp_path, jpeg_bytes, frontends)
         assert len(outcomes) == 96
         print(f"run {run}: {sorted(Counter(map(str, outcomes)).items())}")
         for o in outcomes:
@@ -368,12 +375,7 @@ def test_connections_pouring_in_through_the_whole_shutdown_are_all_answered(
     listener: every connection the kernel accepted gets its own verdict or 503 with Retry-After,
     never a reset or a close without an answer; the only other outcome is a refused connect
     once the listener is gone."""
-    s = start_server(tiny_repo, tmp_path, "--frontends", frontends, grpc=False)
-    try:
-        outcomes = _pour_through_shutdown(s, jpeg_bytes)
-        assert s.proc.wait(timeout=60) == 0, s.log()
-    finally:
-        s.stop(signal.SIGKILL)
+    outcomes = _shutdown_under(_pour_through_shutdown, tiny_repo, tmp_path, jpeg_bytes, frontends)
     counts = sorted(Counter(map(str, outcomes)).items())
     print(counts)
     assert outcomes.count("refused") == 1, counts  # it ran until the listener closed

@@ -570,6 +570,8 @@ class _Refusals:
                 conn, _ = sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
+            except ConnectionAbortedError:  # its client gave up while it was queued
+                continue
             except OSError as exc:  # out of file descriptors: the rest stay queued a moment
                 log.warning("shutdown: cannot take a queued connection: %s", exc)
                 return

@@ -131,7 +131,12 @@ class FrontEnds:
         if self.settings.tls_cert is None or self.settings.tls_key is None:
             return None
         tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        tls.load_cert_chain(self.settings.tls_cert, self.settings.tls_key)
+        try:
+            tls.load_cert_chain(self.settings.tls_cert, self.settings.tls_key)
+        except (OSError, ssl.SSLError) as exc:  # the files changed since the front ends read them
+            log.warning("shutdown: cannot read --tls-cert/--tls-key again (%s): the last "
+                        "connections are refused without TLS", exc)
+            return None
         return tls
 
 

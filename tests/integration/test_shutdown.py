@@ -7,7 +7,9 @@ frame) next to the tiny one.
 
 from __future__ import annotations
 
+import json
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -218,6 +220,18 @@ def _burst_with_sigterm(s, jpeg: bytes, clients: int = 48, requests: int = 96,
     return outcomes
 
 
+def _shutdown_under(load, repo: Path, tmp_path: Path, jpeg: bytes, frontends: str) -> list:
+    """Start a server with ``--frontends``, put it under ``load`` (which sends SIGTERM), check
+    that it exits 0; returns the outcomes ``load`` returns."""
+    s = start_server(repo, tmp_path, "--frontends", frontends, grpc=False)
+    try:
+        outcomes = load(s, jpeg)
+        assert s.proc.wait(timeout=60) == 0, s.log()
+    finally:
+        s.stop(signal.SIGKILL)
+    return outcomes
+
+
 @pytest.mark.parametrize("frontends", ["0", "2"])
 def test_every_accepted_connection_is_answered_at_sigterm(tiny_repo, tmp_path, jpeg_bytes,
                                                           frontends):
@@ -225,12 +239,7 @@ def test_every_accepted_connection_is_answered_at_sigterm(tiny_repo, tmp_path, j
     the server shuts down), never a silent close, however late in the shutdown it came."""
     bad = []
     for run in range(6):
-        s = start_server(tiny_repo, tmp_path, "--frontends", frontends, grpc=False)
-        try:
-            outcomes = _burst_with_sigterm(s, jpeg_bytes)
-            assert s.proc.wait(timeout=60) == 0, s.log()
-        finally:
-            s.stop(signal.SIGKILL)
+        outcomes = _shutdown_under(_burst_with_sigterm, tiny_repo, tmp_path, jpeg_bytes, frontends)
         assert len(outcomes) == 96
         print(f"run {run}: {sorted(Counter(map(str, outcomes)).items())}")
         for o in outcomes:
@@ -275,3 +284,102 @@ def test_connection_queued_when_the_front_ends_are_gone_is_answered(tiny_repo, t
         assert s.proc.wait(timeout=60) == 0, s.log()
     finally:
         s.stop(signal.SIGKILL)
+
+
+
+def _answer(sock, part: str) -> tuple | str:
+    """Read one connection's answer to its end: (status, Retry-After, whether a 200 carried the
+    request's part id), or what went wrong instead."""
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        return "reset"
+    except TimeoutError:
+        return "no answer in 30 s"
+    finally:
+        sock.close()
+    if not data:
+        return "closed without an answer"
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    own = status != 200 or json.loads(body)["part_id"] == part
+    return status, headers.get("retry-after"), own
+
+
+def _pour_through_shutdown(s, jpeg: bytes, in_flight: int = 64) -> list:
+    """Inspect requests, each on a new connection, opened without waiting for the answers
+    (``in_flight`` at a time) from before SIGTERM until the listener is gone (a connect is
+    refused): the kernel has connections queued in the listener's backlog at every moment of the
+    shutdown, the moment the listener closes included. SIGTERM comes after the first answers.
+    Returns each request's outcome (see :func:`_answer`), and "refused" once."""
+    outcomes: list = []
+    pending: set = set()
+    lock = threading.Condition()
+    refused = threading.Event()
+
+    def read(sock, part: str) -> None:
+        outcome = _answer(sock, part)
+        with lock:
+            outcomes.append(outcome)
+            pending.discard(sock)
+            lock.notify()
+
+    def pour() -> None:
+        end = time.monotonic() + 60
+        for i in range(10_000_000):
+            with lock:
+                lock.wait_for(lambda: len(pending) < in_flight, timeout=30)
+            if time.monotonic() > end:
+                outcomes.append("still accepting after 60 s")
+                return
+            part = f"p{i}"
+            head = (f"POST /v1/models/tiny/inspect HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                    f"Content-Type: image/jpeg\r\nX-Part-Id: {part}\r\n"
+                    f"Content-Length: {len(jpeg)}\r\nConnection: close\r\n\r\n")
+            try:
+                sock = socket.create_connection(("127.0.0.1", s.http_port), timeout=30)
+            except ConnectionRefusedError:  # the listener is closed: nothing was accepted
+                outcomes.append("refused")
+                refused.set()
+                return
+            try:
+                sock.sendall(head.encode() + jpeg)
+            except OSError as exc:  # reset before the request was even sent
+                outcomes.append(type(exc).__name__)
+                sock.close()
+                continue
+            with lock:
+                pending.add(sock)
+            threading.Thread(target=read, args=(sock, part), daemon=True).start()
+
+    pourer = threading.Thread(target=pour)
+    pourer.start()
+    end = time.monotonic() + 30
+    while len(outcomes) < 4 and time.monotonic() < end:  # the requests reach the engine
+        time.sleep(0.005)
+    s.proc.send_signal(signal.SIGTERM)
+    pourer.join(timeout=90)
+    with lock:
+        lock.wait_for(lambda: not pending, timeout=60)
+    return list(outcomes)
+
+
+@pytest.mark.parametrize("frontends", ["0", "2"])
+def test_connections_pouring_in_through_the_whole_shutdown_are_all_answered(
+        tiny_repo, tmp_path, jpeg_bytes, frontends):
+    """Connections opened without a pause through the drain, the quiet wait and the close of the
+    listener: every connection the kernel accepted gets its own verdict or 503 with Retry-After,
+    never a reset or a close without an answer; the only other outcome is a refused connect
+    once the listener is gone."""
+    outcomes = _shutdown_under(_pour_through_shutdown, tiny_repo, tmp_path, jpeg_bytes, frontends)
+    counts = sorted(Counter(map(str, outcomes)).items())
+    print(counts)
+    assert outcomes.count("refused") == 1, counts  # it ran until the listener closed
+    bad = [o for o in outcomes if o != "refused" and not (
+        isinstance(o, tuple) and ((o[0] == 200 and o[2]) or (o[0] == 503 and o[1] is not None)))]
+    assert not bad, counts
+    assert any(isinstance(o, tuple) and o[0] == 503 for o in outcomes), counts

@@ -35,9 +35,13 @@ A request cannot hold its connection by sending its body slowly either:
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import http
 import json
 import logging
+import socket
+import ssl
+import sys
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -65,13 +69,24 @@ BODY_CHECK_S = 0.25
 LINGER_S = 2.0
 #: at shutdown, after the drain: the listener stays open while connections keep coming (each
 #: answered, 503 while shutting down), until none came for CLOSE_QUIET_S or CLOSE_GRACE_S passed.
-#: Closing it at once reset the connections the kernel had accepted but the server had not yet
-#: taken from its backlog: their clients saw a disconnect without an answer
+#: Closing it at once resets the connections the kernel has accepted but the server has not yet
+#: taken from its backlog: their clients see a disconnect without an answer (the last close is
+#: :func:`refuse_until_quiet`'s)
 CLOSE_GRACE_S = 1.0
 CLOSE_QUIET_S = 0.25
 #: at shutdown, how long a connection that opened but has not sent its whole request head may
 #: still send it (and get its answer) before it is closed
 SHUTDOWN_HEAD_WAIT_S = 1.0
+#: Linux's SO_ATTACH_FILTER (the socket module does not name it)
+SO_ATTACH_FILTER = 26
+#: a classic BPF program for a listening TCP socket (code, jt, jf, k): drop a segment with SYN set
+#: and ACK not (a new connection's first), keep every other one; a TCP socket's filter sees the
+#: segment from its TCP header on, whose byte 13 holds the flags
+_NO_NEW_CONNECTIONS = ((0x30, 0, 0, 13),          # ldb [13]
+                       (0x54, 0, 0, 0x12),        # and #(SYN|ACK)
+                       (0x15, 0, 1, 0x02),        # jeq #SYN, drop, keep
+                       (0x06, 0, 0, 0),           # drop: ret #0
+                       (0x06, 0, 0, 0xFFFFFFFF))  # keep: ret #all
 
 
 def protocol_class(header_timeout_s: float, max_connections: int | None,
@@ -510,11 +525,9 @@ class _RefusedAtShutdown(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:
-        loop = asyncio.get_running_loop()
-        self.seen.last = loop.time()
         self.seen.open.add(self)
         self.transport = transport
-        self.timer = loop.call_later(SHUTDOWN_HEAD_WAIT_S, transport.close)
+        self.timer = asyncio.get_running_loop().call_later(SHUTDOWN_HEAD_WAIT_S, transport.close)
 
     def data_received(self, data: bytes) -> None:
         if self.head is None or self.transport is None:
@@ -541,26 +554,92 @@ class _RefusedAtShutdown(asyncio.Protocol):
 
 
 class _Refusals:
-    def __init__(self, now: float) -> None:
-        self.last = now  # loop time of the latest connection
+    """The connections :func:`refuse_until_quiet` took from its listener."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, tls: ssl.SSLContext | None) -> None:
+        self.loop = loop
+        self.tls = tls
+        self.last = loop.time()  # loop time of the latest connection
+        self.starting: set[asyncio.Task] = set()  # TLS handshakes under way
         self.open: set[_RefusedAtShutdown] = set()
 
+    def take_all(self, sock: socket.socket) -> None:
+        """Take every connection queued on the (non-blocking) listener ``sock``."""
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except ConnectionAbortedError:  # its client gave up while it was queued
+                continue
+            except OSError as exc:  # out of file descriptors: the rest stay queued a moment
+                log.warning("shutdown: cannot take a queued connection: %s", exc)
+                return
+            self.last = self.loop.time()
+            task = self.loop.create_task(self.loop.connect_accepted_socket(
+                lambda: _RefusedAtShutdown(self), conn, ssl=self.tls,
+                ssl_handshake_timeout=SHUTDOWN_HEAD_WAIT_S if self.tls else None))
+            self.starting.add(task)
+            task.add_done_callback(self._started)
 
-async def refuse_until_quiet(sock) -> None:
-    """At shutdown, in the last process that holds the listening socket ``sock``: answer what is
-    left in its backlog and what still comes 503 (see :class:`_RefusedAtShutdown`), until no
-    connection came for CLOSE_QUIET_S or CLOSE_GRACE_S passed; then close it and let the last
-    answers go out. Closing a listener with connections in its backlog resets them."""
+    def _started(self, task: asyncio.Task) -> None:
+        self.starting.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # a failed TLS handshake
+            log.debug("shutdown: a connection ended before its answer: %s", task.exception())
+
+
+def shut_the_door(sock: socket.socket) -> bool:
+    """From now on the kernel drops the first packet (SYN) of every new connection to the
+    listening ``sock``: its client sends it again a second later and finds the port closed (its
+    connect is refused: nothing was accepted). Connections the kernel accepted already, or whose
+    handshake is under way, still join the backlog. Closing a listener resets the connections in
+    its backlog, and connections keep coming; with the door shut first, the backlog can be
+    emptied for good before the close. False where the system cannot do it (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    prog = (_BpfInsn * len(_NO_NEW_CONNECTIONS))(*(_BpfInsn(*i) for i in _NO_NEW_CONNECTIONS))
+    try:  # the kernel copies the program: it need not outlive the call
+        sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, bytes(_BpfProg(len(prog), prog)))
+    except OSError as exc:
+        log.warning("shutdown: cannot stop new connections before the listener closes: %s", exc)
+        return False
+    return True
+
+
+class _BpfInsn(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
+                ("k", ctypes.c_uint32)]
+
+
+class _BpfProg(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(_BpfInsn))]
+
+
+async def refuse_until_quiet(sock: socket.socket, tls: ssl.SSLContext | None = None) -> None:
+    """At shutdown, in the last process that holds the listening socket ``sock`` (its HTTP
+    server has stopped taking connections): answer what is left in its backlog and what still
+    comes 503 (see :class:`_RefusedAtShutdown`; over TLS when ``tls``), until no connection came
+    for CLOSE_QUIET_S or CLOSE_GRACE_S passed; then shut the door (:func:`shut_the_door`), take
+    what the kernel queued until then, close the listener and let the last answers go out."""
     loop = asyncio.get_running_loop()
-    seen = _Refusals(loop.time())
-    server = await loop.create_server(lambda: _RefusedAtShutdown(seen), sock=sock)
-    end = loop.time() + CLOSE_GRACE_S
-    while loop.time() < end and loop.time() - seen.last < CLOSE_QUIET_S:
-        await asyncio.sleep(0.05)
-    server.close()
+    seen = _Refusals(loop, tls)
+    sock.setblocking(False)
+    loop.add_reader(sock.fileno(), seen.take_all, sock)
+    try:
+        end = loop.time() + CLOSE_GRACE_S
+        while loop.time() < end and loop.time() - seen.last < CLOSE_QUIET_S:
+            await asyncio.sleep(0.05)
+        if shut_the_door(sock):  # the handshakes under way join the backlog and are taken
+            await asyncio.sleep(CLOSE_QUIET_S)
+    finally:
+        loop.remove_reader(sock.fileno())
+    seen.take_all(sock)  # the backlog is empty now, and nothing new can join it
+    sock.close()
     end = loop.time() + SHUTDOWN_HEAD_WAIT_S + LINGER_S  # the heads on their way, the answers
-    while seen.open and loop.time() < end:
+    while (seen.open or seen.starting) and loop.time() < end:
         await asyncio.sleep(0.05)
+    for task in list(seen.starting):
+        task.cancel()
     for c in list(seen.open):
         if c.transport is not None:
             c.transport.close()

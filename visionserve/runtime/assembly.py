@@ -95,6 +95,7 @@ def service_routers(settings: ServerSettings, guard_store=None) -> tuple:
 
 async def serve_here(engine, settings: ServerSettings, guard: HostedGuard | None = None) -> int:
     """The front ends in this process, beside the engine."""
+    from ..http.connections import refuse_until_quiet
     from ..http.server import http_app, http_server
     from .ports import check_free, listen_socket
 
@@ -123,8 +124,13 @@ async def serve_here(engine, settings: ServerSettings, guard: HostedGuard | None
     if guard is not None:
         guard.start()
     try:
-        await server.serve(sockets=[http_sock])
+        # uvicorn closes the socket it serves: it serves a copy, and this one answers what is
+        # left in the backlog before it closes (see refuse_until_quiet), as with --frontends
+        await server.serve(sockets=[http_sock.dup()])
+        if not server.force_exit:  # a second signal: leave now
+            await refuse_until_quiet(http_sock, server.config.ssl)
     finally:
+        http_sock.close()
         if guard is not None:
             await asyncio.to_thread(guard.stop)
         if grpc_server is not None:

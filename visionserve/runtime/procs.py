@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -123,8 +124,20 @@ class FrontEnds:
         # is gone (the kernel queues what comes), then answers what is left 503 before it
         # closes it (closing a listener resets the connections in its backlog)
         if self.http_sock.fileno() != -1:
-            await refuse_until_quiet(self.http_sock)
-            self.http_sock.close()
+            await refuse_until_quiet(self.http_sock, self._tls())
+
+    def _tls(self) -> ssl.SSLContext | None:
+        """The front ends' TLS, for the answers this process gives on their listener."""
+        if self.settings.tls_cert is None or self.settings.tls_key is None:
+            return None
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            tls.load_cert_chain(self.settings.tls_cert, self.settings.tls_key)
+        except (OSError, ssl.SSLError) as exc:  # the files changed since the front ends read them
+            log.warning("shutdown: cannot read --tls-cert/--tls-key again (%s): the last "
+                        "connections are refused without TLS", exc)
+            return None
+        return tls
 
 
 async def serve_with_frontends(engine, settings: ServerSettings, guard=None) -> int:

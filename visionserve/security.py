@@ -130,6 +130,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/models/{m}/candidates/{c}", ADMIN, QUALITY),
     Route("POST", "/v1/models/{m}/candidates/{c}/evaluate", ADMIN, QUALITY),
     Route("GET", "/v1/models/{m}/candidates/{c}/comparison", ADMIN, QUALITY),
+    Route("GET POST DELETE", "/v1/models/{m}/candidates/{c}/shadow", ADMIN, QUALITY),
     Route("GET POST", "/ui/login", SIGNIN, form=True),  # the one form-encoded body taken
     Route("POST", "/ui/logout", SIGNIN),
     Route("GET", "/ui/session", SIGNIN),

@@ -277,4 +277,7 @@ def make_router(store: RecordStore, images: ImageSource, jobs: JobStore | None) 
         except VisionServeError as exc:
             return error_response(exc, {"model": model, "candidate": cid})
 
+    from .shadowroutes import add_routes as shadow_routes
+
+    shadow_routes(router, loop)
     return router

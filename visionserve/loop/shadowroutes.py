@@ -16,7 +16,7 @@ a body not understood.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
@@ -24,14 +24,23 @@ from fastapi.responses import JSONResponse
 
 from ..audit import Entry
 from ..errors import Conflict, VisionServeError
+from ..guard.store import JobStore
 from ..http.common import audit_of, caller_of, engine_of, error_response, read_json_object
+from ..records.store import RecordStore
+from ..repository import ModelEntry
 from . import candidates as cands
 from .shadow import Shadows, parse_request, report
 
-if TYPE_CHECKING:
-    from .http import Loop
-
 MAX_BODY = 4096
+
+
+class Loop(Protocol):
+    """What the shadow's routes need of the candidates' routes (``.http.Loop``)."""
+
+    store: RecordStore
+    jobs: JobStore | None
+
+    def entry(self, request: Request, model: str) -> ModelEntry: ...
 
 
 def add_routes(router: APIRouter, loop: Loop) -> Shadows:

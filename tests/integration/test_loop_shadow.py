@@ -8,8 +8,6 @@ delaying a live answer. The routes' roles, CSRF and Origin rules, refusals and a
 
 from __future__ import annotations
 
-import json
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,6 +21,7 @@ from tests.integration.test_console_users import add_users, session_client
 from tests.integration.test_live import Listener
 from tests.integration.test_records_images import shipped_repo
 from visionserve_tools import synthetic
+from visionserve_tools.benchshadow import make_candidate
 
 CLASSIFIER = "defect-classifier"
 TOKEN = "shadow-admin-token-0123456789"
@@ -32,11 +31,8 @@ SHADOW = f"{BASE}/c-1/shadow"
 LOOKS = ("ok", "scratch", "ok", "spot", "ok", "scratch")
 
 
-def scratch_candidate(model_folder: Path) -> Path:
-    """Candidate c-1 as the loop leaves a trained one (its model files, job.json and
-    candidate.json), its final layer's "scratch" bias raised so that it always says scratch."""
-    folder = model_folder / "candidates" / "c-1"
-    shutil.copytree(model_folder / "1", folder)
+def scratch(folder: Path) -> None:
+    """The candidate's final layer's "scratch" bias raised: it says scratch to every frame."""
     model = onnx.load(folder / "model.onnx")
     for init in model.graph.initializer:
         if init.name == "4.bias":
@@ -44,15 +40,6 @@ def scratch_candidate(model_folder: Path) -> Path:
             bias[1] += 50.0  # labels: ok, scratch, spot, crack, contamination
             init.CopyFrom(numpy_helper.from_array(bias, init.name))
     onnx.save(model, folder / "model.onnx")
-    job = {"id": "c-1", "model": CLASSIFIER, "from_version": 1,
-           "job": {"id": 1, "command": ["train"]}, "trained_on": [], "held_out": [],
-           "recipe": {}, "created_by": "qe-anna", "created": "2026-12-07T00:00:00.000Z"}
-    (folder / "job.json").write_text(json.dumps(job))
-    (folder / "candidate.json").write_text(json.dumps({**job, "finished": job["created"],
-                                                       "metrics": {}}))
-    for path in [folder, *folder.rglob("*")]:
-        path.chmod(path.stat().st_mode & 0o755)
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +50,7 @@ def server(tmp_path_factory):
     s = start_server(repo, tmp, "--host", "0.0.0.0", "--trusted-proxies", "127.0.0.1",
                      "--admin-token", TOKEN, "--records", "--records-dir", str(tmp / "data"),
                      grpc=False, env={"XDG_DATA_HOME": str(tmp / "xdg")})
-    s.candidate = scratch_candidate(repo / CLASSIFIER)
+    s.candidate = make_candidate(repo / CLASSIFIER, edit=scratch)
     yield s
     s.stop()
 

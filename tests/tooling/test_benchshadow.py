@@ -39,6 +39,7 @@ def test_a_tiny_run_reports_the_ratios_and_the_shadows_counts(tmp_path):
     assert res["rate_per_s"] == 8.0 and res["errors"] == 0
     assert res["without_shadow"]["count"] > 0 and res["with_shadow"]["count"] > 0
     assert res["ratios"]["p50"] > 0 and res["ratios"]["p99"] > 0
+    assert len(res["pair_ratios"]) == 1 and res["median_pair_ratios"]["p99"] > 0
     (shadow_run,) = res["shadow_runs"]
     assert shadow_run["state"] == "stopped" and shadow_run["reason"].startswith("stopped by")
     assert res["shadow"]["judged"] > 0

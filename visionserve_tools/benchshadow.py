@@ -144,7 +144,8 @@ def run(args: argparse.Namespace, res: dict, save) -> None:
                       "p99": ratio(b.get("p99_ms"), a.get("p99_ms"))}
                      for a, b in zip(res["windows"]["off"], res["windows"]["on"])]
             res["pair_ratios"] = pairs
-            res["median_pair_ratios"] = {q: statistics.median(x[q] for x in pairs if x[q])
+            res["median_pair_ratios"] = {q: round(statistics.median(x[q] for x in pairs
+                                                                    if x[q]), 3)
                                          if any(x[q] for x in pairs) else None
                                          for q in ("p50", "p99")}
             res["shadow"] = {k: sum(r["report"][k] or 0 for r in res["shadow_runs"])

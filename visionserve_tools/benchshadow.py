@@ -88,6 +88,11 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
+def median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(statistics.median(known), 3) if known else None
+
+
 def run(args: argparse.Namespace, res: dict, save) -> None:
     with tempfile.TemporaryDirectory(prefix="benchshadow-") as tmp:
         repo = Path(tmp) / "models"
@@ -144,10 +149,7 @@ def run(args: argparse.Namespace, res: dict, save) -> None:
                       "p99": ratio(b.get("p99_ms"), a.get("p99_ms"))}
                      for a, b in zip(res["windows"]["off"], res["windows"]["on"])]
             res["pair_ratios"] = pairs
-            res["median_pair_ratios"] = {q: round(statistics.median(x[q] for x in pairs
-                                                                    if x[q]), 3)
-                                         if any(x[q] for x in pairs) else None
-                                         for q in ("p50", "p99")}
+            res["median_pair_ratios"] = {q: median([x[q] for x in pairs]) for q in ("p50", "p99")}
             res["shadow"] = {k: sum(r["report"][k] or 0 for r in res["shadow_runs"])
                              for k in ("judged", "handed", "dropped")}
         finally:

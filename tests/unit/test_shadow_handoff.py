@@ -102,6 +102,8 @@ def test_the_report_reads_a_run_back(tmp_path):
             (run, 101.0, "r1", "A-1", 0, "1", "OK", "ok", 0.9, "OK", "ok", 0.8, 3.0),
             (run, 102.0, "r2", "A-2", 0, "1", "OK", "ok", 0.9, "NG", "scratch", 0.7, 5.0),
             (run, 103.0, "r3", None, 1, "1", "NG", "spot", 0.6, "NG", "crack", 0.5, 4.0)])
+    got = shadow.report(tmp_path, "c-1", "m", None, None)  # no process runs it (a restart)
+    assert got["state"] == "stopped" and got["stop_reason"] == "the server stopped while it ran"
     shadow._close_run(tmp_path, run, "stopped by qe-anna", 5, 2)
     got = shadow.report(tmp_path, "c-1", "m", None, None)
     assert got["state"] == "stopped" and got["stop_reason"] == "stopped by qe-anna"

@@ -362,11 +362,14 @@ def report(folder: Path, cid: str, model: str, shadow: Shadow | None,
             "(live_verdict != verdict OR live_label != label) ORDER BY time DESC LIMIT ?",
             (run, MAX_LISTED)).fetchall()
         runs = conn.execute("SELECT COUNT(*) FROM runs").fetchone()[0]
-    if shadow is not None and shadow.run == run:
+    running = shadow is not None and shadow.run == run
+    if shadow is not None and running:
         handed, dropped = shadow.tap.handed, shadow.tap.dropped
+    elif stopped is None:  # the server stopped while it ran: its verdicts so far are kept
+        reason = "the server stopped while it ran"
     agree = agree or 0
     found = record_ids(store, model, rows)
-    out = {"id": cid, "model": model, "state": "running" if stopped is None else "stopped",
+    out = {"id": cid, "model": model, "state": "running" if running else "stopped",
            "run": run, "runs": runs, "started": iso(started), "started_by": by,
            "live_version": live_version, "frames_limit": limit, "until": iso(until),
            "stopped": iso(stopped) if stopped is not None else None, "stop_reason": reason,

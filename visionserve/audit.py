@@ -53,7 +53,7 @@ MAX_LIMIT = 500
 ACTIONS = ("verdict", "recipe", "model-load", "model-unload", "job-submit", "job-cancel",
            "user-add", "user-remove", "user-role", "user-password", "sign-in", "sign-out",
            "sign-in-failed", "flag", "label", "candidate", "candidate-evaluate", "promote",
-           "rollback")
+           "rollback", "candidate-shadow", "candidate-shadow-stop")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS audit (

@@ -134,6 +134,7 @@ ROUTES: tuple[Route, ...] = (
     # the promotion of a compared candidate and its rollback: quality work, audited
     Route("POST", "/v1/models/{m}/candidates/{c}/promote", ADMIN, QUALITY),
     Route("POST", "/v1/models/{m}/rollback", ADMIN, QUALITY),
+    Route("GET POST DELETE", "/v1/models/{m}/candidates/{c}/shadow", ADMIN, QUALITY),
     Route("GET POST", "/ui/login", SIGNIN, form=True),  # the one form-encoded body taken
     Route("POST", "/ui/logout", SIGNIN),
     Route("GET", "/ui/session", SIGNIN),

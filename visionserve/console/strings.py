@@ -303,6 +303,8 @@ STRINGS: dict[str, str] = {
     "audit_action_candidate-evaluate": "Candidate comparison requested",
     "audit_action_promote": "Candidate promoted",
     "audit_action_rollback": "Promotion rolled back",
+    "audit_action_candidate-shadow": "Candidate shadow started",
+    "audit_action_candidate-shadow-stop": "Candidate shadow stopped",
     "review_title": "Review and label",
     "review_intro": "Frames captured for learning (--capture learn: NG, uncertain, a sample of "
                     "OK) and frames operators flagged. Say what each shows: the labels are kept "

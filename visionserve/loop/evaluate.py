@@ -24,30 +24,51 @@ import numpy as np
 from .. import imaging, tasks
 from ..backends.base import create, model_file
 from ..backends.checks import Subject
-from ..config import ModelConfig, load_model_config
+from ..config import InputSpec, ModelConfig, load_model_config
 from ..tasks.anomaly import AnomalyConfig
 from ..tasks.classification import Classification, ClassificationConfig
 from .candidates import read_json, write_json
 
 
+class Judge:
+    """The model file in ``folder`` loaded with the model's backend on the CPU, judging batches
+    with the task's verdict rule (:meth:`__call__`) until :meth:`close`."""
+
+    def __init__(self, config: ClassificationConfig, folder: Path) -> None:
+        self.backend = create(config.runtime.backend)
+        self.backend.load(folder / model_file(config.runtime.backend), config, "cpu")
+        self.task = Classification(config)
+        self.step = max(1, config.batching.max_batch_size)
+        self.name = config.output.tensor_name  # none named: the model's one output
+
+    def _scores(self, outputs: dict[str, Any]) -> np.ndarray:
+        return np.asarray(outputs[self.name] if self.name else next(iter(outputs.values())))
+
+    def __call__(self, batch: np.ndarray) -> list[dict[str, Any]]:
+        """Verdict, label and score of each row of ``batch`` (the model's input tensor)."""
+        raw = np.concatenate([self._scores(self.backend.run(batch[i:i + self.step]))
+                              for i in range(0, len(batch), self.step)])
+        return [{"verdict": verdict, "label": result.label, "score": round(result.score, 6)}
+                for verdict, result in self.task.classify(raw)]
+
+    def close(self) -> None:
+        self.backend.close()
+
+
 def judge(config: ClassificationConfig, folder: Path, batch: np.ndarray) -> list[dict[str, Any]]:
     """Verdict, label and score of each row of ``batch`` by the model file in ``folder``."""
-    backend = create(config.runtime.backend)
-    backend.load(folder / model_file(config.runtime.backend), config, "cpu")
-    task = Classification(config)
-    step = max(1, config.batching.max_batch_size)
-    name = config.output.tensor_name  # none named: the model's one output
-
-    def scores(outputs: dict[str, Any]) -> np.ndarray:
-        return np.asarray(outputs[name] if name else next(iter(outputs.values())))
-
+    judging = Judge(config, folder)
     try:
-        raw = np.concatenate([scores(backend.run(batch[i:i + step]))
-                              for i in range(0, len(batch), step)])
+        return judging(batch)
     finally:
-        backend.close()
-    return [{"verdict": verdict, "label": result.label, "score": round(result.score, 6)}
-            for verdict, result in task.classify(raw)]
+        judging.close()
+
+
+def tensor(frames: list[imaging.Frame], spec: InputSpec) -> np.ndarray:
+    """The model's input batch of ``frames``: the server's own preprocessing, on the CPU."""
+    pixels = np.stack([imaging.preprocess(f, spec) for f in frames])
+    return imaging.normalize(pixels.reshape(len(frames), spec.height, spec.width, spec.channels),
+                             spec)
 
 
 def judge_anomaly(config: AnomalyConfig, folder: Path,
@@ -127,10 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     run, ok_labels = judged
     items = read_json(args.candidate / "candidate.json")["held_out"]
     spec = config.input
-    pixels = np.stack([imaging.preprocess(imaging.encoded_frame(
-        (args.candidate / it["file"]).read_bytes()), spec) for it in items])
-    batch = imaging.normalize(pixels.reshape(len(items), spec.height, spec.width, spec.channels),
-                              spec)
+    batch = tensor([imaging.encoded_frame((args.candidate / it["file"]).read_bytes())
+                    for it in items], spec)
     print(json.dumps({"step": 1, "steps": 2, "frames": len(items)}), flush=True)
     live = run(args.live, batch)
     print(json.dumps({"step": 2, "steps": 2}), flush=True)

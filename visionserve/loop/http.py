@@ -52,6 +52,7 @@ from . import candidates as cands
 from . import promote as promotion
 from . import refit, usercommand
 from .plan import Plan
+from .shadowroutes import add_routes as shadow_routes
 
 MAX_BODY = 4096
 #: a fine-tune's optimizer steps: the default, the most one request may ask
@@ -376,6 +377,7 @@ def make_router(store: RecordStore, images: ImageSource, jobs: JobStore | None) 
         except VisionServeError as exc:
             return error_response(exc, {"model": model, "candidate": cid})
 
+    shadow_routes(router, loop)
     return router
 
 

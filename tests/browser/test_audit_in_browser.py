@@ -13,12 +13,13 @@ from browserkit import (
     page_text,
     press,
     screenshot,
+    sign_in,
     tab_to,
 )
 from conftest import make_tiny_model, start_server
 
-from tests.browser.test_console_verdict import MODEL, TOML, _form, _said, _sign_in, _type_into
-from tests.integration.test_console_users import add_users
+from tests.browser.test_console_verdict import MODEL, TOML, _form, _said, _type_into
+from tests.integration.test_console_users import PASSWORD, add_users
 
 try:
     from selenium.webdriver.common.by import By
@@ -48,7 +49,7 @@ def _rows(driver) -> list[str]:
 
 
 def test_a_verdict_change_shows_on_the_audit_page_under_its_user(browser, server):
-    _sign_in(browser, server, "qe-anna")  # quality: on the Models page
+    sign_in(browser, server, "qe-anna", PASSWORD)  # quality: on the Models page
     form = _form(browser)
     _type_into(browser, form.find_element(By.CSS_SELECTOR, "input[data-field=ok_threshold]"),
                "0.25")
@@ -81,6 +82,6 @@ def test_a_verdict_change_shows_on_the_audit_page_under_its_user(browser, server
     screenshot(browser, "audit")
     assert axe_violations(browser) == []
 
-    _sign_in(browser, server, "otto")  # a viewer: no Audit log in the navigation
+    sign_in(browser, server, "otto", PASSWORD)  # a viewer: no Audit log in the navigation
     assert browser.find_elements(By.LINK_TEXT, "Audit log") == []
     browser.delete_all_cookies()

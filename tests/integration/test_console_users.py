@@ -14,6 +14,7 @@ import ssl
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -77,6 +78,14 @@ def session_client(server, user: str, address: str) -> tuple[httpx.Client, str]:
     client = httpx.Client(base_url=server.url, timeout=30,
                           cookies={"visionserve_session": r.cookies["visionserve_session"]})
     return client, r.json()["csrf_token"]
+
+
+def quality_session(server, address: str) -> Iterator[httpx.Client]:
+    """(a module fixture's body) qe-anna's session, its CSRF token sent with every request."""
+    client, csrf = session_client(server, "qe-anna", address)
+    client.headers["X-CSRF-Token"] = csrf
+    yield client
+    client.close()
 
 
 def _audits(server) -> list[dict]:

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from conftest import start_server, wait_for
 
-from tests.integration.test_console_users import add_users, session_client
+from tests.integration.test_console_users import add_users, quality_session, session_client
 from tests.integration.test_records_images import shipped_repo
 from visionserve.records.store import SqliteStore
 from visionserve_tools import synthetic
@@ -69,10 +69,7 @@ def record_of(server, part: str) -> dict:
 
 @pytest.fixture(scope="module")
 def quality(server):
-    client, csrf = session_client(server, "qe-anna", "198.51.100.201")
-    client.headers["X-CSRF-Token"] = csrf
-    yield client
-    client.close()
+    yield from quality_session(server, "198.51.100.201")
 
 
 def test_capture_learn_keeps_ng_uncertain_and_sampled_frames_and_says_why(server):

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from conftest import start_server, wait_for
 
-from tests.integration.test_console_users import add_users, session_client
+from tests.integration.test_console_users import add_users, quality_session, session_client
 from tests.integration.test_records_images import shipped_repo
 from visionserve_tools import synthetic
 
@@ -58,10 +58,7 @@ def send_looks(server) -> None:
 
 @pytest.fixture(scope="module")
 def quality(server):
-    client, csrf = session_client(server, "qe-anna", "198.51.100.211")
-    client.headers["X-CSRF-Token"] = csrf
-    yield client
-    client.close()
+    yield from quality_session(server, "198.51.100.211")
 
 
 def records(server) -> list[dict]:

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from conftest import start_server, wait_for
 
-from tests.integration.test_console_users import add_users, session_client
+from tests.integration.test_console_users import add_users, quality_session, session_client
 from tests.integration.test_loop_candidates import (
     ADMIN,
     BASE,
@@ -61,10 +61,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def quality(server):
-    client, csrf = session_client(server, "qe-anna", "198.51.100.221")
-    client.headers["X-CSRF-Token"] = csrf
-    yield client
-    client.close()
+    yield from quality_session(server, "198.51.100.221")
 
 
 @pytest.fixture(scope="module")

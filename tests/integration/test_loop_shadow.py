@@ -17,7 +17,7 @@ import pytest
 from conftest import start_server, wait_for
 from onnx import numpy_helper
 
-from tests.integration.test_console_users import add_users, session_client
+from tests.integration.test_console_users import add_users, quality_session, session_client
 from tests.integration.test_live import Listener
 from tests.integration.test_records_images import shipped_repo
 from visionserve_tools import synthetic
@@ -57,10 +57,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def quality(server):
-    client, csrf = session_client(server, "qe-anna", "198.51.100.221")
-    client.headers["X-CSRF-Token"] = csrf
-    yield client
-    client.close()
+    yield from quality_session(server, "198.51.100.221")
 
 
 def inspect(server, part: str, look: str, seed: int = 0) -> httpx.Response:

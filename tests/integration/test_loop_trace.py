@@ -18,9 +18,9 @@ from argparse import Namespace
 
 import httpx
 import pytest
-from conftest import start_server, wait_for
+from conftest import start_server
 
-from tests.integration.test_console_users import add_users, session_client
+from tests.integration.test_console_users import add_users, quality_session, session_client
 from tests.integration.test_loop_candidates import (
     ADMIN,
     CLASSIFIER,
@@ -29,12 +29,12 @@ from tests.integration.test_loop_candidates import (
     TRAIN,
     audit,
     records,
+    send_looks,
     wait_state,
 )
 from tests.integration.test_records_images import shipped_repo
 from visionserve.records import cli
 from visionserve.records.store import SqliteStore
-from visionserve_tools import synthetic
 
 BASE = f"/v1/models/{CLASSIFIER}/candidates"
 
@@ -51,23 +51,14 @@ def server(tmp_path_factory):
                      env={"XDG_DATA_HOME": str(tmp / "xdg")})
     s.repo, s.data = tmp / "repo", tmp / "data"
     s.store = SqliteStore(tmp / "data" / "records.sqlite")
-    for i, (look, seed) in enumerate(LOOKS):
-        r = httpx.post(f"{s.url}/v1/models/{CLASSIFIER}/inspect", timeout=60,
-                       content=synthetic.encode(synthetic.generate(look, seed=seed)),
-                       headers={"Content-Type": "image/jpeg", "X-Part-Id": f"T-{i}",
-                                "X-Deadline-Ms": "10000"})
-        assert r.status_code == 200, r.text
-    wait_for(lambda: len(records(s)) >= len(LOOKS), 30, "every record")
+    send_looks(s)
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="module")
 def quality(server):
-    client, csrf = session_client(server, "qe-anna", "198.51.100.221")
-    client.headers["X-CSRF-Token"] = csrf
-    yield client
-    client.close()
+    yield from quality_session(server, "198.51.100.221")
 
 
 def sha256(path) -> str:

@@ -123,9 +123,12 @@ def test_the_shadow_judges_live_frames_and_sends_nothing(server, quality):
             live[f"S-{i}"] = (r.json()["verdict"], r.json()["label"])
 
         def judged():
+            # the records are written apart from the answers: a disagreement names its frame's
+            # record once the records hold it
             body = quality.get(SHADOW).json()
-            return body if body["judged"] == len(LOOKS) else None
-        shown = wait_for(judged, 60, "the shadow's verdicts")
+            return body if body["judged"] == len(LOOKS) and all(
+                d["record_id"] is not None for d in body["disagreements"]) else None
+        shown = wait_for(judged, 60, "the shadow's verdicts, with their records")
         assert shown["state"] == "running" and shown["dropped"] == 0
         assert shown["handed"] == len(LOOKS) and shown["live_version"] == "1"
         assert shown["candidate_ng"] == len(LOOKS)  # it says scratch to everything

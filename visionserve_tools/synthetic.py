@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Iterator
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, fields
 from typing import Any, cast
 
 import cv2
@@ -50,6 +50,10 @@ class SurfaceParams:
     blur_sigma: Range = (0.0, 1.5)          # lens blur, pixels at 640x480 (scaled with size)
     max_rotation_deg: float = 4.0           # camera/part rotation, +-degrees
     max_shift: float = 0.04                 # part position jitter, fraction of the frame
+    # how a scratch looks: groove width (fraction of the short side) and a multiplier on how far
+    # its tone lies from the surface's (below 1: fainter); other ranges draw a new look of it
+    scratch_width: Range = (0.004, 0.009)
+    scratch_contrast: Range = (1.0, 1.0)
 
     def __post_init__(self) -> None:
         if not self.textures:
@@ -58,7 +62,8 @@ class SurfaceParams:
         if unknown:
             raise ValueError(f"unknown texture(s) {unknown}; choose from {list(TEXTURES)}")
         for name in ("brightness", "texture_contrast", "grain_scale", "saturation", "gradient",
-                     "vignette", "exposure", "noise_sigma", "blur_sigma"):
+                     "vignette", "exposure", "noise_sigma", "blur_sigma", "scratch_width",
+                     "scratch_contrast"):
             lo, hi = getattr(self, name)
             if not (0 <= lo <= hi):
                 raise ValueError(f"SurfaceParams.{name} must be a range 0 <= lo <= hi, got "
@@ -161,7 +166,20 @@ def _check_seed_params(seed: object, params: object) -> int:
     if not isinstance(params, SurfaceParams):
         raise ValueError(  # noqa: TRY004 -- the callers (and tests) take ValueError for bad input
             f"params must be a SurfaceParams, got {type(params).__name__}")
-    return zlib.crc32(repr(astuple(params)).encode())
+    return zlib.crc32(repr(_salted(params)).encode())
+
+
+#: the defects' look: in an image's seed only where it differs from the default, so that every
+#: image drawn with the default look is the one it was before these fields existed
+_LOOK_FIELDS = ("scratch_width", "scratch_contrast")
+
+
+def _salted(params: SurfaceParams) -> tuple:
+    base = tuple(astuple(params)[i] for i, f in enumerate(fields(params))
+                 if f.name not in _LOOK_FIELDS)
+    look = tuple((name, getattr(params, name)) for name in _LOOK_FIELDS
+                 if getattr(params, name) != getattr(TRAIN_PARAMS, name))
+    return base + look if look else base
 
 
 def generate_set(n_per_label: int, seed: int,
@@ -243,7 +261,7 @@ def _render(rng: np.random.Generator, label: str, w: int, h: int, p: SurfacePara
     s = min(w, h)
     texture = p.textures[int(rng.integers(len(p.textures)))]
     img = _surface(rng, texture, w, h, p)
-    drawn = [(label, _DRAW[label](rng, img, s))] if label in _DRAW else []
+    drawn = [(label, _DRAW[label](rng, img, s, p))] if label in _DRAW else []
     img, masks = _camera(rng, img, w, h, p, [m for _, m in drawn] if annotate else [])
     return img, _annotations([lab for lab, _ in drawn], masks)
 
@@ -267,7 +285,7 @@ def _render_scene(rng: np.random.Generator, w: int, h: int, p: SurfaceParams,
         kind = DEFECT_LABELS[int(rng.integers(len(DEFECT_LABELS)))]
         for _ in range(SCENE_TRIES):
             trial = img.copy()
-            mask = _DRAW[kind](rng, trial, s)
+            mask = _DRAW[kind](rng, trial, s, p)
             on = mask > MASK_THRESHOLD
             box = _box(on)
             if box is None:
@@ -433,10 +451,11 @@ def _polyline_mask(h: int, w: int, pts: list[np.ndarray], thickness: float) -> n
     return mask
 
 
-def _scratch(rng: np.random.Generator, img: np.ndarray, s: int) -> np.ndarray:
+def _scratch(rng: np.random.Generator, img: np.ndarray, s: int,
+             p: SurfaceParams = TRAIN_PARAMS) -> np.ndarray:
     h, w = img.shape[:2]
     length = rng.uniform(0.25, 0.65) * s
-    thick = rng.uniform(0.004, 0.009) * s
+    thick = rng.uniform(*p.scratch_width) * s
     centre = _point(rng, w, h, 0.2)
     ang = rng.uniform(0, math.pi)
     d = np.array([math.cos(ang), math.sin(ang)])
@@ -454,11 +473,14 @@ def _scratch(rng: np.random.Generator, img: np.ndarray, s: int) -> np.ndarray:
         tone = min(1.0, lum + rng.uniform(0.3, 0.5))
     else:
         tone = lum * rng.uniform(0.25, 0.5)
+    if p.scratch_contrast != TRAIN_PARAMS.scratch_contrast:   # the default draws nothing more
+        tone = lum + (tone - lum) * _u(rng, p.scratch_contrast)
     _blend(img, mask, np.full(3, tone, np.float32), rng.uniform(0.8, 1.0))
     return mask
 
 
-def _spot(rng: np.random.Generator, img: np.ndarray, s: int) -> np.ndarray:
+def _spot(rng: np.random.Generator, img: np.ndarray, s: int,
+          p: SurfaceParams = TRAIN_PARAMS) -> np.ndarray:
     h, w = img.shape[:2]
     kind = rng.choice(["dent", "pit", "stain"])
     c = _point(rng, w, h, 0.15)
@@ -499,7 +521,8 @@ def _spot(rng: np.random.Generator, img: np.ndarray, s: int) -> np.ndarray:
     return mask
 
 
-def _crack(rng: np.random.Generator, img: np.ndarray, s: int) -> np.ndarray:
+def _crack(rng: np.random.Generator, img: np.ndarray, s: int,
+           p: SurfaceParams = TRAIN_PARAMS) -> np.ndarray:
     h, w = img.shape[:2]
     thick = rng.uniform(0.004, 0.008) * s
     mask = np.zeros((h, w), np.float32)
@@ -528,7 +551,8 @@ def _crack(rng: np.random.Generator, img: np.ndarray, s: int) -> np.ndarray:
     return mask
 
 
-def _contamination(rng: np.random.Generator, img: np.ndarray, s: int) -> np.ndarray:
+def _contamination(rng: np.random.Generator, img: np.ndarray, s: int,
+                   p: SurfaceParams = TRAIN_PARAMS) -> np.ndarray:
     h, w = img.shape[:2]
     c = _point(rng, w, h, 0.2)
     spread = rng.uniform(0.08, 0.18) * s

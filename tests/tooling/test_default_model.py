@@ -214,6 +214,33 @@ def test_a_short_fine_tune_of_the_last_layer_into_a_given_folder(tmp_path):
     assert mix.returncode == 2 and "pass --data" in mix.stderr
 
 
+def test_a_fine_tune_of_every_layer_keeps_the_batch_norm_statistics(tmp_path):
+    """--keep-batch-norm (the closed loop's default fine-tune): every layer's weights move, the
+    features' batch-norm running statistics stay the base model's; with --freeze-backbone it is
+    refused by name."""
+    import torch
+
+    photos = _photo_set(tmp_path / "photos", labels=("ok", "scratch"), n=3)
+    base = REPO / "models" / "defect-classifier" / "1" / "weights.pt"
+    out = tmp_path / "c-1"
+    run = _script("train", "--data", str(photos), "--init", str(base), "--steps", "3",
+                  "--batch-size", "4", "--keep-batch-norm", "--lr", "0.001", "--mix-synthetic",
+                  "0.5", "--sizes", "320x240", "--workers", "1", "--out", str(out))
+    assert run.returncode == 0, run.stderr[-2000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["keep_batch_norm"] is True and metrics["freeze_backbone"] is False
+    before = torch.load(base, weights_only=False)["state_dict"]
+    after = torch.load(out / "weights.pt", weights_only=False)["state_dict"]
+    stats = [k for k in before if k.startswith("0.") and k.endswith(("running_mean",
+                                                                      "running_var"))]
+    assert stats and all(torch.equal(before[k], after[k]) for k in stats)
+    assert not torch.equal(before["0.0.weight"], after["0.0.weight"])  # the first conv trained
+    assert not torch.equal(before["4.weight"], after["4.weight"])
+    both = _script("train", "--data", str(photos), "--init", str(base), "--keep-batch-norm",
+                   "--freeze-backbone", "--out", str(tmp_path / "x"))
+    assert both.returncode == 2 and "pass one of them" in both.stderr
+
+
 def _photo_set(root: Path, labels=("ok", "scratch"), n=2) -> Path:
     for lab in labels:
         (root / lab).mkdir(parents=True)

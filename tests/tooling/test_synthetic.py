@@ -217,3 +217,24 @@ def test_scene_counts_choose_the_number_of_defects():
 def test_bad_scene_arguments_raise_value_error(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_a_new_look_of_a_scratch_is_wider_and_fainter():
+    """``scratch_width`` and ``scratch_contrast`` draw another look of a scratch; the default
+    look's ranges, named, draw the very images of the default params."""
+    named = SurfaceParams(scratch_width=(0.004, 0.009), scratch_contrast=(1.0, 1.0))
+    assert np.array_equal(synthetic.generate("scratch", 3, SMALL, named),
+                          synthetic.generate("scratch", 3, SMALL))
+    new = SurfaceParams(scratch_width=(0.03, 0.05), scratch_contrast=(0.25, 0.4))
+
+    def drawn(params: SurfaceParams) -> tuple[int, float]:
+        rng = np.random.default_rng(5)
+        surface = synthetic._surface(rng, "painted", 240, 180, TRAIN_PARAMS)
+        img = surface.copy()
+        on = synthetic._scratch(rng, img, 180, params) > synthetic.MASK_THRESHOLD
+        return int(on.sum()), float(np.abs(img - surface).max(axis=2)[on].mean())
+
+    (area, step), (new_area, new_step) = drawn(TRAIN_PARAMS), drawn(new)
+    assert new_area > 3 * area and new_step < 0.5 * step
+    with pytest.raises(ValueError, match="scratch_contrast"):
+        SurfaceParams(scratch_contrast=(0.5, 0.2))

@@ -11,14 +11,16 @@ Training data is either the synthetic generator (default) or ``--data``: one sub
 label of PNG/JPEG/BMP photos, with ``--mix-synthetic SHARE`` the synthetic images mixed in as that
 share of the training set (the model's original data, for a fine-tune on a few labelled frames).
 
-A short fine-tune of the closed loop (docs/closed-loop.md) writes exactly into one folder:
+The closed loop's fine-tune (docs/closed-loop.md) writes exactly into one folder:
 
     python -m visionserve_tools.training.train --data labelled --init 1/weights.pt \
-        --steps 40 --freeze-backbone --mix-synthetic 0.5 --out candidates/c-1
+        --steps 800 --keep-batch-norm --lr 0.001 --mix-synthetic 0.5 --out candidates/c-1
 
 ``--steps N`` runs N optimizer steps (instead of ``--epochs``) and prints each as a JSON line
-(``{"step": i, "steps": N, "loss": ...}``): the job's progress. ``--freeze-backbone`` trains the
-classifier head only (the features and their batch-norm statistics stay as they are).
+(``{"step": i, "steps": N, "loss": ...}``): the job's progress. ``--keep-batch-norm`` trains every
+layer but keeps the features' batch-norm statistics (a few hundred labelled frames would skew
+them); ``--freeze-backbone`` trains the classifier head only (the features and their
+statistics stay as they are).
 Seeded and single-process, so the same command on the same machine gives the same weights.
 """
 
@@ -192,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="train this many optimizer steps (one pass) instead of --epochs")
     ap.add_argument("--freeze-backbone", action="store_true",
                     help="train the last layer only (with --init: a short fine-tune)")
+    ap.add_argument("--keep-batch-norm", action="store_true",
+                    help="every layer trains, but the backbone's batch-norm statistics stay "
+                    "the --init model's (a fine-tune on a few hundred frames)")
     ap.add_argument("--mix-synthetic", type=float, default=0.0, metavar="SHARE",
                     help="with --data: synthetic images as this share (0..<1) of the training set")
     ap.add_argument("--out", type=Path, help="write the version's files into this folder "
@@ -215,6 +220,9 @@ def train(args: argparse.Namespace, argv: list[str]) -> int:
         raise ScriptError(f"--steps must be >= 1, got {args.steps}")
     if not 0.0 <= args.mix_synthetic < 1.0:
         raise ScriptError(f"--mix-synthetic must be from 0 to below 1, got {args.mix_synthetic}")
+    if args.keep_batch_norm and args.freeze_backbone:
+        raise ScriptError("--keep-batch-norm trains every layer, --freeze-backbone the last one: "
+                          "pass one of them")
     if args.mix_synthetic and args.data is None:
         raise ScriptError("--mix-synthetic mixes synthetic images into --data: pass --data")
     if args.out is not None and (args.out / "weights.pt").exists():
@@ -296,7 +304,7 @@ def train(args: argparse.Namespace, argv: list[str]) -> int:
     history = []
     for epoch in range(args.epochs):
         model.train()
-        if args.freeze_backbone:
+        if args.freeze_backbone or args.keep_batch_norm:
             model[0].eval()  # the features' batch-norm statistics stay the base model's
         rng = np.random.default_rng([args.seed, epoch])
         n = len(train_ds.targets)
@@ -347,7 +355,7 @@ def train(args: argparse.Namespace, argv: list[str]) -> int:
         "command": "python -m visionserve_tools.training.train " + shlex.join(argv),
         "data": str(args.data) if args.data else "synthetic",
         "mix_synthetic": args.mix_synthetic, "steps": args.steps,
-        "freeze_backbone": args.freeze_backbone,
+        "freeze_backbone": args.freeze_backbone, "keep_batch_norm": args.keep_batch_norm,
         "train_images": len(train_ds.targets), "val_images": len(val_ds.targets),
         "labels": list(labels), "input": meta["input"], "widths": list(widths),
         "macs": common.count_macs(widths, spec.width, spec.height, spec.channels),

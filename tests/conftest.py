@@ -243,9 +243,12 @@ class ServerProcess:
 
 def start_server(models: Path, tmp_path: Path, *extra: str, grpc: bool = True,
                  env: dict[str, str] | None = None, wait: bool = True,
-                 new_session: bool = False, as_shipped: bool = False) -> ServerProcess:
+                 new_session: bool = False, as_shipped: bool = False,
+                 nice: int = 0) -> ServerProcess:
     """``new_session``: its own process group, so a test can signal the whole group (Ctrl-C);
-    ``as_shipped``: the front ends and batch workers the server chooses for the machine."""
+    ``as_shipped``: the front ends and batch workers the server chooses for the machine;
+    ``nice``: the server (and every process it starts) at that CPU nice increment, for a test
+    whose load must not slow the tests running beside it."""
     http_port = free_port()
     grpc_port = free_port() if grpc else -1
     log_path = tmp_path / f"server-{http_port}.log"
@@ -257,7 +260,8 @@ def start_server(models: Path, tmp_path: Path, *extra: str, grpc: bool = True,
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **fixed, **(env or {})}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=str(REPO),
-                                start_new_session=new_session)
+                                start_new_session=new_session,
+                                preexec_fn=(lambda: os.nice(nice)) if nice else None)
     server = ServerProcess(proc, http_port, grpc_port, log_path, args)
     if wait:
         try:

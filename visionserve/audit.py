@@ -52,8 +52,8 @@ MAX_LIMIT = 500
 #: every action an entry can name, as the API's ``action`` filter takes it
 ACTIONS = ("verdict", "recipe", "model-load", "model-unload", "job-submit", "job-cancel",
            "user-add", "user-remove", "user-role", "user-password", "sign-in", "sign-out",
-           "sign-in-failed", "flag", "label", "candidate", "candidate-evaluate", "promote",
-           "rollback", "candidate-shadow", "candidate-shadow-stop")
+           "sign-in-failed", "flag", "label", "candidate", "candidate-evaluate",
+           "promote-approval", "promote", "rollback", "candidate-shadow", "candidate-shadow-stop")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS audit (

@@ -349,6 +349,10 @@ class TrainingSpec(_Strict):
     gpu_memory: str | None = Field(
         None, description="GPU memory the command declares to the guard (e.g. `4GiB`); default "
         "2GiB. Where the guard has no GPU the command runs on the CPU.")
+    approvers: int = Field(
+        1, ge=1, le=2, description="How many users approve the promotion of a candidate of "
+        "this model: 1, or 2 for a second approver (another user than the first; the first "
+        "approval waits, the second promotes).")
     good: str | None = Field(
         None, description="Anomaly models: the folder of good images the model was fitted on "
         "(relative to the model's folder, or absolute), refitted with the captured good parts; "

@@ -5,8 +5,9 @@ through ``/ui/login`` goes from the Models page to the model's Candidates page, 
 candidate's comparison with the live version, promotes it with the keyboard through the
 confirmation and rolls it back the same way; the server serves version 2, then version 1 again,
 and the audit log names the user. A viewer sees no Candidates link, the page answers 403, and a
-promotion sent from the viewer's page with its CSRF token is refused 403. axe-core finds no
-WCAG 2.1 A/AA violation.
+promotion sent from the viewer's page with its CSRF token is refused 403. Where the model takes
+a second approver, the first approval is kept and shown, and another user's promotes. axe-core
+finds no WCAG 2.1 A/AA violation.
 
 The candidate is a trained and compared one as its folder holds it (``candidate.json``,
 ``evaluation.json``, ``comparison.json``), made of the shipped version's files: training one is
@@ -76,15 +77,21 @@ def candidate(repo) -> None:
         path.chmod(path.stat().st_mode & 0o755)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("promote-browser")
+def start(tmp, approvers: int = 1):
     add_users(tmp / "xdg")
     repo = shipped_repo(tmp / "repo", (MODEL,), recipes=False)
+    if approvers > 1:
+        toml = repo / MODEL / "model.toml"
+        toml.write_text(toml.read_text() + f"\n[training]\napprovers = {approvers}\n")
     candidate(repo)
-    s = start_server(repo, tmp, "--host", "0.0.0.0", "--admin-token", TOKEN, "--records",
-                     "--records-dir", str(tmp / "data"), "--model-control-mode", "explicit",
-                     grpc=False, env={"XDG_DATA_HOME": str(tmp / "xdg")})
+    return start_server(repo, tmp, "--host", "0.0.0.0", "--admin-token", TOKEN, "--records",
+                        "--records-dir", str(tmp / "data"), "--model-control-mode", "explicit",
+                        grpc=False, env={"XDG_DATA_HOME": str(tmp / "xdg")})
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = start(tmp_path_factory.mktemp("promote-browser"))
     yield s
     s.stop()
 
@@ -167,3 +174,29 @@ def test_a_viewer_has_no_button_and_is_refused(browser, server):
         status, text = browser.execute_async_script(_FETCH, url, token)
         assert status == 403, (url, text)
     wait_for(lambda: _served(server) == before, 5, "nothing changed")
+
+
+def test_a_second_approver_promotes_what_the_first_approved(browser, tmp_path):
+    two = start(tmp_path, approvers=2)
+    try:
+        sign_in(browser, two, "qe-anna", PASSWORD, PAGE)
+        assert "two approvers" in page_text(browser)
+        _act(browser, "Promote c-1")
+        assert browser.find_element(By.ID, "status").text == (
+            "Done: your approval of candidate c-1 is kept: another user's promotes it.")
+        assert _served(two) == ["1"]
+        row = browser.find_element(By.CSS_SELECTOR, "tr[data-candidate=c-1]")
+        assert "approved by qe-anna; waiting for another approver" in row.text
+        assert axe_violations(browser) == []
+
+        sign_in(browser, two, "max", PASSWORD, PAGE)  # an admin
+        _act(browser, "Promote c-1")
+        assert browser.find_element(By.ID, "status").text == "Done: candidate c-1 promoted."
+        assert _served(two) == ["1", "2"]
+        entries = httpx.get(f"{two.url}/v1/audit", headers={"Authorization": f"Bearer {TOKEN}"},
+                            timeout=10).json()["entries"]
+        assert [(e["action"], e["user"]) for e in entries
+                if e["action"].startswith("promote")] == [("promote", "max"),
+                                                          ("promote-approval", "qe-anna")]
+    finally:
+        two.stop()

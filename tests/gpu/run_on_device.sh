@@ -49,6 +49,8 @@
 #                 .whl/), up to CAM_T s (240)
 #   det.json / det.txt  with DET_ARGS set (e.g. DET_ARGS="--as-shipped --runs 3"): the detector's
 #                 benchmark (python -m visionserve_tools.benchdet), up to DET_T s (540)
+#   loop.json / loop.txt  with LOOP_ARGS set (e.g. LOOP_ARGS=""): the closed loop beside a load at
+#                 half of saturation (python -m visionserve_tools.benchloop), up to LOOP_T s (300)
 #   guard.json / guard.txt  with GUARD_ARGS set (e.g. GUARD_ARGS="--latency-budget-ms 20"): the
 #                 guard's acceptance run (python -m visionserve_tools.benchguard), up to GUARD_T s (300)
 # TESTS="paths...": only those, in one part (a shorter call; serially, unless JOBS is given).
@@ -244,6 +246,14 @@ if [ -n "${DET_ARGS+x}" ]; then  # the detector's benchmark (benchdet)
     >"$OUT/det.txt" 2>&1
   echo "benchdet exit $?" >>"$OUT/det.txt"
   tail -n 40 "$OUT/det.txt"
+fi
+
+if [ -n "${LOOP_ARGS+x}" ]; then  # the closed loop beside a load (benchloop)
+  # shellcheck disable=SC2086
+  timeout ${LOOP_T:-300} python3 -m visionserve_tools.benchloop --device cuda --out "$OUT/loop.json" \
+    --log-dir "$OUT" $LOOP_ARGS >"$OUT/loop.txt" 2>&1
+  echo "benchloop exit $?" >>"$OUT/loop.txt"
+  tail -n 20 "$OUT/loop.txt"
 fi
 
 if [ -n "${CAM_ARGS+x}" ]; then  # trigger to verdict with cameras (benchcam, recorded frames)

@@ -11,18 +11,14 @@ CUDA is absent. run_on_device.sh runs it after the tests that share the GPU."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+
+from tests.tooling.toolrun import run_tool
 
 # gpu_alone: the guard reads the card's free memory; the load is paced to the saturation it measured
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu_alone, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300
 
 
@@ -38,24 +34,14 @@ def test_training_yields_beside_a_served_model(cuda, tmp_path):
     from visionserve_tools.benchguard import kill_jobs
 
     out = tmp_path / "share.json"
-    old = os.environ.get("PYTHONPATH")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": str(REPO) + (os.pathsep + old if old else "")}
-    p = subprocess.Popen([sys.executable, "-m", "visionserve_tools.benchshare", "--device", "cuda",
-                          "--quick", "--no-hostile", "--out", str(out), "--log-dir", str(tmp_path)],
-                         cwd=str(REPO), env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        output, _ = p.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        output, _ = p.communicate()
-        pytest.fail(f"benchshare did not finish in {TIMEOUT_S} s:\n{output[-4000:]}")
+        rc, output = run_tool("benchshare", "--device", "cuda", "--quick", "--no-hostile",
+                              "--out", str(out), "--log-dir", str(tmp_path), timeout=TIMEOUT_S)
     finally:
         for db in tmp_path.glob("guard-*.sqlite"):
             kill_jobs(db)
     print(output[-3000:])  # the figures, in the test log
-    assert p.returncode == 0 and out.exists(), output[-4000:]
+    assert rc == 0 and out.exists(), output[-4000:]
     res = json.loads(out.read_text())
     assert "error" not in res, res["error"]
     assert res["phases"]["all"]["errors"] == 0 and res["oom_lines"] == []

@@ -25,8 +25,8 @@ ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 BASE = f"/v1/models/{CLASSIFIER}/candidates"
 #: what the frames show: each look three times
 LOOKS = [(look, seed) for seed in range(3) for look in synthetic.LABELS]
-#: a tiny fine-tune: the test is about the loop, not the model's accuracy
-TRAIN = {"steps": 3, "original_share": 0.3}
+#: a tiny fine-tune of the last layer: the test is about the loop, not the model's accuracy
+TRAIN = {"steps": 3, "original_share": 0.3, "layers": "last", "lr": 0.003}
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +91,11 @@ def test_refusals_before_anything_is_labelled(server, quality):
     assert r.status_code == 400 and "steps" in r.json()["error"]
     r = quality.post(BASE, json={"original_share": 1.5})
     assert r.status_code == 400 and "original_share" in r.json()["error"]
+    r = quality.post(BASE, json={"layers": "head"})
+    assert r.status_code == 400 and "'all' or 'last'" in r.json()["error"], r.text
+    for lr in (0, 5, "0.001", True):
+        r = quality.post(BASE, json={"lr": lr})
+        assert r.status_code == 400 and "lr" in r.json()["error"], (lr, r.text)
     r = quality.post(BASE, content=b"[1]", headers={"Content-Type": "application/json"})
     assert r.status_code == 400
     assert quality.get(BASE).json() == {"model": CLASSIFIER, "count": 0, "candidates": []}
@@ -151,6 +156,8 @@ def test_a_candidate_is_trained_on_the_labels_kept_apart_and_compared(server, qu
     assert c["job"]["id"] == shown["job"]["id"] and c["recipe"]["steps"] == 3
     assert c["recipe"]["original_share"] == 0.3 and c["recipe"]["labelled_frames"] == len(trained)
     assert c["metrics"]["steps"] == 3 and c["metrics"]["freeze_backbone"] is True
+    assert c["metrics"]["keep_batch_norm"] is False and c["recipe"]["lr"] == 0.003
+    assert c["recipe"]["trains"] == "the last layer (--freeze-backbone)"
     assert c["finished"] and c["created"]
     folder = server.repo / CLASSIFIER / "candidates" / "c-1"
     for name in ("weights.pt", "model.onnx", "model.pt2", "metrics.json", "export.json",
@@ -166,6 +173,7 @@ def test_a_candidate_is_trained_on_the_labels_kept_apart_and_compared(server, qu
     (entry,) = audit(server, "candidate")
     assert entry["user"] == "qe-anna" and entry["target"] == f"model {CLASSIFIER}"
     assert entry["new"]["candidate"] == "c-1" and entry["new"]["job"] == shown["job"]["id"]
+    assert entry["new"]["layers"] == "last" and entry["new"]["lr"] == 0.003
 
     # the comparison on the held-out frames
     assert quality.get(f"{BASE}/c-1/comparison").status_code == 404  # not asked yet

@@ -5,7 +5,7 @@ back while a client sends frames without a pause: every frame is answered 200, b
 in force at its time. The refusals (not compared, promoted already, nothing to roll back), who
 may do it (viewer 403, no token 401, the CSRF rule), the audit entries; a poll-mode server that
 promotes a copied candidate through a front-end process and a server without model control that
-refuses to."""
+refuses to; a model that takes a second approver."""
 
 from __future__ import annotations
 
@@ -32,20 +32,24 @@ from tests.integration.test_loop_candidates import (
     wait_state,
 )
 from tests.integration.test_records_images import shipped_repo
+from visionserve.loop import candidates as cands
 from visionserve_tools import synthetic
 
 FRAME = synthetic.encode(synthetic.generate("scratch", seed=7))
 ROLLBACK = f"/v1/models/{CLASSIFIER}/rollback"
 
 
-def start(tmp, *extra: str, guard: bool = False):
+def start(tmp, *extra: str, guard: bool = False, models: tuple[str, ...] = (CLASSIFIER,),
+          nice: int = 0):
+    """A server with the shipped ``models``, signed-in users, records and the admin token
+    (:data:`TOKEN`); with ``guard``, the hosted guard; ``nice``: start_server's."""
     add_users(tmp / "xdg")
-    s = start_server(shipped_repo(tmp / "repo", (CLASSIFIER,)), tmp,
+    s = start_server(shipped_repo(tmp / "repo", models), tmp,
                      "--host", "0.0.0.0", "--trusted-proxies", "127.0.0.1",
                      "--admin-token", TOKEN, "--records", "--records-dir", str(tmp / "data"),
                      *extra, *(("--guard", "--guard-db", str(tmp / "guard.sqlite")) if guard
                                else ()),
-                     grpc=False, env={"XDG_DATA_HOME": str(tmp / "xdg")})
+                     grpc=False, env={"XDG_DATA_HOME": str(tmp / "xdg")}, nice=nice)
     s.repo = tmp / "repo"
     return s
 
@@ -238,3 +242,50 @@ def test_poll_mode_promotes_and_no_model_control_refuses(server, trained, tmp_pa
         assert "failed" not in polled.log().split("promoted to version 2")[-1].lower()
     finally:
         polled.stop()
+
+
+def test_a_model_that_takes_two_approvers_waits_for_the_second(server, trained, tmp_path):
+    """``[training] approvers = 2``: qe-anna's approval is kept and waits (202, audited, shown on
+    the Candidates page); her second one is refused; another user's promotes, the promotion
+    naming both; after a rollback, promoting it again takes two approvals again."""
+    assert (trained / "comparison.json").is_file()  # compared above
+    s = start(tmp_path / "two", "--model-control-mode", "explicit")
+    try:
+        toml = s.repo / CLASSIFIER / "model.toml"
+        toml.write_text(toml.read_text() + "\n[training]\napprovers = 2\n")
+        copy_candidate(trained, s.repo)
+        r = httpx.post(f"{s.url}/v2/repository/models/{CLASSIFIER}/load", headers=ADMIN,
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        anna, csrf = session_client(s, "qe-anna", "198.51.100.223")
+        anna.headers["X-CSRF-Token"] = csrf
+        r = anna.post(f"{BASE}/c-1/promote")
+        assert r.status_code == 202, r.text
+        waiting = r.json()
+        assert waiting["state"] == "awaiting-approval" and waiting["approvers"] == 2
+        assert [a["by"] for a in waiting["approvals"]] == ["qe-anna"]
+        assert httpx.get(f"{s.url}/v2/models/{CLASSIFIER}").json()["versions"] == ["1"]
+        (entry,) = audit(s, "promote-approval")
+        assert entry["user"] == "qe-anna" and entry["new"]["candidate"] == "c-1"
+        assert not audit(s, "promote")
+        page = anna.get(f"/ui/models/{CLASSIFIER}/candidates").text
+        assert "two approvers" in page and "approved by qe-anna; waiting" in page
+        r = anna.post(f"{BASE}/c-1/promote")
+        assert r.status_code == 409 and "approved by qe-anna already" in r.json()["error"]
+
+        r = httpx.post(f"{s.url}{BASE}/c-1/promote", headers=ADMIN, timeout=60)
+        assert r.status_code == 200, r.text
+        done = r.json()
+        assert done["version"] == 2 and done["approved_by"] == "admin-token"
+        assert [a["by"] for a in done["approvals"]] == ["qe-anna", "admin-token"]
+        (entry,) = audit(s, "promote")
+        assert entry["new"]["approvers"] == ["qe-anna", "admin-token"]
+        assert not (s.repo / CLASSIFIER / "2" / "approvals.json").exists()
+        promoted = cands.read_json(s.repo / CLASSIFIER / "2" / "promotion.json")
+        assert [a["by"] for a in promoted["approvals"]] == ["qe-anna", "admin-token"]
+
+        assert httpx.post(s.url + ROLLBACK, headers=ADMIN, timeout=60).status_code == 200
+        r = httpx.post(f"{s.url}{BASE}/c-1/promote", headers=ADMIN, timeout=60)
+        assert r.status_code == 202 and r.json()["state"] == "awaiting-approval", r.text
+    finally:
+        s.stop()

@@ -5,36 +5,19 @@ reported, not asserted, on a shared CPU."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.tooling.toolrun import run_tool
 
 pytestmark = pytest.mark.slow
 
 
 def test_a_tiny_run_reports_the_ratios_and_the_shadows_counts(tmp_path):
     out = tmp_path / "shadow.json"
-    old = os.environ.get("PYTHONPATH")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": str(REPO) + (os.pathsep + old if old else "")}
-    p = subprocess.Popen([sys.executable, "-m", "visionserve_tools.benchshadow", "--out",
-                          str(out), "--rounds", "1", "--window-s", "4", "--saturation-s", "2",
-                          "--rate", "8", "--processes", "1"], cwd=str(REPO), env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
-    try:
-        output, _ = p.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)  # the script, its server and its clients
-        output, _ = p.communicate()
-        pytest.fail(f"benchshadow did not finish:\n{output[-4000:]}")
-    assert p.returncode == 0, output[-4000:]
+    rc, output = run_tool("benchshadow", "--out", str(out), "--rounds", "1", "--window-s", "4",
+                          "--saturation-s", "2", "--rate", "8", "--processes", "1", timeout=240)
+    assert rc == 0, output[-4000:]
     res = json.loads(out.read_text())
     assert res["rate_per_s"] == 8.0 and res["errors"] == 0
     assert res["without_shadow"]["count"] > 0 and res["with_shadow"]["count"] > 0

@@ -99,6 +99,65 @@ def test_export_and_evaluate_subcommands_run(smoke):
     assert "mAP@0.5:0.95" in report and "evaluate" in report["command"]
 
 
+def labelled_frames(folder: Path, boxes_of: dict[str, list]) -> Path:
+    """The closed loop's export of a detector's labelled frames: images/ and boxes.json."""
+    (folder / "images").mkdir(parents=True)
+    index = {}
+    for i, (look, seed) in enumerate([("scratch", 1), ("scratch", 2), ("ok", 3)]):
+        img, defects = synthetic.generate_annotated(look, seed, (160, 120))
+        (folder / "images" / f"{i}.jpg").write_bytes(synthetic.encode(img))
+        index[f"images/{i}.jpg"] = [{"label": d.label, "box": [float(v) for v in d.box]}
+                                    for d in defects]
+    index.update(boxes_of)
+    (folder / "boxes.json").write_text(json.dumps(index))
+    return folder
+
+
+@pytest.mark.slow
+def test_the_loops_finetune_starts_from_a_version_and_writes_one_folder(smoke, tmp_path):
+    data = labelled_frames(tmp_path / "data", {})
+    out = tmp_path / "candidate"
+    args = ("finetune", "--data", str(data), "--init", str(smoke / "weights.pt"), "--out",
+            str(out), "--steps", "3", "--batch-size", "2", "--mix-synthetic", "0.5",
+            "--keep-batch-norm", "--check-scenes", "1")
+    run = _detect(*args)
+    assert run.returncode == 0, run.stderr[-2000:]
+    progress = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert [p["step"] for p in progress] == [1, 2, 3] and {p["steps"] for p in progress} == {3}
+    for name in ("model.onnx", "model.pt2", "weights.pt", "metrics.json", "export.json"):
+        assert (out / name).is_file(), name
+    m = json.loads((out / "metrics.json").read_text())
+    assert (m["train_images"], m["synthetic_scenes"], m["steps"]) == (3, 3, 3)
+    assert m["keep_batch_norm"] is True and m["history"][-1]["step"] == 3
+    assert m["init"] == str(smoke / "weights.pt") and m["device"] == "cpu"
+    # the same network as the version it started from, other weights
+    base, meta = detect.load_detector(smoke / "weights.pt")
+    tuned, tuned_meta = detect.load_detector(out / "weights.pt")
+    assert tuned_meta["labels"] == meta["labels"] and tuned_meta["input"] == meta["input"]
+    before, after = base.state_dict(), tuned.state_dict()
+    assert any(not np.array_equal(before[k].numpy(), after[k].numpy()) for k in before)
+    # --keep-batch-norm: the backbone's batch-norm statistics stay the version's
+    stats = [k for k in before if k.startswith("backbone.") and k.endswith("running_var")]
+    assert stats and all(np.array_equal(before[k].numpy(), after[k].numpy()) for k in stats)
+    # never over a candidate already written
+    again = _detect(*args)
+    assert again.returncode == 2 and "already holds weights.pt" in again.stderr
+
+
+def test_the_finetune_refuses_labelled_frames_it_cannot_read(smoke, tmp_path):
+    def refused(data: Path) -> str:
+        run = _detect("finetune", "--data", str(data), "--init", str(smoke / "weights.pt"),
+                      "--out", str(tmp_path / "out"), "--steps", "1")
+        assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
+        return run.stderr
+    assert "boxes.json" in refused(tmp_path / "nothing")
+    dent = {"images/0.jpg": [{"label": "dent", "box": [1, 1, 20, 20]}]}
+    assert "'dent'" in refused(labelled_frames(tmp_path / "dent", dent))
+    gone = {"images/9.jpg": []}
+    assert "9.jpg" in refused(labelled_frames(tmp_path / "gone", gone))
+    assert not (tmp_path / "out").exists()
+
+
 def test_bad_arguments_are_refused_by_name(tmp_path):
     run = _detect("train", "--models-dir", str(tmp_path), "--input-size", "100")
     assert run.returncode == 2 and "multiple of 32" in run.stderr and "Traceback" not in run.stderr

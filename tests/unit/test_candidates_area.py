@@ -16,7 +16,7 @@ import pytest
 from visionserve.errors import InvalidInput, NotFound
 from visionserve.guard.store import JobSpec, JobStore
 from visionserve.loop import candidates as cands
-from visionserve.loop.evaluate import summarize
+from visionserve.loop.evaluate import found, held_label, iou, summarize
 from visionserve.loop.http import DEFAULT_SHARE, DEFAULT_STEPS, parse_request
 from visionserve.records.images import ImageSource
 from visionserve.records.record import Record
@@ -123,6 +123,36 @@ def test_the_summary_gives_each_models_rates_and_where_they_disagree():
     assert s["candidate"]["ng_recall"] == 1.0 and s["candidate"]["false_reject_rate"] == 0.5
     assert s["disagree"] == [1, 4]
     json.dumps(s)
+
+
+def test_a_detectors_summary_counts_the_labelled_boxes_each_model_found():
+    scratch = {"label": "scratch", "box": [100, 100, 200, 140]}
+    spot = {"label": "spot", "box": [300, 300, 340, 340]}
+
+    def answer(*boxes):
+        return {"verdict": "NG" if boxes else "OK", "label": "defective" if boxes else "good",
+                "score": 0.8 if boxes else 0.0,
+                "boxes": [{"label": b["label"], "box": b["box"], "score": 0.8} for b in boxes]}
+    shifted = {"label": "scratch", "box": [110, 102, 210, 142]}  # IoU 0.75: found
+    far = {"label": "scratch", "box": [150, 100, 250, 140]}      # IoU 0.33: not found
+    wrong = {"label": "crack", "box": [100, 100, 200, 140]}      # another label: not found
+    items = [{"record_id": 1, "boxes": [scratch, spot]}, {"record_id": 2, "boxes": [scratch]},
+             {"record_id": 3, "boxes": []}, {"record_id": 4, "boxes": [scratch]}]
+    answers = [(answer(shifted), answer(shifted, spot)), (answer(far), answer(scratch)),
+               (answer(), answer()), (answer(wrong), answer(wrong))]
+    rows = [{"record_id": it["record_id"], "label": held_label(it), "boxes": it["boxes"],
+             "live": a, "candidate": b} for it, (a, b) in zip(items, answers, strict=True)]
+    assert [r["label"] for r in rows] == ["defective", "defective", "good", "defective"]
+    s = summarize(rows, frozenset({"good"}))
+    assert s["live"]["boxes"] == 4 and s["live"]["box_recall"] == 0.25
+    assert s["candidate"]["box_recall"] == 0.75
+    assert s["live"]["ng_recall"] == 1.0 and s["live"]["false_reject_rate"] == 0.0
+    # the same verdicts, other boxes found: they disagree there
+    assert s["disagree"] == [1, 2]
+    # a box is matched once: two labelled boxes on one detection find one
+    assert found([scratch, scratch], answer(scratch)) == 1
+    assert iou([0, 0, 10, 10], [5, 0, 15, 10]) == pytest.approx(1 / 3)
+    assert "box_recall" not in summarize(rows[2:3], frozenset({"good"}))["live"]
 
 
 def test_a_candidates_state_follows_its_guard_job_and_done_makes_candidate_json(tmp_path):

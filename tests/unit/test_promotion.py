@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import tomllib
 
+from visionserve.errors import Conflict
 from visionserve.loop import candidates as cands
 from visionserve.loop import promote
+from visionserve.records.record import iso
 from visionserve.repository import ModelEntry, load_entry, with_default_version
 
 SHIPPED = Path(__file__).resolve().parents[2] / "models" / "defect-classifier"
@@ -90,3 +92,24 @@ def test_a_candidates_state_follows_the_promotions(tmp_path):
     assert promote.annotate(area, shown)["state"] == "rolled-back"
     assert promote.in_force(area) is None
     assert promote.annotate(area, {"id": "c-2", "state": "done"})["state"] == "done"
+
+
+def test_an_approval_counts_for_the_comparison_it_was_given_on(tmp_path):
+    """Two approvers: the first approval waits, the same user's second is refused, another
+    user's completes them; a comparison made again voids the approvals given before it."""
+    entry = model(tmp_path)
+    entry = ModelEntry(entry.name, entry.path, entry.config.model_copy(update={
+        "training": entry.config.training.model_copy(update={"approvers": 2})}),
+        entry.versions)
+    folder = tmp_path / "c-1"
+    folder.mkdir()
+    cands.write_json(folder / "evaluation.json", {"job": {"id": 4}})
+    assert promote.approve(entry, folder, "c-1", "anna", 1.0) == [
+        {"by": "anna", "approved": iso(1.0), "approved_at": 1.0, "evaluation_job": 4}]
+    with pytest.raises(Conflict, match="approved by anna already"):
+        promote.approve(entry, folder, "c-1", "anna", 2.0)
+    assert [a["by"] for a in promote.waiting(folder)] == ["anna"]
+    assert promote.approve(entry, folder, "c-1", "max", 3.0) is None   # the second: promote
+    cands.write_json(folder / "evaluation.json", {"job": {"id": 5}})  # compared again
+    assert promote.waiting(folder) == []
+    assert len(promote.approve(entry, folder, "c-1", "anna", 4.0)) == 1

@@ -165,7 +165,7 @@ def make_router(settings: ServerSettings, guard_store: JobStore | None = None,
             except VisionServeError as exc:
                 error, status = exc.message, http_status(exc)
         return render(request, "candidates.html", "/ui/models", status, model=model,
-                      view=view, error=error,
+                      view=view, error=error, boxes=entry.config.task == "detection",
                       may_change=_may(request, "POST", "/v1/models/{m}/candidates/{c}/promote"))
 
     @router.get("/ui/stations")

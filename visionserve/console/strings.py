@@ -301,6 +301,7 @@ STRINGS: dict[str, str] = {
     "audit_action_label": "Frame labelled",
     "audit_action_candidate": "Candidate training requested",
     "audit_action_candidate-evaluate": "Candidate comparison requested",
+    "audit_action_promote-approval": "Promotion approved, waiting for a second approver",
     "audit_action_promote": "Candidate promoted",
     "audit_action_rollback": "Promotion rolled back",
     "audit_action_candidate-shadow": "Candidate shadow started",
@@ -363,6 +364,7 @@ STRINGS: dict[str, str] = {
     "col_accuracy": "Accuracy",
     "col_ng_recall": "NG recall",
     "col_false_rejects": "False rejects",
+    "col_box_recall": "Boxes found",
     "col_disagree": "Disagree",
     "col_actions": "Actions",
     "candidates_not_compared": "not compared yet",
@@ -372,6 +374,11 @@ STRINGS: dict[str, str] = {
                        "repository as the next version and swapped in for version {version}; "
                        "your approval is kept in the audit log.",
     "promoted": "candidate {candidate} promoted",
+    "approved_waiting": "your approval of candidate {candidate} is kept: another user's "
+                        "promotes it",
+    "candidates_approvers": "A promotion of this model takes two approvers: the first approval "
+                            "waits, another user's promotes.",
+    "candidates_approved_by": "approved by {users}; waiting for another approver",
     "rollback": "Roll back to version {version}",
     "confirm_rollback": "Roll model {model} back from version {promoted} (candidate "
                         "{candidate}) to version {version}? It is swapped back in; the audit "

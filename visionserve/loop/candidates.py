@@ -133,6 +133,30 @@ def export(store: RecordStore, images: ImageSource, model: str, labels: tuple[st
     return Export(training, held)
 
 
+def export_boxes(store: RecordStore, images: ImageSource, model: str,
+                 dest: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A detector's labelled set: ``{train,heldout}/images/<record>.<ext>`` and each part's
+    ``boxes.json``; (training, held out) as candidate.json lists them."""
+    parts: dict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = {
+        "train": ([], {}), "heldout": ([], {})}
+    for row_id, record, label in labelled_rows(store, model):
+        boxes = label.label.get("boxes")
+        if not isinstance(boxes, list):
+            continue  # a label of another task's shape (the model changed since)
+        part = "heldout" if held_out(row_id) else "train"
+        rel = save_frame(images, row_id, record, dest, f"{part}/images")
+        if rel is None:
+            continue
+        listed, by_file = parts[part]
+        by_file[rel.split("/", 1)[1]] = boxes
+        listed.append({"record_id": row_id, "boxes": boxes, "labelled_by": label.by,
+                       "labelled_at": iso(label.time), "file": rel})
+    for part, (listed, by_file) in parts.items():
+        if listed:
+            write_json(dest / part / "boxes.json", by_file)
+    return parts["train"][0], parts["heldout"][0]
+
+
 def save_frame(images: ImageSource, row_id: int, record, dest: Path, sub: str) -> str | None:
     """Write a record's stored frame as ``dest/sub/<record id>.<ext>`` (:func:`image_file`);
     its path relative to ``dest``, or None where the image is no longer kept."""
@@ -282,7 +306,8 @@ def digests(folder: Path) -> dict[str, str]:
 
 #: what a candidate's metrics keep of the project's training script's metrics.json
 FINETUNE_METRICS = ("final_val_acc", "history", "train_images", "val_images", "steps",
-                    "freeze_backbone", "mix_synthetic", "seconds", "device", "export")
+                    "freeze_backbone", "keep_batch_norm", "mix_synthetic", "synthetic_scenes",
+                    "lr", "seconds", "device", "export")
 
 
 def finish(folder: Path, job_info: dict[str, Any], job: Job | None) -> dict[str, Any]:

@@ -6,8 +6,8 @@
 loads the live version and the candidate with the model's backend on the CPU, runs both on the
 candidate's held-out labelled frames (candidate.json's ``held_out``) with the server's own
 preprocessing and the task's verdict rule, and writes per record its label and each model's
-verdict, label and score, with the summary (:func:`summarize`). Prints its progress as JSON
-lines.
+verdict, label and score (a detector's boxes too), with the summary (:func:`summarize`). Prints
+its progress as JSON lines.
 """
 
 from __future__ import annotations
@@ -25,41 +25,69 @@ from .. import imaging, tasks
 from ..backends.base import create, model_file
 from ..backends.checks import Subject
 from ..config import InputSpec, ModelConfig, load_model_config
-from ..tasks.anomaly import AnomalyConfig
-from ..tasks.classification import Classification, ClassificationConfig
+from ..tasks.classification import ClassificationConfig
+from ..tasks.detection import Detected
 from .candidates import read_json, write_json
+
+#: the tasks the comparison and the shadow judge (a segmenter's masks are not compared)
+JUDGED = ("classification", "anomaly", "detection")
+#: a detection matches a labelled box of its label at this IoU or more (box recall)
+MATCH_IOU = 0.5
 
 
 class Judge:
     """The model file in ``folder`` loaded with the model's backend on the CPU, judging batches
-    with the task's verdict rule (:meth:`__call__`) until :meth:`close`."""
+    with the task's verdict rule (:meth:`__call__`) until :meth:`close`: a classifier's verdict,
+    label and score; an anomaly model's or a detector's verdict, the frame's label
+    (:func:`frame_label`) and score (an anomaly model's normalised score: model.toml's or the
+    folder's metadata.json; a detector's best box's), and a detector's boxes."""
 
-    def __init__(self, config: ClassificationConfig, folder: Path) -> None:
+    def __init__(self, config: ModelConfig, folder: Path) -> None:
+        path = folder / model_file(config.runtime.backend)
         self.backend = create(config.runtime.backend)
-        self.backend.load(folder / model_file(config.runtime.backend), config, "cpu")
-        self.task = Classification(config)
+        self.backend.load(path, config, "cpu")
         self.step = max(1, config.batching.max_batch_size)
-        self.name = config.output.tensor_name  # none named: the model's one output
+        self.task = tasks.create(config)
+        self.backend.select_outputs(self.task.bind(Subject(path), self.backend.outputs))
+        self.classifier = isinstance(config, ClassificationConfig)
 
-    def _scores(self, outputs: dict[str, Any]) -> np.ndarray:
-        return np.asarray(outputs[self.name] if self.name else next(iter(outputs.values())))
+    def __call__(self, batch: np.ndarray,
+                 sizes: list[tuple[int, int]] | None = None) -> list[dict[str, Any]]:
+        """Verdict, label and score of each row of ``batch`` (the model's input tensor);
+        ``sizes``: the frames' (width, height), where a detector's boxes lie."""
+        out = []
+        for i in range(0, len(batch), self.step):
+            part = batch[i:i + self.step]
+            found = self.task.postprocess(self.backend.run(part), slice(0, len(part)),
+                                          sizes[i:i + self.step] if sizes else None)
+            out += [self._row(verdict, result) for verdict, result in found]
+        return out
 
-    def __call__(self, batch: np.ndarray) -> list[dict[str, Any]]:
-        """Verdict, label and score of each row of ``batch`` (the model's input tensor)."""
-        raw = np.concatenate([self._scores(self.backend.run(batch[i:i + self.step]))
-                              for i in range(0, len(batch), self.step)])
-        return [{"verdict": verdict, "label": result.label, "score": round(result.score, 6)}
-                for verdict, result in self.task.classify(raw)]
+    def _row(self, verdict: str, result: Any) -> dict[str, Any]:
+        if isinstance(result, Detected):
+            return {"verdict": verdict, "label": frame_label(verdict),
+                    "score": round(max((d.score for d in result.detections), default=0.0), 6),
+                    "boxes": [{"label": d.label, "score": round(d.score, 4),
+                               "box": [round(v, 1) for v in d.box]} for d in result.detections]}
+        return {"verdict": verdict, "label": result.label if self.classifier
+                else frame_label(verdict), "score": round(result.score, 6)}
 
     def close(self) -> None:
         self.backend.close()
 
 
-def judge(config: ClassificationConfig, folder: Path, batch: np.ndarray) -> list[dict[str, Any]]:
+def frame_label(verdict: str) -> str:
+    """An anomaly model's or a detector's verdict as the label of its frame (the labels an
+    anomaly model's frames are given; a detector's frame is ``defective`` where it has boxes)."""
+    return "defective" if verdict == "NG" else "good"
+
+
+def judge(config: ModelConfig, folder: Path, batch: np.ndarray,
+          sizes: list[tuple[int, int]] | None = None) -> list[dict[str, Any]]:
     """Verdict, label and score of each row of ``batch`` by the model file in ``folder``."""
     judging = Judge(config, folder)
     try:
-        return judging(batch)
+        return judging(batch, sizes)
     finally:
         judging.close()
 
@@ -71,39 +99,36 @@ def tensor(frames: list[imaging.Frame], spec: InputSpec) -> np.ndarray:
                              spec)
 
 
-def judge_anomaly(config: AnomalyConfig, folder: Path,
-                  batch: np.ndarray) -> list[dict[str, Any]]:
-    """Verdict, label (``good`` for OK, ``defective`` for NG: the labels of an anomaly model's
-    frames) and normalised score of each row of ``batch`` by the version in ``folder`` (its
-    normalisation: model.toml's or the folder's metadata.json)."""
-    backend = create(config.runtime.backend)
-    path = folder / model_file(config.runtime.backend)
-    backend.load(path, config, "cpu")
-    task = tasks.create(config)
-    backend.select_outputs(task.bind(Subject(path), backend.outputs))
-    step = max(1, config.batching.max_batch_size)
-    out: list[dict[str, Any]] = []
-    try:
-        for i in range(0, len(batch), step):
-            part = batch[i:i + step]
-            out += [{"verdict": verdict, "label": "defective" if verdict == "NG" else "good",
-                     "score": round(result.score, 6)}
-                    for verdict, result in task.postprocess(backend.run(part),
-                                                            slice(0, len(part)))]
-    finally:
-        backend.close()
-    return out
-
-
-def judges(config: ModelConfig):
-    """(the judge of the model's task, its OK labels); None for a task not compared."""
+def ok_labels(config: ModelConfig) -> frozenset[str] | None:
+    """The labels of the OK frames of a model the comparison and the shadow judge; None for a
+    task they do not judge."""
+    if config.task not in JUDGED:
+        return None
     if isinstance(config, ClassificationConfig):
-        return (lambda folder, batch: judge(config, folder, batch),
-                frozenset(config.verdict.ok_labels))
-    if isinstance(config, AnomalyConfig):
-        return (lambda folder, batch: judge_anomaly(config, folder, batch),
-                frozenset({"good"}))
-    return None
+        return frozenset(config.verdict.ok_labels)
+    return frozenset({"good"})
+
+
+def found(boxes: list[dict[str, Any]], answer: dict[str, Any]) -> int:
+    """How many of a frame's labelled ``boxes`` a detector's ``answer`` found: a box of the same
+    label overlapping it by :data:`MATCH_IOU` or more, each answer's box matched once."""
+    left = list(answer.get("boxes", ()))
+    hits = 0
+    for want in boxes:
+        best = max(((iou(want["box"], got["box"]), k) for k, got in enumerate(left)
+                    if got["label"] == want["label"]), default=(0.0, -1))
+        if best[0] >= MATCH_IOU:
+            hits += 1
+            left.pop(best[1])
+    return hits
+
+
+def iou(a: list[float], b: list[float]) -> float:
+    w = min(a[2], b[2]) - max(a[0], b[0])
+    h = min(a[3], b[3]) - max(a[1], b[1])
+    inter = max(0.0, w) * max(0.0, h)
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return inter / union if union > 0 else 0.0
 
 
 def rates(rows: list[dict[str, Any]], which: str, ok_labels: frozenset[str]) -> dict[str, Any]:
@@ -115,19 +140,37 @@ def rates(rows: list[dict[str, Any]], which: str, ok_labels: frozenset[str]) -> 
     def share(part: list, hit) -> float | None:
         return round(sum(1 for r in part if hit(r)) / len(part), 4) if part else None
 
-    return {"accuracy": share(rows, lambda r: r[which]["label"] == r["label"]),
-            "ng_recall": share(ng, lambda r: r[which]["verdict"] == "NG"),
-            "false_reject_rate": share(ok, lambda r: r[which]["verdict"] == "NG"),
-            "frames": len(rows), "ng_frames": len(ng), "ok_frames": len(ok)}
+    out = {"accuracy": share(rows, lambda r: r[which]["label"] == r["label"]),
+           "ng_recall": share(ng, lambda r: r[which]["verdict"] == "NG"),
+           "false_reject_rate": share(ok, lambda r: r[which]["verdict"] == "NG"),
+           "frames": len(rows), "ng_frames": len(ng), "ok_frames": len(ok)}
+    boxes = sum(len(r.get("boxes", ())) for r in rows)
+    if boxes:  # a detector's: the labelled boxes it found
+        out["box_recall"] = round(sum(found(r["boxes"], r[which]) for r in rows
+                                      if r.get("boxes")) / boxes, 4)
+        out["boxes"] = boxes
+    return out
 
 
 def summarize(rows: list[dict[str, Any]], ok_labels: frozenset[str]) -> dict[str, Any]:
-    """Each model's rates and the records where the two disagree (verdict or label)."""
+    """Each model's rates and the records where the two disagree (verdict or label; for a
+    detector also how many of the labelled boxes each found)."""
     return {"live": rates(rows, "live", ok_labels),
             "candidate": rates(rows, "candidate", ok_labels),
-            "disagree": [r["record_id"] for r in rows
-                         if (r["live"]["verdict"], r["live"]["label"])
-                         != (r["candidate"]["verdict"], r["candidate"]["label"])]}
+            "disagree": [r["record_id"] for r in rows if disagree(r)]}
+
+
+def disagree(row: dict[str, Any]) -> bool:
+    live, cand = row["live"], row["candidate"]
+    if (live["verdict"], live["label"]) != (cand["verdict"], cand["label"]):
+        return True
+    return bool(row.get("boxes")) and found(row["boxes"], live) != found(row["boxes"], cand)
+
+
+def held_label(item: dict[str, Any]) -> str:
+    """A held-out frame's label: its own, or a detector's frame's (``defective`` where it has
+    labelled boxes)."""
+    return item["label"] if "label" in item else "defective" if item["boxes"] else "good"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,25 +183,24 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     t0 = time.time()
     config = load_model_config(args.model_toml)
-    judged = judges(config)
-    if judged is None:
-        print(f"error: {args.model_toml}: the comparison is made for classifiers and anomaly "
-              "models", file=sys.stderr)
+    oks = ok_labels(config)
+    if oks is None:
+        print(f"error: {args.model_toml}: the comparison is made for classifiers, anomaly models "
+              "and detectors", file=sys.stderr)
         return 2
-    run, ok_labels = judged
     items = read_json(args.candidate / "candidate.json")["held_out"]
-    spec = config.input
-    batch = tensor([imaging.encoded_frame((args.candidate / it["file"]).read_bytes())
-                    for it in items], spec)
+    frames = [imaging.encoded_frame((args.candidate / it["file"]).read_bytes()) for it in items]
+    batch, sizes = tensor(frames, config.input), [(f.width, f.height) for f in frames]
     print(json.dumps({"step": 1, "steps": 2, "frames": len(items)}), flush=True)
-    live = run(args.live, batch)
+    live = judge(config, args.live, batch, sizes)
     print(json.dumps({"step": 2, "steps": 2}), flush=True)
-    cand = run(args.candidate, batch)
-    rows = [{"record_id": it["record_id"], "label": it["label"], "file": it["file"],
-             "live": a, "candidate": b} for it, a, b in zip(items, live, cand, strict=True)]
+    cand = judge(config, args.candidate, batch, sizes)
+    rows = [{"record_id": it["record_id"], "label": held_label(it), "file": it["file"],
+             **({"boxes": it["boxes"]} if "boxes" in it else {}), "live": a, "candidate": b}
+            for it, a, b in zip(items, live, cand, strict=True)]
     write_json(args.out, {"live_version": args.live.name, "candidate": args.candidate.name,
                           "seconds": round(time.time() - t0, 2),
-                          "summary": summarize(rows, ok_labels), "records": rows})
+                          "summary": summarize(rows, oks), "records": rows})
     print(f"wrote {args.out} ({len(rows)} held-out frames)", flush=True)
     return 0
 

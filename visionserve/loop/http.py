@@ -1,15 +1,17 @@
 """The candidates of a model over HTTP (docs/closed-loop.md), quality work (role quality or
 admin, or the admin token):
 
-  POST /v1/models/{m}/candidates                     train one: {"from_version": 1, "steps": 40,
-                                                     "original_share": 0.5} (each optional)
+  POST /v1/models/{m}/candidates                     train one: {"from_version": 1, "steps": 500,
+                                                     "original_share": 0.5, "layers": "all",
+                                                     "lr": 0.001} (each optional)
   GET  /v1/models/{m}/candidates                     every candidate: state, progress
   GET  /v1/models/{m}/candidates/{cid}               one, with candidate.json once done
   POST /v1/models/{m}/candidates/{cid}/evaluate      compare it with the live version on the
                                                      held-out labelled frames (a guard job)
   GET  /v1/models/{m}/candidates/{cid}/comparison    that comparison, per record and summed up
   POST /v1/models/{m}/candidates/{cid}/promote       serve it as the model's next version
-                                                     (:mod:`.promote`)
+                                                     (:mod:`.promote`); 202 where it waits
+                                                     for a second approver
   POST /v1/models/{m}/rollback                       serve again the version before the last
                                                      promotion
   GET  /v1/models/{m}/candidates/{cid}/trace         its trail for an audit (candidates.trace)
@@ -17,8 +19,8 @@ admin, or the admin token):
 
 Creating one exports the model's labelled captures into the candidate's folder
 (:mod:`.candidates`) and submits its training to the guard's queue (its Python API, the same
-SQLite queue ``/v1/guard/jobs`` lists): the project's classifier's fine-tune, an anomaly model's
-refit with its good parts (:mod:`.refit`), or the model's own [training] command
+SQLite queue ``/v1/guard/jobs`` lists): the project's classifier's or detector's fine-tune, an
+anomaly model's refit with its good parts (:mod:`.refit`), or the model's own [training] command
 (:mod:`.usercommand`); both POSTs are audit entries. Refusals: 409 without the
 guard (``--guard``), without labelled captures, for a model this server cannot train; 404 for an
 unknown model, version or candidate; 400 for a body that is not understood.
@@ -56,30 +58,41 @@ from .shadowroutes import add_routes as shadow_routes
 
 MAX_BODY = 4096
 #: a fine-tune's optimizer steps: the default, the most one request may ask
-DEFAULT_STEPS, MAX_STEPS = 40, 2000
+DEFAULT_STEPS, MAX_STEPS = 500, 5000
 #: the share of the training set that is the model's original (synthetic) data, by default
 DEFAULT_SHARE = 0.5
-TRAINABLE = ("the project's classifier (a classification model whose version folder holds the "
-             "weights.pt of visionserve_tools.training.train, fine-tuned) and anomaly models "
+#: which layers a fine-tune trains: every one (the backbone's batch-norm statistics kept), or
+#: the last only; the first is the default: the last layer alone does not learn a new look of a
+#: defect (docs/closed-loop.md)
+LAYERS = ("all", "last")
+#: the fine-tune's learning rate: the default, and the range a request may ask
+DEFAULT_LR, LR_RANGE = 1e-3, (1e-6, 0.1)
+#: the tasks the project's own models are fine-tuned for
+FINETUNED = ("classification", "detection")
+TRAINABLE = ("the project's classifier and detector (a version folder holding the weights.pt of "
+             "visionserve_tools.training.train or .detect, fine-tuned) and anomaly models "
              "(refitted with the good parts)")
 
 
 @dataclass(frozen=True)
 class TrainRequest:
     from_version: int | None
-    steps: int
-    original_share: float
+    steps: int = DEFAULT_STEPS
+    original_share: float = DEFAULT_SHARE
+    layers: str = LAYERS[0]
+    lr: float = DEFAULT_LR
 
 
 def parse_request(body: dict[str, Any]) -> TrainRequest:
     """The POST's body; InvalidInput names what is not understood."""
-    unknown = sorted(set(body) - {"from_version", "steps", "original_share"})
+    unknown = sorted(set(body) - {"from_version", "steps", "original_share", "layers", "lr"})
     if unknown:
         raise InvalidInput(f"not understood: {', '.join(unknown)} (a candidate's body is "
-                           '{"from_version": 1, "steps": 40, "original_share": 0.5}, each '
-                           "optional)")
+                           '{"from_version": 1, "steps": 500, "original_share": 0.5, '
+                           '"layers": "all", "lr": 0.001}, each optional)')
     v, steps, share = body.get("from_version"), body.get("steps", DEFAULT_STEPS), \
         body.get("original_share", DEFAULT_SHARE)
+    layers, lr = body.get("layers", LAYERS[0]), body.get("lr", DEFAULT_LR)
     if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
         raise InvalidInput(f"from_version {v!r}: a version number of the model")
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
@@ -87,30 +100,40 @@ def parse_request(body: dict[str, Any]) -> TrainRequest:
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:
         raise InvalidInput(f"original_share {share!r}: the share of the training set that is "
                            "the model's original data, from 0 to below 1")
-    return TrainRequest(v, steps, float(share))
+    if layers not in LAYERS:
+        raise InvalidInput(f"layers {layers!r}: {' or '.join(map(repr, LAYERS))}")
+    lo, hi = LR_RANGE
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lo <= lr <= hi:
+        raise InvalidInput(f"lr {lr!r}: the fine-tune's learning rate, from {lo:g} to {hi:g}")
+    return TrainRequest(v, steps, float(share), layers, float(lr))
 
 
-def train_command(source: Path, data: Path, out: Path, req: TrainRequest,
+def train_command(task: str, source: Path, data: Path, out: Path, req: TrainRequest,
                   device: str) -> list[str]:
-    """The fine-tune: the last layer, from the source version's weights, on the exported frames
-    with the synthetic original data mixed in, written exactly into the candidate's folder."""
-    return [sys.executable, "-m", "visionserve_tools.training.train", "--data", str(data),
-            "--init", str(source / "weights.pt"), "--out", str(out), "--steps", str(req.steps),
-            "--freeze-backbone", "--mix-synthetic", str(req.original_share), "--batch-size", "16",
-            "--sizes", "640x480", "--workers", "1", "--threads", "1", "--check-per-label", "2",
+    """The project's fine-tune of a classifier or a detector (``task``): the request's layers,
+    from the source version's weights, on the exported frames with the synthetic original data
+    mixed in, written exactly into the candidate's folder."""
+    layers = "--keep-batch-norm" if req.layers == "all" else "--freeze-backbone"
+    args = ["--data", str(data), "--init", str(source / "weights.pt"), "--out", str(out),
+            "--steps", str(req.steps), layers, "--lr", repr(req.lr), "--mix-synthetic",
+            str(req.original_share), "--batch-size", "16", "--workers", "1", "--threads", "1",
             "--device", device]
+    if task == "detection":
+        return [sys.executable, "-m", "visionserve_tools.training.detect", "finetune", *args]
+    return [sys.executable, "-m", "visionserve_tools.training.train", *args, "--sizes",
+            "640x480", "--check-per-label", "2"]
 
 
 def training_way(entry: ModelEntry, source: Path) -> str:
     """How a candidate of the model is trained: ``command`` (its model.toml's [training]
-    command), ``refit`` (an anomaly model), ``finetune`` (the project's classifier); Conflict
-    for a model with none of them."""
+    command), ``refit`` (an anomaly model), ``finetune`` (the project's classifier or detector);
+    Conflict for a model with none of them."""
     if entry.config.training.command is not None:
         return "command"
     if isinstance(entry.config, AnomalyConfig):
         refit.check(entry, source)
         return "refit"
-    if isinstance(entry.config, ClassificationConfig):
+    if entry.config.task in FINETUNED:
         if (source / "weights.pt").is_file():
             return "finetune"
         why = f"version {source.name} has no weights.pt to fine-tune from"
@@ -185,20 +208,31 @@ class Loop:
             if made is None:
                 raise nothing_labelled(entry)
             return made
-        assert isinstance(entry.config, ClassificationConfig)
-        exported = cands.export(self.store, self.images, entry.name,
-                                tuple(entry.config.output.labels), folder)
-        if not exported.training:
+        detector = entry.config.task == "detection"
+        if detector:
+            training, held = cands.export_boxes(self.store, self.images, entry.name, folder)
+        else:
+            assert isinstance(entry.config, ClassificationConfig)
+            exported = cands.export(self.store, self.images, entry.name,
+                                    tuple(entry.config.output.labels), folder)
+            training, held = (cands.labelled_dicts(exported.training),
+                              cands.labelled_dicts(exported.held_out))
+        if not training:
             raise nothing_labelled(entry)
-        recipe = {"labelled_frames": len(exported.training),
-                  "original_data": "synthetic (visionserve_tools.synthetic, training parameters)",
-                  "original_share": req.original_share, "steps": req.steps,
-                  "trains": "the last layer (--freeze-backbone)",
+        original = "synthetic scenes (visionserve_tools.synthetic.generate_scene" if detector \
+            else "synthetic (visionserve_tools.synthetic"
+        recipe = {"labelled_frames": len(training),
+                  "original_data": f"{original}, training parameters)",
+                  "original_share": req.original_share, "steps": req.steps, "lr": req.lr,
+                  "trains": "every layer, the backbone's batch-norm statistics kept "
+                            "(--keep-batch-norm)" if req.layers == "all"
+                            else "the layers after the backbone (--freeze-backbone)" if detector
+                            else "the last layer (--freeze-backbone)",
                   "held_out": f"every {cands.HOLDOUT_EVERY}th labelled record by a stable hash "
                               "of its id"}
-        return Plan("finetune", train_command(source, folder / "train", folder, req, device),
-                    ["weights.pt"], "metrics.json", cands.labelled_dicts(exported.training),
-                    cands.labelled_dicts(exported.held_out), recipe, os.getcwd())
+        return Plan("finetune", train_command(entry.config.task, source, folder / "train",
+                                              folder, req, device),
+                    ["weights.pt"], "metrics.json", training, held, recipe, os.getcwd())
 
     def candidates(self, entry: ModelEntry, record: int | None = None) -> list[dict[str, Any]]:
         area = cands.Area(entry.path)
@@ -271,7 +305,7 @@ def make_router(store: RecordStore, images: ImageSource, jobs: JobStore | None) 
                  "captures (a guard job); it is never served")
     async def create(request: Request, model: str) -> JSONResponse:
         try:
-            body = await read_json_object(request, MAX_BODY, ' such as {"steps": 40}', empty={})
+            body = await read_json_object(request, MAX_BODY,  ' such as {"steps": 500}', empty={})
             req = parse_request(body)
             caller = caller_of(request)
             by = str(caller.get("operator") or "?")
@@ -281,7 +315,8 @@ def make_router(store: RecordStore, images: ImageSource, jobs: JobStore | None) 
         entry = Entry("candidate", "model", model, None,
                       {"candidate": shown["id"], "job": shown["job"]["id"],
                        "from_version": shown["from_version"], "steps": req.steps,
-                       "original_share": req.original_share}, caller)
+                       "original_share": req.original_share, "layers": req.layers,
+                       "lr": req.lr}, caller)
         await audit_of(request).arecord(
             entry, "closed loop: candidate %s of model %s (from version %s, guard job %d) "
             "requested by %s", shown["id"], model, shown["from_version"], shown["job"]["id"],
@@ -343,9 +378,19 @@ def make_router(store: RecordStore, images: ImageSource, jobs: JobStore | None) 
             done = await promotion.promote(engine_of(request), jobs, model, cid, by)
         except VisionServeError as exc:
             return error_response(exc, {"model": model, "candidate": cid})
+        if done.get("state") == "awaiting-approval":
+            entry = Entry("promote-approval", "model", model, None,
+                          {"candidate": cid, "approved_by": by,
+                           "approvals": len(done["approvals"]),
+                           "approvers": done["approvers"]}, caller)
+            await audit_of(request).arecord(
+                entry, "closed loop: promotion of candidate %s of model %s approved by %s, "
+                "waiting for another approver", cid, model, entry.by())
+            return JSONResponse(done, status_code=202)
         entry = Entry("promote", "model", model, {"version": done["from_version"]},
-                      {"version": done["version"], "candidate": cid, "approved_by": by},
-                      caller)
+                      {"version": done["version"], "candidate": cid, "approved_by": by,
+                       **({"approvers": [a["by"] for a in done["approvals"]]}
+                          if "approvals" in done else {})}, caller)
         await audit_of(request).arecord(
             entry, "closed loop: candidate %s of model %s promoted to version %d (from version "
             "%s), approved by %s", cid, model, done["version"], done["from_version"], entry.by())

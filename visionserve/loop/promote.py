@@ -13,6 +13,11 @@ version in the same step; otherwise the newest version is the default anyway. A 
 and swaps back to the version served before it, which stayed on disk (``default_version`` set
 back where the file names one).
 
+Where the model's ``[training] approvers`` is 2, a promotion takes two users: the first
+approval is kept in the candidate's ``approvals.json`` and waits (:func:`promote` answers it
+with state ``awaiting-approval``); another user's approval promotes. An approval counts for the
+comparison it was given on: a candidate compared again needs its approvals again.
+
 The model's promotions are kept in its candidates area, ``promotions.json`` (oldest first: the
 candidate, the versions from and to, who approved and when, and who rolled it back and when);
 the promoted version's folder holds ``promotion.json``, the same for it, beside the candidate's
@@ -47,8 +52,10 @@ if TYPE_CHECKING:
 HISTORY = "promotions.json"
 #: where a rolled-back version goes, in the model's folder
 RETIRED = "retired"
+#: a candidate's approvals waiting for the next one, in its folder
+APPROVALS = "approvals.json"
 #: a candidate's files that are not part of the version made of it
-NOT_COPIED = ("job.json",)
+NOT_COPIED = ("job.json", APPROVALS)
 
 
 def history(area: cands.Area) -> list[dict[str, Any]]:
@@ -158,19 +165,56 @@ def _entry(engine: DataPlane, model: str) -> ModelEntry:
     return entry
 
 
+def waiting(folder: Path) -> list[dict[str, Any]]:
+    """The approvals of the candidate in ``folder`` that wait for the next one: those given on
+    its comparison as it is now."""
+    evaluation = cands.read_json(folder / "evaluation.json")
+    if evaluation is None:
+        return []
+    return [a for a in cands.read_json(folder / APPROVALS) or []
+            if a.get("evaluation_job") == evaluation["job"]["id"]]
+
+
+def approve(entry: ModelEntry, folder: Path, cid: str, by: str,
+            now: float) -> list[dict[str, Any]] | None:
+    """``by``'s approval of the promotion of the candidate in ``folder``: the approvals so far
+    where the model needs more than there are now (kept in ``approvals.json``), or None where
+    this one completes them. Conflict where ``by`` approved it already."""
+    given = waiting(folder)
+    if any(a["by"] == by for a in given):
+        raise Conflict(f"candidate {cid} is approved by {by} already: model {entry.name} needs "
+                       f"{entry.config.training.approvers} approvers, another user approves "
+                       "its promotion")
+    if len(given) + 1 >= entry.config.training.approvers:
+        return None
+    evaluation = cands.read_json(folder / "evaluation.json") or {"job": {"id": None}}
+    given.append({"by": by, "approved": iso(now), "approved_at": now,
+                  "evaluation_job": evaluation["job"]["id"]})
+    cands.write_json(folder / APPROVALS, given)
+    return given
+
+
 async def promote(engine: DataPlane, jobs: JobStore | None, model: str, cid: str,
                   by: str) -> dict[str, Any]:
-    """Promote candidate ``cid`` of ``model``, approved by ``by``: the promotion as kept."""
+    """Promote candidate ``cid`` of ``model``, approved by ``by``: the promotion as kept; or,
+    where the model needs another approver, the approval kept (state ``awaiting-approval``)."""
     entry = _entry(engine, model)
     area = cands.Area(entry.path)
     async with exclusive(area):
         entry = _entry(engine, model)
         source, comparison = await asyncio.to_thread(check_promotable, entry, area, cid, jobs)
-        version = await asyncio.to_thread(next_version, entry.path)
         now = time.time()
+        first = await asyncio.to_thread(waiting, source)
+        pending = await asyncio.to_thread(approve, entry, source, cid, by, now)
+        if pending is not None:
+            return {"candidate": cid, "model": model, "state": "awaiting-approval",
+                    "approvals": pending, "approvers": entry.config.training.approvers}
+        version = await asyncio.to_thread(next_version, entry.path)
         record = {"candidate": cid, "model": model, "version": version,
                   "from_version": entry.default_version, "approved_by": by,
                   "approved": iso(now), "approved_at": now,
+                  **({"approvals": [*first, {"by": by, "approved": iso(now),
+                                             "approved_at": now}]} if first else {}),
                   "comparison": comparison.get("summary")}
         target = await asyncio.to_thread(stage, entry, source, version, record)
         try:
@@ -181,6 +225,8 @@ async def promote(engine: DataPlane, jobs: JobStore | None, model: str, cid: str
         record.pop("comparison")
         await asyncio.to_thread(cands.write_json, area.root / HISTORY,
                                 [*history(area), record])
+        # spent: promoting it again (after a rollback) takes its approvals again
+        await asyncio.to_thread((source / APPROVALS).unlink, True)
     return {**record, "versions": done["versions"]}
 
 
@@ -236,6 +282,7 @@ def overview(entry: ModelEntry, jobs: JobStore | None) -> dict[str, Any]:
                      "summary": comparison["summary"] if comparison else None,
                      "compared_with": evaluation["live_version"] if evaluation else None,
                      "promotable": shown["state"] in ("done", "rolled-back")
-                     and comparison is not None})
+                     and comparison is not None,
+                     "approvals": waiting(folder)})
     return {"model": entry.name, "candidates": rows[::-1], "in_force": in_force(area),
-            "serving": entry.default_version}
+            "serving": entry.default_version, "approvers": entry.config.training.approvers}

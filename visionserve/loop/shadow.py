@@ -41,13 +41,15 @@ from typing import IO, Any, Protocol, runtime_checkable
 
 from .. import imaging
 from ..admission import ResultTap
-from ..config import load_model_config
+from ..config import ModelConfig, load_model_config
 from ..errors import Conflict, InvalidInput, NotFound, VisionServeError
 from ..logs import current_request_id
 from ..records.record import iso
 from ..records.store import RecordQuery, RecordStore
-from ..tasks.classification import ClassificationConfig, Classified
-from .evaluate import Judge, tensor
+from ..tasks.anomaly import Anomaly
+from ..tasks.classification import Classified
+from ..tasks.detection import Detected
+from .evaluate import JUDGED, Judge, frame_label, ok_labels, tensor
 
 #: answered frames waiting for the child, at most: beyond them a frame is dropped
 QUEUE_FRAMES = 8
@@ -118,7 +120,14 @@ class ShadowTap:
         if self.closed or future.cancelled() or future.exception() is not None:
             return
         r = future.result()
-        if not isinstance(r.result, Classified):
+        if isinstance(r.result, Classified):
+            label, score = r.result.label, r.result.score
+        elif isinstance(r.result, Anomaly):
+            label, score = frame_label(r.verdict), r.result.score
+        elif isinstance(r.result, Detected):
+            label = frame_label(r.verdict)
+            score = max((d.score for d in r.result.detections), default=0.0)
+        else:
             return  # the model was reloaded as another task: nothing to compare
         if self.queue.full():  # the child is behind: give way
             self.dropped += 1
@@ -126,7 +135,7 @@ class ShadowTap:
         wall = time.time() - (time.monotonic() - item.arrival)
         # bytes of its own: a frame read in place from a front end's arena must not wait here
         self.queue.put_nowait(((wall, rid, part, index, str(served.version), r.verdict,
-                                r.result.label, float(r.result.score)),
+                                label, float(score)),
                                imaging.owned(item.payload)))
         self.handed += 1
         if self.limit is not None and self.handed >= self.limit:
@@ -196,15 +205,15 @@ class Shadows:
         self._starting: set[str] = set()
         self._stopping: set[asyncio.Task] = set()
 
-    async def start(self, engine: object, model: str, config: object, live_version: int,
+    async def start(self, engine: object, model: str, config: ModelConfig, live_version: int,
                     cid: str, folder: Path, model_toml: Path, req: ShadowRequest,
                     by: str) -> dict[str, Any]:
         if not isinstance(engine, Tappable):
             raise Conflict("a shadow runs beside the engine: this server's front ends run in "
                            "processes of their own (--frontends); start it without them")
-        if not isinstance(config, ClassificationConfig):
-            raise Conflict(f"model {model!r} is not a classifier: shadows are run for "
-                           "classifier candidates")
+        if ok_labels(config) is None:
+            raise Conflict(f"model {model!r} is a {getattr(config, 'task', '?')} model: shadows "
+                           f"are run for the candidates of {', '.join(JUDGED)} models")
         busy = self.running.get(model)
         if busy is not None:
             raise Conflict(f"candidate {busy.cid} of model {model!r} runs in shadow already: "
@@ -412,8 +421,9 @@ def child(model_toml: Path, folder: Path, run: int, stream: IO[bytes], out: IO[s
     verdicts in its shadow.sqlite; end at the end of the stream."""
     os.nice(19)
     config = load_model_config(model_toml)
-    if not isinstance(config, ClassificationConfig):
-        print(f"error: {model_toml}: shadows are run for classifiers", file=sys.stderr)
+    if ok_labels(config) is None:
+        print(f"error: {model_toml}: shadows are run for {', '.join(JUDGED)} models",
+              file=sys.stderr)
         return 2
     config = config.model_copy(update={"runtime": config.runtime.model_copy(
         update={"intra_op_threads": 1})})
@@ -430,7 +440,7 @@ def child(model_toml: Path, folder: Path, run: int, stream: IO[bytes], out: IO[s
             meta, frame = pickle.loads(data)
             t0 = time.perf_counter()
             try:
-                got = judging(tensor([frame], config.input))[0]
+                got = judging(tensor([frame], config.input), [(frame.width, frame.height)])[0]
             except VisionServeError as exc:  # a frame the server answered but cannot be redone
                 print(f"frame {meta[1]}/{meta[3]}: {exc.message}", file=sys.stderr)
                 continue

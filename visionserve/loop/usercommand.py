@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
 
 from ..backends.base import model_file
 from ..config import parse_bytes
 from ..records.images import ImageSource
 from ..records.labels import scheme_of
-from ..records.record import iso
 from ..records.store import RecordStore
 from ..repository import ModelEntry
 from . import candidates as cands
@@ -40,30 +38,6 @@ def arguments(template: tuple[str, ...], values: dict[str, str]) -> list[str]:
     return [arg.format(**values) for arg in template]
 
 
-def export_boxes(store: RecordStore, images: ImageSource, model: str,
-                 dest: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """A detector's labelled set: ``{train,heldout}/images/<record>.<ext>`` and each part's
-    ``boxes.json``; (training, held out) as candidate.json lists them."""
-    parts: dict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = {
-        "train": ([], {}), "heldout": ([], {})}
-    for row_id, record, label in cands.labelled_rows(store, model):
-        boxes = label.label.get("boxes")
-        if not isinstance(boxes, list):
-            continue  # a label of another task's shape (the model changed since)
-        part = "heldout" if cands.held_out(row_id) else "train"
-        rel = cands.save_frame(images, row_id, record, dest, f"{part}/images")
-        if rel is None:
-            continue
-        listed, by_file = parts[part]
-        by_file[rel.split("/", 1)[1]] = boxes
-        listed.append({"record_id": row_id, "boxes": boxes, "labelled_by": label.by,
-                       "labelled_at": iso(label.time), "file": rel})
-    for part, (listed, by_file) in parts.items():
-        if listed:
-            cands.write_json(dest / part / "boxes.json", by_file)
-    return parts["train"][0], parts["heldout"][0]
-
-
 def plan(store: RecordStore, images: ImageSource, entry: ModelEntry, source: Path,
          folder: Path, device: str, steps: int) -> Plan | None:
     """Export the labelled set into ``folder``; the command's plan, or None where there is
@@ -72,7 +46,7 @@ def plan(store: RecordStore, images: ImageSource, entry: ModelEntry, source: Pat
     assert spec.command is not None
     scheme = scheme_of(entry.name, entry.config)
     if scheme.boxes:
-        training, held = export_boxes(store, images, entry.name, folder)
+        training, held = cands.export_boxes(store, images, entry.name, folder)
     else:
         exported = cands.export(store, images, entry.name, scheme.labels, folder)
         training, held = (cands.labelled_dicts(exported.training),

@@ -3,6 +3,8 @@
     nice -n 10 python -m visionserve_tools.training.detect train --version 1
     python -m visionserve_tools.training.detect export models/defect-detector/1
     python -m visionserve_tools.training.detect evaluate models/defect-detector/1
+    python -m visionserve_tools.training.detect finetune --data labelled \
+        --init models/defect-detector/1/weights.pt --out candidates/c-1 --steps 300
 
 The data are synthetic scenes (:func:`visionserve_tools.synthetic.generate_scene`): a surface
 with 0-3 defects of the four kinds, each with the box the generator drew it in. Frames are made
@@ -16,7 +18,11 @@ task reads like any third-party YOLO export.
 export.json) and the model's model.toml if it has none; ``export`` re-exports a version and checks
 it; ``evaluate`` measures mAP on held-out scenes (other seed, ``HELDOUT_PARAMS``, a frame size
 training never saw), decoding the ONNX model's output through the server's detection task, and
-writes ``<version>/eval.json``.
+writes ``<version>/eval.json``; ``finetune`` is the closed loop's (docs/closed-loop.md): from a
+version's weights, on labelled frames (``boxes.json`` and the images it names, frame pixels) with
+synthetic scenes mixed in as ``--mix-synthetic`` of the training set, for ``--steps`` steps, each
+printed as a JSON line (``{"step": i, "steps": N, "loss": ...}``: the job's progress), written
+exactly into ``--out``.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ MAP_SCORE_THRESHOLD = 0.001
 CLASSIFIER_WEIGHTS = Path("models/defect-classifier/1/weights.pt")
 TOLERANCE = 1e-2        # export check: output values are pixels (0..320) and scores
 DECODER = "visionserve.tasks.detection (the server's own decoding)"
+HISTORY_EVERY = 25      # a fine-tune's metrics.json keeps every 25th step's loss
 
 
 # --------------------------------------------------------------------------- data
@@ -79,6 +86,44 @@ class Scenes:
 
     def truths(self) -> list[detmap.ImageTruth]:
         return [detmap.ImageTruth(b, c) for b, c in zip(self.boxes, self.classes)]
+
+    def joined(self, other: Scenes) -> Scenes:
+        return Scenes(np.concatenate([self.pixels, other.pixels]), self.sizes + other.sizes,
+                      self.boxes + other.boxes, self.classes + other.classes)
+
+
+def labelled(data: Path, spec: InputSpec, labels: Sequence[str]) -> Scenes:
+    """The closed loop's labelled frames of a detector (``data``: ``boxes.json`` and the images
+    it names, docs/closed-loop.md) as scenes, each frame preprocessed as the server does."""
+    from visionserve.errors import VisionServeError
+
+    index = data / "boxes.json"
+    try:
+        listed = json.loads(index.read_text())
+    except (OSError, ValueError) as exc:
+        raise ScriptError(f"{index}: {exc} (the loop's export of a detector's labelled frames: "
+                          "boxes.json and images/)") from None
+    if not isinstance(listed, dict) or not listed:
+        raise ScriptError(f"{index}: no labelled frames")
+    out = Scenes(np.zeros((0,)), [], [], [])
+    pixels = []
+    for rel, items in sorted(listed.items()):
+        try:
+            frame = imaging.encoded_frame((data / rel).read_bytes())
+            pixels.append(imaging.preprocess(frame, spec))
+        except OSError as exc:
+            raise ScriptError(f"{data / rel}: {exc.strerror or exc}") from None
+        except VisionServeError as exc:
+            raise ScriptError(f"{data / rel}: {exc.message}") from None
+        unknown = sorted({b["label"] for b in items} - set(labels))
+        if unknown:
+            raise ScriptError(f"{index}: {rel}: labels {unknown} are not the detector's "
+                              f"{list(labels)}")
+        out.sizes.append((frame.width, frame.height))
+        out.boxes.append(np.array([b["box"] for b in items], np.float32).reshape(-1, 4))
+        out.classes.append(np.array([list(labels).index(b["label"]) for b in items], np.int64))
+    out.pixels = np.stack(pixels)
+    return out
 
 
 def _scene_chunk(args: tuple) -> tuple[list, list, list, list]:
@@ -266,11 +311,42 @@ def predict(model, pixels: np.ndarray, spec: InputSpec, batch: int = 32) -> np.n
                                for i in range(0, len(pixels), batch)])
 
 
-def train(args: argparse.Namespace, argv: list[str]) -> int:
+def batch(ds: Scenes, boxes: Sequence[np.ndarray], idx: np.ndarray, rng: np.random.Generator,
+          gen: Any, spec: InputSpec, device: str = "cpu") -> tuple[Any, Any]:
+    """A training batch: scenes ``idx`` of ``ds`` augmented (:func:`augment`, then the
+    classifier's photometric changes), normalised as served; and their boxes (``boxes``: each
+    scene's in input pixels)."""
     import torch
 
     from . import detector
     from .train import photometric
+
+    pxs, bxs = zip(*(augment(ds.pixels[i], boxes[i], rng) for i in idx))
+    x = photometric(torch.from_numpy(np.stack(pxs)).float(), gen).numpy()
+    x = torch.from_numpy(imaging.normalize(x, spec)).contiguous(memory_format=torch.channels_last)
+    gt = detector.Targets([torch.from_numpy(v) for v in bxs],
+                          [torch.from_numpy(ds.classes[i]) for i in idx])
+    return x.to(device), gt.to(device)
+
+
+def fit_step(model, opt, x, gt) -> tuple[float, dict[str, float]]:
+    """One optimizer step on a batch; (its loss, the loss's parts)."""
+    import torch
+
+    from . import detector
+
+    total, parts = detector.loss(model, x, gt)
+    opt.zero_grad(set_to_none=True)
+    total.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+    opt.step()
+    return float(total.detach()), parts
+
+
+def train(args: argparse.Namespace, argv: list[str]) -> int:
+    import torch
+
+    from . import detector
 
     for name in ("scenes", "val_scenes", "epochs", "batch_size", "threads", "workers",
                  "check_scenes"):
@@ -326,20 +402,10 @@ def train(args: argparse.Namespace, argv: list[str]) -> int:
         t0, sums, seen = time.perf_counter(), {"loss": 0.0, "cls": 0.0, "box": 0.0}, 0
         for b in range(steps_per_epoch):
             idx = np.sort(order[b * args.batch_size:(b + 1) * args.batch_size])
-            pxs, bxs = zip(*(augment(train_ds.pixels[i], train_boxes[i], rng) for i in idx))
-            x = photometric(torch.from_numpy(np.stack(pxs)).float(), gen).numpy()
-            x = torch.from_numpy(imaging.normalize(x, spec)).contiguous(
-                memory_format=torch.channels_last)
-            gt = detector.Targets([torch.from_numpy(v) for v in bxs],
-                                  [torch.from_numpy(train_ds.classes[i]) for i in idx])
-            total, parts = detector.loss(model, x, gt)
-            opt.zero_grad(set_to_none=True)
-            total.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
-            opt.step()
+            total, parts = fit_step(model, opt, *batch(train_ds, train_boxes, idx, rng, gen, spec))
             sched.step()
             ema.update(model)
-            sums["loss"] += float(total.detach())
+            sums["loss"] += total
             sums["cls"] += parts["cls"]
             sums["box"] += parts["box"]
             seen += 1
@@ -372,6 +438,87 @@ def train(args: argparse.Namespace, argv: list[str]) -> int:
     }
     (version_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     print(f"wrote {version_dir} (val mAP@0.5 {history[-1]['val_mAP@0.5']}, "
+          f"{metrics['seconds']['total']:.0f} s)")
+    return 0
+
+
+# --------------------------------------------------------------------------- fine-tune
+
+
+def finetune(args: argparse.Namespace, argv: list[str]) -> int:
+    """The closed loop's fine-tune: from ``--init`` on the labelled frames of ``--data``, the
+    synthetic scenes mixed in, for ``--steps`` steps, written exactly into ``--out``."""
+    if args.steps < 1 or args.batch_size < 1 or args.threads < 1 or args.workers < 1:
+        raise ScriptError("--steps, --batch-size, --threads and --workers must be >= 1")
+    if not 0.0 <= args.mix_synthetic < 1.0:
+        raise ScriptError(f"--mix-synthetic must be from 0 to below 1, got {args.mix_synthetic}")
+    if args.keep_batch_norm and args.freeze_backbone:
+        raise ScriptError("--keep-batch-norm trains every layer, --freeze-backbone the layers "
+                          "after the backbone: pass one of them")
+    if (args.out / "weights.pt").exists():
+        raise ScriptError(f"--out {args.out} already holds weights.pt; not overwriting it")
+    t_start = time.perf_counter()
+    model, meta = load_detector(args.init)
+    spec = InputSpec(**meta["input"])
+    own = labelled(args.data, spec, meta["labels"])
+    n_own = len(own.sizes)
+    n_syn = round(n_own * args.mix_synthetic / (1.0 - args.mix_synthetic))
+    ds = own.joined(scenes(n_syn, args.seed + 7, common.parse_sizes(TRAIN_SIZES),
+                           common.synthetic.TRAIN_PARAMS, spec, args.workers)) if n_syn else own
+    boxes = [ds.input_boxes(spec, i) for i in range(len(ds.sizes))]
+    check_x = check_inputs(spec, args.check_scenes)
+    t_data = time.perf_counter() - t_start
+    print(f"data ready: {n_own} labelled frames, {n_syn} synthetic scenes ({t_data:.0f} s)",
+          flush=True)
+
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ScriptError(f"--device {args.device}: CUDA is not available here")
+    common.set_determinism(args.seed, args.threads)
+    model.to(args.device, memory_format=torch.channels_last)
+    if args.freeze_backbone:
+        model.backbone.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
+                            weight_decay=5e-4)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps,
+                                                pct_start=0.15)
+    gen = torch.Generator().manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+    n = len(ds.sizes)
+    order = np.concatenate([rng.permutation(n)
+                            for _ in range(-(-args.steps * args.batch_size // n))])
+    model.train()
+    if args.freeze_backbone or args.keep_batch_norm:
+        model.backbone.eval()  # its batch-norm statistics stay the served version's
+    history = []
+    for b in range(args.steps):
+        idx = np.sort(order[b * args.batch_size:(b + 1) * args.batch_size])
+        total, parts = fit_step(model, opt, *batch(ds, boxes, idx, rng, gen, spec, args.device))
+        sched.step()
+        line = {"step": b + 1, "steps": args.steps, "loss": round(total, 4),
+                **{k: round(v, 4) for k, v in parts.items()}}
+        print(json.dumps(line), flush=True)
+        if (b + 1) % HISTORY_EVERY == 0 or b + 1 == args.steps:
+            history.append(line)
+    t_train = time.perf_counter() - t_start - t_data
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    final = model.cpu().eval()
+    meta = {**meta, "seed": args.seed, "init": str(args.init)}
+    torch.save({"state_dict": final.state_dict(), "meta": json.dumps(meta)},
+               args.out / "weights.pt")
+    report = export_version(args.out, check_x)
+    metrics = {
+        "command": "python -m visionserve_tools.training.detect " + shlex.join(argv),
+        "data": str(args.data), "init": str(args.init), "train_images": n_own,
+        "synthetic_scenes": n_syn, "mix_synthetic": args.mix_synthetic, "steps": args.steps,
+        "lr": args.lr, "freeze_backbone": args.freeze_backbone,
+        "keep_batch_norm": args.keep_batch_norm, "history": history, "device": args.device,
+        **common.run_facts(final, args.threads, t_start, t_data, t_train), "export": report,
+    }
+    (args.out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    print(f"wrote {args.out} (last loss {history[-1]['loss']}, "
           f"{metrics['seconds']['total']:.0f} s)")
     return 0
 
@@ -539,6 +686,27 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--version", type=int, help="version to write (default: highest + 1)")
     tr.add_argument("--check-scenes", type=int, default=16,
                     help="held-out scenes for the export agreement check")
+    ft = sub.add_parser("finetune", help="the closed loop's fine-tune of a version on labelled "
+                        "frames (boxes.json and images/), written into one folder")
+    ft.add_argument("--data", type=Path, required=True,
+                    help="the labelled frames: boxes.json and the images it names")
+    ft.add_argument("--init", type=Path, required=True, help="the detector's weights.pt")
+    ft.add_argument("--out", type=Path, required=True, help="the folder the version is written to")
+    ft.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    ft.add_argument("--lr", type=float, default=1e-3)
+    ft.add_argument("--mix-synthetic", type=float, default=0.5,
+                    help="the share of synthetic scenes (the original data) in the training set")
+    ft.add_argument("--keep-batch-norm", action="store_true",
+                    help="train every layer, the backbone's batch-norm statistics kept")
+    ft.add_argument("--freeze-backbone", action="store_true",
+                    help="train the layers after the backbone only")
+    ft.add_argument("--batch-size", type=int, default=16)
+    ft.add_argument("--seed", type=int, default=0)
+    ft.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ft.add_argument("--workers", type=int, default=1, help="processes generating scenes")
+    ft.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    ft.add_argument("--check-scenes", type=int, default=8,
+                    help="held-out scenes for the export agreement check")
     ex = sub.add_parser("export", help="re-export a version's weights.pt and check it")
     ex.add_argument("version_dir", type=Path)
     ex.add_argument("--check-scenes", type=int, default=16)
@@ -556,6 +724,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return train(args, argv)
+        if args.command == "finetune":
+            return finetune(args, argv)
         if args.command == "export":
             _, meta = load_detector(args.version_dir / "weights.pt")
             x = check_inputs(InputSpec(**meta["input"]), args.check_scenes)

@@ -165,6 +165,12 @@ class Targets:
             self.labels[i, :len(c)] = c
             self.valid[i, :len(b)] = True
 
+    def to(self, device: torch.device | str) -> Targets:
+        """The same ground truth on ``device`` (where the model trains)."""
+        self.boxes, self.labels, self.valid = (t.to(device) for t in
+                                               (self.boxes, self.labels, self.valid))
+        return self
+
 
 @torch.no_grad()
 def assign(scores: torch.Tensor, pred: torch.Tensor, points: torch.Tensor, strides: torch.Tensor,

@@ -100,8 +100,10 @@
                                                  body: JSON.stringify(body),
                                                  credentials: "same-origin"});
       if (r.ok) {
-        sessionStorage.setItem(DONE_KEY, fill(strings.done,
-                                              {what: fill(button.dataset.done, values)}));
+        // 202: kept, waiting for more (a promotion's first approval)
+        const what = r.status === 202 && button.dataset.waiting ? button.dataset.waiting
+          : button.dataset.done;
+        sessionStorage.setItem(DONE_KEY, fill(strings.done, {what: fill(what, values)}));
         window.location.reload();
         return;
       }

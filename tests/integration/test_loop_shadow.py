@@ -130,6 +130,12 @@ def test_the_shadow_judges_live_frames_and_sends_nothing(server, quality):
                 d["record_id"] is not None for d in body["disagreements"]) else None
         shown = wait_for(judged, 60, "the shadow's verdicts, with their records")
         assert shown["state"] == "running" and shown["dropped"] == 0
+        # the console's Candidates page shows the run as the API does
+        page = quality.get(f"/ui/models/{CLASSIFIER}/candidates")
+        assert page.status_code == 200, page.text[-2000:]
+        agreement = shown["agreement"]
+        assert (f"running: {len(LOOKS)} frames beside version 1, agreement {agreement}; NG "
+                f"{shown['live_ng']} → {len(LOOKS)}; 0 dropped under load") in page.text
         assert shown["handed"] == len(LOOKS) and shown["live_version"] == "1"
         assert shown["candidate_ng"] == len(LOOKS)  # it says scratch to everything
         assert shown["live_ng"] == sum(v == "NG" for v, _ in live.values())
@@ -151,6 +157,8 @@ def test_the_shadow_judges_live_frames_and_sends_nothing(server, quality):
         shown = quality.get(SHADOW).json()
         assert shown["state"] == "stopped" and shown["judged"] == len(LOOKS)
         assert shown["stop_reason"] == "stopped by qe-anna"
+        page = quality.get(f"/ui/models/{CLASSIFIER}/candidates").text
+        assert f"stopped: {len(LOOKS)} frames beside version 1" in page
         # the live feed and the records hold each live frame once, with its live verdict
         wait_for(lambda: len(feed.events) >= len(LOOKS) + 1, 30, "the live feed")
         assert sorted(feed.parts()) == sorted([*live, "S-after"])

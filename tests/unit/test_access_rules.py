@@ -42,6 +42,7 @@ def test_every_route_of_the_app_is_in_the_table():
     from visionserve.guard.http import make_router as guard_router
     from visionserve.http.app import create_app
     from visionserve.loop.http import make_router as loop_router
+    from visionserve.loop.shadow import Shadows
     from visionserve.records.http import make_router as records_router
     from visionserve.records.images import ImageSource
 
@@ -50,7 +51,7 @@ def test_every_route_of_the_app_is_in_the_table():
     images = ImageSource(Path("/nonexistent"))
     app = create_app(None, settings, (guard_router(None, AuditTrail.from_settings(settings)),
                                       records_router(None, images),
-                                      loop_router(None, images, None), console))
+                                      loop_router(None, images, None, Shadows()), console))
     schema = app.openapi()
     routes = [(m.upper(), p) for p, ops in schema["paths"].items() for m in ops]
     routes += [("GET", p) for p in ("/metrics", "/docs", "/docs/oauth2-redirect", "/redoc",

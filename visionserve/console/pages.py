@@ -46,6 +46,7 @@ from .strings import (
 if TYPE_CHECKING:
     from ..dataplane import DataPlane, ServedModel
     from ..guard.store import JobStore
+    from ..loop.shadow import Shadows
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -72,10 +73,11 @@ HEADERS = {"Content-Security-Policy": "default-src 'self'; frame-ancestors 'none
 
 
 def make_router(settings: ServerSettings, guard_store: JobStore | None = None,
-                records: RecordStore | None = None) -> APIRouter:
+                records: RecordStore | None = None, shadows: Shadows | None = None) -> APIRouter:
     """The console's routes for a server with ``settings``; ``guard_store``: the hosted
     guard's job queue (``--guard``), listed on the System page; ``records``: the record store
-    (``--records``), whose captured NG frames the NG parts pages show."""
+    (``--records``), whose captured NG frames the NG parts pages show; ``shadows``: the
+    candidates running in shadow, shown on the Candidates page."""
     from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
 
     env = Environment(loader=FileSystemLoader(HERE / "templates"),
@@ -161,7 +163,8 @@ def make_router(settings: ServerSettings, guard_store: JobStore | None = None,
             error = STRINGS["records_off"]
         else:
             try:
-                view = await run_in_threadpool(promotion.overview, entry, guard_store)
+                view = await run_in_threadpool(promotion.overview, entry, guard_store,
+                                               shadows)
             except VisionServeError as exc:
                 error, status = exc.message, http_status(exc)
         return render(request, "candidates.html", "/ui/models", status, model=model,

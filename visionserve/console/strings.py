@@ -366,6 +366,11 @@ STRINGS: dict[str, str] = {
     "col_false_rejects": "False rejects",
     "col_box_recall": "Boxes found",
     "col_disagree": "Disagree",
+    "col_shadow": "Shadow on live frames",
+    "shadow_summary": "{state}: {judged} frames beside version {version}, agreement {agreement}; "
+                      "NG {live_ng} → {candidate_ng}; {dropped} dropped under load",
+    "shadow_details": "disagreements",
+    "shadow_none": "not run",
     "col_actions": "Actions",
     "candidates_not_compared": "not compared yet",
     "candidates_live_vs": "{live} → {candidate}",

@@ -54,6 +54,7 @@ from . import candidates as cands
 from . import promote as promotion
 from . import refit, usercommand
 from .plan import Plan
+from .shadow import Shadows
 from .shadowroutes import add_routes as shadow_routes
 
 MAX_BODY = 4096
@@ -294,7 +295,9 @@ async def no_body(request: Request) -> None:
                            "body, or {})")
 
 
-def make_router(store: RecordStore, images: ImageSource, jobs: JobStore | None) -> APIRouter:
+def make_router(store: RecordStore, images: ImageSource, jobs: JobStore | None,
+                shadows: Shadows) -> APIRouter:
+    """The loop's routes; ``shadows``: the process's shadows (the console shows them too)."""
     router = APIRouter(tags=["Closed loop"])
     loop = Loop(store, images, jobs)
 
@@ -422,7 +425,7 @@ def make_router(store: RecordStore, images: ImageSource, jobs: JobStore | None) 
         except VisionServeError as exc:
             return error_response(exc, {"model": model, "candidate": cid})
 
-    shadow_routes(router, loop)
+    shadow_routes(router, loop, shadows)
     return router
 
 

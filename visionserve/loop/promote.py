@@ -44,6 +44,7 @@ from ..guard.store import JobStore
 from ..records.record import iso
 from ..repository import ModelEntry
 from . import candidates as cands
+from .shadow import Shadows, report
 
 if TYPE_CHECKING:
     from ..dataplane import DataPlane
@@ -267,10 +268,31 @@ async def rollback(engine: DataPlane, model: str, by: str) -> dict[str, Any]:
     return {**last, "versions": done["versions"]}
 
 
-def overview(entry: ModelEntry, jobs: JobStore | None) -> dict[str, Any]:
+#: what the console's Candidates page shows of a candidate's latest shadow run
+SHADOW_FIELDS = ("state", "judged", "agreement", "disagree", "live_ng", "candidate_ng", "dropped",
+                 "live_version")
+
+
+def shadow_summary(folder: Path, entry: ModelEntry, shadows: Shadows | None
+                   ) -> dict[str, Any] | None:
+    """The candidate's latest shadow run as :func:`.shadow.report` gives it (its
+    :data:`SHADOW_FIELDS`), or None where it never ran in shadow."""
+    if not (folder / "shadow.sqlite").is_file():
+        return None
+    live = shadows.live(entry.name, folder.name) if shadows is not None else None
+    try:
+        shown = report(folder, folder.name, entry.name, live, None)
+    except NotFound:
+        return None
+    return {k: shown[k] for k in SHADOW_FIELDS}
+
+
+def overview(entry: ModelEntry, jobs: JobStore | None,
+             shadows: Shadows | None = None) -> dict[str, Any]:
     """(a worker thread) The console's view of a model's candidates: each as the API shows it,
     with its comparison's ``summary`` (None before one is done), the version it was compared
-    with and whether it may be promoted now; the promotion in force and the version served."""
+    with, its latest shadow run (:func:`shadow_summary`) and whether it may be promoted now; the
+    promotion in force and the version served."""
     area = cands.Area(entry.path)
     rows = []
     for folder in area.started():
@@ -283,6 +305,7 @@ def overview(entry: ModelEntry, jobs: JobStore | None) -> dict[str, Any]:
                      "compared_with": evaluation["live_version"] if evaluation else None,
                      "promotable": shown["state"] in ("done", "rolled-back")
                      and comparison is not None,
-                     "approvals": waiting(folder)})
+                     "approvals": waiting(folder),
+                     "shadow": shadow_summary(folder, entry, shadows)})
     return {"model": entry.name, "candidates": rows[::-1], "in_force": in_force(area),
             "serving": entry.default_version, "approvers": entry.config.training.approvers}

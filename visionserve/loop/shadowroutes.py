@@ -43,9 +43,8 @@ class Loop(Protocol):
     def entry(self, request: Request, model: str) -> ModelEntry: ...
 
 
-def add_routes(router: APIRouter, loop: Loop) -> Shadows:
-    """The shadow's routes on ``router``; returns the process's shadows."""
-    shadows = Shadows()
+def add_routes(router: APIRouter, loop: Loop, shadows: Shadows) -> None:
+    """The shadow's routes on ``router``, running the process's ``shadows``."""
     path = "/v1/models/{model}/candidates/{cid}/shadow"
 
     def trained(entry, cid: str):
@@ -106,5 +105,3 @@ def add_routes(router: APIRouter, loop: Loop) -> Shadows:
                 report, folder, cid, model, shadows.live(model, cid), loop.store))
         except VisionServeError as exc:
             return error_response(exc, {"model": model, "candidate": cid})
-
-    return shadows

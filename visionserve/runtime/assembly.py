@@ -76,20 +76,22 @@ def service_routers(settings: ServerSettings, guard_store=None) -> tuple:
         from ..guard.http import make_router
 
         routers.append(make_router(guard_store, AuditTrail.from_settings(settings)))
-    store = None
+    store = shadows = None
     if settings.records:
         from ..loop.http import make_router as loop_router
+        from ..loop.shadow import Shadows
         from ..records.http import make_router as records_router
         from ..records.service import images_of, store_of
 
         store = store_of(settings)
         images = images_of(settings)
+        shadows = Shadows()
         routers.append(records_router(store, images))
-        routers.append(loop_router(store, images, guard_store))
+        routers.append(loop_router(store, images, guard_store, shadows))
     if settings.console:
         from ..console.pages import make_router as console_router
 
-        routers.append(console_router(settings, guard_store, store))
+        routers.append(console_router(settings, guard_store, store, shadows))
     return tuple(routers)
 
 

@@ -3,22 +3,24 @@ version, and what the loop's training costs the live answers.
 
     python -m visionserve_tools.benchloop --device cuda --out loop.json [--log-dir DIR]
     python -m visionserve_tools.benchloop --device cpu --quick --out loop.json   # dry run
+    python -m visionserve_tools.benchloop --model defect-detector --out loop-det.json
 
 1. Starts ``visionserve serve --guard --records --capture learn --model-control-mode explicit``
-   with the shipped classifier (cuda: its ``model.pt2`` on the torch backend, and
-   ``--gpu-memory-budget``) and measures its
-   saturation (closed loop, JPEGs of 640x480).
+   with the shipped classifier, or with ``--model defect-detector`` the shipped detector (cuda:
+   its ``model.pt2`` on the torch backend, and ``--gpu-memory-budget``) and measures its
+   saturation (closed loop, JPEGs of 640x480). Each model's frames and request are its
+   :data:`PROFILES` entry: a detector's flagged frames are labelled with their boxes.
 2. Sends the new look of a scratch (:data:`NEW_LOOK`, which the shipped model passes) and good
-   parts, :data:`FLAGGED` of each, and labels them through the API ("scratch" with "this OK was
-   wrong" where the line passed it; "ok").
+   parts, the profile's ``flagged`` of each, and labels them through the API ("scratch" with
+   "this OK was wrong" where the line passed it, "ok"; a detector's: the scratch's box, none).
 3. Starts the open-loop paced load at ``--load-fraction`` of saturation
    (:class:`.benchguard.PacedLoad`) and measures ``--baseline-s`` of it alone.
 4. Runs the loop's steps beside that load, each through the API as a user would: the candidate
-   (:data:`TRAIN`: the loop's fine-tune, a guard job on the server's device), the comparison on the
-   held-out labelled frames, ``--shadow-s`` of shadow on live frames, the promotion. Each step's
-   wall time, and the load's latency in each step's window (phase ``train``: from the request to
-   the candidate's state ``done``).
-5. Stops the load and sends the fixed-seed held-out sets (:data:`HELD`: the new look, good parts)
+   (the profile's ``train``: the loop's fine-tune, a guard job on the server's device), the
+   comparison on the held-out labelled frames, ``--shadow-s`` of shadow on live frames, the
+   promotion. Each step's wall time, and the load's latency in each step's window (phase
+   ``train``: from the request to the candidate's state ``done``).
+5. Stops the load and sends the fixed-seed held-out sets (``held``: the new look, good parts)
    before and after the promotion: the new look's recall, the good parts' false-reject rate.
 
 The JSON (``--out``) has the saturation, the load's rate, per phase its latency percentiles
@@ -39,12 +41,13 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from . import synthetic
 
-MODEL = "defect-classifier"
+MODEL, DETECTOR = "defect-classifier", "defect-detector"
 #: the new look of a scratch: 3-5 % of the short side wide (the shipped model knows 0.4-0.9 %),
 #: and a quarter to 40 % as far from the surface's tone as the scratches it knows
 NEW_LOOK = synthetic.SurfaceParams(scratch_width=(0.03, 0.05), scratch_contrast=(0.25, 0.4))
@@ -56,6 +59,22 @@ FLAGGED = (500, 1250)
 TRAIN = {"steps": 800}
 #: the fixed-seed held-out sets: the new look, good parts
 HELD = (500, 1000)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One model's loop: the frames flagged (the new look, good parts), the candidate's request,
+    the held-out sets; ``boxes``: a detector's, whose frames are labelled with boxes (the new
+    look's scratch, none on a good part) instead of a label."""
+
+    flagged: tuple[int, int]
+    train: dict[str, Any]
+    held: tuple[int, int]
+    boxes: bool = False
+
+
+PROFILES = {MODEL: Profile(FLAGGED, TRAIN, HELD),
+            DETECTOR: Profile((250, 375), {"steps": 400}, HELD, boxes=True)}
 #: the first seed of each set of frames
 SEEDS = {"flagged_new": 3_000_000, "flagged_good": 4_000_000, "held_new": 1_000_000,
          "held_good": 2_000_000}
@@ -226,13 +245,13 @@ def inspect_all(client: Any, model: str, bodies: list[bytes], prefix: str,
         return list(pool.map(one, range(len(bodies))))
 
 
-def repo_for(root: Path, device: str) -> Path:
-    """A repository with the shipped classifier; on a GPU its model.pt2 on the torch backend
+def repo_for(root: Path, device: str, model: str = MODEL) -> Path:
+    """A repository with the shipped ``model``; on a GPU its model.pt2 on the torch backend
     (the device's onnxruntime may have no CUDA provider)."""
-    here = Path(__file__).resolve().parents[1] / "models" / MODEL
-    shutil.copytree(here, root / MODEL)
+    here = Path(__file__).resolve().parents[1] / "models" / model
+    shutil.copytree(here, root / model)
     if device.startswith("cuda"):
-        toml = root / MODEL / "model.toml"
+        toml = root / model / "model.toml"
         toml.write_text(toml.read_text().replace('backend = "onnxruntime"', 'backend = "torch"'))
     for path in [root, *root.rglob("*")]:  # the server refuses a repository others can write
         path.chmod(path.stat().st_mode & 0o755)
@@ -249,18 +268,20 @@ def run(args: argparse.Namespace, res: dict, save: Callable[[], None]) -> None:
     work = Path(tempfile.mkdtemp(prefix="benchloop-"))
     log_dir = args.log_dir or work
     log_dir.mkdir(parents=True, exist_ok=True)
-    flagged, held = ((40, 40), (100, 200)) if args.quick else (FLAGGED, HELD)
+    model, profile = args.model, PROFILES[args.model]
+    flagged, held = ((40, 40), (100, 200)) if args.quick else (profile.flagged, profile.held)
     log("making the frames")
     with ProcessPoolExecutor(args.gen_workers) as pool:
         load_jpegs = [jpeg((label, 9000 + i, synthetic.TRAIN_PARAMS, (640, 480)))
                       for i, label in enumerate(synthetic.LABELS * 2)]
-        new = jpegs(pool, "scratch", SEEDS["flagged_new"], flagged[0], NEW_LOOK)
+        boxed = boxed_jpegs(pool, "scratch", SEEDS["flagged_new"], flagged[0], NEW_LOOK)
+        new = [body for body, _ in boxed]
         good = jpegs(pool, "ok", SEEDS["flagged_good"], flagged[1])
         held_new = jpegs(pool, "scratch", SEEDS["held_new"], held[0], NEW_LOOK)
         held_good = jpegs(pool, "ok", SEEDS["held_good"], held[1])
     res["frames"] = {"flagged_new": flagged[0], "flagged_good": flagged[1],
                      "held_new": held[0], "held_good": held[1], "size": "640x480"}
-    server = Server(repo_for(work / "repo", args.device), log_dir / "benchloop-server.log",
+    server = Server(repo_for(work / "repo", args.device, model), log_dir / "benchloop-server.log",
                     "--admin-token", token, "--records", "--records-dir", str(work / "data"),
                     "--capture", "learn", "--capture-sample-percent", "100",
                     "--model-control-mode", "explicit",
@@ -271,9 +292,9 @@ def run(args: argparse.Namespace, res: dict, save: Callable[[], None]) -> None:
                           headers={"Authorization": f"Bearer {token}"})
     load = None
     try:
-        steps = Steps(client, MODEL)
+        steps = Steps(client, model)
         log("saturation")
-        sat = saturation(server, MODEL, load_jpegs, args.processes, args.threads,
+        sat = saturation(server, model, load_jpegs, args.processes, args.threads,
                          args.saturation_s, None)
         res["saturation"] = sat
         rate = round(sat["throughput_per_s"] * args.load_fraction, 1)
@@ -281,29 +302,30 @@ def run(args: argparse.Namespace, res: dict, save: Callable[[], None]) -> None:
         log(f"saturation {sat['throughput_per_s']}/s; the load: {rate}/s")
 
         log("the new look on the line, flagged and labelled")
-        first = inspect_all(client, MODEL, new, "N") + inspect_all(client, MODEL, good, "G")
+        first = inspect_all(client, model, new, "N") + inspect_all(client, model, good, "G")
         res["flagged_escaped"] = 1 - ng_share([a["verdict"] for a in first[:flagged[0]]])
         recs = steps.records("N", "G", count=sum(flagged))
         for part, rec in recs.items():
-            if part.startswith("N-"):
-                steps.flag(rec["id"], "scratch", rec["verdict"] == "OK")
+            if part.startswith("N-"):  # "this OK was wrong: a scratch (here)"
+                steps.flag(rec["id"], boxed[int(part[2:])][1] if profile.boxes else "scratch",
+                           rec["verdict"] == "OK")
             else:
-                steps.label(rec["id"], "ok")
+                steps.label(rec["id"], [] if profile.boxes else "ok")
         res["labelled"] = len(recs)
         before = {"recall": ng_share([a["verdict"] for a in inspect_all(
-                      client, MODEL, held_new, "HN")]),
+                      client, model, held_new, "HN")]),
                   "false_reject_rate": ng_share([a["verdict"] for a in inspect_all(
-                      client, MODEL, held_good, "HG")])}
+                      client, model, held_good, "HG")])}
         res["before"] = before
         save()
 
-        load = PacedLoad(server.port, MODEL, load_jpegs, rate, args.processes, args.threads,
+        load = PacedLoad(server.port, model, load_jpegs, rate, args.processes, args.threads,
                          None, args.max_s)
         marks: dict[str, float] = {"baseline": time.monotonic()}
         time.sleep(args.baseline_s)
         marks["train"] = time.monotonic()
         log("training the candidate beside the load")
-        cid = steps.request(TRAIN if args.steps is None else {"steps": args.steps})
+        cid = steps.request(profile.train if args.steps is None else {"steps": args.steps})
         requested = time.monotonic()  # the labelled frames exported, the job queued
         trained = steps.trained(cid)
         marks["compare"] = time.monotonic()
@@ -351,9 +373,9 @@ def run(args: argparse.Namespace, res: dict, save: Callable[[], None]) -> None:
         res["p99_ratio_train"] = round(train_p99 / base_p99, 3) if base_p99 and train_p99 \
             else None
         res["after"] = {"recall": ng_share([a["verdict"] for a in inspect_all(
-                            client, MODEL, held_new, "AN")]),
+                            client, model, held_new, "AN")]),
                         "false_reject_rate": ng_share([a["verdict"] for a in inspect_all(
-                            client, MODEL, held_good, "AG")])}
+                            client, model, held_good, "AG")])}
         errors = sum(p["errors"] for p in res["phases"].values())
         res["conditions"] = {
             "no_errors": errors == 0,
@@ -375,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  epilog="See the module's docstring for the phases.")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model", default=MODEL, choices=sorted(PROFILES),
+                    help="the shipped model whose loop runs (:data:`PROFILES`)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--log-dir", type=Path, help="the server's log (default: a temporary folder)")
     ap.add_argument("--quick", action="store_true", help="fewer frames: a dry run")
@@ -393,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --load-fraction from 0 to 1, --baseline-s above 0, --shadow-s 0 or more",
               file=sys.stderr)
         return 2
-    res: dict[str, Any] = {"tool": "benchloop", "device": args.device,
+    res: dict[str, Any] = {"tool": "benchloop", "device": args.device, "model": args.model,
                            "date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:]}
 
     def save() -> None:

@@ -26,16 +26,16 @@ from tests.integration.test_loop_e2e import (BACKGROUND, MAX_FRR_RISE, NICE, Lin
                                              promote_and_send, shadow_frames, switched_once)
 from tests.integration.test_loop_promote import start
 from visionserve_tools import synthetic
-from visionserve_tools.benchloop import NEW_LOOK, SEEDS, Steps, boxed_jpegs, jpeg, jpegs
+from visionserve_tools.benchloop import (DETECTOR, NEW_LOOK, PROFILES, SEEDS, Steps, boxed_jpegs,
+                                         jpeg, jpegs)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
-DETECTOR = "defect-detector"
-#: frames flagged on the line: the new look (with its box), good parts (with none)
-FLAGGED = (250, 375)
-#: the candidate's request: the loop's fine-tune of every layer, lr 0.001, half original data
-TRAIN = {"steps": 400}
-#: the fixed-seed held-out sets: the new look, good parts
+#: frames flagged on the line (the new look with its box, good parts with none) and the
+#: candidate's request (the loop's fine-tune of every layer, lr 0.001, half original data): the
+#: benchmark's
+FLAGGED, TRAIN = PROFILES[DETECTOR].flagged, PROFILES[DETECTOR].train
+#: the fixed-seed held-out sets: the new look, good parts (the benchmark's are 500 and 1,000)
 HELD = (200, 400)
 MIN_RECALL = 0.9
 

@@ -15,16 +15,18 @@ from tests.tooling.toolrun import run_tool
 pytestmark = pytest.mark.slow
 
 
-def test_cpu_dry_run_of_the_loop_benchmark(tmp_path):
+@pytest.mark.parametrize("model", ["defect-classifier", "defect-detector"])
+def test_cpu_dry_run_of_the_loop_benchmark(tmp_path, model):
     out = tmp_path / "loop.json"
-    rc, output = run_tool("benchloop", "--device", "cpu", "--quick", "--steps", "4",
+    rc, output = run_tool("benchloop", "--model", model, "--device", "cpu", "--quick",
+                          "--steps", "4",
                           "--processes", "1", "--threads", "2", "--saturation-s", "2",
                           "--baseline-s", "2", "--shadow-s", "1", "--gen-workers", "2",
                           "--out", str(out), "--log-dir", str(tmp_path), timeout=280)
     assert rc == 0, output[-4000:]
     res = json.loads(out.read_text())
     assert "error" not in res, res["error"]
-    assert res["labelled"] == 80 and res["load"]["rate_per_s"] > 0
+    assert res["labelled"] == 80 and res["load"]["rate_per_s"] > 0 and res["model"] == model
     assert set(res["phases"]) == {"baseline", "train", "compare", "shadow", "promote", "after"}
     for name in ("baseline", "train"):
         ph = res["phases"][name]

@@ -25,7 +25,8 @@ from .. import imaging, tasks
 from ..backends.base import create, model_file
 from ..backends.checks import Subject
 from ..config import InputSpec, ModelConfig, load_model_config
-from ..tasks.classification import ClassificationConfig
+from ..tasks.anomaly import Anomaly
+from ..tasks.classification import ClassificationConfig, Classified
 from ..tasks.detection import Detected
 from .candidates import read_json, write_json
 
@@ -49,7 +50,6 @@ class Judge:
         self.step = max(1, config.batching.max_batch_size)
         self.task = tasks.create(config)
         self.backend.select_outputs(self.task.bind(Subject(path), self.backend.outputs))
-        self.classifier = isinstance(config, ClassificationConfig)
 
     def __call__(self, batch: np.ndarray,
                  sizes: list[tuple[int, int]] | None = None) -> list[dict[str, Any]]:
@@ -64,13 +64,14 @@ class Judge:
         return out
 
     def _row(self, verdict: str, result: Any) -> dict[str, Any]:
+        judged = label_score(verdict, result)
+        assert judged is not None  # a judged task's result: :func:`ok_labels` let it load
+        label, score = judged
+        row: dict[str, Any] = {"verdict": verdict, "label": label, "score": round(score, 6)}
         if isinstance(result, Detected):
-            return {"verdict": verdict, "label": frame_label(verdict),
-                    "score": round(max((d.score for d in result.detections), default=0.0), 6),
-                    "boxes": [{"label": d.label, "score": round(d.score, 4),
-                               "box": [round(v, 1) for v in d.box]} for d in result.detections]}
-        return {"verdict": verdict, "label": result.label if self.classifier
-                else frame_label(verdict), "score": round(result.score, 6)}
+            row["boxes"] = [{"label": d.label, "score": round(d.score, 4),
+                             "box": [round(v, 1) for v in d.box]} for d in result.detections]
+        return row
 
     def close(self) -> None:
         self.backend.close()
@@ -80,6 +81,19 @@ def frame_label(verdict: str) -> str:
     """An anomaly model's or a detector's verdict as the label of its frame (the labels an
     anomaly model's frames are given; a detector's frame is ``defective`` where it has boxes)."""
     return "defective" if verdict == "NG" else "good"
+
+
+def label_score(verdict: str, result: Any) -> tuple[str, float] | None:
+    """A judged frame's label and score: a classifier's own; an anomaly model's or a detector's
+    :func:`frame_label` with its normalised score or its best box's; None for another task's
+    result."""
+    if isinstance(result, Classified):
+        return result.label, result.score
+    if isinstance(result, Anomaly):
+        return frame_label(verdict), result.score
+    if isinstance(result, Detected):
+        return frame_label(verdict), max((d.score for d in result.detections), default=0.0)
+    return None
 
 
 def judge(config: ModelConfig, folder: Path, batch: np.ndarray,

@@ -46,10 +46,7 @@ from ..errors import Conflict, InvalidInput, NotFound, VisionServeError
 from ..logs import current_request_id
 from ..records.record import iso
 from ..records.store import RecordQuery, RecordStore
-from ..tasks.anomaly import Anomaly
-from ..tasks.classification import Classified
-from ..tasks.detection import Detected
-from .evaluate import JUDGED, Judge, frame_label, ok_labels, tensor
+from .evaluate import JUDGED, Judge, label_score, ok_labels, tensor
 
 #: answered frames waiting for the child, at most: beyond them a frame is dropped
 QUEUE_FRAMES = 8
@@ -120,15 +117,10 @@ class ShadowTap:
         if self.closed or future.cancelled() or future.exception() is not None:
             return
         r = future.result()
-        if isinstance(r.result, Classified):
-            label, score = r.result.label, r.result.score
-        elif isinstance(r.result, Anomaly):
-            label, score = frame_label(r.verdict), r.result.score
-        elif isinstance(r.result, Detected):
-            label = frame_label(r.verdict)
-            score = max((d.score for d in r.result.detections), default=0.0)
-        else:
+        judged = label_score(r.verdict, r.result)
+        if judged is None:
             return  # the model was reloaded as another task: nothing to compare
+        label, score = judged
         if self.queue.full():  # the child is behind: give way
             self.dropped += 1
             return

@@ -121,10 +121,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         hostile_timeout_s=60.0,
         budget=args.gpu_memory_budget if cuda else None,
         load_fraction=args.load_fraction, rate=args.rate,
-        # the shipped model's 200 ms takt would count a shared CPU box's scheduler hiccups as
-        # errors; the bench model on cuda keeps its own (5 s)
-        deadline_ms=args.deadline_ms if args.deadline_ms is not None
-        else (None if cuda else 1000.0),
+        deadline_ms=paced_deadline_ms(args.deadline_ms, cuda),
         processes=args.processes or min(8, max(2, (os.cpu_count() or 8) // 2)),
         # senders per client process: enough that a second-long stall does not run out of them
         # (then the send lag is the client's, not a queue behind slow answers)
@@ -299,6 +296,16 @@ class PacedLoad:
 
 def _q(sorted_values: list[float], f: float) -> float:
     return round(sorted_values[min(len(sorted_values) - 1, int(f * len(sorted_values)))], 3)
+
+
+def paced_deadline_ms(asked: float | None, cuda: bool) -> float | None:
+    """The paced requests' ``X-Deadline-Ms``: ``asked``, or on cuda the model's own (None), on
+    the CPU 1000 ms: a shipped model's 200 ms takt would count a shared CPU box's scheduler
+    hiccups as errors."""
+    return asked if asked is not None else (None if cuda else CPU_DEADLINE_MS)
+
+
+CPU_DEADLINE_MS = 1000.0
 
 
 def phase_stats(records: list[tuple], a: float, b: float) -> dict:
@@ -773,7 +780,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--processes", type=int, default=None, help="client processes")
     ap.add_argument("--deadline-ms", type=float, default=None,
                     help="X-Deadline-Ms of the paced requests (default: the model's takt on cuda, "
-                         "1000 on cpu)")
+                         f"{CPU_DEADLINE_MS:g} on cpu)")
     ap.add_argument("--gpu-memory-budget", default="8GiB", help="the server's budget (cuda)")
     ap.add_argument("--train-gpu-mem", default="6GiB", help="the training job's declared need")
     ap.add_argument("--train-args", default=None, help="train.py options (one string)")

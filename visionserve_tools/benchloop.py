@@ -14,7 +14,8 @@ version, and what the loop's training costs the live answers.
    parts, the profile's ``flagged`` of each, and labels them through the API ("scratch" with
    "this OK was wrong" where the line passed it, "ok"; a detector's: the scratch's box, none).
 3. Starts the open-loop paced load at ``--load-fraction`` of saturation
-   (:class:`.benchguard.PacedLoad`) and measures ``--baseline-s`` of it alone.
+   (:class:`.benchguard.PacedLoad`; its deadline: ``--deadline-ms``, by default the model's takt
+   on cuda and 1000 ms on the CPU) and measures ``--baseline-s`` of it alone.
 4. Runs the loop's steps beside that load, each through the API as a user would: the candidate
    (the profile's ``train``: the loop's fine-tune, a guard job on the server's device), the
    comparison on the held-out labelled frames, ``--shadow-s`` of shadow on live frames, the
@@ -262,7 +263,7 @@ def run(args: argparse.Namespace, res: dict, save: Callable[[], None]) -> None:
     import httpx
 
     from .benchgpu import Server, saturation
-    from .benchguard import PacedLoad, phase_stats
+    from .benchguard import PacedLoad, paced_deadline_ms, phase_stats
 
     token = "benchloop-admin-token-0123456789"
     work = Path(tempfile.mkdtemp(prefix="benchloop-"))
@@ -319,8 +320,10 @@ def run(args: argparse.Namespace, res: dict, save: Callable[[], None]) -> None:
         res["before"] = before
         save()
 
+        deadline_ms = paced_deadline_ms(args.deadline_ms, args.device.startswith("cuda"))
+        res["load"]["deadline_ms"] = deadline_ms
         load = PacedLoad(server.port, model, load_jpegs, rate, args.processes, args.threads,
-                         None, args.max_s)
+                         deadline_ms, args.max_s)
         marks: dict[str, float] = {"baseline": time.monotonic()}
         time.sleep(args.baseline_s)
         marks["train"] = time.monotonic()
@@ -411,6 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=8, help="senders per client process")
     ap.add_argument("--gen-workers", type=int, default=4, help="processes making the frames")
     ap.add_argument("--gpu-memory-budget", default="4GiB", help="the server's, on a GPU")
+    ap.add_argument("--deadline-ms", type=float, default=None,
+                    help="X-Deadline-Ms of the paced load (default: the model's takt on cuda, "
+                         "1000 on cpu)")
     ap.add_argument("--max-s", type=float, default=1800.0, help="the paced load's longest run")
     args = ap.parse_args(argv)
     if not 0 < args.load_fraction < 1 or args.baseline_s <= 0 or args.shadow_s < 0:

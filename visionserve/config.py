@@ -783,6 +783,11 @@ class ServerSettings(BaseSettings):
         description="Captured images waiting to be written; past it images are dropped and "
                     "counted, inference never waits.",
         json_schema_extra=_RECORDS)
+    capture_recent: str = Field(
+        "256MiB", description="Frames the capture policy did not keep, held in memory (the "
+                              "newest, up to this size) so that a flag still captures one "
+                              "(POST /v1/records/{id}/flag: an escape); 0: none.",
+        json_schema_extra=_RECORDS)
     preview_frames: int = Field(
         200, ge=0, le=100_000,
         description="Last answered frames kept per model (ids and outputs, no images) for the "
@@ -814,7 +819,7 @@ class ServerSettings(BaseSettings):
             raise ValueError(f"--camera names {', '.join(twice)} more than once")
         return v
 
-    @field_validator("guard_margin", "records_max_bytes", "capture_quota")
+    @field_validator("guard_margin", "records_max_bytes", "capture_quota", "capture_recent")
     @classmethod
     def _margin(cls, v: str) -> str:
         parse_bytes(v)

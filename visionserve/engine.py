@@ -92,6 +92,9 @@ class Engine(ModelLookup):
         self.camera_service: Cameras | None = None
         #: where a station trigger's part result goes: the PLC result bus while PLC servers run
         self.part_results: PartResults | None = None
+        #: captures a flagged record's frame from the recent ones in memory: the record writer's
+        #: (visionserve.records.writer.Recorder.capture_recent) while it runs
+        self.recent_capture: Callable[[int], str | None] | None = None
 
     # --- state, start and shutdown ------------------------------------------------------------
 
@@ -385,6 +388,16 @@ class Engine(ModelLookup):
 
     async def camera_states(self) -> list[dict]:
         return [] if self.camera_service is None else self.camera_service.states()
+
+    # --- records: a flag's frame, visionserve.records ----------------------------------------
+
+    async def capture_recent(self, record_id: int) -> str | None:
+        """Capture the frame of record ``record_id`` (written without an image) from the recent
+        frames this process keeps: where its image is stored, or None (no longer kept, or the
+        server keeps none)."""
+        if self.recent_capture is None:
+            return None
+        return await asyncio.to_thread(self.recent_capture, record_id)
 
     def tap(self, listener: ResultTap) -> None:
         """Hand every frame's final answer to ``listener`` from now on (``Admission.tap``)."""

@@ -6,13 +6,17 @@ version, and what the loop's training costs the live answers.
     python -m visionserve_tools.benchloop --model defect-detector --out loop-det.json
 
 1. Starts ``visionserve serve --guard --records --capture learn --model-control-mode explicit``
-   with the shipped classifier, or with ``--model defect-detector`` the shipped detector (cuda:
-   its ``model.pt2`` on the torch backend, and ``--gpu-memory-budget``) and measures its
-   saturation (closed loop, JPEGs of 640x480). Each model's frames and request are its
-   :data:`PROFILES` entry: a detector's flagged frames are labelled with their boxes.
+   (a plant's capture: NG, uncertain and 1 % of OK frames kept; the others stay among the
+   recent frames in memory, ``--capture-recent``, for a flag) with the shipped classifier, or
+   with ``--model defect-detector`` the shipped detector (cuda: its ``model.pt2`` on the torch
+   backend, and ``--gpu-memory-budget``) and measures its
+   saturation (closed loop, JPEGs of 640x480, :data:`LOAD_MIX`: a line's parts, one in ten
+   with a defect). Each model's frames and request are its :data:`PROFILES` entry: a
+   detector's flagged frames are labelled with their boxes.
 2. Sends the new look of a scratch (:data:`NEW_LOOK`, which the shipped model passes) and good
    parts, the profile's ``flagged`` of each, and labels them through the API ("scratch" with
-   "this OK was wrong" where the line passed it, "ok"; a detector's: the scratch's box, none).
+   "this OK was wrong" where the line passed it, "ok"; a detector's: the scratch's box, none):
+   the frames not captured are captured by their flag or label, from the recent frames.
 3. Starts the open-loop paced load at ``--load-fraction`` of saturation
    (:class:`.benchguard.PacedLoad`; its deadline: ``--deadline-ms``, by default the model's takt
    on cuda and 1000 ms on the CPU) and measures ``--baseline-s`` of it alone.
@@ -76,6 +80,8 @@ class Profile:
 
 PROFILES = {MODEL: Profile(FLAGGED, TRAIN, HELD),
             DETECTOR: Profile((250, 375), {"steps": 400}, HELD, boxes=True)}
+#: the paced load's frames: good parts and, one in ten, a part with a defect of each kind
+LOAD_MIX = ("ok",) * 36 + tuple(synthetic.LABELS[1:])
 #: the first seed of each set of frames
 SEEDS = {"flagged_new": 3_000_000, "flagged_good": 4_000_000, "held_new": 1_000_000,
          "held_good": 2_000_000}
@@ -133,16 +139,18 @@ class Steps:
                                  f"{r.text[:500]}")
         return r.json()
 
-    def records(self, *prefixes: str, count: int | None = None,
-                timeout: float = 60) -> dict[str, dict]:
-        """The model's captured records of parts ``<prefix>-*``, by part id (every page); with
-        ``count``, once that many are there (the records are written apart from the answers)."""
+    def records(self, *prefixes: str, count: int | None = None, timeout: float = 60,
+                captured: bool = True) -> dict[str, dict]:
+        """The model's records of parts ``<prefix>-*`` (``captured``: only those with an image),
+        by part id (every page); with ``count``, once that many are there (the records are
+        written apart from the answers)."""
         deadline = time.monotonic() + timeout
         while True:
             out: dict[str, dict] = {}
             before = None
             while True:
-                params = {"limit": 500, "model": self.model, "captured": "true",
+                params = {"limit": 500, "model": self.model,
+                          **({"captured": "true"} if captured else {}),
                           **({"before": before} if before else {})}
                 page = self.ok(self.client.get("/v1/records", params=params))
                 out.update({r["part_id"]: r for r in page["records"]
@@ -274,7 +282,7 @@ def run(args: argparse.Namespace, res: dict, save: Callable[[], None]) -> None:
     log("making the frames")
     with ProcessPoolExecutor(args.gen_workers) as pool:
         load_jpegs = [jpeg((label, 9000 + i, synthetic.TRAIN_PARAMS, (640, 480)))
-                      for i, label in enumerate(synthetic.LABELS * 2)]
+                      for i, label in enumerate(LOAD_MIX)]
         boxed = boxed_jpegs(pool, "scratch", SEEDS["flagged_new"], flagged[0], NEW_LOOK)
         new = [body for body, _ in boxed]
         good = jpegs(pool, "ok", SEEDS["flagged_good"], flagged[1])
@@ -284,7 +292,7 @@ def run(args: argparse.Namespace, res: dict, save: Callable[[], None]) -> None:
                      "held_new": held[0], "held_good": held[1], "size": "640x480"}
     server = Server(repo_for(work / "repo", args.device, model), log_dir / "benchloop-server.log",
                     "--admin-token", token, "--records", "--records-dir", str(work / "data"),
-                    "--capture", "learn", "--capture-sample-percent", "100",
+                    "--capture", "learn",
                     "--model-control-mode", "explicit",
                     "--guard", "--guard-db", str(work / "guard.sqlite"),
                     *(("--gpu-memory-budget", args.gpu_memory_budget)
@@ -305,7 +313,7 @@ def run(args: argparse.Namespace, res: dict, save: Callable[[], None]) -> None:
         log("the new look on the line, flagged and labelled")
         first = inspect_all(client, model, new, "N") + inspect_all(client, model, good, "G")
         res["flagged_escaped"] = 1 - ng_share([a["verdict"] for a in first[:flagged[0]]])
-        recs = steps.records("N", "G", count=sum(flagged))
+        recs = steps.records("N", "G", count=sum(flagged), captured=False)
         for part, rec in recs.items():
             if part.startswith("N-"):  # "this OK was wrong: a scratch (here)"
                 steps.flag(rec["id"], boxed[int(part[2:])][1] if profile.boxes else "scratch",
@@ -313,6 +321,8 @@ def run(args: argparse.Namespace, res: dict, save: Callable[[], None]) -> None:
             else:
                 steps.label(rec["id"], [] if profile.boxes else "ok")
         res["labelled"] = len(recs)
+        # of them, captured by their flag or label from the recent frames in memory
+        res["captured_by_label"] = sum(r["image"] is None for r in recs.values())
         before = {"recall": ng_share([a["verdict"] for a in inspect_all(
                       client, model, held_new, "HN")]),
                   "false_reject_rate": ng_share([a["verdict"] for a in inspect_all(

@@ -26,6 +26,7 @@ import pytest
 from conftest import REPO, free_port, wait_for
 
 from tests.tools.disks import mount_disk
+from visionserve.records.recent import SAME_TIME_S
 from visionserve.records.record import Record
 from visionserve.records.store import PostgresStore, RecordQuery, StoreFault
 
@@ -214,6 +215,18 @@ def test_postgres_store_lists_by_filter_a_page_at_a_time(postgres_url):
     assert captured and all(r.image and r.model == "m0" for _, r in captured)
     row_id, record = captured[0]
     assert store.record(row_id) == record and store.record(10**12) is None
+    # a frame captured later (a flag's, from the recent frames): found again by its time
+    not_kept = [(i, r) for i, r in store.listing(RecordQuery(model="m0", since=base - 1))
+                if r.image is None]
+    assert not_kept
+    later_id, later = not_kept[0]
+    sent = rows[int(later.request_id.split("-")[1])]
+    assert abs(later.time - sent.time) <= SAME_TIME_S
+    store.set_image(later_id, "2026/flagged.jpg", "flagged")
+    store.set_image(row_id, "2026/other.jpg", "flagged")  # has one: keeps it
+    assert (store.record(later_id).image, store.record(later_id).kept_for) == \
+        ("2026/flagged.jpg", "flagged")
+    assert store.record(row_id).image == record.image
     store.close()
 
 

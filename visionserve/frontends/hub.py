@@ -28,8 +28,8 @@ Messages (tuples) a front end sends:
   ``("live_dropped", n)``: its streams lost ``n`` events (a slow browser), for the metrics.
   ``("repository", rid, call, args)``: ``call`` one of ``repository_index``, ``load_model``,
   ``unload_model``, ``reload_model``, ``trigger`` (a camera's or station's, with (target, part
-  id, station)) and
-  ``camera_states`` of the engine, with ``args``; a swap sends every front end the models before
+  id, station)), ``camera_states`` and ``capture_recent`` (a flagged record's frame, with
+  (record id,)) of the engine, with ``args``; a swap sends every front end the models before
   any frame reaches the new versions (``Engine.on_change``).
   ``("preview", rid, model, changes)``: what a ``[verdict]`` change would make of the model's
   last answered frames (``Engine.preview_verdict``); nothing changes.
@@ -79,7 +79,7 @@ HEARTBEAT_S = 0.2
 #: the engine's calls a front end may make with a "repository" message (and the preview's, and
 #: the cameras', which live in this process)
 REPOSITORY_CALLS = ("repository_index", "load_model", "unload_model", "reload_model",
-                    "preview_verdict", "trigger", "camera_states")
+                    "preview_verdict", "trigger", "camera_states", "capture_recent")
 
 
 class Link:

@@ -341,6 +341,11 @@ class RemoteEngine(ModelLookup):
         fut, _ = self._call("repository", "trigger", (target, part_id, station))
         return await fut
 
+    async def capture_recent(self, record_id: int) -> str | None:
+        """Asked of the engine process, which keeps the recent frames."""
+        fut, _ = self._call("repository", "capture_recent", (record_id,))
+        return await fut
+
     async def camera_states(self) -> list[dict]:
         fut, _ = self._call("repository", "camera_states", ())
         return await fut

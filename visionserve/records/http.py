@@ -28,7 +28,9 @@ Labels (docs/closed-loop.md), for a captured frame, by a user of role quality or
 
 A label is checked against the model's labels (:mod:`.labels`: 400 with what is wrong), kept in
 the store's ``labels`` table (the latest in force, every one kept) and is an audit entry. A
-record without a captured image is a 409: there is nothing to learn from.
+record without a captured image gets it from the recent frames the server keeps in memory
+(``--capture-recent``: an escape flagged a while after it passed), else it is a 409: there is
+nothing to learn from.
 
 The store is read in a worker thread with its own connection: the event loop never waits
 for it, and the writer is never held up.
@@ -36,6 +38,7 @@ for it, and the writer is never held up.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
@@ -150,20 +153,31 @@ class Labeller:
                            "against its model.toml")
         return labelling.scheme_of(model, entry.config)
 
-    def captured(self, record_id: str) -> tuple[int, Record]:
-        """(a worker thread) the record of a captured frame; NotFound, or Conflict where its
-        frame was not captured."""
+    def read(self, record_id: str) -> tuple[int, Record]:
+        """(a worker thread) the record; NotFound."""
         row_id = parse_id(record_id)
         record = self.store.record(row_id)
         if record is None:
             raise NotFound(f"no record {row_id} (records are kept for records_max_age_days)")
+        return row_id, record
+
+    async def captured(self, request: Request, record_id: str) -> tuple[int, Record]:
+        """The record of a captured frame, captured now where its frame is among the recent
+        frames in memory; NotFound, or Conflict where there is no frame to label."""
+        row_id, record = await run_in_threadpool(self.read, record_id)
+        if record.image is None and record.verdict in ("OK", "NG"):
+            image = await engine_of(request).capture_recent(row_id)
+            if image is not None:
+                record = dataclasses.replace(record, image=image, kept_for="flagged")
         if record.image is None:
-            raise Conflict(f"record {row_id}: its frame was not captured, so there is nothing to "
-                           "label; capture the frames to learn from with --capture learn")
+            raise Conflict(f"record {row_id}: its frame was not captured and is no longer among "
+                           "the recent frames in memory, so there is nothing to label; capture "
+                           "the frames to learn from with --capture learn (--capture-recent "
+                           "keeps the newest others a while)")
         return row_id, record
 
     async def label(self, request: Request, record_id: str, source: str) -> JSONResponse:
-        row_id, record = await run_in_threadpool(self.captured, record_id)
+        row_id, record = await self.captured(request, record_id)
         scheme = self.scheme(request, record.model)
         body = await read_json_object(request, MAX_LABEL_BODY,
                                       f" such as {labelling.example(scheme)}")

@@ -13,8 +13,9 @@ from typing import Any
 #: passed; ERROR: refused or failed, ``error`` says why)
 VERDICTS = ("OK", "NG", "LATE", "ERROR")
 #: why a frame's image was kept (``kept_for``): its verdict was NG, its score lay within the
-#: capture band of the threshold, it fell in the OK sample, or every frame is kept
-KEPT_FOR = ("ng", "uncertain", "sample", "all")
+#: capture band of the threshold, it fell in the OK sample, every frame is kept, or an operator
+#: flagged it while it was among the recent frames in memory (``--capture-recent``)
+KEPT_FOR = ("ng", "uncertain", "sample", "all", "flagged")
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,7 +44,8 @@ def make_recorder(settings: ServerSettings) -> Recorder:
     return Recorder(store, max_age_s=settings.records_max_age_days * DAY_S,
                     max_bytes=parse_bytes(settings.records_max_bytes),
                     queue_size=settings.records_queue, policy=policy, target=target,
-                    capture_queue=settings.capture_queue)
+                    capture_queue=settings.capture_queue,
+                    recent_bytes=parse_bytes(settings.capture_recent))
 
 
 @contextlib.asynccontextmanager
@@ -62,6 +63,7 @@ async def records_running(engine, settings: ServerSettings):
         return
     recorder.start()
     engine.tap(recorder)
+    engine.recent_capture = recorder.capture_recent
     log.info("records: every answered frame to %s%s", recorder.store.where,
              f"; capture {settings.capture} to {recorder.target.where}"
              if recorder.target is not None else "")
@@ -69,6 +71,7 @@ async def records_running(engine, settings: ServerSettings):
         yield 0
     finally:
         engine.untap(recorder)
+        engine.recent_capture = None
         import asyncio
 
         # what is queued is stored within the drain time; what is not is counted and logged

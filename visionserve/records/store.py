@@ -167,6 +167,11 @@ class RecordStore(ABC):
         """The record's labels, newest (the one in force) first."""
 
     @abstractmethod
+    def set_image(self, record_id: int, image: str, kept_for: str) -> None:
+        """Name the image of a record written without one (a frame captured later, for a flag);
+        a record that has an image keeps it (from any thread: a connection of its own)."""
+
+    @abstractmethod
     def review(self, query: ReviewQuery) -> list[tuple[int, Record, Label | None]]:
         """A page of the review queue: (id, record, its label in force or None)."""
 
@@ -506,24 +511,32 @@ class SqliteStore(RecordStore):
     def add_label(self, record_id: int, label: dict[str, Any], by: str, source: str,
                   now: float | None = None) -> Label:
         kept = Label(record_id, label, by, time.time() if now is None else now, source)
+        self._apart("INSERT INTO labels (record_id, label, labelled_by, time, source) VALUES "
+                    "(?, ?, ?, ?, ?)", (record_id, json.dumps(label), by, kept.time, source))
+        return kept
+
+    def _apart(self, sql: str, args: tuple) -> None:
+        """One statement on a connection of its own (any thread; the table made where no record
+        was written yet); StoreFault when the file or the disk refuses."""
         try:
-            c = self._open()  # the table made where no record was written yet
+            c = self._open()
             try:
-                c.execute("INSERT INTO labels (record_id, label, labelled_by, time, source) "
-                          "VALUES (?, ?, ?, ?, ?)", (record_id, json.dumps(label), by,
-                                                     kept.time, source))
+                c.execute(sql, args)
             finally:
                 c.close()
         except sqlite3.Error as exc:
             if not sqlite_fault(exc):
                 raise
             raise StoreFault(self.where, exc) from exc
-        return kept
 
     def labels(self, record_id: int) -> list[Label]:
         rows = self._read("SELECT record_id, label, labelled_by, time, source FROM labels "
                           "WHERE record_id = ? ORDER BY id DESC", (record_id,))
         return [Label.from_row(r) for r in rows]
+
+    def set_image(self, record_id: int, image: str, kept_for: str) -> None:
+        self._apart("UPDATE records SET image = ?, kept_for = ? WHERE id = ? AND image IS NULL",
+                    (image, kept_for, record_id))
 
     def review(self, query: ReviewQuery) -> list[tuple[int, Record, Label | None]]:
         return _labelled_rows(self._read(*_review_sql(
@@ -728,6 +741,17 @@ class PostgresStore(RecordStore):
         rows = self._read(f"SELECT {_PG_LABEL_COLUMNS} FROM {_PG_LABELS} WHERE record_id = %s "
                           "ORDER BY id DESC", (record_id,))
         return [Label.from_row(r) for r in rows]
+
+    def set_image(self, record_id: int, image: str, kept_for: str) -> None:
+        c = self._schema()
+        try:
+            with c.transaction():
+                c.execute(f"UPDATE {_PG_TABLE} SET image = %s, kept_for = %s WHERE id = %s AND "
+                          "image IS NULL", (image, kept_for, record_id))
+        except self.psycopg.Error as exc:
+            raise StoreFault(self.where, _first_line(exc)) from exc
+        finally:
+            c.close()
 
     def review(self, query: ReviewQuery) -> list[tuple[int, Record, Label | None]]:
         return _labelled_rows(self._read(*_review_sql(

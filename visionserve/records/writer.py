@@ -23,6 +23,11 @@ thread, so a slow bucket or disk never holds up the other records. That thread s
 first and then hands the record on to the writer, naming the image only if it was stored: a
 record never points at an image that is not there.
 
+With ``recent`` (:mod:`.recent`), the frames the policy did not keep stay in memory a while:
+:meth:`Recorder.capture_recent` (an operator's flag) hands one to the capture thread, which stores
+its image as any other, and then names it in the record already written (``kept_for``
+``flagged``).
+
 At :meth:`Recorder.close` (shutdown) both threads store what is queued within the given time
 (images get the first half of it; after that, records go on without their image); every record
 that could not be stored is counted (``reason="shutdown"``) and one line says how many.
@@ -30,6 +35,7 @@ that could not be stored is counted (``reason="shutdown"``) and one line says ho
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -42,9 +48,11 @@ from typing import Any
 
 from .. import imaging
 from ..dataplane import Origin
+from ..errors import Unavailable
 from ..logs import current_request_id
 from . import metrics
 from .capture import FolderTarget, NoRoom, Policy, S3Target, image_bytes, image_key, sidecar
+from .recent import Recent, RecentFrames
 from .record import Record
 from .store import RecordStore, StoreFault
 
@@ -68,12 +76,26 @@ STUCK_GRACE_S = 6.0
 FORWARD_WAIT_S = 1.0
 #: the capture thread's idle poll (when it uploads spooled images)
 IDLE_S = 1.0
+#: how long a flag waits for its recent frame's image to be stored
+FLAG_WAIT_S = 30.0
 
 #: put into the queues at close: wakes a thread that waits on them
 _WAKE = object()
 _NO_ORIGIN = Origin()
 #: an answer's (frame, why it is kept) when its image is not captured
 _NOT_KEPT = (None, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Flagged:
+    """A recent frame to capture for a flag (:meth:`Recorder.capture_recent`); ``done``: where
+    its image was stored, or None."""
+
+    record: Record
+    recent: Recent
+    drawing: Callable[[], dict]
+    done: concurrent.futures.Future = dataclasses.field(
+        default_factory=concurrent.futures.Future)
 
 
 class Recorder:
@@ -83,7 +105,7 @@ class Recorder:
     def __init__(self, store: RecordStore, *, max_age_s: float, max_bytes: int,
                  queue_size: int = 10_000, policy: Policy | None = None,
                  target: FolderTarget | S3Target | None = None, capture_queue: int = 256,
-                 retain_every_s: float = RETAIN_EVERY_S) -> None:
+                 retain_every_s: float = RETAIN_EVERY_S, recent_bytes: int = 0) -> None:
         self.store = store
         self.max_age_s, self.max_bytes = max_age_s, max_bytes
         self.retain_every_s = retain_every_s
@@ -92,6 +114,9 @@ class Recorder:
         self.policy = policy if policy is not None and policy.active and target else None
         self.target = target if self.policy is not None else None
         self._captures: queue.Queue = queue.Queue(maxsize=capture_queue)
+        #: the frames not captured, a while (with a capture policy and ``recent_bytes``)
+        self.recent = RecentFrames(recent_bytes) if self.policy is not None and recent_bytes \
+            else None
         self._put = self._queue.put_nowait
         self._threads: list[threading.Thread] = []
         #: the store's refusal while it lasts (doctor and tests read it)
@@ -190,6 +215,10 @@ class Recorder:
                 # that space for as long as it waits in the capture queue
                 frame = imaging.owned(item.payload)
                 item.captured = True  # the live feed, tapped after the records, says so
+            elif self.recent is not None:
+                self.recent.add(served.name, rid, index,
+                                Recent(wall, origin[0] if origin else None,
+                                       imaging.owned(item.payload), served.task, r.result))
         self._offer((wall, served, origin, rid, index, r, exc, now - item.arrival,
                      (frame, kept_for)))
 
@@ -445,6 +474,10 @@ class Recorder:
                     continue
                 if item is _WAKE:
                     continue
+                if isinstance(item, _Flagged):
+                    item.done.set_result(self._put_image(item.record, item.recent.frame,
+                                                         item.drawing, "flagged"))
+                    continue
                 record, frame, drawing = item
                 self._store_image(record, frame, drawing,
                                   time.monotonic() < self._capture_deadline)
@@ -455,7 +488,9 @@ class Recorder:
                     item = self._captures.get_nowait()
                 except queue.Empty:
                     break
-                if item is not _WAKE:
+                if isinstance(item, _Flagged):
+                    item.done.set_result(None)
+                elif item is not _WAKE:
                     record, frame, drawing = item
                     self._store_image(record, frame, drawing, keep=False)
         finally:
@@ -465,25 +500,12 @@ class Recorder:
                      keep: bool) -> None:
         """Store the image (``keep``) and hand its record to the writer, naming the image only
         if it is stored."""
-        assert self.target is not None and self.policy is not None
+        assert self.policy is not None
         image = None
         if not keep:
             metrics.CAPTURE_DROPPED.labels("shutdown").inc()
         else:
-            key = "?"
-            try:
-                key = image_key(record, frame.kind)
-                kept = dataclasses.replace(record, image=self.target.location(key))
-                image = self.target.put(key, image_bytes(frame),
-                                        sidecar(kept, self._drawing(drawing, record)))
-            except NoRoom as exc:
-                metrics.CAPTURE_DROPPED.labels("no_room").inc()
-                self._capture_failed(key, exc)
-            except Exception as exc:  # noqa: BLE001 - a full or gone target must not stop capture
-                metrics.CAPTURE_DROPPED.labels("error").inc()
-                self._capture_failed(key, exc)
-            else:
-                metrics.CAPTURED.labels(self.policy.mode).inc()
+            image = self._put_image(record, frame, drawing, self.policy.mode)
         try:
             # a record says why its image was kept only where it was
             self._queue.put(dataclasses.replace(
@@ -491,6 +513,66 @@ class Recorder:
                 timeout=FORWARD_WAIT_S)
         except queue.Full:
             self._lose(1, "queue_full")
+
+    def _put_image(self, record: Record, frame: Any, drawing: Callable[[], dict],
+                   why: str) -> str | None:
+        """(the capture thread) the frame's image and sidecar stored: where, or None (counted
+        and logged); ``why``: the metric's label (the policy, or ``flagged``)."""
+        assert self.target is not None
+        key = "?"
+        try:
+            key = image_key(record, frame.kind)
+            kept = dataclasses.replace(record, image=self.target.location(key))
+            image = self.target.put(key, image_bytes(frame),
+                                    sidecar(kept, self._drawing(drawing, record)))
+        except NoRoom as exc:
+            metrics.CAPTURE_DROPPED.labels("no_room").inc()
+            self._capture_failed(key, exc)
+            return None
+        except Exception as exc:  # noqa: BLE001 - a full or gone target must not stop capture
+            metrics.CAPTURE_DROPPED.labels("error").inc()
+            self._capture_failed(key, exc)
+            return None
+        metrics.CAPTURED.labels(why).inc()
+        return image
+
+    # --- a flag's frame from the recent ones (a worker thread of the server) ------------------
+
+    def capture_recent(self, row_id: int, timeout_s: float = FLAG_WAIT_S) -> str | None:
+        """Capture the frame of the store's record ``row_id``, written without an image, from
+        the recent frames: its image stored by the capture thread and named in the record
+        (``kept_for`` ``flagged``). Where (a record with an image: that one), or None: no
+        longer in memory, or not stored; Unavailable while the capture writer is behind or
+        closed."""
+        record = self.store.record(row_id)
+        if record is None or record.image is not None:
+            return None if record is None else record.image
+        if self.recent is None:
+            return None
+        recent = self.recent.take(record.model, record.request_id, record.frame_index,
+                                  record.part_id, record.time)
+        if recent is None:
+            return None
+        size = (recent.frame.width, recent.frame.height)
+        flagged = _Flagged(dataclasses.replace(record, kept_for="flagged"), recent,
+                           partial(recent.task.capture_fields, recent.result, size))
+        behind = Unavailable(f"record {row_id}: the capture writer is behind; its frame is "
+                             "kept a while: flag it again", retry_after_s=2.0)
+        with self._capture_lock:
+            if self._capture_closed:
+                raise Unavailable.shutting_down()
+            try:
+                self._captures.put_nowait(flagged)
+            except queue.Full:
+                self.recent.add(record.model, record.request_id, record.frame_index, recent)
+                raise behind from None
+        try:
+            image = flagged.done.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise behind from None
+        if image is not None:
+            self.store.set_image(row_id, image, "flagged")
+        return image
 
     @staticmethod
     def _drawing(drawing: Callable[[], dict], record: Record) -> dict:

@@ -73,6 +73,20 @@ def shipped_repo(root: Path, models: tuple[str, ...] = SHIPPED, recipes: bool = 
     return root
 
 
+def learning_server(tmp: Path, model: str, *extra: str):
+    """A server of the shipped ``model`` bound to 0.0.0.0 with the test users (sessions),
+    records and ``--capture learn`` (``extra``: its sample, an admin token, ...)."""
+    from conftest import start_server
+
+    from tests.integration.test_console_users import add_users
+
+    add_users(tmp / "xdg")
+    return start_server(shipped_repo(tmp / "repo", (model,), recipes=False), tmp,
+                        "--host", "0.0.0.0", "--records", "--records-dir", str(tmp / "data"),
+                        "--capture", "learn", *extra, grpc=False,
+                        env={"XDG_DATA_HOME": str(tmp / "xdg")})
+
+
 def open_page(browser, server, path: str) -> None:
     browser.get(server.url + path)
     WebDriverWait(browser, 30).until(lambda d: d.find_element(By.TAG_NAME, "h1"))

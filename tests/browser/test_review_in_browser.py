@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from browserkit import MARKS, axe_violations, open_page, press, screenshot, shipped_repo, tab_to
-from conftest import start_server, wait_for
+from browserkit import MARKS, axe_violations, learning_server, open_page, press, screenshot, tab_to
+from conftest import wait_for
 
-from tests.integration.test_console_users import PASSWORD, add_users
+from tests.integration.test_console_users import PASSWORD
 from visionserve_tools import synthetic
 
 try:
@@ -30,12 +30,7 @@ TOKEN = "review-browser-admin-token-0123"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("review-browser")
-    add_users(tmp / "xdg")
-    s = start_server(shipped_repo(tmp / "repo", (MODEL,), recipes=False), tmp,
-                     "--host", "0.0.0.0", "--admin-token", TOKEN, "--records",
-                     "--records-dir", str(tmp / "data"), "--capture", "learn",
-                     "--capture-sample-percent", "100", grpc=False,
-                     env={"XDG_DATA_HOME": str(tmp / "xdg")})
+    s = learning_server(tmp, MODEL, "--admin-token", TOKEN, "--capture-sample-percent", "100")
     for i, look in enumerate(("ok", "scratch")):
         r = httpx.post(f"{s.url}/v1/models/{MODEL}/inspect", timeout=60,
                        content=synthetic.encode(synthetic.generate(look, seed=i)),

@@ -4,7 +4,8 @@ classifier, ``--capture learn`` at a sample that keeps almost no OK frame, and a
 captures it then: the record names its image (``kept_for`` ``flagged``), the image is the very
 bytes that part's request sent, the label is kept; a frame pushed out of memory by newer ones
 is a 409 that says so. In the engine's process and through a front-end process (which asks the
-engine's)."""
+engine's). A part's console page offers the flag to whoever may flag (quality, admin), not to a
+viewer."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import httpx
 import pytest
 from conftest import start_server, wait_for
 
+from tests.integration.test_console_users import add_users, session_client
 from tests.integration.test_records_images import shipped_repo
 from visionserve.records.store import SqliteStore
 from visionserve_tools import synthetic
@@ -30,10 +32,12 @@ def jpeg(seed: int) -> bytes:
 @pytest.fixture(scope="module", params=[(), ("--frontends", "1")], ids=["engine", "frontends"])
 def server(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("flag-recent")
-    s = start_server(shipped_repo(tmp / "repo", (MODEL,)), tmp, "--admin-token", TOKEN,
+    add_users(tmp / "xdg")
+    s = start_server(shipped_repo(tmp / "repo", (MODEL,)), tmp, "--host", "0.0.0.0",
+                     "--trusted-proxies", "127.0.0.1", "--admin-token", TOKEN,
                      "--records", "--records-dir", str(tmp / "data"), "--capture", "learn",
                      "--capture-sample-percent", "0.001", "--capture-recent", RECENT,
-                     *request.param, grpc=False)
+                     *request.param, grpc=False, env={"XDG_DATA_HOME": str(tmp / "xdg")})
     s.store = SqliteStore(tmp / "data" / "records.sqlite")
     s.sent = {}
     yield s
@@ -110,3 +114,20 @@ def test_a_frame_pushed_out_of_memory_by_newer_ones_is_a_409_that_says_so(server
 def test_an_unknown_record_is_a_404(server):
     r = flag(server, 99_999_999)
     assert r.status_code == 404 and "no record 99999999" in r.json()["error"]
+
+
+def test_a_parts_page_offers_the_flag_to_whoever_may_flag(server):
+    send(server, 500, 1)
+    (record,) = httpx.get(f"{server.url}/v1/records", params={"part_id": "P-500"},
+                          headers=ADMIN, timeout=10).json()["records"]
+    rid = record["id"]
+    form = f'data-url="/v1/records/{rid}/flag"'
+    summary = "This OK was wrong" if record["verdict"] == "OK" else "This NG was wrong"
+    page = httpx.get(f"{server.url}/ui/parts/P-500", headers=ADMIN, timeout=10)
+    assert page.status_code == 200 and form in page.text and summary in page.text
+    for user, offered in (("qe-anna", True), ("otto", False)):
+        client, _ = session_client(server, user, "198.51.100.77")
+        with client:
+            page = client.get("/ui/parts/P-500")
+        assert page.status_code == 200 and (form in page.text) is offered, user
+        assert "Not captured" in page.text  # the frame itself: not kept by the policy

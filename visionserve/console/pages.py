@@ -141,7 +141,11 @@ def make_router(settings: ServerSettings, guard_store: JobStore | None = None,
         return render(request, "part.html", "/ui/parts", status, part_id=part_id,
                       answers=answers or [],
                       error=error, picture=parts.PICTURE_SIDE,
-                      most=len(answers or []) >= MAX_PAGE)
+                      most=len(answers or []) >= MAX_PAGE,
+                      schemes=_schemes(engine_of(request)),
+                      may_flag=records is not None and settings.capture != "none"
+                      and _may(request, "POST", "/v1/records/{id}/flag"),
+                      review_strings=review_script_strings())
 
     @router.get("/ui/models")
     async def models(request: Request) -> HTMLResponse:

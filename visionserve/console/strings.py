@@ -119,7 +119,7 @@ STRINGS: dict[str, str] = {
     "records_off": "This server keeps no records (--records): there are no NG frames to show.",
     "part_title": "Part {part}",
     "part_intro": "Every answer the server recorded for this part id, newest first, with the "
-                  "captured images.",
+                  "captured images. A quality user flags an answer whose verdict was wrong.",
     "part_unknown": "No record of part {part} (records are kept for records_max_age_days; is "
                     "X-Part-Id sent?).",
     "part_most": "The newest {count} answers are shown.",
@@ -342,6 +342,12 @@ STRINGS: dict[str, str] = {
     "review_newest": "Newest frames",
     "review_saved": "Record {id} labelled: {label}",
     "review_boxes_label": "{n} boxes",
+    "part_flag_ok": "This OK was wrong",
+    "part_flag_ng": "This NG was wrong",
+    "part_flag_for": "What record {id} really shows",
+    "part_flag_choose": "What it shows…",
+    "part_flag_save": "Flag",
+    "part_flagged": "Record {id} flagged: {label}. Its frame is kept for learning.",
     "candidates_title": "Candidates of {model}",
     "candidates_intro": "Models trained on the labelled frames, beside the version in force, "
                         "and how each did on the held-out labelled frames. Promoting one serves "
@@ -420,7 +426,7 @@ def verdict_script_strings() -> dict[str, str]:
 
 
 REVIEW_SCRIPT_KEYS = ("working", "refused", "network_error", "review_saved",
-                      "review_boxes_label", "review_no_boxes_yet")
+                      "review_boxes_label", "review_no_boxes_yet", "part_flagged")
 
 
 def review_script_strings() -> dict[str, str]:

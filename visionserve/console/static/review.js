@@ -1,8 +1,10 @@
-// The Review page's label forms: each sends PUT /v1/records/{id}/label (console.js's send: the
-// session's CSRF token where the server has sessions) with the label the form holds: a
-// classifier's label, an anomaly model's good or defective, or a detector's boxes with the one
-// typed in added ("Nothing to find": no boxes). The card then shows the label in force; a
-// refusal is shown as the server said it.
+// The label forms (templates/label_form.html): the Review page's send PUT
+// /v1/records/{id}/label, a Part page's flags POST /v1/records/{id}/flag with
+// "verdict_was_wrong" (console.js's send: the session's CSRF token where the server has
+// sessions), with the label the form holds: a classifier's label, an anomaly model's good or
+// defective, or a detector's boxes with the one typed in added ("Nothing to find": no boxes).
+// The card then shows the label in force (a flagged answer: its frame, now kept); a refusal is
+// shown as the server said it.
 "use strict";
 
 (function () {
@@ -27,7 +29,7 @@
       ? (form.querySelector("input[name=label]:checked") || {}).value
       : form.elements.label.value;
     if (!label) {
-      form.querySelector("input[name=label]").focus();
+      form.querySelector("[name=label]").focus();
       return null;
     }
     return {label: label};
@@ -41,17 +43,21 @@
   async function submit(form, nothing) {
     const body = bodyOf(form, nothing);
     if (body === null) return;
+    const flag = form.dataset.flag === "true";
+    if (flag) body.verdict_was_wrong = true;
     const buttons = form.querySelectorAll("button");
     for (const b of buttons) b.disabled = true;
     const answer = await send(form.querySelector("[data-review=status]"),
-                              form.querySelector("[data-review=alert]"), "PUT",
-                              form.dataset.url, body);
+                              form.querySelector("[data-review=alert]"),
+                              form.dataset.method || "PUT", form.dataset.url, body);
     for (const b of buttons) b.disabled = false;
     if (answer === null) return;
     const label = answer.labelled;
-    const card = form.closest("li.card");
-    card.querySelector("[data-review=current]").textContent = shown(label);
+    const card = form.closest(".card");
+    const current = card.querySelector("[data-review=current]");
+    if (current) current.textContent = shown(label);
     card.dataset.labelled = "true";
+    if (flag) showFrame(card);
     if ("boxes" in label) {
       form.dataset.boxes = JSON.stringify(label.boxes);
       const list = form.querySelector("[data-review=boxes]");
@@ -64,7 +70,18 @@
       for (const k of ["x1", "y1", "x2", "y2"]) form.elements[k].value = "";
     }
     form.querySelector("[data-review=status]").textContent =
-      fill(strings.review_saved, {id: answer.id, label: shown(label)});
+      fill(flag ? strings.part_flagged : strings.review_saved, {id: answer.id, label: shown(label)});
+  }
+
+  // a Part page's answer whose frame the flag has just captured: its picture
+  function showFrame(card) {
+    const none = card.querySelector("[data-review=no-image]");
+    if (!none) return;
+    const figure = none.closest("figure");
+    const link = Object.assign(document.createElement("a"), {href: figure.dataset.overlay});
+    link.append(Object.assign(document.createElement("img"), {
+      src: `${figure.dataset.overlay}?size=${figure.dataset.size}`, alt: figure.dataset.alt}));
+    figure.replaceChildren(link);
   }
 
   for (const form of document.querySelectorAll("form.review-form")) {

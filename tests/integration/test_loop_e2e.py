@@ -221,9 +221,7 @@ def test_a_new_look_of_a_scratch_is_learnt_on_the_line(server, quality):
                f"good parts {before_frr:.4f} -> {after_frr:.4f}; labels submitted to trained "
                f"{trained_at - labelled_at:.0f} s, to promoted {promoted_at - labelled_at:.0f} s;"
                f" held-out labelled frames: live {live}, candidate {cand}")
-    print(figures)
-    assert after_recall >= MIN_RECALL, figures
-    assert after_frr - before_frr <= MAX_FRR_RISE, figures
+    learnt(figures, before_frr, after_recall, after_frr)
 
     # 6. every frame answered, by the version in force at its time
     switched_once(answers, promote_sent, promoted_at)
@@ -308,6 +306,14 @@ def promote_and_send(steps: Steps, cid: str, line: Line, prefix: str,
     after = {name: ng_share(line.send(f"{prefix}{name}", bodies))
              for name, bodies in held.items()}
     return promoted, sent, answered, after, list(line.answers)
+
+
+def learnt(figures: str, before_frr: float, after_recall: float, after_frr: float) -> None:
+    """The loop's outcome (``figures`` printed): the new look rejected at :data:`MIN_RECALL` or
+    more, the false rejects on good parts up by :data:`MAX_FRR_RISE` at most."""
+    print(figures)
+    assert after_recall >= MIN_RECALL, figures
+    assert after_frr - before_frr <= MAX_FRR_RISE, figures
 
 
 def switched_once(answers: list[Answer], promote_sent: float, promoted: float) -> None:
